@@ -1,0 +1,61 @@
+"""hetpipe_tf: HetPipe (USENIX ATC 2020) for TensorFlow.
+
+A Keras model is cut into stages placed on several, possibly different, devices and
+trained as a pipeline with Nm minibatches in flight (a virtual worker, HetPipe §3-4).
+
+The public API is below. Names load on first use, so that the pure modules
+(``schedule``, ``simulator``, ``emulation``, ``model_graph``, ``partitioner``) import
+without TensorFlow.
+"""
+import importlib
+
+_EXPORTS = {
+    # Training
+    "VirtualWorker": "hetpipe_tf.virtual_worker",
+    "PipelineTensorBoard": "hetpipe_tf.callbacks",
+    # Stages
+    "split_model": "hetpipe_tf.stage_rewrite",
+    "describe_model": "hetpipe_tf.stage_rewrite",
+    "StagedModel": "hetpipe_tf.stage_rewrite",
+    "ModelGraph": "hetpipe_tf.model_graph",
+    "balanced_boundaries": "hetpipe_tf.partitioner",
+    # Schedules and simulation
+    "hetpipe_schedule": "hetpipe_tf.schedule",
+    "Schedule": "hetpipe_tf.schedule",
+    "simulate": "hetpipe_tf.simulator",
+    # Devices and emulation
+    "DeviceSpec": "hetpipe_tf.devices",
+    "parse_devices": "hetpipe_tf.devices",
+    "configure_tensorflow_devices": "hetpipe_tf.devices",
+    "Pacer": "hetpipe_tf.emulation",
+    "MemoryAccount": "hetpipe_tf.emulation",
+    "EmulationReport": "hetpipe_tf.emulation",
+    # Custom op
+    "WeightStash": "hetpipe_tf.ops.weight_stash",
+    # Errors
+    "PipelineError": "hetpipe_tf.executor",
+    "DeviceOutOfMemoryError": "hetpipe_tf.emulation",
+    "DeviceSpecError": "hetpipe_tf.devices",
+    "SharedLayerError": "hetpipe_tf.model_graph",
+    "PartitionError": "hetpipe_tf.model_graph",
+    "UnsupportedModelError": "hetpipe_tf.stage_rewrite",
+    "UnsupportedOptimizerError": "hetpipe_tf.optimizers",
+    "OpsLibraryError": "hetpipe_tf.ops.loader",
+    "DatasetNotFoundError": "hetpipe_tf.datasets",
+}
+
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hetpipe_tf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

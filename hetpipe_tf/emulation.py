@@ -1,0 +1,138 @@
+"""Emulating slower devices and smaller memories on the host. Every output that uses it says so.
+
+Pure Python (no TensorFlow), so that any runner can use it: the pipeline
+executor, the Horovod baseline in its own environment, the benchmarks.
+
+Time rule. A task on an emulated device of relative speed ``v`` takes
+
+    max(actual, dilation / v * reference)
+
+where ``reference`` is the same task's compute time measured alone at start-up
+(so the target does not inflate when several emulated devices share the host's
+cores) and ``dilation`` multiplies every device's slowdown alike. The rule holds
+only while the actual time stays below the target; a task that overran means
+the host could not keep up. The fraction of tasks that overran is the
+emulation's fidelity figure (``overrun_fraction``): benchmarks raise the
+dilation until it is below 5 %.
+
+Memory rule. Each emulated device has a capacity; what a stage holds (weights,
+optimizer slots, stashed versions, activations in flight) is accounted, and an
+allocation past the capacity fails like an out-of-memory on a real card.
+"""
+import threading
+import time
+from dataclasses import dataclass
+
+
+class DeviceOutOfMemoryError(MemoryError):
+    """An emulated device would hold more bytes than its capacity."""
+
+
+@dataclass(frozen=True)
+class EmulationReport:
+    """How faithful the time emulation was: tasks paced, and how many overran their target."""
+    dilation: float
+    tasks: int
+    overran: int
+
+    @property
+    def overrun_fraction(self):
+        return self.overran / self.tasks if self.tasks else 0.0
+
+    def as_dict(self):
+        return {"emulated": True, "dilation": self.dilation, "paced_tasks": self.tasks,
+                "overran_tasks": self.overran, "overrun_fraction": round(self.overrun_fraction, 4)}
+
+    @staticmethod
+    def combine(reports):
+        reports = list(reports)
+        if not reports:
+            return None
+        return EmulationReport(dilation=reports[0].dilation, tasks=sum(r.tasks for r in reports),
+                               overran=sum(r.overran for r in reports))
+
+
+class Pacer:
+    """Pads tasks of one emulated device to max(actual, dilation / speed * reference)."""
+
+    def __init__(self, speed, dilation=1.0, clock=time.perf_counter, sleep=time.sleep):
+        if speed <= 0:
+            raise ValueError(f"an emulated device's speed must be > 0, got {speed}")
+        if dilation < 1.0:
+            raise ValueError(f"the emulation's dilation must be >= 1, got {dilation}")
+        self.speed = float(speed)
+        self.dilation = float(dilation)
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self.tasks = 0
+        self.overran = 0
+
+    def target(self, reference):
+        """The time a task whose solo compute time is `reference` takes on this device."""
+        return self.dilation * reference / self.speed
+
+    def pace(self, started, reference):
+        """Waits until `started` + target; returns (actual, target) of the task."""
+        actual = self._clock() - started
+        target = self.target(reference)
+        with self._lock:
+            self.tasks += 1
+            if actual > target:
+                self.overran += 1
+        deadline = started + target
+        while True:
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            self._sleep(left)
+        return actual, target
+
+    def report(self):
+        with self._lock:
+            return EmulationReport(self.dilation, self.tasks, self.overran)
+
+
+class MemoryAccount:
+    """Bytes held on one device by category, checked against the device's capacity."""
+
+    def __init__(self, device, capacity=None):
+        self.device = device
+        self.capacity = capacity
+        self._held = {}
+        self._lock = threading.Lock()
+        self.peak = 0
+
+    @property
+    def used(self):
+        return sum(self._held.values())
+
+    def allocate(self, category, nbytes):
+        with self._lock:
+            used = self.used + nbytes
+            if self.capacity is not None and used > self.capacity:
+                held = ", ".join(f"{k} {format_bytes(v)}" for k, v in self._held.items() if v)
+                raise DeviceOutOfMemoryError(
+                    f"out of memory on {self.device} (emulated capacity {format_bytes(self.capacity)}): "
+                    f"allocating {format_bytes(nbytes)} for {category} would hold {format_bytes(used)} "
+                    f"(now holding: {held or 'nothing'}); give this device fewer layers, lower Nm "
+                    f"or the batch size, or more memory")
+            self._held[category] = self._held.get(category, 0) + nbytes
+            self.peak = max(self.peak, used)
+
+    def free(self, category, nbytes):
+        with self._lock:
+            self._held[category] = self._held.get(category, 0) - nbytes
+
+    def held(self):
+        with self._lock:
+            return dict(self._held)
+
+
+def format_bytes(n):
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,191 @@
+"""The instruction vocabulary of pipeline schedules.
+
+A schedule gives every stage a program of small immutable instructions that
+print like calls: ``Forward(3)``, ``SendActivation(3, to=2)``. The executor maps
+each instruction type to one method of a stage and rejects any type it does not
+know; the simulator gives each one a duration. Neither decides the order: the
+program does.
+
+Each instruction declares the keys it ``requires`` at its own stage before its
+task may start (a message that must have arrived, a weight version that must be
+stashed) and the keys it ``provides`` when it is done, and to which stage. A
+task is ready when every key it requires from outside itself is there; its
+*ready time* is when the last of them arrived. The executor and the simulator
+derive readiness from these keys alone.
+"""
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ACTIVATION = "activation"
+GRADIENT = "gradient"
+INPUTS = "inputs"
+LABELS = "labels"
+WEIGHTS = "weights"
+
+
+@dataclass(frozen=True, repr=False)
+class Instruction:
+    """One step of a stage's program, about one minibatch."""
+    minibatch: int
+
+    def requires(self):
+        """Keys that must be present at this stage before the task starts."""
+        return ()
+
+    def provides(self, stage):
+        """(stage, key) pairs this instruction makes present when it is done."""
+        return ()
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.minibatch})"
+
+
+@dataclass(frozen=True, repr=False)
+class LoadMinibatch(Instruction):
+    """Takes minibatch p from the input pipeline; routes inputs and labels by minibatch id."""
+    inputs_to: tuple = ()  # other stages that consume model inputs
+    labels_to: int = 0  # the last stage, which computes the loss
+
+    def provides(self, stage):
+        return tuple((s, (INPUTS, self.minibatch)) for s in self.inputs_to) + (
+            (self.labels_to, (LABELS, self.minibatch)),)
+
+
+@dataclass(frozen=True, repr=False)
+class RecvInputs(Instruction):
+    """Takes the model inputs of minibatch p that this stage consumes first."""
+
+    def requires(self):
+        return ((INPUTS, self.minibatch),)
+
+
+@dataclass(frozen=True, repr=False)
+class RecvLabels(Instruction):
+    """Takes the labels of minibatch p (last stage): they are keyed by p, never by arrival order."""
+
+    def requires(self):
+        return ((LABELS, self.minibatch),)
+
+
+@dataclass(frozen=True, repr=False)
+class RecvActivation(Instruction):
+    """Takes minibatch p's activations from the previous stage."""
+
+    def requires(self):
+        return ((ACTIVATION, self.minibatch),)
+
+
+@dataclass(frozen=True, repr=False)
+class SendActivation(Instruction):
+    """Sends minibatch p's activations (and forwarded skip tensors) to the next stage."""
+    to: int = field(default=0, kw_only=True)
+
+    def provides(self, stage):
+        return ((self.to, (ACTIVATION, self.minibatch)),)
+
+    def __repr__(self):
+        return f"SendActivation({self.minibatch}, to={self.to})"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvGradient(Instruction):
+    """Takes the gradient of minibatch p's sent tensors from the next stage."""
+
+    def requires(self):
+        return ((GRADIENT, self.minibatch),)
+
+
+@dataclass(frozen=True, repr=False)
+class SendGradient(Instruction):
+    """Sends the gradient of minibatch p's received tensors to the previous stage."""
+    to: int = field(default=0, kw_only=True)
+
+    def provides(self, stage):
+        return ((self.to, (GRADIENT, self.minibatch)),)
+
+    def __repr__(self):
+        return f"SendGradient({self.minibatch}, to={self.to})"
+
+
+@dataclass(frozen=True, repr=False)
+class Forward(Instruction):
+    """Forward pass of minibatch p with weight version w_p; the last stage adds the loss."""
+
+    def requires(self):
+        return ((WEIGHTS, self.minibatch),)
+
+
+@dataclass(frozen=True, repr=False)
+class Backward(Instruction):
+    """Backward pass of minibatch p against w_p, the version its forward pass used."""
+
+
+@dataclass(frozen=True, repr=False)
+class ApplyUpdate(Instruction):
+    """Applies minibatch p's update to the stage's local weights: w_local += u_p (§4)."""
+
+
+@dataclass(frozen=True, repr=False)
+class StashWeights(Instruction):
+    """Stashes the local weights as w_p, the version minibatch p will use."""
+
+    def provides(self, stage):
+        return ((stage, (WEIGHTS, self.minibatch)),)
+
+
+@dataclass(frozen=True, repr=False)
+class ReleaseWeights(Instruction):
+    """Drops w_p after minibatch p's backward pass."""
+
+
+@dataclass(frozen=True, repr=False)
+class SnapshotState(Instruction):
+    """Records the stage's state right after update p: weights, optimizer slots, statistics."""
+
+
+#: Instructions that compute on the device: emulated devices pad these.
+COMPUTE = (Forward, Backward)
+
+
+@dataclass(frozen=True)
+class Task:
+    """Instructions a stage runs back to back, once the task is ready (§4: a forward
+    task, a backward task, or on the last stage forward and backward as one task)."""
+    stage: int
+    kind: str
+    minibatch: int
+    instructions: tuple
+
+    @property
+    def requires(self):
+        """Keys needed from outside the task, in instruction order."""
+        provided, needed = set(), []
+        for ins in self.instructions:
+            needed += [k for k in ins.requires() if k not in provided and k not in needed]
+            provided.update(key for dst, key in ins.provides(self.stage) if dst == self.stage)
+        return tuple(needed)
+
+    def __repr__(self):
+        return f"[{' '.join(map(repr, self.instructions))}]"
+
+
+class TaskStream(Sequence):
+    """The tasks of one kind on one stage, for minibatches 1..count, made on demand."""
+
+    def __init__(self, kind, count, make):
+        self.kind = kind
+        self._count = count
+        self._make = make
+
+    def __len__(self):
+        return self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._count))]
+        if not -self._count <= i < self._count:
+            raise IndexError(i)
+        return self._make(i % self._count + 1)
+
+    def __repr__(self):
+        return f"TaskStream({self.kind!r}, {self._count} tasks)"

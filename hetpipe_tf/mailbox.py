@@ -1,0 +1,72 @@
+"""Keyed messages between the stages of a pipeline, with timeouts on every wait.
+
+Each stage owns one :class:`Mailbox`. Any thread may ``put`` a message under a
+key such as ``("activation", 7)``; the stage takes messages by key, never by
+arrival order, so a minibatch's activations, gradients and labels cannot be
+paired with another minibatch's. A key arriving twice is an error (an update
+would be applied twice).
+"""
+import threading
+import time
+
+
+class PipelineAborted(RuntimeError):
+    """Another stage failed; this one stops."""
+
+
+class DuplicateMessageError(RuntimeError):
+    """The same key was delivered twice to a stage."""
+
+
+class Mailbox:
+    def __init__(self, owner, abort_event, clock=time.perf_counter):
+        self.owner = owner
+        self._abort = abort_event
+        self._clock = clock
+        self._items = {}  # key -> (arrival time, value)
+        self.cond = threading.Condition()
+
+    def put(self, key, value=None):
+        with self.cond:
+            if key in self._items:
+                raise DuplicateMessageError(f"{self.owner} received {key} twice")
+            self._items[key] = (self._clock(), value)
+            self.cond.notify_all()
+
+    def take(self, key):
+        """Removes and returns the message under `key`, which must be present."""
+        with self.cond:
+            return self._items.pop(key)[1]
+
+    def arrival(self, key):
+        """When `key` arrived, or None if it has not."""
+        item = self._items.get(key)
+        return item[0] if item else None
+
+    def wake(self):
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_until(self, choose, timeout, describe):
+        """Waits until `choose()` (called under the lock) returns a value, and returns it.
+
+        Raises:
+          PipelineAborted: if the pipeline is aborted meanwhile.
+          TimeoutError: after `timeout` seconds, with `describe()` in the message.
+        """
+        deadline = self._clock() + timeout
+        with self.cond:
+            while True:
+                if self._abort.is_set():
+                    raise PipelineAborted(f"{self.owner} stopped: another part of the pipeline failed")
+                chosen = choose()
+                if chosen is not None:
+                    return chosen
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise TimeoutError(f"{self.owner} waited {timeout:g} s with no task ready: {describe()}")
+                self.cond.wait(min(left, 1.0))
+
+    def pending(self):
+        with self.cond:
+            return sorted(self._items)

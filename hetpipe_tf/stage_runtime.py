@@ -1,0 +1,231 @@
+"""One pipeline stage on its device: weights, optimizer, weight stash, minibatches in flight.
+
+The stage's live weights w_local, its optimizer copy and its weight stash are
+placed on the stage's device (``tf.device``). The rules of HetPipe §4 are
+carried out by the schedule's instructions; this class is what each of them does
+to the stage:
+
+* ``stash_weights(p)``: w_p := w_local, kept in the C++ weight stash;
+* ``forward(p)``: runs the stage on minibatch p with w_p, under a gradient tape
+  that keeps the minibatch's activations until its backward pass (activations
+  are not recomputed; GPipe's recomputation is not used, as in the paper);
+* ``backward(p)``: gradients of p against w_p, the version its forward used;
+* ``apply_update(p)``: w_local := w_local + u_p with the stage's optimizer;
+* ``release_weights(p)``: drops w_p.
+"""
+import contextlib
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from hetpipe_tf.emulation import MemoryAccount
+from hetpipe_tf.ops.weight_stash import WeightStash
+from hetpipe_tf.optimizers import stage_optimizer
+
+
+def _nbytes(variables):
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+
+
+def _is_float(t):
+    return t.dtype.is_floating
+
+
+@dataclass
+class _InFlight:
+    """What minibatch p holds on this stage between its forward and backward passes."""
+    tape: object
+    sources: list  # float received tensors, then the weight version's tensors
+    num_entering: int  # how many of `sources` are received tensors
+    received_float: list  # for each received tensor: its position in sources, or None
+    targets: list  # what the backward pass differentiates
+    weight_version: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StageState:
+    """A stage's state right after some update: what a checkpoint or evaluation needs."""
+    trainable: list
+    non_trainable: list
+    optimizer: list
+
+
+class StageRuntime:
+    def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
+                 activation_bytes=0, record_provenance=False, single_threaded=False):
+        self.stage = stage
+        self.index = stage.index
+        self.device = device
+        self.loss_head = loss_head
+        self.memory = memory or MemoryAccount(device)
+        self.activation_bytes = int(activation_bytes)
+        self.record_provenance = record_provenance
+        self.single_threaded = single_threaded
+        with tf.device(device):
+            # From a value (numpy): given a tf.Variable, keras.Variable would reuse it.
+            self.trainable = [keras.Variable(v.numpy(), dtype=v.dtype, trainable=True, name=v.name)
+                              for v in stage.trainable_variables]
+            self.non_trainable = [keras.Variable(v.numpy(), dtype=v.dtype, trainable=False, name=v.name)
+                                  for v in stage.non_trainable_variables]
+            self.optimizer = stage_optimizer(optimizer)
+            self.optimizer.build(self.trainable)
+        self.stash = WeightStash(num_in_flight, device=device, name=f"stage{self.index}")
+        self._dtypes = [v.dtype for v in self.trainable]
+        self.version_bytes = _nbytes(self.trainable)
+        self.memory.allocate("weights", self.version_bytes + _nbytes(self.non_trainable))
+        self.memory.allocate("optimizer slots", _nbytes(self.optimizer.variables))
+        self._entering = {}  # p -> {position: tensor}
+        self._labels = {}
+        self._inflight = {}
+        self._weight_grads = {}
+        self._input_grads = {}
+        self.applied = []  # minibatch ids whose updates w_local holds, in order
+        self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
+        self.used_versions = {}  # p -> updates the version p's forward pass used
+        self.logs = {}  # p -> loss and metrics (last stage)
+        self._forward_fn = tf.function(self._forward_graph)
+        # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
+        # variable's buffer that a stashed version still shares, as eager updates do.
+        self._apply_fn = tf.function(self._apply_graph, jit_compile=True)
+
+    @property
+    def is_last(self):
+        return self.loss_head is not None
+
+    def execution_scope(self):
+        """How the stage's functions run. With `single_threaded`, the stage's kernels run one
+        after another on its own thread (TensorFlow's single-threaded function executor), so a
+        stage uses one core, as a GPU runs a stage's kernels in one stream; by default
+        TensorFlow's inter-op pool may spread a stage's independent ops over every core."""
+        if self.single_threaded:
+            return context.function_executor_type("SINGLE_THREADED_EXECUTOR")
+        return contextlib.nullcontext()
+
+    # Inputs of a minibatch -------------------------------------------------------------
+    def set_received(self, p, tensors):
+        self._entering.setdefault(p, {}).update(enumerate(tensors))
+
+    def set_loaded(self, p, tensors):
+        n = len(self.stage.io.received)
+        self._entering.setdefault(p, {}).update((n + i, t) for i, t in enumerate(tensors))
+
+    def set_labels(self, p, labels):
+        self._labels[p] = labels
+
+    # Weight versions -------------------------------------------------------------------
+    def stash_weights(self, p):
+        self.memory.allocate("stashed versions", self.version_bytes)
+        self.stash.put(p, [v.value for v in self.trainable])
+        if self.record_provenance:
+            self.version_updates[p] = tuple(self.applied)
+
+    def release_weights(self, p):
+        self.stash.release(p)
+        self.memory.free("stashed versions", self.version_bytes)
+
+    # Compute -----------------------------------------------------------------------------
+    def _forward_graph(self, weights, entering, labels, training):
+        state = [v.value for v in self.non_trainable]
+        sent, new_state, reg = self.stage._call(weights, state, entering, training)
+        for v, value in zip(self.non_trainable, new_state):
+            v.assign(value)
+        if not self.is_last:
+            return sent, reg, {}
+        labels = self.loss_head.split_labels(labels)
+        loss = self.loss_head.loss(labels, sent) + reg
+        with tf.name_scope("metrics"):
+            metrics = self.loss_head.metrics(labels, [tf.stop_gradient(o) for o in sent])
+        return [loss], reg, dict(metrics, loss=loss)
+
+    def forward(self, p, training=True):
+        """Forward pass of minibatch p with its stashed weight version w_p."""
+        entering = self._entering.pop(p)
+        entering = [entering[i] for i in range(len(entering))]
+        weights = self.stash.get(p, self._dtypes)
+        if self.record_provenance:
+            self.used_versions[p] = self.version_updates.pop(p)
+        self.memory.allocate("activations", self.activation_bytes)
+        # Differentiate with respect to what the previous stage sent (its gradient goes back)
+        # and the weights; model inputs loaded here need no gradient.
+        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
+        sources = [entering[i] for i in float_pos] + list(weights)
+        labels = self._labels.pop(p) if self.is_last else None
+        with tf.device(self.device):
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                tape.watch(sources)
+                targets, reg, logs = self._forward_fn(weights, entering, labels, training)
+        position = {i: k for k, i in enumerate(float_pos)}
+        n_received = len(self.stage.io.received)
+        record = _InFlight(tape=tape, sources=sources, num_entering=len(float_pos),
+                           received_float=[position.get(i) for i in range(n_received)],
+                           targets=list(targets) + ([] if self.is_last else [reg]),
+                           weight_version=weights)
+        self._inflight[p] = record
+        if self.is_last:
+            self.logs[p] = logs
+            return logs
+        return targets
+
+    def backward(self, p, output_grads=None):
+        """Backward pass of minibatch p against w_p; keeps the weight gradients for apply_update."""
+        record = self._inflight.pop(p)
+        if self.is_last:
+            seeds = None
+        else:
+            float_targets = [t for t in record.targets[:-1] if _is_float(t)]
+            seeds = [g for t, g in zip(record.targets[:-1], output_grads) if _is_float(t)]
+            record.targets = float_targets + [record.targets[-1]]
+            seeds = seeds + [tf.ones_like(record.targets[-1])]
+        with tf.device(self.device):
+            grads = record.tape.gradient(record.targets, record.sources, output_gradients=seeds,
+                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        self.memory.free("activations", self.activation_bytes)
+        self._weight_grads[p] = grads[record.num_entering:]
+        self._input_grads[p] = [grads[k] if k is not None else None for k in record.received_float]
+
+    def input_gradients(self, p):
+        """The gradient of minibatch p's received tensors, for the previous stage."""
+        return self._input_grads.pop(p)
+
+    def _apply_graph(self, grads):
+        self.optimizer.apply(grads, self.trainable)
+
+    def apply_update(self, p):
+        """w_local := w_local + u_p."""
+        with tf.device(self.device):
+            self._apply_fn(self._weight_grads.pop(p))
+        self.applied.append(p)
+
+    def end_run(self):
+        """Drops what a stopped or failed run left behind: versions stashed for minibatches
+        that never ran, and their inputs, so that the next run starts clean."""
+        for p in self.stash.stats().minibatches:
+            self.release_weights(p)
+        for p in list(self._inflight):
+            self._inflight.pop(p)
+            self.memory.free("activations", self.activation_bytes)
+        for pending in (self._entering, self._labels, self._weight_grads, self._input_grads,
+                        self.version_updates):
+            pending.clear()
+
+    # State -------------------------------------------------------------------------------
+    def snapshot(self):
+        """The stage's state now (tensors share buffers until the variables change)."""
+        return StageState(trainable=[tf.identity(v.value) for v in self.trainable],
+                          non_trainable=[tf.identity(v.value) for v in self.non_trainable],
+                          optimizer=[tf.identity(v.value) for v in self.optimizer.variables])
+
+    def write_back(self, state=None):
+        """Writes `state` (default: the live state) into the Keras model's own variables."""
+        state = state or self.snapshot()
+        for v, value in zip(self.stage.trainable_variables, state.trainable):
+            v.assign(value)
+        for v, value in zip(self.stage.non_trainable_variables, state.non_trainable):
+            v.assign(value)
+
+    def close(self):
+        self.stash.close()

@@ -1,0 +1,52 @@
+"""Timelines as Chrome/Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing).
+
+One process per virtual worker, one thread per device; every instruction a
+device carried out is a span with its start and end.
+"""
+import json
+import threading
+
+
+class TraceRecorder:
+    """Collects spans from any thread and writes them as trace-event JSON."""
+
+    def __init__(self, metadata=None):
+        self._events = []
+        self._lock = threading.Lock()
+        self._origin = None
+        self.metadata = dict(metadata or {})
+
+    def set_origin(self, t):
+        """Time (seconds, same clock as the spans) shown as 0 in the trace."""
+        self._origin = t
+
+    def name_process(self, pid, name):
+        self._add({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+
+    def name_thread(self, pid, tid, name):
+        self._add({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+        self._add({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                   "args": {"sort_index": tid}})
+
+    def span(self, pid, tid, name, start, end, category="task", args=None):
+        origin = self._origin if self._origin is not None else start
+        event = {"name": name, "cat": category, "ph": "X", "pid": pid, "tid": tid,
+                 "ts": round((start - origin) * 1e6, 1), "dur": round((end - start) * 1e6, 1)}
+        if args:
+            event["args"] = args
+        self._add(event)
+
+    def _add(self, event):
+        with self._lock:
+            self._events.append(event)
+
+    def events(self):
+        with self._lock:
+            return list(self._events)
+
+    def to_dict(self):
+        return {"traceEvents": self.events(), "displayTimeUnit": "ms", "otherData": self.metadata}
+
+    def write(self, path):
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)

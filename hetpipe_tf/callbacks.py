@@ -1,0 +1,46 @@
+"""Keras callbacks for pipelined training."""
+import time
+
+import keras
+import tensorflow as tf
+
+
+class PipelineTensorBoard(keras.callbacks.Callback):
+    """Writes epoch scalars to TensorBoard: the epoch logs (loss, accuracy, images/s,
+    validation) and the busy fraction of every device of the virtual worker.
+
+    Runs with emulated devices also get a text summary saying so, and the emulation's
+    overrun fraction as a scalar.
+    """
+
+    def __init__(self, log_dir, virtual_worker):
+        super().__init__()
+        self.log_dir = log_dir
+        self.vw = virtual_worker
+        self._writer = None
+        self._last = None
+
+    def on_train_begin(self, logs=None):
+        self._writer = tf.summary.create_file_writer(self.log_dir)
+        if self.vw.emulated:
+            with self._writer.as_default():
+                tf.summary.text("emulation", self.vw.describe(), step=0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        now, busy = time.perf_counter(), self.vw.busy_seconds()
+        with self._writer.as_default():
+            for key, value in (logs or {}).items():
+                tf.summary.scalar(key, value, step=epoch)
+            if self._last is not None and busy:
+                wall = now - self._last[0]
+                for s, (b, b0) in enumerate(zip(busy, self._last[1])):
+                    tf.summary.scalar(f"busy_fraction/stage_{s}", (b - b0) / wall, step=epoch)
+        self._writer.flush()
+        self._last = (now, busy)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._last is None:
+            self._last = (time.perf_counter(), self.vw.busy_seconds())
+
+    def on_train_end(self, logs=None):
+        self._writer.close()

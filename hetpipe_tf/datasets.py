@@ -1,0 +1,164 @@
+"""The one place hetpipe_tf loads data: batched tf.data pipelines from TFDS.
+
+Image-classification data sets are read with TensorFlow Datasets from a local
+``data_dir``; hetpipe_tf never downloads anything at run time. The bundled
+``hetpipe_digits`` data set (see ``hetpipe_tf.data.digits``) is prepared into
+``data_dir`` from the file shipped in the package the first time it is used;
+any other data set must already be prepared there.
+"""
+import dataclasses
+import numbers
+import os
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from hetpipe_tf.data.digits import HetpipeDigits  # registers "hetpipe_digits" with TFDS
+
+DEFAULT_DATA_DIR = os.environ.get("TFDS_DATA_DIR") or os.path.join(
+    os.path.expanduser("~"), "tensorflow_datasets")
+SHUFFLE_BUFFER = 10_000  # most examples held (still encoded) for shuffling
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The data set is unknown, or not prepared in the data directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageDatasetInfo:
+    """What a pipeline needs to know about an image-classification data set.
+
+    ``image_shape`` is (H, W, C) as stored; H and W are None for data sets whose
+    images vary in size. ``num_examples`` maps each split name to its size.
+    """
+    name: str
+    image_shape: tuple
+    num_classes: int
+    num_examples: dict
+
+
+def _not_found(name, data_dir, unknown):
+    what = ("is unknown: it is not registered in TensorFlow Datasets "
+            f"{tfds.__version__} and no prepared copy was found" if unknown
+            else "is not prepared")
+    return DatasetNotFoundError(
+        f"Dataset {name!r} {what} in data_dir {data_dir!r}. hetpipe_tf never "
+        "downloads data at run time. Prepare it on a machine with network access, "
+        f"e.g. `tfds build {name} --data_dir {data_dir}` (then copy the "
+        f"{name.split('/')[0]}/ folder over), or copy an existing "
+        "tensorflow_datasets directory that holds it, and pass that directory as "
+        "data_dir (or set TFDS_DATA_DIR).")
+
+
+def _prepared_builder(name, data_dir):
+    """Returns the TFDS builder of ``name``, prepared in ``data_dir``, without downloading."""
+    data_dir = os.fspath(data_dir or DEFAULT_DATA_DIR)
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.DatasetNotFoundError:
+        raise _not_found(name, data_dir, unknown=True) from None
+    # Check the folder first: TFDS warns about a missing one.
+    if builder.data_path.exists() and builder.is_prepared():
+        return builder
+    if builder.name != HetpipeDigits.name:
+        raise _not_found(name, data_dir, unknown=False)
+    # Offline: the builder reads the file bundled with hetpipe_tf.
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    return builder
+
+
+def _image_label_keys(builder):
+    """The (image, label) feature names, checked to be an image and a class label."""
+    info = builder.info
+    keys = info.supervised_keys
+    if (isinstance(keys, (tuple, list)) and len(keys) == 2
+            and all(isinstance(k, str) for k in keys)
+            and len(info.features[keys[0]].shape) == 3
+            and isinstance(info.features[keys[1]], tfds.features.ClassLabel)):
+        return keys
+    raise ValueError(f"Dataset {builder.name!r} is not an image-classification data set: "
+                     f"its supervised keys {keys!r} are not (image of shape (H, W, C), "
+                     "ClassLabel)")
+
+
+def _info(builder):
+    image_key, label_key = _image_label_keys(builder)
+    features, splits = builder.info.features, builder.info.splits
+    return ImageDatasetInfo(
+        name=builder.name,
+        image_shape=tuple(features[image_key].shape),
+        num_classes=features[label_key].num_classes,
+        num_examples={split: splits[split].num_examples for split in splits})
+
+
+def dataset_info(name, data_dir=None):
+    """Describes the image-classification data set ``name`` found in ``data_dir``.
+
+    ``hetpipe_digits`` is prepared into ``data_dir`` on first use; any other data
+    set must already be prepared there. Raises DatasetNotFoundError otherwise
+    (nothing is downloaded), and ValueError if the data set is not an
+    (image, class label) one.
+    """
+    return _info(_prepared_builder(name, data_dir))
+
+
+def load_image_classification(name, split, batch_size, data_dir=None, image_size=None,
+                              channels=None, shuffle=False, seed=0, repeat=False):
+    """Returns a batched, prefetching ``tf.data.Dataset`` of ``(image, label)``.
+
+    Images are float32 in [0, 1] of shape (batch_size, H, W, C): resized to
+    (image_size, image_size) when ``image_size`` is given, and converted to
+    ``channels`` channels when given (1 -> 3 by tiling, 3 -> 1 by averaging).
+    Labels are int32 of shape (batch_size,). The last partial batch is dropped,
+    since pipelined training needs fixed batch shapes. ``shuffle`` shuffles
+    files and examples with ``seed``, anew each iteration; ``repeat`` repeats
+    the data set forever. Data sets are found as ``dataset_info`` finds them.
+    """
+    builder = _prepared_builder(name, data_dir)
+    info = _info(builder)
+    if split not in info.num_examples:
+        raise ValueError(f"split={split!r} does not exist in {info.name!r}; "
+                         f"allowed: {sorted(info.num_examples)}")
+    size = info.num_examples[split]
+    if not isinstance(batch_size, numbers.Integral) or not 0 < batch_size <= size:
+        raise ValueError(f"batch_size={batch_size!r} must be an integer from 1 to {size}, "
+                         f"the number of examples in split {split!r} of {info.name!r}")
+    if image_size is not None and (not isinstance(image_size, numbers.Integral)
+                                   or image_size <= 0):
+        raise ValueError(f"image_size={image_size!r} must be None or a positive integer")
+    if channels not in (None, 1, 3):
+        raise ValueError(f"channels={channels!r} is not supported; allowed: None "
+                         "(keep the stored channels), 1 or 3")
+    height, width, stored = info.image_shape
+    if channels not in (None, stored) and stored not in (1, 3):
+        raise ValueError(f"channels={channels!r}: cannot convert the {stored} channels "
+                         f"of {info.name!r}; allowed: None")
+    if image_size is None and None in (height, width):
+        raise ValueError(f"{info.name!r} has images of varying size {info.image_shape}: "
+                         "give image_size so that batches have one shape")
+
+    image_key, _ = _image_label_keys(builder)
+    image_feature = builder.info.features[image_key]
+
+    def prepare(encoded, label):
+        image = tf.image.convert_image_dtype(image_feature.decode_example(encoded), tf.float32)
+        if image_size is not None:
+            image = tf.clip_by_value(tf.image.resize(image, (image_size, image_size)), 0.0, 1.0)
+        if channels == 3 and stored == 1:
+            image = tf.tile(image, [1, 1, 3])
+        elif channels == 1 and stored == 3:
+            image = tf.reduce_mean(image, axis=-1, keepdims=True)
+        return image, tf.cast(label, tf.int32)
+
+    # Images stay encoded until after the shuffle buffer, which keeps it small.
+    ds = builder.as_dataset(split=split, as_supervised=True, shuffle_files=shuffle,
+                            decoders={image_key: tfds.decode.SkipDecoding()},
+                            read_config=tfds.ReadConfig(shuffle_seed=seed))
+    if shuffle:
+        ds = ds.shuffle(min(size, SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    if repeat:
+        ds = ds.repeat()
+    return ds.prefetch(tf.data.AUTOTUNE)

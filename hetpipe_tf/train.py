@@ -1,0 +1,84 @@
+"""hetpipe-train: trains a model pipelined over the devices of one virtual worker.
+
+    hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_minibatches=4
+"""
+import json
+
+from absl import app, flags
+
+from hetpipe_tf import train_flags
+
+train_flags.define_flags()
+FLAGS = flags.FLAGS
+
+
+def _devices():
+    if FLAGS.devices and FLAGS.num_stages and len(FLAGS.devices.split(",")) != FLAGS.num_stages:
+        raise app.UsageError(f"--num_stages={FLAGS.num_stages} but --devices lists "
+                             f"{len(FLAGS.devices.split(','))} devices")
+    if FLAGS.devices:
+        return FLAGS.devices
+    if FLAGS.num_stages:
+        return ",".join(["1"] * FLAGS.num_stages)
+    return train_flags.DEFAULT_DEVICES
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
+
+    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
+    import keras
+
+    from hetpipe_tf import datasets, models
+    from hetpipe_tf.callbacks import PipelineTensorBoard
+    from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
+    from hetpipe_tf.virtual_worker import VirtualWorker
+
+    devices = parse_devices(_devices())
+    configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
+    keras.utils.set_random_seed(FLAGS.seed)
+    info = datasets.dataset_info(FLAGS.dataset, FLAGS.data_dir)
+    side, channels = models.input_requirements(FLAGS.model)
+    size = FLAGS.image_size or (side if side and side > info.image_shape[0] else None)
+    channels = channels or info.image_shape[2]
+    load = dict(batch_size=FLAGS.batch_size, data_dir=FLAGS.data_dir, image_size=size, channels=channels)
+    train = datasets.load_image_classification(FLAGS.dataset, "train", shuffle=True, seed=FLAGS.seed, **load)
+    test = datasets.load_image_classification(FLAGS.dataset, "test", **load)
+    shape = tuple(train.element_spec[0].shape[1:])
+    model = models.build_model(FLAGS.model, shape, info.num_classes)
+    optimizer = {"sgd": lambda: keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum),
+                 "adam": lambda: keras.optimizers.Adam(FLAGS.learning_rate),
+                 "rmsprop": lambda: keras.optimizers.RMSprop(FLAGS.learning_rate)}[FLAGS.optimizer]()
+    vw = VirtualWorker(
+        model, devices, num_minibatches=FLAGS.num_minibatches,
+        boundaries=[int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None,
+        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s)
+    print(f"{FLAGS.model} on {FLAGS.dataset} {shape}, {model.count_params():,} parameters")
+    print(vw.describe())
+    if FLAGS.show_schedule:
+        print(vw.schedule(FLAGS.epochs * (FLAGS.steps_per_epoch or int(train.cardinality()))).format(3))
+    callbacks = [PipelineTensorBoard(FLAGS.tensorboard_dir, vw)] if FLAGS.tensorboard_dir else []
+    history = vw.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
+                     validation_data=test, callbacks=callbacks, trace_path=FLAGS.trace_file)
+    final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
+    summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "devices": [str(d) for d in vw.device_specs],
+               "num_minibatches": vw.num_in_flight, "test_accuracy": final.get("val_accuracy"),
+               "images_per_s": final.get("images_per_s"),
+               "busy_fraction": [round(b, 3) for b in vw.report.busy_fraction()]}
+    if vw.emulated:
+        summary["emulation"] = vw.emulation_report().as_dict()
+    print("summary: " + json.dumps(summary))
+    if FLAGS.trace_file:
+        print(f"pipeline trace written to {FLAGS.trace_file} (open it in https://ui.perfetto.dev)")
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

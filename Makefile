@@ -1,0 +1,23 @@
+# README's two set-up-and-go commands: `make train` (the main job) and `make test`.
+# Each creates .venv with Python 3.11 if needed, installs the requirements, builds the
+# custom ops against the installed TensorFlow, and runs.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hetpipe-installed
+SOURCES := requirements.txt setup.py pyproject.toml $(wildcard hetpipe_tf/ops/cc/*/*.cc)
+
+$(STAMP): $(SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+	touch $@
+
+.PHONY: install train test
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/hetpipe-train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests $(ARGS)

@@ -3,8 +3,11 @@
     hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_minibatches=4
 """
 import json
+import os
 
-from absl import app, flags
+from absl import app, flags, logging
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
 from hetpipe_tf import train_flags
 
@@ -26,6 +29,8 @@ def _devices():
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
     import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
 
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)

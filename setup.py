@@ -66,5 +66,5 @@ setup(
     install_requires=["tensorflow-datasets", "numpy", "scipy", "absl-py", "tensorboard"],
     extras_require={"cpu": ["tensorflow-cpu==2.21.0"],
                     "gpu": ["tensorflow[and-cuda]==2.21.0"]},
-    entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.train:run"]},
+    entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.train:run", "hetpipe=hetpipe_tf.cli:run"]},
 )

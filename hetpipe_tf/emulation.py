@@ -8,8 +8,9 @@ Time rule. A task on an emulated device of relative speed ``v`` takes
     max(actual, dilation / v * reference)
 
 where ``reference`` is the same task's compute time measured alone at start-up
-(so the target does not inflate when several emulated devices share the host's
-cores) and ``dilation`` multiplies every device's slowdown alike. The rule holds
+(the minimum over a few solo runs, so the target does not inflate when several
+emulated devices share the host's cores or other work interferes) and ``dilation``
+multiplies every device's slowdown alike. The rule holds
 only while the actual time stays below the target; a task that overran means
 the host could not keep up. The fraction of tasks that overran is the
 emulation's fidelity figure (``overrun_fraction``): benchmarks raise the
@@ -111,7 +112,7 @@ class MemoryAccount:
         with self._lock:
             used = self.used + nbytes
             if self.capacity is not None and used > self.capacity:
-                held = ", ".join(f"{k} {format_bytes(v)}" for k, v in self._held.items() if v)
+                held = format_breakdown(self._held)
                 raise DeviceOutOfMemoryError(
                     f"out of memory on {self.device} (emulated capacity {format_bytes(self.capacity)}): "
                     f"allocating {format_bytes(nbytes)} for {category} would hold {format_bytes(used)} "
@@ -136,3 +137,8 @@ def format_bytes(n):
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def format_breakdown(held):
+    """'weights 1.0 MiB, activations 20 B' for a {category: bytes} dict (zeros left out)."""
+    return ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.emulation import EmulationReport
 from hetpipe_tf.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, WEIGHTS, ApplyUpdate, Backward, Forward, LoadMinibatch,
+    ACTIVATION, GRADIENT, INPUTS, LABELS, ApplyUpdate, Backward, Forward, LoadMinibatch,
     RecvActivation, RecvGradient, RecvInputs, RecvLabels, ReleaseWeights, SendActivation,
     SendGradient, SnapshotState, StashWeights)
 from hetpipe_tf.mailbox import Mailbox, PipelineAborted
@@ -121,6 +121,7 @@ class PipelineExecutor:
         k = schedule.num_stages
         self._mailboxes = [Mailbox(f"stage {s} ({runtimes[s].device})", self._abort, clock) for s in range(k)]
         self._handoff = [{} for _ in range(k)]  # values one instruction hands the next on a stage
+        self._positions = [[0] * len(p.streams) for p in schedule.programs]  # next task of each stream
         self._status = ["not started"] * k
         self._since = [0.0] * k
         self._progress = clock()
@@ -198,6 +199,16 @@ class PipelineExecutor:
             self._limit = min(self._limit, max(self._admitted, 0))
         return self._limit
 
+    def describe_waits(self):
+        """For every stage: the next task of each stream and the keys it still lacks."""
+        parts = []
+        for s, prog in enumerate(self.schedule.programs):
+            mb = self._mailboxes[s]
+            lacking = [f"{prog.streams[i].kind} {stream[p]!r} lacks {[k for k in stream[p].requires if mb.arrival(k) is None]}"
+                       for i, (stream, p) in enumerate(zip(prog.streams, self._positions[s])) if p < len(stream)]
+            parts.append(f"stage {s}: " + ("; ".join(lacking) or "done"))
+        return " | ".join(parts)
+
     def describe_status(self):
         now = self._clock()
         return "; ".join(f"stage {s}: {st} ({now - self._since[s]:.1f} s)"
@@ -227,7 +238,7 @@ class PipelineExecutor:
             stats = self.runtimes[s].stash.stats()
             self.reports[s].stash_peak_versions = stats.num_versions
             self.reports[s].stash_bytes_peak = stats.bytes
-            pos = [0] * len(prog.streams)
+            pos = self._positions[s]
             while True:
                 chosen = self._next_task(s, prog, pos)
                 if chosen is None:
@@ -271,9 +282,7 @@ class PipelineExecutor:
             return pick[2], task
 
         def describe():
-            parts = [f"{prog.streams[i].kind} task {task!r} needs "
-                     f"{[k for k in task.requires if mb.arrival(k) is None]}" for i, task in heads()]
-            return "; ".join(parts) + f"; other stages: {self.describe_status()}"
+            return self.describe_waits()
 
         if next(heads(), None) is None:
             return None
@@ -282,20 +291,23 @@ class PipelineExecutor:
         return None if chosen is _FINISHED else chosen
 
     def _execute(self, s, ins):
+        """Carries out one instruction: takes the keys it requires from the stage's mailbox,
+        runs its method, and delivers the keys it provides, with the values the method
+        returns for them ({(stage, key): value}; keys without a value carry None)."""
         if ins.minibatch > self._limit and isinstance(ins, (StashWeights, SnapshotState)):
             return  # the run was stopped before this minibatch started
         self._set_status(s, f"running {ins!r}")
         t0 = self._clock()
-        getattr(self, self._HANDLERS[type(ins)])(s, ins)
+        taken = [self._mailboxes[s].take(key) for key in ins.requires()]
+        values = getattr(self, self._HANDLERS[type(ins)])(s, ins, *taken) or {}
+        for dst, key in ins.provides(s):
+            self._mailboxes[dst].put(key, values.get((dst, key)))
         t1 = self._clock()
         self._progress = t1
         if self._trace:
             self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__)
 
     # Messages ---------------------------------------------------------------------------
-    def _take(self, s, kind, p):
-        return self._mailboxes[s].take((kind, p))
-
     def _load_minibatch(self, s, ins):
         item = next(self._data)
         if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -303,31 +315,31 @@ class PipelineExecutor:
                              f"pairs, got {type(item).__name__} of length "
                              f"{len(item) if hasattr(item, '__len__') else '?'}")
         x, y = item
-        by_stage = self._split_inputs(x)
-        for stage, tensors in by_stage.items():
+        values = {(ins.labels_to, (LABELS, ins.minibatch)): y}
+        for stage, tensors in self._split_inputs(x).items():
             if stage == s:
                 self.runtimes[s].set_loaded(ins.minibatch, tensors)
             else:
-                self._mailboxes[stage].put((INPUTS, ins.minibatch), tensors)
-        self._mailboxes[ins.labels_to].put((LABELS, ins.minibatch), y)
+                values[(stage, (INPUTS, ins.minibatch))] = tensors
+        return values
 
-    def _recv_inputs(self, s, ins):
-        self.runtimes[s].set_loaded(ins.minibatch, self._take(s, INPUTS, ins.minibatch))
+    def _recv_inputs(self, s, ins, tensors):
+        self.runtimes[s].set_loaded(ins.minibatch, tensors)
 
-    def _recv_labels(self, s, ins):
-        self.runtimes[s].set_labels(ins.minibatch, self._take(s, LABELS, ins.minibatch))
+    def _recv_labels(self, s, ins, labels):
+        self.runtimes[s].set_labels(ins.minibatch, labels)
 
-    def _recv_activation(self, s, ins):
-        self.runtimes[s].set_received(ins.minibatch, self._take(s, ACTIVATION, ins.minibatch))
+    def _recv_activation(self, s, ins, tensors):
+        self.runtimes[s].set_received(ins.minibatch, tensors)
 
     def _send_activation(self, s, ins):
-        self._mailboxes[ins.to].put((ACTIVATION, ins.minibatch), self._handoff[s].pop(("sent", ins.minibatch)))
+        return {(ins.to, (ACTIVATION, ins.minibatch)): self._handoff[s].pop(("sent", ins.minibatch))}
 
-    def _recv_gradient(self, s, ins):
-        self._handoff[s][("grad", ins.minibatch)] = self._take(s, GRADIENT, ins.minibatch)
+    def _recv_gradient(self, s, ins, grads):
+        self._handoff[s][("grad", ins.minibatch)] = grads
 
     def _send_gradient(self, s, ins):
-        self._mailboxes[ins.to].put((GRADIENT, ins.minibatch), self.runtimes[s].input_gradients(ins.minibatch))
+        return {(ins.to, (GRADIENT, ins.minibatch)): self.runtimes[s].input_gradients(ins.minibatch)}
 
     # Compute ----------------------------------------------------------------------------
     def _paced(self, s, kind, start):
@@ -336,10 +348,9 @@ class PipelineExecutor:
             pacer.pace(start, self._references[s][kind])
         self.reports[s].compute_s += self._clock() - start
 
-    def _forward(self, s, ins):
+    def _forward(self, s, ins, *keys):  # the keys say w_p is stashed (and a slot is free)
         rt = self.runtimes[s]
         t0 = self._clock()
-        self._take(s, WEIGHTS, ins.minibatch)  # w_p is stashed: the key has done its work
         out = rt.forward(ins.minibatch)
         self._paced(s, Forward, t0)
         if rt.is_last:
@@ -360,7 +371,6 @@ class PipelineExecutor:
 
     def _stash_weights(self, s, ins):
         self.runtimes[s].stash_weights(ins.minibatch)
-        self._mailboxes[s].put((WEIGHTS, ins.minibatch))
 
     def _release_weights(self, s, ins):
         self.runtimes[s].release_weights(ins.minibatch)

@@ -15,12 +15,18 @@ derive readiness from these keys alone.
 """
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
 INPUTS = "inputs"
 LABELS = "labels"
 WEIGHTS = "weights"
+SLOT = "activation slot"
+PULLED = "pulled"
+MERGED = "merged"
+#: The destination of what a stage sends to the parameter servers.
+PARAMETER_SERVER = "ps"
 
 
 @dataclass(frozen=True, repr=False)
@@ -109,15 +115,33 @@ class SendGradient(Instruction):
 
 @dataclass(frozen=True, repr=False)
 class Forward(Instruction):
-    """Forward pass of minibatch p with weight version w_p; the last stage adds the loss."""
+    """Forward pass of minibatch p with weight version w_p; the last stage adds the loss.
+
+    With a `window` w, the stage holds at most w minibatches' activations: Forward(p)
+    also waits for Backward(p - w) on the same stage.
+    """
+    window: int = field(default=0, kw_only=True)
+    merged: int | None = field(default=None, kw_only=True)  # WSP: the wave whose pull w_p needs
 
     def requires(self):
-        return ((WEIGHTS, self.minibatch),)
+        keys = ((WEIGHTS, self.minibatch),)
+        if self.window and self.minibatch > self.window:
+            keys += ((SLOT, self.minibatch),)
+        if self.merged is not None:
+            keys += ((MERGED, self.merged),)
+        return keys
 
 
 @dataclass(frozen=True, repr=False)
 class Backward(Instruction):
-    """Backward pass of minibatch p against w_p, the version its forward pass used."""
+    """Backward pass of minibatch p against w_p, the version its forward pass used.
+
+    With a `window` w, it frees the activation slot that Forward(p + w) waits for.
+    """
+    window: int = field(default=0, kw_only=True)
+
+    def provides(self, stage):
+        return ((stage, (SLOT, self.minibatch + self.window)),) if self.window else ()
 
 
 @dataclass(frozen=True, repr=False)
@@ -143,6 +167,46 @@ class SnapshotState(Instruction):
     """Records the stage's state right after update p: weights, optimizer slots, statistics."""
 
 
+@dataclass(frozen=True, repr=False)
+class WaveInstruction(Instruction):
+    """An instruction about wave c (minibatches c*Nm+1 .. (c+1)*Nm), §5. `minibatch` is the
+    wave's last minibatch, after whose update it runs."""
+    wave: int = field(default=0, kw_only=True)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(wave={self.wave})"
+
+
+@dataclass(frozen=True, repr=False)
+class PushUpdate(WaveInstruction):
+    """Pushes the stage's aggregated update of wave c (the sum of its local updates) to the
+    parameter servers, which apply w_global += u (§5)."""
+
+    def provides(self, stage):
+        return ((PARAMETER_SERVER, ("update", self.wave)),)
+
+
+@dataclass(frozen=True, repr=False)
+class PullWeights(WaveInstruction):
+    """Asks the parameter servers for the global weights at the end of clock c; they answer
+    once every virtual worker has pushed wave c - D (§5). The stage does not wait here."""
+
+    def provides(self, stage):
+        return ((PARAMETER_SERVER, ("pull", self.wave)),)
+
+
+@dataclass(frozen=True, repr=False)
+class MergePulled(WaveInstruction):
+    """Takes the pulled global weights into the stage: w_local becomes w_global plus the local
+    updates made since the push of wave c, and so do the versions stashed since then."""
+
+    def requires(self):
+        return ((PULLED, self.wave),)
+
+    def provides(self, stage):
+        return ((stage, (MERGED, self.wave)),)
+
+
 #: Instructions that compute on the device: emulated devices pad these.
 COMPUTE = (Forward, Backward)
 
@@ -156,7 +220,7 @@ class Task:
     minibatch: int
     instructions: tuple
 
-    @property
+    @cached_property
     def requires(self):
         """Keys needed from outside the task, in instruction order."""
         provided, needed = set(), []
@@ -176,6 +240,7 @@ class TaskStream(Sequence):
         self.kind = kind
         self._count = count
         self._make = make
+        self._last = (None, None)  # the task made last: a stream's head is asked for repeatedly
 
     def __len__(self):
         return self._count
@@ -185,7 +250,10 @@ class TaskStream(Sequence):
             return [self[j] for j in range(*i.indices(self._count))]
         if not -self._count <= i < self._count:
             raise IndexError(i)
-        return self._make(i % self._count + 1)
+        i %= self._count
+        if self._last[0] != i:
+            self._last = (i, self._make(i + 1))
+        return self._last[1]
 
     def __repr__(self):
         return f"TaskStream({self.kind!r}, {self._count} tasks)"

@@ -41,3 +41,16 @@ def stage_optimizer(optimizer):
     """A fresh optimizer with `optimizer`'s class and config, for one stage."""
     optimizer = check_optimizer(optimizer)
     return type(optimizer).from_config(optimizer.get_config())
+
+
+def slots_per_weight(optimizer):
+    """How many optimizer variables each weight gets (SGD: 0, or 1 with momentum; Adam: 2;
+    RMSprop: 1, plus 1 with momentum and 1 when centered): memory the planner counts."""
+    optimizer = check_optimizer(optimizer)
+    config = optimizer.get_config()
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1 if config.get("momentum") else 0
+    if name == "Adam":
+        return 2 + (1 if config.get("amsgrad") else 0)
+    return 1 + (1 if config.get("momentum") else 0) + (1 if config.get("centered") else 0)

@@ -17,9 +17,9 @@ and a backward task ready, and the program says so: it lists both streams.
 from dataclasses import dataclass
 
 from hetpipe_tf.instructions import (
-    ApplyUpdate, Backward, Forward, LoadMinibatch, RecvActivation, RecvGradient, RecvInputs,
-    RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights, Task,
-    TaskStream)
+    ApplyUpdate, Backward, Forward, LoadMinibatch, MergePulled, PullWeights, PushUpdate, RecvActivation,
+    RecvGradient, RecvInputs, RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState,
+    StashWeights, Task, TaskStream)
 
 
 def fifo_pick(candidates):
@@ -74,7 +74,7 @@ class Schedule:
 
 
 def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0,),
-                     snapshot_after=()):
+                     snapshot_after=(), wsp=False):
     """The HetPipe schedule of one virtual worker (§4).
 
     Minibatch p uses weight version w_p, which holds exactly the local updates of
@@ -84,12 +84,25 @@ def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0
     most Nm versions are live per stage (w_p is released before update p). The
     last stage runs forward and backward of a minibatch as one task.
 
+    §4 sizes each stage's memory by its position: the first stage holds the
+    activations of the most minibatches, the last stage of one. This schedule makes
+    that a rule: stage q holds at most min(Nm, k - q) minibatches' activations
+    (Forward(p) also waits for Backward(p - w) on that stage), so the planner's
+    memory per stage position is what the stage can ever need.
+
     Args:
       num_stages: k.
       num_minibatches: how many minibatches the run trains.
       num_in_flight: Nm, the number of minibatches in the pipeline (s_local + 1).
       input_stages: the stages that consume model inputs (stage 0 loads them).
       snapshot_after: minibatch ids after whose update every stage records its state.
+      wsp: this virtual worker is one of several synchronised by Wave Synchronous Parallel
+        (§5). At the end of every wave c (after update (c+1)*Nm) each stage pushes the
+        wave's aggregated update and asks for the global weights (PushUpdate, PullWeights);
+        a third stream merges them when they arrive (MergePulled), and minibatch (c+2)*Nm,
+        the first whose version must hold the global updates of wave c, waits for that
+        merge. For D = 0, Nm = 4 (seed 001): minibatch 8 waits for every worker's wave 0,
+        while minibatches 5..7 of wave 1 are already in the pipeline.
     """
     k, n, nm = int(num_stages), int(num_minibatches), int(num_in_flight)
     if k < 1:
@@ -119,27 +132,46 @@ def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0
         ins += [ReleaseWeights(p), ApplyUpdate(p)]
         if p + nm <= n:
             ins.append(StashWeights(p + nm))
+        if wsp and p % nm == 0:
+            wave = p // nm - 1
+            ins += [PushUpdate(p, wave=wave), PullWeights(p, wave=wave)]
         if p in snapshots:
             ins.append(SnapshotState(p))
         return ins
+
+    def gate(p):
+        """The wave whose pull minibatch p's version needs (§5), or None."""
+        return p // nm - 2 if wsp and p % nm == 0 and p > nm else None
+
+    num_waves = n // nm if wsp else 0
 
     programs = []
     for s in range(k):
         prologue = tuple(StashWeights(p) for p in range(1, min(nm, n) + 1))
         if s < last:
-            def forward(p, s=s):
-                return Task(s, "forward", p, tuple(entry(s, p) + [Forward(p), SendActivation(p, to=s + 1)]))
+            window = k - s if k - s < nm else 0  # only where it is tighter than Nm itself
 
-            def backward(p, s=s):
-                return Task(s, "backward", p, tuple([RecvGradient(p), Backward(p)] + update(s, p)))
+            def forward(p, s=s, w=window):
+                return Task(s, "forward", p, tuple(entry(s, p) + [Forward(p, window=w, merged=gate(p)),
+                                                                  SendActivation(p, to=s + 1)]))
+
+            def backward(p, s=s, w=window):
+                return Task(s, "backward", p, tuple([RecvGradient(p), Backward(p, window=w)] + update(s, p)))
 
             streams = (TaskStream("forward", n, forward), TaskStream("backward", n, backward))
         else:
             def forward_backward(p, s=s):
                 return Task(s, "forward_backward", p,
-                            tuple(entry(s, p) + [RecvLabels(p), Forward(p), Backward(p)] + update(s, p)))
+                            tuple(entry(s, p) + [RecvLabels(p), Forward(p, merged=gate(p)), Backward(p)]
+                                  + update(s, p)))
 
             streams = (TaskStream("forward_backward", n, forward_backward),)
+        if wsp:
+            def merge(c, s=s):
+                return Task(s, "merge", (c + 1) * nm, (MergePulled((c + 1) * nm, wave=c),))
+
+            # Only merges that a later minibatch waits for: wave c gates minibatch (c+2)*Nm.
+            streams += (TaskStream("merge", max(num_waves - 1, 0), lambda i, s=s: merge(i - 1, s)),)
         programs.append(StageProgram(stage=s, prologue=prologue, streams=streams))
     return Schedule(name="hetpipe", num_stages=k, num_minibatches=n, num_in_flight=nm,
                     programs=tuple(programs))

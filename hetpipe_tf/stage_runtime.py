@@ -14,6 +14,7 @@ to the stage:
 * ``release_weights(p)``: drops w_p.
 """
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import keras
@@ -22,6 +23,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from hetpipe_tf.emulation import MemoryAccount
+from hetpipe_tf.instructions import Backward, Forward
 from hetpipe_tf.ops.weight_stash import WeightStash
 from hetpipe_tf.optimizers import stage_optimizer
 
@@ -86,10 +88,12 @@ class StageRuntime:
         self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
         self.used_versions = {}  # p -> updates the version p's forward pass used
         self.logs = {}  # p -> loss and metrics (last stage)
-        self._forward_fn = tf.function(self._forward_graph)
+        # Per-instance closures: TensorFlow would count traces of a shared method across stages
+        # as retracing.
+        self._forward_fn = tf.function(lambda *args: self._forward_graph(*args))
         # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
         # variable's buffer that a stashed version still shares, as eager updates do.
-        self._apply_fn = tf.function(self._apply_graph, jit_compile=True)
+        self._apply_fn = tf.function(lambda grads: self._apply_graph(grads), jit_compile=True)
 
     @property
     def is_last(self):
@@ -196,8 +200,10 @@ class StageRuntime:
 
     def apply_update(self, p):
         """w_local := w_local + u_p."""
-        with tf.device(self.device):
-            self._apply_fn(self._weight_grads.pop(p))
+        grads = self._weight_grads.pop(p)
+        if self.trainable:  # a stage may have no weights (pooling, activations)
+            with tf.device(self.device):
+                self._apply_fn(grads)
         self.applied.append(p)
 
     def end_run(self):
@@ -229,3 +235,59 @@ class StageRuntime:
 
     def close(self):
         self.stash.close()
+
+
+def _block(tensors):
+    """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
+    for t in tf.nest.flatten(tensors):
+        if hasattr(t, "device") and "GPU" in t.device:
+            np.asarray(tf.reshape(t, [-1])[:1])
+            return
+
+
+def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
+    """Each stage's forward and backward time, measured alone, one stage at a time.
+
+    Runs minibatch (x, y) through the chain of `runtimes` (id 0, the weights as they
+    are) `repeats` + 1 times; the first run traces the functions, and the minimum of the
+    others is the result (interference from other work only ever adds time): a list
+    with, per stage, {Forward: seconds, Backward: seconds}.
+    Nothing is applied, and the stages' non-trainable state is restored afterwards.
+    """
+    times = [{Forward: [], Backward: []} for _ in runtimes]
+    saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
+    for _ in range(repeats + 1):
+        for rt in runtimes:
+            rt.stash_weights(0)
+        loaded = split_inputs(x)
+        carry = None
+        for s, rt in enumerate(runtimes):
+            if carry is not None:
+                rt.set_received(0, carry)
+            if s in loaded:
+                rt.set_loaded(0, loaded[s])
+            if rt.is_last:
+                rt.set_labels(0, y)
+            t0 = time.perf_counter()
+            with rt.execution_scope():
+                carry = rt.forward(0)
+                _block(carry)
+            times[s][Forward].append(time.perf_counter() - t0)
+        grads = None
+        for s in reversed(range(len(runtimes))):
+            rt = runtimes[s]
+            t0 = time.perf_counter()
+            with rt.execution_scope():
+                rt.backward(0, grads)
+                _block(rt._weight_grads[0])
+            grads = rt.input_gradients(0)
+            times[s][Backward].append(time.perf_counter() - t0)
+            rt._weight_grads.pop(0)
+            rt.release_weights(0)
+        runtimes[-1].logs.pop(0, None)
+    for rt, values in zip(runtimes, saved):
+        for v, value in zip(rt.non_trainable, values):
+            v.assign(value)
+        rt.version_updates.pop(0, None)
+        rt.used_versions.pop(0, None)
+    return [{kind: min(ts[1:]) for kind, ts in stage.items()} for stage in times]

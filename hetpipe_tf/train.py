@@ -26,6 +26,25 @@ def _devices():
     return train_flags.DEFAULT_DEVICES
 
 
+def _auto_plan(model, devices, optimizer, loss, batch_size):
+    """The planner's device order, stage boundaries and Nm for one virtual worker on `devices`."""
+    from hetpipe_tf.cluster import from_device_specs
+    from hetpipe_tf.optimizers import slots_per_weight
+    from hetpipe_tf.planner import plan
+    from hetpipe_tf.profiler import measure_profile
+
+    cluster = from_device_specs(devices, name="devices")
+    profile = measure_profile(model, batch_size, loss=loss, optimizer=optimizer)
+    chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_minibatches,
+                  dilation=FLAGS.dilation, optimizer_slots=slots_per_weight(optimizer))
+    print(chosen.format())
+    by_type = {}
+    for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):
+        by_type.setdefault(device.type.name, []).append(spec)
+    ordered = [by_type[d.type.name].pop() for d in chosen.workers[0].devices]
+    return ordered, chosen.node_boundaries(0), chosen.num_in_flight
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -57,10 +76,15 @@ def main(argv):
     optimizer = {"sgd": lambda: keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum),
                  "adam": lambda: keras.optimizers.Adam(FLAGS.learning_rate),
                  "rmsprop": lambda: keras.optimizers.RMSprop(FLAGS.learning_rate)}[FLAGS.optimizer]()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    boundaries = [int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None
+    num_minibatches = FLAGS.num_minibatches
+    if FLAGS.plan == "auto":
+        if boundaries:
+            raise app.UsageError("--plan=auto chooses the boundaries; do not give --boundaries as well")
+        devices, boundaries, num_minibatches = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
     vw = VirtualWorker(
-        model, devices, num_minibatches=FLAGS.num_minibatches,
-        boundaries=[int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None,
-        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        model, devices, num_minibatches=num_minibatches, boundaries=boundaries, optimizer=optimizer, loss=loss,
         metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s)
     print(f"{FLAGS.model} on {FLAGS.dataset} {shape}, {model.count_params():,} parameters")
     print(vw.describe())

@@ -18,6 +18,10 @@ def define_flags():
     flags.DEFINE_integer("num_stages", None,
                          "Number of stages; without --devices, that many emulated devices of speed 1.")
     flags.DEFINE_list("boundaries", None, "First layer call of each stage, e.g. 0,5,9 (default: balanced).")
+    flags.DEFINE_enum("plan", "none", ["none", "auto"],
+                      "auto: profile the model on this host and let the planner choose the device order, "
+                      "the stage boundaries and Nm (memory per stage position included); none: --boundaries, "
+                      "or a static FLOP balance, and --num_minibatches.")
     flags.DEFINE_integer("num_minibatches", None, "Nm, minibatches in flight (default: the number of stages).")
     flags.DEFINE_integer("batch_size", 32, "Minibatch size.")
     flags.DEFINE_integer("epochs", 12, "Epochs.")

@@ -12,7 +12,6 @@ The trained weights are written back into the Keras model at the end, so
 ``model.evaluate``, ``predict`` and ``save`` work as usual.
 """
 import queue
-import statistics
 import threading
 import time
 
@@ -23,12 +22,11 @@ import tensorflow as tf
 from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
 from hetpipe_tf.emulation import EmulationReport, MemoryAccount, Pacer
 from hetpipe_tf.executor import PipelineExecutor
-from hetpipe_tf.instructions import Backward, Forward
 from hetpipe_tf.loss_head import LossHead
 from hetpipe_tf.optimizers import check_optimizer
 from hetpipe_tf.schedule import hetpipe_schedule
 from hetpipe_tf.stage_rewrite import split_model
-from hetpipe_tf.stage_runtime import StageRuntime
+from hetpipe_tf.stage_runtime import StageRuntime, measure_stage_times
 from hetpipe_tf.trace import TraceRecorder
 
 
@@ -128,46 +126,9 @@ class VirtualWorker:
                 activation_bytes=act[s], record_provenance=self.record_provenance,
                 single_threaded=self.single_threaded_stages))
 
-    def _calibrate(self, x, y, repeats=5):
-        """Each stage's forward and backward time measured alone, one stage at a time (§ emulation)."""
-        times = [{Forward: [], Backward: []} for _ in self.runtimes]
-        saved = [[v.numpy() for v in rt.non_trainable] for rt in self.runtimes]  # copies, not the variables
-        for rep in range(repeats + 1):
-            for rt in self.runtimes:
-                rt.stash_weights(0)
-            loaded = self.staged.split_inputs(x)
-            carry = None
-            for s, rt in enumerate(self.runtimes):
-                if carry is not None:
-                    rt.set_received(0, carry)
-                if s in loaded:
-                    rt.set_loaded(0, loaded[s])
-                if rt.is_last:
-                    rt.set_labels(0, y)
-                t0 = time.perf_counter()
-                with rt.execution_scope():
-                    carry = rt.forward(0)
-                    _block(carry)
-                times[s][Forward].append(time.perf_counter() - t0)
-            grads = None
-            for s in reversed(range(self.num_stages)):
-                rt = self.runtimes[s]
-                t0 = time.perf_counter()
-                with rt.execution_scope():
-                    rt.backward(0, grads)
-                    _block(rt._weight_grads[0])
-                grads = rt.input_gradients(0)
-                times[s][Backward].append(time.perf_counter() - t0)
-                rt._weight_grads.pop(0)
-                rt.release_weights(0)
-            rt.logs.pop(0, None)
-        for rt, values in zip(self.runtimes, saved):
-            for v, value in zip(rt.non_trainable, values):
-                v.assign(value)
-            rt.version_updates.pop(0, None)
-            rt.used_versions.pop(0, None)
-        # The first repetition traces the functions; the median of the rest is the reference.
-        self.references = [{kind: statistics.median(ts[1:]) for kind, ts in stage.items()} for stage in times]
+    def _calibrate(self, x, y):
+        """Each stage's forward and backward time, measured alone: the emulation's references."""
+        self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y)
 
     # Training --------------------------------------------------------------------------
     def train(self, data, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
@@ -373,11 +334,3 @@ class VirtualWorker:
 def _chain(first, rest):
     yield first
     yield from rest
-
-
-def _block(tensors):
-    """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
-    for t in tf.nest.flatten(tensors):
-        if hasattr(t, "device") and "GPU" in t.device:
-            np.asarray(tf.reshape(t, [-1])[:1])
-            return

@@ -112,6 +112,19 @@ def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm)
     assert [s.stash_peak_versions for s in report.stages] == [min(nm, 16)] * 3
 
 
+def test_a_stage_without_weights_trains():
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), keras.layers.ReLU(),
+                              keras.layers.Dense(5)])
+    batches = _batches(model, 6)
+    want, _ = _stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
+    vw = VirtualWorker(model, "1,1,1", num_minibatches=2, boundaries=(0, 1, 2), optimizer=keras.optimizers.SGD(0.1),
+                       loss=LOSS, timeout_s=60)
+    vw.train(iter(batches), 6)
+    assert vw.runtimes[1].trainable == []
+    for got, w in zip(model.trainable_variables, want):
+        np.testing.assert_allclose(got.numpy(), w, atol=1e-5)
+
+
 def test_stash_reports_bytes_of_nm_versions():
     model = test_models.mlp()
     vw = VirtualWorker(model, "1,1", num_minibatches=3, optimizer="sgd", loss=LOSS, timeout_s=60)
@@ -139,7 +152,9 @@ def test_stalled_stage_times_out_naming_what_it_waits_for():
                                          prog0.streams[1])),
         good.programs[1]))
     executor = PipelineExecutor(broken, vw.runtimes, iter(batches), vw.staged.split_inputs, timeout_s=1.5)
-    with pytest.raises(PipelineError, match=r"stage 1 .*waited 1.5 s.*\('activation', 3\)"):
+    # Both stages wait; whichever times out first, the error says what every stage lacks.
+    with pytest.raises(PipelineError, match=r"waited 1.5 s with no task ready: stage 0: .*lacks \[\('gradient', 3\)\]"
+                                            r".* \| stage 1: .*lacks \[\('activation', 3\)\]"):
         executor.run()
 
 

@@ -56,6 +56,14 @@ def test_bad_arguments_are_refused():
             hetpipe_schedule(**args)
 
 
+def test_activation_window_follows_stage_position():
+    s = hetpipe_schedule(num_stages=4, num_minibatches=8, num_in_flight=3)
+    # k - q = 4, 3, 2 against Nm = 3: only stage 2 needs a window tighter than Nm.
+    windows = [s.programs[q].streams[0][4].instructions[-2].window for q in range(3)]
+    assert windows == [0, 0, 2]
+    assert s.programs[2].streams[0][4].requires == (("activation", 5), ("weights", 5), ("activation slot", 5))
+
+
 def test_fifo_pick_takes_first_ready_then_older_minibatch():
     assert fifo_pick([(2.0, 3, 0), (1.5, 7, 1)]) == (1.5, 7, 1)
     assert fifo_pick([(2.0, 5, 0), (2.0, 3, 1)]) == (2.0, 3, 1)
@@ -89,6 +97,15 @@ def test_simulated_runs_keep_the_rules_of_section_4(k, nm, seed):
                 live -= 1
             most = max(most, live)
         assert most == min(nm, n) and live == 0
+        # Activations held: forward done, backward not yet (the last stage fuses them).
+        held, most_held = 0, 0
+        for sp in sorted(mine, key=lambda sp: (sp.start, isinstance(sp.instruction, Forward))):
+            if isinstance(sp.instruction, Backward):
+                held -= 1
+            elif isinstance(sp.instruction, Forward):
+                held += 1
+                most_held = max(most_held, held)
+        assert most_held <= min(nm, k - s)
     # Minibatch p starts (stage 0) only once update p - Nm is applied on every stage.
     first = {sp.instruction.minibatch: sp.start for sp in spans
              if sp.stage == 0 and isinstance(sp.instruction, Forward)}

@@ -3,7 +3,7 @@ import pytest
 import tensorflow as tf
 
 from hetpipe_tf.ops import loader
-from hetpipe_tf.ops.weight_stash import WeightStash
+from hetpipe_tf.ops.weight_stash import StashStats, WeightStash
 
 
 def test_put_get_release_round_trip():
@@ -17,6 +17,14 @@ def test_put_get_release_round_trip():
     stash.release(1)
     assert stash.stats().num_versions == 0
     stash.close()
+
+
+def test_a_version_may_hold_no_tensors():
+    # A stage without weights (pooling, activations) still stashes its (empty) versions.
+    stash = WeightStash(capacity=1)
+    stash.put(1, [])
+    assert stash.get(1, []) == [] and stash.stats() == StashStats(1, 0, (1,))
+    stash.release(1)
 
 
 def test_reports_bytes_it_holds():

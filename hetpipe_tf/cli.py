@@ -1,0 +1,88 @@
+"""hetpipe: plan and simulate HetPipe training on a cluster.
+
+    hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json]
+    hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
+
+`plan` prints the virtual workers and their device types, every stage's layer range,
+predicted time and memory, Nm and the predicted throughput. `simulate` runs the plan's
+schedules in the discrete-event simulator and prints throughput, each device's busy
+fraction, and each worker's wait and idle time under the staleness bound.
+"""
+import json
+import os
+
+from absl import app, flags
+
+from hetpipe_tf import cli_flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+cli_flags.define_flags()
+FLAGS = flags.FLAGS
+COMMANDS = ("plan", "simulate")
+
+
+def _optimizer():
+    import keras
+    return {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=FLAGS.momentum),
+            "adam": lambda: keras.optimizers.Adam(), "rmsprop": lambda: keras.optimizers.RMSprop()}[FLAGS.optimizer]()
+
+
+def make_plan():
+    """The plan the flags ask for, and a one-line description of where its times come from."""
+    from hetpipe_tf import models
+    from hetpipe_tf.cluster import load_cluster
+    from hetpipe_tf.optimizers import slots_per_weight
+    from hetpipe_tf.planner import plan
+    from hetpipe_tf.profile import static_profile
+    from hetpipe_tf.stage_rewrite import describe_model
+
+    cluster = load_cluster(FLAGS.cluster)
+    big = models.input_requirements(FLAGS.model)[0] is not None
+    shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
+    classes = FLAGS.num_classes or (1000 if big else 10)
+    model = models.build_model(FLAGS.model, shape, classes)
+    optimizer = _optimizer()
+    if cluster.emulated:
+        import keras
+        from hetpipe_tf.profiler import measure_profile
+        profile = measure_profile(model, FLAGS.batch_size, optimizer=optimizer,
+                                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    else:
+        profile = static_profile(describe_model(model).graph, FLAGS.batch_size)
+    return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_minibatches,
+                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
+                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method)
+
+
+def simulate_plan(p, minibatches):
+    """Simulation of a plan: throughput, busy fractions, per-worker wait and idle (§8.4)."""
+    from hetpipe_tf.planner import simulate_plan as run
+    return run(p, minibatches)
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(f"usage: hetpipe {{{','.join(COMMANDS)}}} [flags]; got {argv[1:]}")
+    p = make_plan()
+    if argv[1] == "plan":
+        print(json.dumps(p.to_dict(), indent=1) if FLAGS.json else p.format())
+        return
+    report = simulate_plan(p, FLAGS.minibatches)
+    if FLAGS.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(p.format().split("\n\n")[0])
+    print(f"\nsimulated {FLAGS.minibatches} minibatches per worker, D={p.staleness_bound}: "
+          f"{report['images_per_s']:.1f} images/s")
+    for w in report["virtual_workers"]:
+        print(f"  worker {w['index']} ({''.join(w['device_types'])}): busy "
+              f"{', '.join(f'{b:.2f}' for b in w['busy_fraction'])}; average wait {w['average_wait_s'] * 1e3:.1f} ms, "
+              f"idle {w['average_idle_s'] * 1e3:.1f} ms per wave")
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

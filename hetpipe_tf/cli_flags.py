@@ -1,0 +1,26 @@
+"""Flags of the `hetpipe` command (plan, simulate), defined in one place."""
+from absl import flags
+
+from hetpipe_tf import models
+from hetpipe_tf.allocation import POLICIES
+from hetpipe_tf.planner import PLACEMENTS
+
+
+def define_flags():
+    flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
+    flags.DEFINE_enum("model", "resnet152", list(models.MODELS), "Model to plan for.")
+    flags.DEFINE_enum("policy", "hd", list(POLICIES) + ["auto"], "Allocation of devices to virtual workers.")
+    flags.DEFINE_integer("vw_size", None, "Devices per virtual worker (default: the smallest node's count).")
+    flags.DEFINE_integer("batch_size", 32, "Minibatch size.")
+    flags.DEFINE_list("input_shape", None, "Input image shape H,W,C (default: 224,224,3 for keras.applications "
+                                           "models, else the bundled digits' 8,8,1).")
+    flags.DEFINE_integer("num_classes", None, "Classes (default: 1000 for keras.applications models, else 10).")
+    flags.DEFINE_integer("num_minibatches", None, "Force Nm (default: chosen by the planner).")
+    flags.DEFINE_integer("staleness_bound", 0, "D of Wave Synchronous Parallel.")
+    flags.DEFINE_enum("placement", "default", list(PLACEMENTS), "Parameter placement on the servers.")
+    flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
+    flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).")
+    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer (its slots take memory).")
+    flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).")
+    flags.DEFINE_integer("minibatches", 400, "simulate: minibatches per virtual worker.")
+    flags.DEFINE_bool("json", False, "Print JSON instead of a table.")

@@ -1,0 +1,133 @@
+"""Predicted time and memory of a stage (HetPipe §4 and §7).
+
+Pure Python. For a stage made of segments [lo, hi) of a :class:`Profile`, placed on
+a cluster device at position q of a virtual worker of k stages with Nm minibatches
+in flight:
+
+* **time per minibatch** = forward and backward task overheads + the segments'
+  compute on that device type (emulated devices: the host's times scaled by
+  dilation / speed, as the emulation pads them) + receiving the activations that
+  cross into the stage (forward) + receiving the gradients of the tensors it sends
+  (backward) + applying the update. Communication over a link follows §7: inside a
+  node, bytes / (bandwidth x a scaling-down constant); between nodes, a linear fit
+  ``intercept + slope x bytes`` (:class:`LinkModel`);
+* **memory** = live weights and non-trainable state, Nm stashed weight versions,
+  optimizer slots, with WSP one more copy (the weights at the last push), and the
+  activations of the minibatches in flight at that stage: min(Nm, k - q), so the
+  first stage holds the most and the last one holds one (§4; the schedule enforces
+  this window), plus a reserve for the framework's own memory on real devices.
+"""
+from dataclasses import dataclass, field
+
+REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GPU
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Seconds to move bytes between two devices of a cluster (§7)."""
+    intra_scale: float = 0.8  # the fraction of the nominal intra-node bandwidth achieved
+    inter_intercept: float = 50e-6  # seconds
+    inter_scale: float = 0.9  # fraction of the nominal inter-node bandwidth (slope = 1 / (bw x scale))
+    source: str = "assumed (not calibrated): 0.8 of PCIe, 50 us + bytes / (0.9 x InfiniBand)"
+
+    def seconds(self, nbytes, src, dst, cluster):
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        if src.node == dst.node:
+            return nbytes / (cluster.intra_node_bandwidth * self.intra_scale)
+        return self.inter_intercept + nbytes / (cluster.inter_node_bandwidth * self.inter_scale)
+
+
+def in_flight(position, num_stages, num_in_flight):
+    """Minibatches whose activations a stage holds at once (§4): min(Nm, k - q)."""
+    return max(1, min(num_in_flight, num_stages - position))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    device: object  # a cluster Device
+    segments: tuple  # (lo, hi)
+    position: int
+    forward: float
+    backward: float
+    recv_activation: float
+    recv_gradient: float
+    apply: float
+    memory: dict = field(default_factory=dict)  # category -> bytes
+
+    @property
+    def time(self):
+        return self.forward + self.backward + self.recv_activation + self.recv_gradient + self.apply
+
+    @property
+    def memory_total(self):
+        return sum(self.memory.values())
+
+    @property
+    def capacity(self):
+        return self.device.type.memory
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Stage costs for one profile on one cluster."""
+    profile: object
+    cluster: object
+    links: LinkModel = LinkModel()
+    dilation: float = 1.0  # emulated devices' time dilation
+    optimizer_slots: int = 1  # optimizer variables per weight (SGD with momentum: 1, Adam: 2)
+    wsp: bool = False  # several virtual workers: one more weight copy per stage
+
+    def times(self, device_type):
+        """SegmentTimes of a device type, and the factor its compute is scaled by."""
+        if device_type.emulated:
+            return self.profile.times["host"], self.dilation / device_type.emulated_speed
+        if device_type.name in self.profile.times:
+            return self.profile.times[device_type.name], 1.0
+        from hetpipe_tf.profile import analytic_times
+        return analytic_times(self.profile, device_type), 1.0
+
+    def apply_seconds(self, device_type, weight_bytes):
+        """Applying an update: measured on the host for emulated devices; on a real device,
+        reading and writing the weights, gradients and slots at its memory bandwidth."""
+        if device_type.emulated or device_type.name in self.profile.times:
+            return self.profile.apply_base + self.profile.apply_per_byte * weight_bytes
+        from hetpipe_tf.profile import ANALYTIC_MEMORY_EFFICIENCY
+        moved = weight_bytes * (3 + 2 * self.optimizer_slots)
+        return moved / (device_type.memory_bandwidth * ANALYTIC_MEMORY_EFFICIENCY)
+
+    def weight_copies(self, num_in_flight):
+        """Copies of a stage's weights: live, Nm stashed versions, with WSP the last push."""
+        return 1 + num_in_flight + (1 if self.wsp else 0)
+
+    def stage(self, lo, hi, devices, position, num_in_flight):
+        """The :class:`StageCost` of segments [lo, hi) at `position` of the device chain `devices`."""
+        p = self.profile
+        device = devices[position]
+        k = len(devices)
+        t, scale = self.times(device.type)
+        forward = scale * (t.forward_overhead + sum(t.forward[lo:hi]))
+        backward = scale * (t.backward_overhead + sum(t.backward[lo:hi]))
+        weights = sum(p.weight_bytes[lo:hi])
+        cut_in = p.cut_bytes[lo] if lo > 0 else 0
+        cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0
+        recv_act = self.links.seconds(cut_in, devices[position - 1], device, self.cluster) if position > 0 else 0.0
+        recv_grad = (self.links.seconds(cut_out, devices[position + 1], device, self.cluster)
+                     if position < k - 1 else 0.0)
+        apply = self.apply_seconds(device.type, weights)
+        held = in_flight(position, k, num_in_flight)
+        memory = {
+            "weights and versions": weights * self.weight_copies(num_in_flight),
+            "optimizer slots": weights * self.optimizer_slots,
+            "non-trainable state": sum(p.state_bytes[lo:hi]),
+            "activations": held * (cut_in + sum(p.activation_bytes[lo:hi])),
+            "framework reserve": 0 if device.type.emulated else REAL_DEVICE_RESERVE,
+        }
+        return StageCost(device=device, segments=(lo, hi), position=position, forward=forward,
+                         backward=backward, recv_activation=recv_act, recv_gradient=recv_grad, apply=apply,
+                         memory=memory)
+
+    def stages(self, boundaries, devices, num_in_flight):
+        """StageCosts of a whole partition (segment boundaries, starting with 0)."""
+        ends = tuple(boundaries[1:]) + (self.profile.num_segments,)
+        return [self.stage(lo, hi, devices, q, num_in_flight) for q, (lo, hi) in enumerate(zip(boundaries, ends))]

@@ -8,7 +8,9 @@ in flight:
   compute on that device type (emulated devices: the host's times scaled by
   dilation / speed, as the emulation pads them) + receiving the activations that
   cross into the stage (forward) + receiving the gradients of the tensors it sends
-  (backward) + applying the update. Communication over a link follows §7: inside a
+  (backward) + applying the update (which writes a fresh buffer when Nm > 1, since
+  a stashed version shares the old one) + the executor's cost of the stage's
+  non-compute instructions (their number per minibatch comes from the schedule). Communication over a link follows §7: inside a
   node, bytes / (bandwidth x a scaling-down constant); between nodes, a linear fit
   ``intercept + slope x bytes`` (:class:`LinkModel`);
 * **memory** = live weights and non-trainable state, Nm stashed weight versions,
@@ -38,6 +40,17 @@ class LinkModel:
         return self.inter_intercept + nbytes / (cluster.inter_node_bandwidth * self.inter_scale)
 
 
+def non_compute_instructions(position, num_stages):
+    """How many receives, sends, stashes and releases a minibatch has at a stage position,
+    counted from the HetPipe schedule itself."""
+    from hetpipe_tf.instructions import ApplyUpdate, Backward, Forward
+    from hetpipe_tf.schedule import hetpipe_schedule
+
+    prog = hetpipe_schedule(num_stages, 3, 1).programs[position]
+    return sum(1 for stream in prog.streams for ins in stream[1].instructions
+               if not isinstance(ins, (Forward, Backward, ApplyUpdate)))
+
+
 def in_flight(position, num_stages, num_in_flight):
     """Minibatches whose activations a stage holds at once (§4): min(Nm, k - q)."""
     return max(1, min(num_in_flight, num_stages - position))
@@ -53,11 +66,13 @@ class StageCost:
     recv_activation: float
     recv_gradient: float
     apply: float
+    executor: float = 0.0  # non-compute instructions
     memory: dict = field(default_factory=dict)  # category -> bytes
 
     @property
     def time(self):
-        return self.forward + self.backward + self.recv_activation + self.recv_gradient + self.apply
+        return (self.forward + self.backward + self.recv_activation + self.recv_gradient + self.apply
+                + self.executor)
 
     @property
     def memory_total(self):
@@ -77,6 +92,7 @@ class CostModel:
     dilation: float = 1.0  # emulated devices' time dilation
     optimizer_slots: int = 1  # optimizer variables per weight (SGD with momentum: 1, Adam: 2)
     wsp: bool = False  # several virtual workers: one more weight copy per stage
+    analytic: object = None  # AnalyticAssumptions for device types that are not measured
 
     def times(self, device_type):
         """SegmentTimes of a device type, and the factor its compute is scaled by."""
@@ -84,17 +100,26 @@ class CostModel:
             return self.profile.times["host"], self.dilation / device_type.emulated_speed
         if device_type.name in self.profile.times:
             return self.profile.times[device_type.name], 1.0
-        from hetpipe_tf.profile import analytic_times
-        return analytic_times(self.profile, device_type), 1.0
+        from hetpipe_tf.profile import AnalyticAssumptions, analytic_times
+        return analytic_times(self.profile, device_type, self.analytic or AnalyticAssumptions()), 1.0
 
-    def apply_seconds(self, device_type, weight_bytes):
+    def apply_seconds(self, device_type, weight_bytes, num_in_flight=1):
         """Applying an update: measured on the host for emulated devices; on a real device,
         reading and writing the weights, gradients and slots at its memory bandwidth."""
-        if device_type.emulated or device_type.name in self.profile.times:
-            return self.profile.apply_base + self.profile.apply_per_byte * weight_bytes
-        from hetpipe_tf.profile import ANALYTIC_MEMORY_EFFICIENCY
+        p = self.profile
+        if device_type.emulated or device_type.name in p.times:
+            per_byte = p.apply_shared_per_byte if num_in_flight > 1 and p.apply_shared_per_byte else p.apply_per_byte
+            return p.apply_base + per_byte * weight_bytes
+        from hetpipe_tf.profile import AnalyticAssumptions
         moved = weight_bytes * (3 + 2 * self.optimizer_slots)
-        return moved / (device_type.memory_bandwidth * ANALYTIC_MEMORY_EFFICIENCY)
+        efficiency = (self.analytic or AnalyticAssumptions()).memory_efficiency
+        return moved / (device_type.memory_bandwidth * efficiency)
+
+    def executor_seconds(self, position, num_stages):
+        """The executor's cost of one minibatch's non-compute instructions at a stage position."""
+        if not self.profile.instruction_seconds:
+            return 0.0
+        return self.profile.instruction_seconds * non_compute_instructions(position, num_stages)
 
     def weight_copies(self, num_in_flight):
         """Copies of a stage's weights: live, Nm stashed versions, with WSP the last push."""
@@ -106,15 +131,16 @@ class CostModel:
         device = devices[position]
         k = len(devices)
         t, scale = self.times(device.type)
-        forward = scale * (t.forward_overhead + sum(t.forward[lo:hi]))
-        backward = scale * (t.backward_overhead + sum(t.backward[lo:hi]))
+        late = p.pacing_overshoot_seconds if device.type.emulated else 0.0
+        forward = scale * (t.forward_overhead + sum(t.forward[lo:hi])) + late
+        backward = scale * (t.backward_overhead + sum(t.backward[lo:hi])) + late
         weights = sum(p.weight_bytes[lo:hi])
         cut_in = p.cut_bytes[lo] if lo > 0 else 0
         cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0
         recv_act = self.links.seconds(cut_in, devices[position - 1], device, self.cluster) if position > 0 else 0.0
         recv_grad = (self.links.seconds(cut_out, devices[position + 1], device, self.cluster)
                      if position < k - 1 else 0.0)
-        apply = self.apply_seconds(device.type, weights)
+        apply = self.apply_seconds(device.type, weights, num_in_flight)
         held = in_flight(position, k, num_in_flight)
         memory = {
             "weights and versions": weights * self.weight_copies(num_in_flight),
@@ -125,7 +151,7 @@ class CostModel:
         }
         return StageCost(device=device, segments=(lo, hi), position=position, forward=forward,
                          backward=backward, recv_activation=recv_act, recv_gradient=recv_grad, apply=apply,
-                         memory=memory)
+                         executor=self.executor_seconds(position, k), memory=memory)
 
     def stages(self, boundaries, devices, num_in_flight):
         """StageCosts of a whole partition (segment boundaries, starting with 0)."""

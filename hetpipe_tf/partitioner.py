@@ -86,12 +86,14 @@ class _Coefficients:
         self.held = []
         for q, d in enumerate(devices):
             t, scale = model.times(d.type)
-            apply_base = model.apply_seconds(d.type, 0)
-            apply_per_byte = model.apply_seconds(d.type, 1) - apply_base
+            apply_base = model.apply_seconds(d.type, 0, num_in_flight)
+            apply_per_byte = model.apply_seconds(d.type, 1, num_in_flight) - apply_base
             per_seg = [scale * (f + b) + apply_per_byte * w
                        for f, b, w in zip(t.forward, t.backward, p.weight_bytes)]
             self.time_prefix.append(_prefix(per_seg))
-            self.time_const.append(scale * (t.forward_overhead + t.backward_overhead) + apply_base)
+            late = 2 * p.pacing_overshoot_seconds if d.type.emulated else 0.0
+            self.time_const.append(scale * (t.forward_overhead + t.backward_overhead) + apply_base
+                                   + model.executor_seconds(q, k) + late)
             held = min(max(1, k - q), num_in_flight)
             self.held.append(held)
             self.mem_prefix.append(_prefix([w * copies + s + held * a for w, s, a in

@@ -62,6 +62,7 @@ class Plan:
     per_worker: tuple  # predicted minibatches/s of each worker in the cluster
     by_num_in_flight: dict  # Nm -> predicted minibatches/s
     notes: tuple
+    analytic: object = None  # the AnalyticAssumptions the plan used
 
     @property
     def allocation(self):
@@ -212,6 +213,8 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
     wsp = len(workers) > 1
     schedules = [hetpipe_schedule(len(w.stages), n, num_in_flight, wsp=wsp) for w in workers]
 
+    per_instruction = model.profile.instruction_seconds
+
     def duration(agent, ins):
         st = workers[agent[0]].stages[agent[1]]
         kind = type(ins)
@@ -219,13 +222,10 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
             return st.forward
         if kind is Backward:
             return st.backward
-        if kind is RecvActivation:
-            return st.recv_activation
-        if kind is RecvGradient:
-            return st.recv_gradient
         if kind in (ApplyUpdate, MergePulled):
             return st.apply
-        return 0.0
+        link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
+        return link + per_instruction
 
     ps = None
     if wsp:
@@ -289,11 +289,13 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
     plans = tuple(WorkerPlan(devices=p.devices, partition=p, max_num_in_flight=m) for p, m in zip(parts, max_m))
     return Plan(cluster=model.cluster, profile=model.profile, policy=policy, placement=placement,
                 staleness_bound=staleness_bound, num_in_flight=chosen, workers=plans, minibatches_per_s=total,
-                per_worker=per, by_num_in_flight={nm: v[0] for nm, v in results.items()}, notes=tuple(notes))
+                per_worker=per, by_num_in_flight={nm: v[0] for nm, v in results.items()}, notes=tuple(notes),
+                analytic=model.analytic)
 
 
 def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, staleness_bound=0, placement="default",
-         dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None):
+         dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None,
+         analytic=None):
     """Plans training `profile`'s model on `cluster`; see the module docstring.
 
     Args:
@@ -307,6 +309,7 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
       dilation, optimizer_slots, links: passed to the CostModel.
       method: "milp" (default) or "dp".
       workers: explicit virtual workers (tuples of cluster devices) instead of a policy.
+      analytic: AnalyticAssumptions for device types that are not measured.
     """
     notes = []
     if profile.num_segments > MAX_SEGMENTS:
@@ -314,7 +317,8 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
                      f"(stages are cut only between merged segments)")
         profile = coarsen(profile, MAX_SEGMENTS)
     links = links or LinkModel()
-    model = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots)
+    model = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
+                      analytic=analytic)
     for name, t in profile.times.items():
         notes.append(f"times for {name}: {t.source}")
     for dtype in {d.type for d in cluster.devices()}:
@@ -336,7 +340,7 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     for label, group in candidates:
         several = len(group) > 1
         cm = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
-                       wsp=several)
+                       wsp=several, analytic=analytic)
         try:
             p = _plan_workers(cm, group, label.lower() if policy.lower() != "auto" else f"auto: {label}",
                               placement if several else "default", staleness_bound, num_in_flight,
@@ -355,7 +359,7 @@ def simulate_plan(p, minibatches=400):
     """A plan's schedules in the simulator, longer than the planner runs them: a report dict
     with images/s, and per worker its devices' busy fractions and its average wait for pulled
     weights and idle time of its first stage during those waits (§8.4)."""
-    model = CostModel(p.profile, p.cluster, wsp=len(p.workers) > 1)
+    model = CostModel(p.profile, p.cluster, wsp=len(p.workers) > 1, analytic=p.analytic)
     parts = [w.partition for w in p.workers]
     result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, minibatches)
     alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]

@@ -12,7 +12,13 @@ a contiguous run of segments. For a batch size, a :class:`Profile` holds
   activations one minibatch keeps alive in it until its backward pass, and the
   bytes that cross into it from the previous segment (activations forward,
   gradients backward; a skip tensor counts at every cut it spans);
-* the time to apply an update, ``apply_base + apply_per_byte * weight bytes``.
+* the time to apply an update, ``apply_base + apply_per_byte * weight bytes``, and
+  ``apply_shared_per_byte`` when a stashed version still shares the weights' buffer
+  (Nm > 1: the update then writes a fresh buffer);
+* ``instruction_seconds``: what one non-compute instruction (receive, send, stash,
+  release) costs the executor, and ``pacing_overshoot_seconds``: how late, on
+  average, a paced task on an emulated device ends after its target (waking from
+  its sleep needs the interpreter back).
 
 Memory is counted from tensor shapes (weights, optimizer slots, activations);
 frameworks add workspace on top, which the cost model reserves per device.
@@ -20,12 +26,15 @@ frameworks add workspace on top, which the cost model reserves per device.
 import json
 from dataclasses import asdict, dataclass, field
 
-# Assumptions of the analytic profile (fractions of peak a training kernel reaches,
-# and a kernel launch cost); they are printed with every analytic figure.
-ANALYTIC_COMPUTE_EFFICIENCY = 0.5
-ANALYTIC_MEMORY_EFFICIENCY = 0.7
-ANALYTIC_KERNEL_SECONDS = 10e-6
-ANALYTIC_TASK_SECONDS = 200e-6
+@dataclass(frozen=True)
+class AnalyticAssumptions:
+    """What an analytic profile assumes: the fractions of peak FLOP/s and memory bandwidth a
+    training kernel reaches, a cost per kernel, and a cost per task. They are printed with
+    every analytic figure; benchmarks/planner_accuracy.py calibrates them on measured cells."""
+    compute_efficiency: float = 0.5
+    memory_efficiency: float = 0.7
+    kernel_seconds: float = 10e-6
+    task_seconds: float = 200e-6
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,9 @@ class Profile:
     times: dict = field(default_factory=dict)  # device type (or "host") -> SegmentTimes
     apply_base: float = 0.0
     apply_per_byte: float = 0.0
+    apply_shared_per_byte: float = 0.0
+    instruction_seconds: float = 0.0
+    pacing_overshoot_seconds: float = 0.0
 
     @property
     def num_segments(self):
@@ -66,8 +78,10 @@ class Profile:
         merged[key] = times
         return Profile(**{**self._fields(), "times": merged})
 
-    def with_apply(self, base, per_byte):
-        return Profile(**{**self._fields(), "apply_base": base, "apply_per_byte": per_byte})
+    def with_costs(self, **costs):
+        """The profile with some of apply_base, apply_per_byte, apply_shared_per_byte,
+        instruction_seconds replaced."""
+        return Profile(**{**self._fields(), **costs})
 
     def _fields(self):
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -149,19 +163,19 @@ def coarsen(profile, max_segments):
                       "times": times})
 
 
-def analytic_times(profile, device_type):
+def analytic_times(profile, device_type, assume=AnalyticAssumptions()):
     """Roofline times of every segment on a real device type described by its specs."""
-    flops = device_type.peak_tflops * 1e12 * ANALYTIC_COMPUTE_EFFICIENCY
-    bandwidth = device_type.memory_bandwidth * ANALYTIC_MEMORY_EFFICIENCY
+    flops = device_type.peak_tflops * 1e12 * assume.compute_efficiency
+    bandwidth = device_type.memory_bandwidth * assume.memory_efficiency
 
     def seconds(f, traffic, kernels):
-        return max(f / flops, traffic / bandwidth) + kernels * ANALYTIC_KERNEL_SECONDS
+        return max(f / flops, traffic / bandwidth) + kernels * assume.kernel_seconds
 
     forward = tuple(seconds(f, b, k) for f, b, k in zip(profile.forward_flops, profile.traffic_bytes,
                                                         profile.kernels))
     backward = tuple(seconds(f, 2 * b, 2 * k) for f, b, k in zip(profile.backward_flops, profile.traffic_bytes,
                                                                  profile.kernels))
     source = (f"analytic for {device_type.label}: roofline of {device_type.peak_tflops:.1f} TFLOP/s x "
-              f"{ANALYTIC_COMPUTE_EFFICIENCY} and {device_type.memory_bandwidth / 1e9:.0f} GB/s x "
-              f"{ANALYTIC_MEMORY_EFFICIENCY}, {ANALYTIC_KERNEL_SECONDS * 1e6:.0f} us per kernel")
-    return SegmentTimes(forward, backward, ANALYTIC_TASK_SECONDS, ANALYTIC_TASK_SECONDS, source)
+              f"{assume.compute_efficiency:g} and {device_type.memory_bandwidth / 1e9:.0f} GB/s x "
+              f"{assume.memory_efficiency:g}, {assume.kernel_seconds * 1e6:g} us per kernel")
+    return SegmentTimes(forward, backward, assume.task_seconds, assume.task_seconds, source)

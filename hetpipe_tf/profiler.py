@@ -92,8 +92,9 @@ def _fit_segments(rows, n):
     return float(x[0]), tuple(float(v) for v in x[1:])
 
 
-def _apply_seconds(optimizer, device, sizes=(2 ** 14, 2 ** 22), repeats=20):
-    """(base, per byte) of one optimizer apply, fitted from two variable sizes."""
+def _apply_seconds(optimizer, device, shared, sizes=(2 ** 14, 2 ** 22), repeats=20):
+    """(base, per byte) of one optimizer apply, fitted from two variable sizes; with `shared`,
+    a reference to the weights is held across the apply, as a stashed version holds it."""
     points = []
     for n in sizes:
         with tf.device(device):
@@ -103,14 +104,49 @@ def _apply_seconds(optimizer, device, sizes=(2 ** 14, 2 ** 22), repeats=20):
             grads = [tf.ones(n)]
             fn = tf.function(lambda g: opt.apply(g, variables), jit_compile=True)
             fn(grads)
-            t0 = time.perf_counter()
+            best = float("inf")
             for _ in range(repeats):
+                held = variables[0].value.read_value() if shared else None
+                t0 = time.perf_counter()
                 fn(grads)
-            float(variables[0][0])
-        points.append((4 * n, (time.perf_counter() - t0) / repeats))
+                float(variables[0][0])
+                best = min(best, time.perf_counter() - t0)
+                del held
+        points.append((4 * n, best))
     (b0, t0), (b1, t1) = points
     per_byte = max((t1 - t0) / (b1 - b0), 0.0)
     return max(t0 - per_byte * b0, 0.0), per_byte
+
+
+def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_per_byte, minibatches=24):
+    """What the executor adds around compute, measured by running `model` for real as a two-stage
+    pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
+    instruction, how much slower an apply is there than alone, the mean time a paced task
+    ends after its target)."""
+    from hetpipe_tf.instructions import ApplyUpdate
+    from hetpipe_tf.virtual_worker import VirtualWorker
+
+    from hetpipe_tf.stage_rewrite import describe_model
+
+    cuts = describe_model(model).graph.allowed_cuts()
+    vw = VirtualWorker(model, "1,1", num_minibatches=2, boundaries=(0, cuts[len(cuts) // 2]),
+                       optimizer=optimizer, loss=loss, dilation=2.0)
+    data = [sample] * minibatches
+    vw.train(iter(data[:2]), 2)
+    vw.train(iter(data), minibatches, trace=True)
+    events = [e for e in vw.trace.events() if e.get("ph") == "X"]
+    compute = {Forward.__name__, Backward.__name__, ApplyUpdate.__name__}
+    instruction = float(np.median([e["dur"] for e in events if e["cat"] not in compute])) * 1e-6
+    late = [e["dur"] * 1e-6 - vw._pacers[e["tid"]].target(vw.references[e["tid"]][kind])
+            for kind in (Forward, Backward) for e in events if e["cat"] == kind.__name__]
+    overshoot = max(0.0, float(np.mean(late)))
+    ratios = []
+    for rt in vw.runtimes:
+        applied = [e["dur"] * 1e-6 for e in events if e["cat"] == ApplyUpdate.__name__ and e["tid"] == rt.index]
+        alone = apply_base + apply_per_byte * rt.version_bytes
+        if applied and alone > 0:
+            ratios.append(float(np.median(applied)) / alone)
+    return instruction, (max(1.0, float(np.median(ratios))) if ratios else 1.0), overshoot
 
 
 def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", optimizer="sgd",
@@ -146,7 +182,17 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     times = SegmentTimes(forward=forward, backward=backward, forward_overhead=f_overhead,
                          backward_overhead=b_overhead,
                          source=f"measured on {host_name()} ({device}), batch {batch_size}")
-    profile = base.with_times("host", times).with_apply(*_apply_seconds(optimizer, device))
+    apply_base, apply_per_byte = _apply_seconds(optimizer, device, shared=False)
+    _, shared_per_byte = _apply_seconds(optimizer, device, shared=True)
+    weights = [v.numpy() for v in model.weights]
+    instruction, slower, overshoot = _executor_costs(model, loss, optimizer, (x, y), device, apply_base,
+                                                     shared_per_byte)
+    for v, w in zip(model.weights, weights):
+        v.assign(w)  # the probe run trained the model a little: undo it
+    profile = base.with_times("host", times).with_costs(
+        apply_base=apply_base * slower, apply_per_byte=apply_per_byte * slower,
+        apply_shared_per_byte=shared_per_byte * slower, instruction_seconds=instruction,
+        pacing_overshoot_seconds=overshoot)
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         with open(path, "w") as f:

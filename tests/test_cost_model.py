@@ -1,7 +1,7 @@
 import pytest
 
 from hetpipe_tf.cluster import load_cluster
-from hetpipe_tf.cost_model import CostModel, LinkModel, in_flight
+from hetpipe_tf.cost_model import CostModel, LinkModel, in_flight, non_compute_instructions
 from hetpipe_tf.profile import Profile, SegmentTimes
 
 
@@ -51,3 +51,24 @@ def test_real_devices_use_analytic_times_and_reserve():
     v = cluster.devices()[0]
     stage = CostModel(toy_profile(), cluster).stage(0, 4, [v], 0, 1)
     assert stage.memory["framework reserve"] > 0 and stage.forward > 0
+
+
+def test_executor_cost_counts_the_schedules_non_compute_instructions():
+    # first: LoadMinibatch, SendActivation, RecvGradient, ReleaseWeights, StashWeights
+    # middle: + RecvActivation, SendGradient instead of LoadMinibatch; last: RecvActivation,
+    # RecvLabels, SendGradient, ReleaseWeights, StashWeights; alone: Load, RecvLabels, Release, Stash
+    assert [non_compute_instructions(q, 3) for q in range(3)] == [5, 6, 5]
+    assert non_compute_instructions(0, 1) == 4
+    cluster = load_cluster("local")
+    profile = toy_profile()
+    model = CostModel(Profile(**{**profile._fields(), "instruction_seconds": 0.01}), cluster)
+    assert model.stage(0, 2, cluster.devices()[:3], 1, 2).executor == pytest.approx(0.06)
+
+
+def test_apply_writes_a_fresh_buffer_when_versions_are_stashed():
+    cluster = load_cluster("local")
+    profile = Profile(**{**toy_profile()._fields(), "apply_shared_per_byte": 0.002})
+    model = CostModel(profile, cluster)
+    f = cluster.devices()[0]
+    assert model.stage(0, 4, [f], 0, 1).apply == pytest.approx(0.1 + 400 * 0.001)
+    assert model.stage(0, 4, [f], 0, 2).apply == pytest.approx(0.1 + 400 * 0.002)

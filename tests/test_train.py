@@ -30,3 +30,12 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path):
     assert run.returncode != 0 and "'mnist' is not prepared" in run.stderr and "never downloads" in run.stderr
     run = _train(tmp_path, "--num_stages=3", "--devices=1,1")
     assert run.returncode != 0 and "--num_stages=3 but --devices lists 2 devices" in run.stderr
+
+
+def test_plan_auto_profiles_plans_and_trains(tmp_path):
+    run = _train(tmp_path, "--plan=auto", "--epochs=1", "--steps_per_epoch=8", "--devices=1@64M,0.5@64M,0.5@64M",
+                 "--model=mlp", "--dilation=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "policy GIVEN" in run.stdout and "predicted" in run.stdout and "Max_m=" in run.stdout
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert summary["num_minibatches"] >= 1 and len(summary["devices"]) == 3

@@ -73,11 +73,18 @@ def local_part(rounds):
 
     from hetpipe_tf import models
     from hetpipe_tf.cluster import load_cluster
+    from hetpipe_tf.cost_model import LinkModel
     from hetpipe_tf.optimizers import slots_per_weight
-    from hetpipe_tf.planner import plan
-    from hetpipe_tf.profiler import measure_profile
+    from hetpipe_tf.planner import plan as make_plan
+    from hetpipe_tf.profiler import measure_profile, measure_transfers
 
     cluster = load_cluster("local")
+    samples = measure_transfers("/device:CPU:0", "/device:CPU:1")  # every local "node" is this host
+    links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
+    _emit(part="local", links=links.source)
+
+    def plan(*args, **kwargs):
+        return make_plan(*args, links=links, **kwargs)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     summary = {}
     for name in ("cnn", "mlp"):

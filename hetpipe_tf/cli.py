@@ -37,21 +37,30 @@ def make_plan():
     from hetpipe_tf.stage_rewrite import describe_model
 
     cluster = load_cluster(FLAGS.cluster)
+    if cluster.emulated:  # logical devices before anything starts TensorFlow's runtime
+        from hetpipe_tf.devices import DeviceSpec, configure_tensorflow_devices
+        names = configure_tensorflow_devices([DeviceSpec("emulated")] * 2)
     big = models.input_requirements(FLAGS.model)[0] is not None
     shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
     classes = FLAGS.num_classes or (1000 if big else 10)
     model = models.build_model(FLAGS.model, shape, classes)
     optimizer = _optimizer()
+    links = None
     if cluster.emulated:
+        # Emulated devices are measured here, and so is the host link between them (§7's
+        # synthetic transfer benchmark); every "node" of an emulated cluster is this host.
         import keras
-        from hetpipe_tf.profiler import measure_profile
+        from hetpipe_tf.cost_model import LinkModel
+        from hetpipe_tf.profiler import measure_profile, measure_transfers
+        samples = measure_transfers(names[0], names[1])
+        links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
         profile = measure_profile(model, FLAGS.batch_size, optimizer=optimizer,
                                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     else:
         profile = static_profile(describe_model(model).graph, FLAGS.batch_size)
     return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_minibatches,
                 staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
-                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method)
+                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links)
 
 
 def simulate_plan(p, minibatches):

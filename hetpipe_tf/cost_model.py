@@ -26,18 +26,55 @@ REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GP
 
 @dataclass(frozen=True)
 class LinkModel:
-    """Seconds to move bytes between two devices of a cluster (§7)."""
+    """Seconds to move bytes between two devices of a cluster (§7): ``intercept + bytes /
+    (nominal bandwidth x scale)``, inside a node and between nodes. §7 calibrates the
+    intra-node scaling-down constant with a synthetic transfer benchmark and fits the
+    inter-node line by regression: :meth:`calibrated` does both from measured samples."""
     intra_scale: float = 0.8  # the fraction of the nominal intra-node bandwidth achieved
     inter_intercept: float = 50e-6  # seconds
     inter_scale: float = 0.9  # fraction of the nominal inter-node bandwidth (slope = 1 / (bw x scale))
+    intra_intercept: float = 0.0
     source: str = "assumed (not calibrated): 0.8 of PCIe, 50 us + bytes / (0.9 x InfiniBand)"
 
     def seconds(self, nbytes, src, dst, cluster):
         if nbytes <= 0 or src == dst:
             return 0.0
         if src.node == dst.node:
-            return nbytes / (cluster.intra_node_bandwidth * self.intra_scale)
+            return self.intra_intercept + nbytes / (cluster.intra_node_bandwidth * self.intra_scale)
         return self.inter_intercept + nbytes / (cluster.inter_node_bandwidth * self.inter_scale)
+
+    def calibrated(self, cluster, intra_samples=None, inter_samples=None):
+        """This model with the intra-node and/or inter-node lines fitted to (bytes, seconds)
+        samples, e.g. from :func:`hetpipe_tf.profiler.measure_transfers`."""
+        fields, notes = {}, []
+        if intra_samples:
+            intercept, per_byte = fit_line(intra_samples)
+            fields.update(intra_intercept=intercept, intra_scale=1.0 / (per_byte * cluster.intra_node_bandwidth))
+            notes.append(f"intra-node {intercept * 1e6:.0f} us + bytes / {1 / per_byte / 1e9:.2f} GB/s "
+                         f"({len(intra_samples)} transfers measured)")
+        if inter_samples:
+            intercept, per_byte = fit_line(inter_samples)
+            fields.update(inter_intercept=intercept, inter_scale=1.0 / (per_byte * cluster.inter_node_bandwidth))
+            notes.append(f"inter-node {intercept * 1e6:.0f} us + bytes / {1 / per_byte / 1e9:.2f} GB/s "
+                         f"({len(inter_samples)} transfers measured)")
+        kept = [] if inter_samples else [f"inter-node assumed: {self.inter_intercept * 1e6:.0f} us + bytes / "
+                                         f"({self.inter_scale:g} x nominal)"]
+        return LinkModel(**{**self.__dict__, **fields,
+                            "source": "calibrated: " + "; ".join(notes + kept)})
+
+
+def fit_line(samples):
+    """Least squares (intercept >= 0, seconds per byte > 0) of seconds against bytes."""
+    n = len(samples)
+    if n < 2 or len({b for b, _ in samples}) < 2:
+        raise ValueError(f"a link fit needs transfers of at least two sizes, got {samples}")
+    mean_b = sum(b for b, _ in samples) / n
+    mean_t = sum(t for _, t in samples) / n
+    slope = (sum((b - mean_b) * (t - mean_t) for b, t in samples)
+             / sum((b - mean_b) ** 2 for b, _ in samples))
+    if slope <= 0:
+        raise ValueError(f"transfer times do not grow with size: {samples}")
+    return max(mean_t - slope * mean_b, 0.0), slope
 
 
 def non_compute_instructions(position, num_stages):

@@ -149,6 +149,24 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     return instruction, (max(1.0, float(np.median(ratios))) if ratios else 1.0), overshoot
 
 
+def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repeats=5):
+    """The synthetic transfer benchmark of §7: (bytes, seconds) for moving float32 tensors of
+    `sizes` elements from device `src` to `dst` (the least time of `repeats` each)."""
+    samples = []
+    for n in sizes:
+        with tf.device(src):
+            x = tf.random.uniform((n,))
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            with tf.device(dst):
+                y = tf.identity(x) + 0.0  # lands on dst and is written there
+            float(y[0])
+            best = min(best, time.perf_counter() - t0)
+        samples.append((4 * n, best))
+    return samples
+
+
 def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", optimizer="sgd",
                     sample=None, device="/device:CPU:0", repeats=7, cache_dir=DEFAULT_CACHE_DIR):
     """The profile of `model` at `batch_size`, with times measured on `device` of this host.

@@ -29,14 +29,19 @@ def _devices():
 def _auto_plan(model, devices, optimizer, loss, batch_size):
     """The planner's device order, stage boundaries and Nm for one virtual worker on `devices`."""
     from hetpipe_tf.cluster import from_device_specs
+    from hetpipe_tf.cost_model import LinkModel
+    from hetpipe_tf.devices import configure_tensorflow_devices
     from hetpipe_tf.optimizers import slots_per_weight
     from hetpipe_tf.planner import plan
-    from hetpipe_tf.profiler import measure_profile
+    from hetpipe_tf.profiler import measure_profile, measure_transfers
 
     cluster = from_device_specs(devices, name="devices")
     profile = measure_profile(model, batch_size, loss=loss, optimizer=optimizer)
+    names = configure_tensorflow_devices(devices)
+    samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
+    links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
     chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_minibatches,
-                  dilation=FLAGS.dilation, optimizer_slots=slots_per_weight(optimizer))
+                  dilation=FLAGS.dilation, optimizer_slots=slots_per_weight(optimizer), links=links)
     print(chosen.format())
     by_type = {}
     for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):

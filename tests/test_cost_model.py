@@ -1,7 +1,7 @@
 import pytest
 
 from hetpipe_tf.cluster import load_cluster
-from hetpipe_tf.cost_model import CostModel, LinkModel, in_flight, non_compute_instructions
+from hetpipe_tf.cost_model import CostModel, LinkModel, fit_line, in_flight, non_compute_instructions
 from hetpipe_tf.profile import Profile, SegmentTimes
 
 
@@ -72,3 +72,18 @@ def test_apply_writes_a_fresh_buffer_when_versions_are_stashed():
     f = cluster.devices()[0]
     assert model.stage(0, 4, [f], 0, 1).apply == pytest.approx(0.1 + 400 * 0.001)
     assert model.stage(0, 4, [f], 0, 2).apply == pytest.approx(0.1 + 400 * 0.002)
+
+
+def test_links_are_calibrated_from_transfer_samples():
+    cluster = load_cluster("paper")
+    v0, v1, r0 = cluster.devices()[0], cluster.devices()[1], cluster.devices()[4]
+    intra = [(b, 20e-6 + b / 12e9) for b in (1e5, 1e6, 1e7)]  # 12 GB/s of PCIe's nominal 15.75
+    inter = [(b, 80e-6 + b / 5e9) for b in (1e5, 1e6, 1e7, 1e8)]
+    links = LinkModel().calibrated(cluster, intra_samples=intra, inter_samples=inter)
+    assert links.intra_scale == pytest.approx(12 / 15.75) and links.intra_intercept == pytest.approx(20e-6)
+    assert links.seconds(1e8, v0, r0, cluster) == pytest.approx(80e-6 + 1e8 / 5e9)
+    assert links.seconds(1e8, v0, v1, cluster) == pytest.approx(20e-6 + 1e8 / 12e9)
+    assert links.source.startswith("calibrated: intra-node 20 us + bytes / 12.00 GB/s")
+    assert fit_line([(0, 1.0), (2, 3.0)]) == pytest.approx((1.0, 1.0))
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_line([(5, 1.0)])

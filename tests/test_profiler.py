@@ -23,3 +23,9 @@ def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
     again = measure_profile(model, 8, loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                             cache_dir=str(tmp_path))
     assert again == p
+
+
+def test_synthetic_transfer_benchmark_measures_growing_times():
+    from hetpipe_tf.profiler import measure_transfers
+    samples = measure_transfers("/device:CPU:0", "/device:CPU:1", sizes=(2 ** 12, 2 ** 22), repeats=3)
+    assert [b for b, _ in samples] == [2 ** 14, 2 ** 24] and samples[1][1] > samples[0][1] > 0

@@ -17,6 +17,7 @@ from setuptools.command.build_ext import build_ext
 
 OPS_LIBRARY = "hetpipe_tf.ops._hetpipe_ops"
 OPS_SOURCES = sorted(glob.glob("hetpipe_tf/ops/cc/**/*.cc", recursive=True))
+OPS_HEADERS = sorted(glob.glob("hetpipe_tf/ops/cc/**/*.h", recursive=True))
 BUILD_INFO = "_hetpipe_ops_build.json"
 
 
@@ -57,8 +58,8 @@ setup(
     description="HetPipe for TensorFlow: pipelined model parallelism over "
                 "heterogeneous devices, with wave synchronous data parallelism",
     packages=find_packages(include=["hetpipe_tf", "hetpipe_tf.*"]),
-    package_data={"hetpipe_tf": ["ops/cc/**/*.cc", "ops/" + BUILD_INFO, "data/*.npz"]},
-    ext_modules=[Extension(OPS_LIBRARY, sources=OPS_SOURCES)],
+    package_data={"hetpipe_tf": ["ops/cc/**/*.cc", "ops/cc/**/*.h", "ops/" + BUILD_INFO, "data/*.npz"]},
+    ext_modules=[Extension(OPS_LIBRARY, sources=OPS_SOURCES, depends=OPS_HEADERS)],
     cmdclass={"build_ext": BuildTensorFlowOps},
     python_requires=">=3.10",
     # TensorFlow comes as an extra so that a GPU build is not replaced by the

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.emulation import EmulationReport
 from hetpipe_tf.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, ApplyUpdate, Backward, Forward, LoadMinibatch,
-    RecvActivation, RecvGradient, RecvInputs, RecvLabels, ReleaseWeights, SendActivation,
-    SendGradient, SnapshotState, StashWeights)
+    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, PULLED, ApplyUpdate, Backward, Forward,
+    LoadMinibatch, MergePulled, PullWeights, PushUpdate, RecvActivation, RecvGradient, RecvInputs,
+    RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
 from hetpipe_tf.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.schedule import fifo_pick
 
@@ -90,6 +90,7 @@ class PipelineExecutor:
       trace: a TraceRecorder or None; pid: its process id for this virtual worker.
       on_minibatch_done: called (from a stage thread) with (p, logs) when update p is in every stage.
       on_snapshot: called with (p, [StageState per stage]) once every stage recorded state p.
+      sync: a :class:`WorkerSync` when this worker is one of several under WSP (§5).
     """
 
     _HANDLERS = {
@@ -98,11 +99,12 @@ class PipelineExecutor:
         RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", Forward: "_forward",
         Backward: "_backward", ApplyUpdate: "_apply_update", StashWeights: "_stash_weights",
         ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state",
+        PushUpdate: "_push_update", PullWeights: "_pull_weights", MergePulled: "_merge_pulled",
     }
 
     def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
                  timeout_s=120.0, trace=None, pid=0, on_minibatch_done=None, on_snapshot=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, sync=None):
         if len(runtimes) != schedule.num_stages:
             raise ValueError(f"{schedule.num_stages} stages in the schedule, {len(runtimes)} runtimes")
         self.schedule = schedule
@@ -132,6 +134,9 @@ class PipelineExecutor:
         self._snapshot_lock = threading.Lock()
         self._logs = {}
         self.reports = [StageReport(s, runtimes[s].device) for s in range(k)]
+        self._sync = sync
+        self._pulls = None
+        self.pull_waits = []  # (stage, wave, requested, answered)
         self._check_instructions()
 
     def _check_instructions(self):
@@ -147,6 +152,10 @@ class PipelineExecutor:
     # Running ----------------------------------------------------------------------------
     def run(self):
         """Runs the whole schedule; returns an ExecutionReport or raises PipelineError."""
+        if self._sync is not None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pulls = ThreadPoolExecutor(max_workers=self.schedule.num_stages,
+                                             thread_name_prefix=f"hetpipe-pull-w{self._sync.worker}")
         threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
                                     daemon=True) for s in range(self.schedule.num_stages)]
         start = self._clock()
@@ -170,11 +179,19 @@ class PipelineExecutor:
             mb.wake()
         for t in threads:
             t.join(timeout=5.0)
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
         for rt in self.runtimes:
-            rt.end_run()
+            try:
+                rt.end_run()
+            except Exception:  # noqa: BLE001 - a failed run's devices may be gone; report its cause
+                if not self._errors:
+                    raise
         if self._errors:
             stage, ins, exc, tb = self._errors[0]
             where = f"stage {stage} failed at {ins!r}" if stage is not None else "the pipeline stalled"
+            if self._sync is not None:
+                where = f"virtual worker {self._sync.worker}: {where}"
             raise PipelineError(f"{where}: {type(exc).__name__}: {exc}\n"
                                 f"stages: {self.describe_status()}\n{tb}") from exc
         wall = self._clock() - start
@@ -301,7 +318,8 @@ class PipelineExecutor:
         taken = [self._mailboxes[s].take(key) for key in ins.requires()]
         values = getattr(self, self._HANDLERS[type(ins)])(s, ins, *taken) or {}
         for dst, key in ins.provides(s):
-            self._mailboxes[dst].put(key, values.get((dst, key)))
+            if dst != PARAMETER_SERVER:  # the method itself talked to the parameter servers
+                self._mailboxes[dst].put(key, values.get((dst, key)))
         t1 = self._clock()
         self._progress = t1
         if self._trace:
@@ -385,3 +403,41 @@ class PipelineExecutor:
                 del self._snapshots[ins.minibatch]
         if complete and self._on_snapshot:
             self._on_snapshot(ins.minibatch, [states[i] for i in range(self.schedule.num_stages)])
+
+    # Wave Synchronous Parallel (§5) -----------------------------------------------------
+    def _push_update(self, s, ins):
+        paths, deltas = self.runtimes[s].wave_update()
+        self._sync.servers.push(self._sync.worker, s, ins.wave, paths, deltas)
+
+    def _pull_weights(self, s, ins):
+        """Asks for the global weights; a pool thread waits for them, the stage goes on."""
+        rt, sync = self.runtimes[s], self._sync
+        asked = self._clock()
+
+        def pull():
+            try:
+                values, clocks = sync.servers.pull(rt.paths, ins.wave - sync.staleness_bound, sync.timeout_s)
+                answered = self._clock()
+                self.pull_waits.append((s, ins.wave, asked, answered))
+                if self._trace:
+                    self._trace.span(self._pid, 100 + s, f"wait for wave {ins.wave - sync.staleness_bound} "
+                                     f"(pull of clock {ins.wave})", asked, answered, category="PullWait")
+                self._mailboxes[s].put((PULLED, ins.wave), (values, clocks))
+            except BaseException as exc:  # noqa: BLE001 - reported by run()
+                self._fail(s, ins, exc)
+
+        self._pulls.submit(pull)
+
+    def _merge_pulled(self, s, ins, pulled):
+        values, clocks = pulled
+        self.runtimes[s].merge_pulled(ins.wave, values, clocks,
+                                      first_minibatch=(ins.wave + 2) * self.schedule.num_in_flight)
+
+
+@dataclass(frozen=True)
+class WorkerSync:
+    """How one virtual worker synchronises with the others under WSP (§5)."""
+    worker: int
+    servers: object  # ParameterServers
+    staleness_bound: int
+    timeout_s: float = 300.0

@@ -101,7 +101,8 @@ def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0
         wave's aggregated update and asks for the global weights (PushUpdate, PullWeights);
         a third stream merges them when they arrive (MergePulled), and minibatch (c+2)*Nm,
         the first whose version must hold the global updates of wave c, waits for that
-        merge. For D = 0, Nm = 4 (seed 001): minibatch 8 waits for every worker's wave 0,
+        merge. A last, partial wave is pushed too (no update is lost); pulls that no later
+        minibatch needs are not made. For D = 0, Nm = 4 (seed 001): minibatch 8 waits for every worker's wave 0,
         while minibatches 5..7 of wave 1 are already in the pipeline.
     """
     k, n, nm = int(num_stages), int(num_minibatches), int(num_in_flight)
@@ -132,9 +133,11 @@ def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0
         ins += [ReleaseWeights(p), ApplyUpdate(p)]
         if p + nm <= n:
             ins.append(StashWeights(p + nm))
-        if wsp and p % nm == 0:
-            wave = p // nm - 1
-            ins += [PushUpdate(p, wave=wave), PullWeights(p, wave=wave)]
+        if wsp and (p % nm == 0 or p == n):
+            wave = (p - 1) // nm
+            ins.append(PushUpdate(p, wave=wave))
+            if (wave + 2) * nm <= n:  # some later minibatch needs this wave's pull
+                ins.append(PullWeights(p, wave=wave))
         if p in snapshots:
             ins.append(SnapshotState(p))
         return ins

@@ -32,6 +32,12 @@ def _nbytes(variables):
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
 
 
+def _is_remote(device):
+    """Whether `device` belongs to a task of a cluster rather than to this process."""
+    job = tf.DeviceSpec.from_string(device or "").job
+    return job not in (None, "localhost")
+
+
 def _is_float(t):
     return t.dtype.is_floating
 
@@ -57,7 +63,7 @@ class StageState:
 
 class StageRuntime:
     def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
-                 activation_bytes=0, record_provenance=False, single_threaded=False):
+                 activation_bytes=0, record_provenance=False, single_threaded=False, wsp=False):
         self.stage = stage
         self.index = stage.index
         self.device = device
@@ -79,6 +85,14 @@ class StageRuntime:
         self.version_bytes = _nbytes(self.trainable)
         self.memory.allocate("weights", self.version_bytes + _nbytes(self.non_trainable))
         self.memory.allocate("optimizer slots", _nbytes(self.optimizer.variables))
+        # WSP (§5): the weights at the last push, plus the global updates merged since; the next
+        # push sends the difference, which is exactly the local updates made since.
+        self.paths = [v.path for v in stage.trainable_variables]
+        self.base = None
+        if wsp:
+            self.memory.allocate("weights at last push", self.version_bytes)
+            with tf.device(device):
+                self.base = [tf.identity(v.value) for v in self.trainable]
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
         self._inflight = {}
@@ -87,13 +101,19 @@ class StageRuntime:
         self.applied = []  # minibatch ids whose updates w_local holds, in order
         self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
         self.used_versions = {}  # p -> updates the version p's forward pass used
+        self.global_included = frozenset()  # (worker, wave) pushes the live weights hold (WSP)
+        self.version_globals = {}  # p -> (worker, wave) pushes w_p holds
+        self.used_globals = {}  # p -> (worker, wave) pushes the version p's forward pass used
         self.logs = {}  # p -> loss and metrics (last stage)
         # Per-instance closures: TensorFlow would count traces of a shared method across stages
         # as retracing.
         self._forward_fn = tf.function(lambda *args: self._forward_graph(*args))
         # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
-        # variable's buffer that a stashed version still shares, as eager updates do.
-        self._apply_fn = tf.function(lambda grads: self._apply_graph(grads), jit_compile=True)
+        # variable's buffer that a stashed version still shares, as eager updates do. Not on
+        # another task's device: TF 2.21's remote eager runtime then fails the next eager op
+        # ("KernelAndDeviceOp does not support EagerFunctionParams").
+        self._apply_fn = tf.function(lambda grads: self._apply_graph(grads),
+                                     jit_compile=not _is_remote(device))
 
     @property
     def is_last(self):
@@ -125,6 +145,7 @@ class StageRuntime:
         self.stash.put(p, [v.value for v in self.trainable])
         if self.record_provenance:
             self.version_updates[p] = tuple(self.applied)
+            self.version_globals[p] = self.global_included
 
     def release_weights(self, p):
         self.stash.release(p)
@@ -151,6 +172,7 @@ class StageRuntime:
         weights = self.stash.get(p, self._dtypes)
         if self.record_provenance:
             self.used_versions[p] = self.version_updates.pop(p)
+            self.used_globals[p] = self.version_globals.pop(p, frozenset())
         self.memory.allocate("activations", self.activation_bytes)
         # Differentiate with respect to what the previous stage sent (its gradient goes back)
         # and the weights; model inputs loaded here need no gradient.
@@ -206,6 +228,38 @@ class StageRuntime:
                 self._apply_fn(grads)
         self.applied.append(p)
 
+    # WSP ---------------------------------------------------------------------------------
+    def wave_update(self):
+        """(variable paths, the aggregated update of the wave): w_local - base; base := w_local."""
+        with tf.device(self.device):
+            now = [tf.identity(v.value) for v in self.trainable]
+            deltas = [n - b for n, b in zip(now, self.base)]
+        self.base = now
+        return self.paths, deltas
+
+    def merge_pulled(self, wave, pulled, clocks, first_minibatch):
+        """Takes global weights pulled after wave `wave` in (§5).
+
+        w_local becomes the pulled weights plus the local updates made since the last push;
+        so do the versions stashed since it (those of minibatches >= `first_minibatch`).
+        `clocks` are the workers' clocks read before the pulled values.
+        """
+        with tf.device(self.device):
+            delta = [tf.identity(g) - b for g, b in zip(pulled, self.base)]
+            for v, d in zip(self.trainable, delta):
+                v.assign_add(d)
+            self.base = [b + d for b, d in zip(self.base, delta)]
+            stashed = [p for p in self.stash.stats().minibatches if p >= first_minibatch]
+            for p in stashed:
+                version = self.stash.get(p, self._dtypes)
+                self.stash.release(p)
+                self.stash.put(p, [w + d for w, d in zip(version, delta)])
+        included = frozenset((w, c) for w, clock in enumerate(clocks) for c in range(clock))
+        self.global_included = included
+        if self.record_provenance:
+            for p in stashed:
+                self.version_globals[p] = included
+
     def end_run(self):
         """Drops what a stopped or failed run left behind: versions stashed for minibatches
         that never ran, and their inputs, so that the next run starts clean."""
@@ -215,7 +269,7 @@ class StageRuntime:
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)
         for pending in (self._entering, self._labels, self._weight_grads, self._input_grads,
-                        self.version_updates):
+                        self.version_updates, self.version_globals):
             pending.clear()
 
     # State -------------------------------------------------------------------------------

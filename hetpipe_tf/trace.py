@@ -17,8 +17,10 @@ class TraceRecorder:
         self.metadata = dict(metadata or {})
 
     def set_origin(self, t):
-        """Time (seconds, same clock as the spans) shown as 0 in the trace."""
-        self._origin = t
+        """Time (seconds, same clock as the spans) shown as 0 in the trace; the first one set stays
+        (several virtual workers may share one trace)."""
+        if self._origin is None:
+            self._origin = t
 
     def name_process(self, pid, name):
         self._add({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})

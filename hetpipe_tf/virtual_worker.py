@@ -11,8 +11,6 @@ minibatches in flight, and the executor (:mod:`hetpipe_tf.executor`) runs it.
 The trained weights are written back into the Keras model at the end, so
 ``model.evaluate``, ``predict`` and ``save`` work as usual.
 """
-import queue
-import threading
 import time
 
 import keras
@@ -22,6 +20,7 @@ import tensorflow as tf
 from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
 from hetpipe_tf.emulation import EmulationReport, MemoryAccount, Pacer
 from hetpipe_tf.executor import PipelineExecutor
+from hetpipe_tf.fit_loop import Events, run_fit, start_thread, sync_learning_rate
 from hetpipe_tf.loss_head import LossHead
 from hetpipe_tf.optimizers import check_optimizer
 from hetpipe_tf.schedule import hetpipe_schedule
@@ -48,14 +47,22 @@ class VirtualWorker:
       single_threaded_stages: run each stage's kernels on its own thread only (one core per
         stage on a CPU host). TensorFlow's single-threaded executor cannot move tensors between
         devices, so this needs every stage on the same device (e.g. devices="cpu,cpu").
+      tf_devices: the TensorFlow device of each stage, when not this process's own (e.g.
+        "/job:worker/task:1/device:CPU:0" on TensorFlow's distributed runtime).
+      sync: a :class:`hetpipe_tf.executor.WorkerSync` when this worker is one of several
+        synchronised by Wave Synchronous Parallel (§5).
     """
 
     def __init__(self, model, devices, num_minibatches=None, boundaries=None, optimizer="sgd",
                  loss=None, metrics=(), loss_weights=None, dilation=1.0, timeout_s=300.0,
-                 record_provenance=False, single_threaded_stages=False):
+                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None):
         self.model = model
         self.device_specs = parse_devices(devices)
-        self.device_names = configure_tensorflow_devices(self.device_specs)
+        if tf_devices is not None and len(tf_devices) != len(self.device_specs):
+            raise ValueError(f"{len(self.device_specs)} devices but {len(tf_devices)} TensorFlow devices")
+        self.device_names = tuple(tf_devices) if tf_devices is not None else configure_tensorflow_devices(
+            self.device_specs)
+        self.sync = sync
         k = len(self.device_specs)
         self.num_in_flight = int(num_minibatches) if num_minibatches is not None else k
         if self.num_in_flight < 1:
@@ -109,7 +116,8 @@ class VirtualWorker:
     def schedule(self, num_minibatches, snapshot_after=()):
         """The HetPipe schedule this worker runs for `num_minibatches` minibatches."""
         return hetpipe_schedule(self.num_stages, num_minibatches, self.num_in_flight,
-                                input_stages=self.staged.input_stages(), snapshot_after=snapshot_after)
+                                input_stages=self.staged.input_stages(), snapshot_after=snapshot_after,
+                                wsp=self.sync is not None)
 
     # Building --------------------------------------------------------------------------
     def _build(self, batch_size):
@@ -124,35 +132,41 @@ class VirtualWorker:
                 stage, name, self.num_in_flight, self.optimizer,
                 loss_head=self.loss_head if s == last else None, memory=memory,
                 activation_bytes=act[s], record_provenance=self.record_provenance,
-                single_threaded=self.single_threaded_stages))
+                single_threaded=self.single_threaded_stages, wsp=self.sync is not None))
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references."""
         self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y)
+
+    def prepare(self, x, y):
+        """Builds the stages for minibatches like (x, y) and measures their solo times (once);
+        returns the batch size."""
+        batch_size = int(tf.nest.flatten(x)[0].shape[0])
+        self._build(batch_size)
+        if self.references is None:
+            self._calibrate(x, y)
+        return batch_size
 
     # Training --------------------------------------------------------------------------
     def train(self, data, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
               on_snapshot=None, executor_hook=None):
         """Trains on `num_minibatches` minibatches from `data` (a tf.data.Dataset or an iterator
         of (inputs, labels)); returns the :class:`ExecutionReport`. Weights are written back into
-        the Keras model at the end."""
+        the Keras model at the end. `trace` is True or a TraceRecorder to add to."""
         iterator = iter(data)
         first = next(iterator)
-        x, y = first
-        batch_size = int(tf.nest.flatten(x)[0].shape[0])
-        self._build(batch_size)
-        if self.references is None:
-            self._calibrate(x, y)
+        batch_size = self.prepare(*first)
         self._pacers = [Pacer(d.speed, self.dilation) if d.emulated else None for d in self.device_specs]
         recorder = None
         if trace:
-            recorder = TraceRecorder(metadata=self._trace_metadata())
+            recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self._trace_metadata())
             self._name_trace(recorder)
         executor = PipelineExecutor(
             self.schedule(num_minibatches, snapshot_after=snapshot_after), self.runtimes,
             _chain(first, iterator), self.staged.split_inputs, pacers=self._pacers,
             references=self.references, timeout_s=self.timeout_s, trace=recorder,
-            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot)
+            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot, sync=self.sync,
+            pid=self.sync.worker if self.sync else 0)
         self._executor = executor
         if executor_hook:
             executor_hook(executor)
@@ -161,8 +175,9 @@ class VirtualWorker:
         finally:
             self.trace = recorder
         self.report.batch_size = batch_size
-        for rt in self.runtimes:
-            rt.write_back()
+        if self.sync is None:  # under WSP the global weights are what the model gets
+            for rt in self.runtimes:
+                rt.write_back()
         return self.report
 
     def _trace_metadata(self):
@@ -175,9 +190,12 @@ class VirtualWorker:
 
     def _name_trace(self, recorder):
         label = " (EMULATED devices)" if self.emulated else ""
-        recorder.name_process(0, f"virtual worker 0, Nm={self.num_in_flight}{label}")
+        pid = self.sync.worker if self.sync else 0
+        recorder.name_process(pid, f"virtual worker {pid}, Nm={self.num_in_flight}{label}")
         for s, spec in enumerate(self.device_specs):
-            recorder.name_thread(0, s, f"stage {s}: {spec} [{self.device_names[s]}]")
+            recorder.name_thread(pid, s, f"stage {s}: {spec} [{self.device_names[s]}]")
+            if self.sync:
+                recorder.name_thread(pid, 100 + s, f"stage {s}: waits for pulled weights")
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto",
             validation_data=None, trace_path=None):
@@ -189,132 +207,50 @@ class VirtualWorker:
         ``on_epoch_end`` (so ModelCheckpoint and friends see it).
         """
         dataset = x
-        if steps_per_epoch is None:
-            steps_per_epoch = int(dataset.cardinality())
-            if steps_per_epoch <= 0:
-                raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
-        total = epochs * steps_per_epoch
-        verbose = 1 if verbose == "auto" else verbose
-        cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                           model=self.model, verbose=verbose, epochs=epochs,
-                                           steps=steps_per_epoch)
-        events = queue.Queue()
-        epoch_ends = [e * steps_per_epoch for e in range(1, epochs + 1)]
+        steps_per_epoch = steps_per_epoch or _epoch_steps(dataset)
+        events = Events()
         holder = {}
-        runner = threading.Thread(
-            target=self._fit_runner, name="hetpipe-fit",
-            args=(dataset.repeat(), total, epoch_ends, events, holder, trace_path is not None), daemon=True)
-        self.model.stop_training = False
         if getattr(self.model, "optimizer", None) is None:
             self.model.optimizer = self.optimizer  # callbacks read and set its learning rate
-        cbs.on_train_begin()
-        runner.start()
-        try:
-            history_logs = self._fit_loop(cbs, events, holder, epochs, steps_per_epoch, validation_data)
-        except BaseException:
-            # A callback failed or the user interrupted: stop every stage before leaving.
-            if "executor" in holder:
-                holder["executor"].abort()
-            runner.join(timeout=self.timeout_s)
-            raise
-        while runner.is_alive():
-            runner.join(timeout=0.5)
-        if "error" in holder:
-            raise holder["error"]
+
+        def run():
+            def keep(executor):
+                holder["executor"] = executor
+                events.put("started", time.perf_counter())
+
+            error = None
+            try:
+                self.train(dataset.repeat(), epochs * steps_per_epoch, trace=trace_path is not None,
+                           on_minibatch_done=lambda p, logs: events.put("done", (logs, time.perf_counter())),
+                           snapshot_after=[e * steps_per_epoch for e in range(1, epochs + 1)],
+                           on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=keep)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run_fit
+                error = exc
+            events.finished(error)
+
+        def epoch_end(epoch, stopped):
+            if not stopped:
+                for rt, state in zip(self.runtimes, events.get("snapshot")):
+                    rt.write_back(state)
+            logs = {}
+            if validation_data is not None:
+                logs.update({f"val_{k}": v for k, v in self.evaluate(validation_data).items()})
+            if self.emulated:
+                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
+            return logs
+
+        history = run_fit(
+            self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
+            batch_size=_batch_size(dataset), epoch_end=epoch_end,
+            sync_optimizer=lambda done: sync_learning_rate(self.model, self.optimizer,
+                                                           [rt.optimizer for rt in self.runtimes or []], done),
+            request_stop=lambda: holder["executor"].request_stop(),
+            abort=lambda: holder["executor"].abort() if "executor" in holder else None,
+            timeout_s=self.timeout_s)
         if trace_path and self.trace:
             self.trace.write(trace_path)
-        cbs.on_train_end(history_logs)
-        return self.model.history
-
-    def _fit_runner(self, data, total, epoch_ends, events, holder, trace):
-        def done(p, logs):
-            events.put(("done", p, (logs, time.perf_counter())))
-
-        def snapshot(p, states):
-            events.put(("snapshot", p, states))
-
-        def keep(executor):
-            holder["executor"] = executor
-            events.put(("started", None, time.perf_counter()))
-
-        try:
-            it = iter(data)
-            first = next(it)
-            holder["batch_size"] = int(tf.nest.flatten(first[0])[0].shape[0])
-            self.train(_chain(first, it), total, trace=trace, on_minibatch_done=done,
-                       snapshot_after=epoch_ends, on_snapshot=snapshot, executor_hook=keep)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in fit()
-            holder["error"] = exc
-        finally:
-            events.put(("finished", None, None))
-
-    def _fit_loop(self, cbs, events, holder, epochs, steps_per_epoch, validation_data):
-        """fit()'s epochs and steps on this thread, fed by the training thread's events."""
-        history_logs = {}
-        stopped_at = None
-        _, t_epoch = self._next_event(events, "started", holder)
-        for epoch in range(epochs):
-            cbs.on_epoch_begin(epoch)
-            self._sync_optimizer(epoch * steps_per_epoch)
-            sums, count = {}, 0
-            for step in range(steps_per_epoch):
-                cbs.on_train_batch_begin(step)
-                p, (logs, t_done) = self._next_event(events, "done", holder)
-                for k, v in logs.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-                running = {k: v / count for k, v in sums.items()}
-                cbs.on_train_batch_end(step, running)
-                self._sync_optimizer(p)
-                if self.model.stop_training and stopped_at is None:
-                    stopped_at = holder["executor"].request_stop()
-                if stopped_at is not None and p >= stopped_at:
-                    break
-            epoch_logs = {k: v / max(count, 1) for k, v in sums.items()}
-            # Throughput from when the updates completed, not from when this loop saw them.
-            epoch_logs["images_per_s"] = count * holder["batch_size"] / (t_done - t_epoch)
-            t_epoch = t_done
-            if stopped_at is None:
-                _, states = self._next_event(events, "snapshot", holder)
-                for rt, state in zip(self.runtimes, states):
-                    rt.write_back(state)
-            if validation_data is not None:
-                epoch_logs.update({f"val_{k}": v for k, v in self.evaluate(validation_data).items()})
-            if self.emulated:
-                epoch_logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
-            cbs.on_epoch_end(epoch, epoch_logs)
-            self._sync_optimizer(p)
-            history_logs = epoch_logs
-            if self.model.stop_training and stopped_at is None:
-                stopped_at = holder["executor"].request_stop()
-            if stopped_at is not None:
-                break
-        return history_logs
-
-    def _sync_optimizer(self, completed):
-        """Keeps the user's optimizer, which callbacks see as model.optimizer, and the stages'
-        copies in step: its iteration count follows the completed updates (so a schedule's
-        learning rate reads right), and a learning rate a callback set reaches every stage."""
-        template = self.model.optimizer if self.model.optimizer is not None else self.optimizer
-        template.iterations.assign(completed)
-        if isinstance(template.get_config().get("learning_rate"), dict):
-            return  # a schedule: every stage's copy computes it from its own iterations
-        lr = float(template.learning_rate)
-        for rt in self.runtimes:
-            if float(rt.optimizer.learning_rate) != lr:
-                rt.optimizer.learning_rate = lr
-
-    @staticmethod
-    def _next_event(events, kind, holder):
-        """The payload of the next `kind` event from the training thread, or its error."""
-        while True:
-            got, p, payload = events.get()
-            if got == kind:
-                return p, payload
-            if got == "finished":
-                if "error" in holder:
-                    raise holder["error"]
-                raise RuntimeError(f"the pipeline finished while fit() waited for a {kind!r} event")
+        return history
 
     def evaluate(self, dataset):
         """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
@@ -329,6 +265,17 @@ class VirtualWorker:
                 sums[k] = sums.get(k, 0.0) + float(v) * b
             n += b
         return {k: v / n for k, v in sums.items()}
+
+
+def _epoch_steps(dataset):
+    steps = int(dataset.cardinality())
+    if steps <= 0:
+        raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
+    return steps
+
+
+def _batch_size(dataset):
+    return int(tf.nest.flatten(dataset.element_spec[0])[0].shape[0])
 
 
 def _chain(first, rest):

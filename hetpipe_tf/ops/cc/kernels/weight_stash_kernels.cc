@@ -14,6 +14,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/mutex.h"
+#include "resource_lookup.h"
 
 namespace tensorflow {
 namespace {
@@ -101,20 +102,6 @@ class WeightStash : public ResourceBase {
   int64_t bytes_ TF_GUARDED_BY(mu_) = 0;
 };
 
-// Looks up the stash named by input 0; fails clearly if it was not created.
-absl::Status LookupStash(OpKernelContext* ctx, core::RefCountPtr<WeightStash>* out,
-                         std::string* name) {
-  const ResourceHandle& handle = HandleFromInput(ctx, 0);
-  *name = handle.name();
-  absl::Status s = LookupResource(ctx, handle, out);
-  if (!s.ok()) {
-    return errors::FailedPrecondition("weight stash '", handle.name(),
-                                      "' does not exist on ", handle.device(),
-                                      "; create it first (", s.message(), ")");
-  }
-  return absl::OkStatus();
-}
-
 class CreateOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -143,9 +130,8 @@ class StashKernel : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) final {
     core::RefCountPtr<WeightStash> stash;
-    std::string name;
-    OP_REQUIRES_OK(ctx, LookupStash(ctx, &stash, &name));
-    Run(ctx, stash.get(), name);
+    OP_REQUIRES_OK(ctx, hetpipe::LookupNamedResource(ctx, "weight stash", &stash));
+    Run(ctx, stash.get(), HandleFromInput(ctx, 0).name());
   }
 
  protected:

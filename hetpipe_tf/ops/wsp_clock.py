@@ -1,0 +1,69 @@
+"""Python wrapper of the Wave Synchronous Parallel clock op (HetPipe §5).
+
+The parameter servers keep, for every stage of every virtual worker, how many waves it
+has pushed. A worker's clock is its slowest stage's, the global clock the slowest
+worker's. ``wait(c - D)`` at the end of clock c returns once every worker has pushed
+wave c - D; the kernel is asynchronous (it holds no thread while it waits) and fails
+after `timeout` seconds naming the workers and stages that are behind.
+
+The wait runs inside a ``tf.function``: a remote task runs a function's kernels on its
+graph executor, where an asynchronous kernel waits without a thread, whereas a single
+eager op sent to a task holds one of the task's threads until it completes.
+"""
+import itertools
+
+import tensorflow as tf
+
+from hetpipe_tf.ops.loader import load_ops
+
+_ids = itertools.count()
+
+
+class WspClock:
+    """The WSP clock, a resource on a parameter server's device.
+
+    Args:
+      stages_per_worker: the number of stages of each virtual worker.
+      device: the parameter server device that holds the clock.
+    """
+
+    def __init__(self, stages_per_worker, device=None, name="wsp_clock"):
+        self._ops = load_ops()
+        self.device = device
+        self.stages_per_worker = tuple(int(n) for n in stages_per_worker)
+        self.name = f"{name}_{next(_ids)}"
+        with tf.device(device):
+            self._handle = self._ops.hetpipe_wsp_clock_handle(shared_name=self.name)
+            self._ops.hetpipe_wsp_clock_create(self._handle, tf.constant(self.stages_per_worker, tf.int64))
+        self._wait_fn = tf.function(self.wait_graph)
+
+    def wait_graph(self, wave, timeout):
+        """The wait op, for use inside a ``tf.function``: returns the global clock."""
+        with tf.device(self.device):
+            return self._ops.hetpipe_wsp_clock_wait(self._handle, wave, timeout)
+
+    def push_graph(self, worker, stage, wave):
+        """The push op, for use inside a ``tf.function``."""
+        with tf.device(self.device):
+            return self._ops.hetpipe_wsp_clock_push(self._handle, worker, stage, wave)
+
+    def clocks_graph(self):
+        """(worker clocks, global clock) as tensors, for use inside a ``tf.function``."""
+        with tf.device(self.device):
+            return self._ops.hetpipe_wsp_clock_stats(self._handle)
+
+    def push(self, worker, stage, wave):
+        """Records that `stage` of `worker` pushed its update of `wave` (in order)."""
+        with tf.device(self.device):
+            self._ops.hetpipe_wsp_clock_push(self._handle, tf.constant(worker, tf.int64),
+                                             tf.constant(stage, tf.int64), tf.constant(wave, tf.int64))
+
+    def wait(self, wave, timeout):
+        """Blocks until every worker has pushed `wave` (at once if wave < 0); the global clock."""
+        return int(self._wait_fn(tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32)))
+
+    def clocks(self):
+        """(each worker's clock, the global clock)."""
+        with tf.device(self.device):
+            workers, global_clock = self._ops.hetpipe_wsp_clock_stats(self._handle)
+        return tuple(int(c) for c in workers.numpy()), int(global_clock)

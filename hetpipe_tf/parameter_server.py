@@ -1,0 +1,109 @@
+"""Parameter servers of Wave Synchronous Parallel (HetPipe §5, §8.1).
+
+The global weights are TensorFlow variables on the parameter-server devices (tasks of
+job ``ps`` on TensorFlow's distributed runtime, or local devices in a single process),
+one per trainable variable of the model, sharded by layer: ``default`` placement puts
+the layers round-robin over the servers, ``local`` puts each layer on a server chosen
+by the caller (for ED, the server on the node of the device that trains the layer).
+The WSP clock (:mod:`hetpipe_tf.ops.wsp_clock`) lives on the first server.
+
+A stage pushes the aggregated update of a wave, ``w_global += u`` for its layers, then
+records the push on the clock. A pull waits on the clock until every worker has pushed
+wave c - D, reads the workers' clocks, then reads the stage's layers: the weights read
+hold at least every wave below each worker's clock read before them.
+
+A push and a pull are each one ``tf.function`` spanning the servers: one call from the
+chief per stage and wave, however many variables the stage has, and the pull's wait
+runs in the servers' graph executor, which holds no thread while it waits.
+"""
+import tensorflow as tf
+
+from hetpipe_tf.ops.wsp_clock import WspClock
+
+PLACEMENTS = ("default", "local")
+
+
+class ParameterServers:
+    """Global weights and the WSP clock.
+
+    Args:
+      model: the Keras model whose trainable variables are trained (paths are the keys).
+      devices: the parameter-server devices, e.g. ["/job:ps/task:0/device:CPU:0", ...].
+      stages_per_worker: the number of stages of every virtual worker.
+      placement: "default" (layers round-robin) or "local" (`layer_devices` says where).
+      layer_devices: for "local", {layer name: server device}.
+    """
+
+    def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
+        if not devices:
+            raise ValueError("at least one parameter-server device is needed")
+        self.devices = tuple(devices)
+        self.placement = placement
+        self.variables = {}
+        self.device_of = {}
+        layers = []
+        for v in model.trainable_variables:
+            layer = v.path.split("/")[0]
+            if layer not in layers:
+                layers.append(layer)
+            if placement == "local":
+                if not layer_devices or layer not in layer_devices:
+                    raise ValueError(f"local placement needs the server of layer '{layer}'")
+                device = layer_devices[layer]
+            else:
+                device = self.devices[layers.index(layer) % len(self.devices)]
+            with tf.device(device):
+                self.variables[v.path] = tf.Variable(v.numpy(), name=v.name, trainable=False)
+            self.device_of[v.path] = device
+        self.clock = WspClock(stages_per_worker, device=self.devices[0])
+        self._push_fns = {}
+        self._pull_fns = {}
+
+    def _push_graph(self, paths, worker, stage, wave, deltas):
+        updates = []
+        for path, delta in zip(paths, deltas):
+            with tf.device(self.device_of[path]):
+                updates.append(self.variables[path].assign_add(delta, read_value=False))
+        with tf.control_dependencies(updates):
+            self.clock.push_graph(worker, stage, wave)
+
+    def _pull_graph(self, paths, wave, timeout):
+        global_clock = self.clock.wait_graph(wave, timeout)
+        with tf.control_dependencies([global_clock]):
+            clocks, _ = self.clock.clocks_graph()
+        values = []
+        with tf.control_dependencies([clocks]):
+            for path in paths:
+                with tf.device(self.device_of[path]):
+                    values.append(self.variables[path].read_value())
+        return values, clocks
+
+    def push(self, worker, stage, wave, paths, deltas):
+        """w_global += u for these variables (on their servers), then the clock records the push."""
+        paths = tuple(paths)
+        if paths not in self._push_fns:
+            self._push_fns[paths] = tf.function(lambda *args: self._push_graph(paths, *args))
+        self._push_fns[paths](tf.constant(worker, tf.int64), tf.constant(stage, tf.int64),
+                              tf.constant(wave, tf.int64), list(deltas))
+
+    def pull(self, paths, wave, timeout):
+        """Waits until every worker pushed `wave` (none when wave < 0), then reads `paths`.
+
+        Returns (values, worker clocks read before the values).
+        """
+        paths = tuple(paths)
+        if paths not in self._pull_fns:
+            self._pull_fns[paths] = tf.function(lambda *args: self._pull_graph(paths, *args))
+        values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
+        return values, tuple(int(c) for c in clocks.numpy())
+
+    def values(self):
+        """The global weights, by variable path."""
+        return {p: v.read_value() for p, v in self.variables.items()}
+
+    def write_to(self, model):
+        """Puts the global weights into the Keras model."""
+        for v in model.trainable_variables:
+            v.assign(self.variables[v.path].read_value())

@@ -1,0 +1,189 @@
+"""Several virtual workers trained together by Wave Synchronous Parallel (HetPipe §3, §5).
+
+Every virtual worker is a :class:`hetpipe_tf.virtual_worker.VirtualWorker` whose schedule
+pushes each wave's aggregated update to the parameter servers and pulls the global
+weights, waiting until every worker has pushed wave c - D; the workers run concurrently,
+each on its own devices (which may be remote tasks of TensorFlow's distributed runtime),
+and the global weights end in the Keras model.
+"""
+import time
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from hetpipe_tf.executor import WorkerSync
+from hetpipe_tf.fit_loop import Events, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.parameter_server import ParameterServers
+from hetpipe_tf.trace import TraceRecorder
+from hetpipe_tf.virtual_worker import VirtualWorker, _batch_size, _epoch_steps
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
+    this process's), and its stage boundaries (None: balanced)."""
+    devices: object
+    tf_devices: tuple = None
+    boundaries: tuple = None
+
+
+class WSPRunner:
+    """Virtual workers synchronised through parameter servers under staleness bound D.
+
+    Args:
+      model: a built Keras model (every worker cuts it into its own stages).
+      workers: a WorkerSpec per virtual worker.
+      num_in_flight: Nm, the same for every worker (§4).
+      staleness_bound: D (§5).
+      ps_devices: the parameter-server devices.
+      placement, layer_devices: see :class:`hetpipe_tf.parameter_server.ParameterServers`.
+      optimizer, loss, metrics, dilation, timeout_s, record_provenance: as for VirtualWorker.
+    """
+
+    def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
+                 layer_devices=None, optimizer="sgd", loss=None, metrics=(), dilation=1.0, timeout_s=300.0,
+                 record_provenance=False):
+        if staleness_bound < 0:
+            raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
+        self.model = model
+        self.staleness_bound = int(staleness_bound)
+        self.timeout_s = float(timeout_s)
+        self.vws = []
+        for w in workers:
+            self.vws.append(VirtualWorker(model, w.devices, num_minibatches=num_in_flight, boundaries=w.boundaries,
+                                          optimizer=optimizer, loss=loss, metrics=metrics, dilation=dilation,
+                                          timeout_s=timeout_s, record_provenance=record_provenance,
+                                          tf_devices=w.tf_devices))
+        self.servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
+                                        layer_devices)
+        for i, vw in enumerate(self.vws):
+            vw.sync = WorkerSync(i, self.servers, self.staleness_bound, self.timeout_s)
+        self.optimizer = self.vws[0].optimizer
+        self.trace = None
+        self.reports = None
+        self._executors = {}
+
+    @property
+    def num_workers(self):
+        return len(self.vws)
+
+    @property
+    def num_in_flight(self):
+        return self.vws[0].num_in_flight
+
+    def train(self, data, minibatches, trace=False, on_minibatch_done=None):
+        """Trains every worker on `minibatches` minibatches of its own data (a list, one
+        iterable per worker); returns their ExecutionReports. on_minibatch_done(worker, p, logs)."""
+        if len(data) != self.num_workers:
+            raise ValueError(f"{self.num_workers} workers but data for {len(data)}")
+        iterators = [iter(d) for d in data]
+        firsts = [next(it) for it in iterators]
+        for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
+            vw.prepare(*first)
+        self.trace = TraceRecorder(metadata={"hetpipe_tf": f"{self.num_workers} virtual workers, WSP "
+                                             f"D={self.staleness_bound}"}) if trace else None
+        reports, errors = [None] * self.num_workers, []
+
+        def run(i):
+            def chain():
+                yield firsts[i]
+                yield from iterators[i]
+
+            try:
+                reports[i] = self.vws[i].train(
+                    chain(), minibatches, trace=self.trace or False,
+                    on_minibatch_done=(lambda p, logs: on_minibatch_done(i, p, logs)) if on_minibatch_done else None,
+                    executor_hook=lambda ex: self._executors.__setitem__(i, ex))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+                self.abort()
+
+        threads = [start_thread(lambda i=i: run(i), f"hetpipe-worker-{i}") for i in range(self.num_workers)]
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.finish()
+        self.reports = reports
+        return reports
+
+    def abort(self):
+        for ex in list(self._executors.values()):
+            ex.abort()
+
+    def finish(self):
+        """Puts the global weights, and worker 0's non-trainable state, into the Keras model."""
+        self.servers.write_to(self.model)
+        for rt in self.vws[0].runtimes:
+            for v, value in zip(rt.stage.non_trainable_variables, rt.non_trainable):
+                v.assign(value.value)
+
+    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
+            trace_path=None):
+        """Trains like ``keras.Model.fit``. Each worker takes its shard of `x`; an epoch is
+        `steps_per_epoch` minibatches of all workers together; at every epoch's end the global
+        weights go into the Keras model for validation and callbacks."""
+        steps_per_epoch = steps_per_epoch or _epoch_steps(x)
+        k = self.num_workers
+        per_worker = -(-epochs * steps_per_epoch // k)
+        shards = [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()]
+        events = Events(producers=1)
+        if getattr(self.model, "optimizer", None) is None:
+            self.model.optimizer = self.optimizer
+
+        def run():
+            error = None
+            try:
+                for _ in range(k):
+                    events.put("started", time.perf_counter())
+                self.train(shards, per_worker, trace=trace_path is not None,
+                           on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run_fit
+                error = exc
+            events.finished(error)
+
+        def epoch_end(epoch, stopped):
+            self.finish()
+            logs = {f"val_{k}": v for k, v in self.vws[0].evaluate(validation_data).items()} if validation_data else {}
+            clocks, global_clock = self.servers.clock.clocks()
+            logs["global_clock"] = global_clock
+            if self.vws[0].emulated:
+                from hetpipe_tf.emulation import EmulationReport
+                logs["emulated_overrun_fraction"] = EmulationReport.combine(
+                    vw.emulation_report() for vw in self.vws).overrun_fraction
+            return logs
+
+        history = run_fit(
+            self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose, batch_size=_batch_size(x),
+            epoch_end=epoch_end, workers=k,
+            sync_optimizer=lambda done: sync_learning_rate(
+                self.model, self.optimizer, [rt.optimizer for vw in self.vws for rt in vw.runtimes or []], done),
+            request_stop=lambda: [ex.request_stop() for ex in self._executors.values()],
+            abort=self.abort, timeout_s=self.timeout_s)
+        if trace_path and self.trace:
+            self.trace.write(trace_path)
+        return history
+
+    def provenance(self, stage=0):
+        """{(worker, minibatch): (local updates, global (worker, wave) pushes)} that `stage`'s
+        weight versions held, for :func:`hetpipe_tf.staleness.check`."""
+        out = {}
+        for w, vw in enumerate(self.vws):
+            rt = vw.runtimes[stage]
+            for p, local in rt.used_versions.items():
+                out[(w, p)] = (local, rt.used_globals.get(p, frozenset()))
+        return out
+
+    def stats(self):
+        """Per worker: its clock, the distance to the slowest, its pull waits (seconds) and the
+        throughput of its last run."""
+        clocks, global_clock = self.servers.clock.clocks()
+        out = []
+        for w, vw in enumerate(self.vws):
+            ex = self._executors.get(w)
+            waits = [answered - asked for s, wave, asked, answered in (ex.pull_waits if ex else []) if s == 0]
+            out.append({"worker": w, "clock": clocks[w], "clock_distance": clocks[w] - global_clock,
+                        "average_wait_s": sum(waits) / len(waits) if waits else 0.0,
+                        "minibatches_per_s": vw.report.minibatches_per_s if vw.report else 0.0})
+        return out

@@ -2,7 +2,9 @@
 
 The global weights are TensorFlow variables on the parameter-server devices (tasks of
 job ``ps`` on TensorFlow's distributed runtime, or local devices in a single process),
-one per trainable variable of the model, sharded by layer: ``default`` placement puts
+one per trainable variable of the model and per floating-point state variable
+(BatchNorm's moving statistics, which thus average over every worker's minibatches),
+sharded by layer: ``default`` placement puts
 the layers round-robin over the servers, ``local`` puts each layer on a server chosen
 by the caller (for ED, the server on the node of the device that trains the layer).
 The WSP clock (:mod:`hetpipe_tf.ops.wsp_clock`) lives on the first server.
@@ -44,8 +46,8 @@ class ParameterServers:
         self.variables = {}
         self.device_of = {}
         layers = []
-        for v in model.trainable_variables:
-            layer = v.path.split("/")[0]
+        for v in synchronised_variables(model):
+            layer = layer_of(v.path)
             if layer not in layers:
                 layers.append(layer)
             if placement == "local":
@@ -104,6 +106,18 @@ class ParameterServers:
         return {p: v.read_value() for p, v in self.variables.items()}
 
     def write_to(self, model):
-        """Puts the global weights into the Keras model."""
-        for v in model.trainable_variables:
+        """Puts the global weights (and synchronised state) into the Keras model."""
+        for v in synchronised_variables(model):
             v.assign(self.variables[v.path].read_value())
+
+
+def synchronised_variables(model):
+    """What the servers keep: the trainable weights and the floating-point state (BatchNorm's
+    moving statistics, frozen weights), but not integer state such as random seeds."""
+    return list(model.trainable_variables) + [v for v in model.non_trainable_variables
+                                              if tf.as_dtype(v.dtype).is_floating]
+
+
+def layer_of(path):
+    """The layer a variable path belongs to ("mlp/dense/kernel" -> "mlp/dense")."""
+    return path.rsplit("/", 1)[0]

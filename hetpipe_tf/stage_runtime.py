@@ -39,7 +39,8 @@ def _is_remote(device):
 
 
 def _is_float(t):
-    return t.dtype.is_floating
+    """Whether a tensor or a (Keras) variable holds floating-point values."""
+    return tf.as_dtype(t.dtype).is_floating
 
 
 @dataclass
@@ -86,13 +87,18 @@ class StageRuntime:
         self.memory.allocate("weights", self.version_bytes + _nbytes(self.non_trainable))
         self.memory.allocate("optimizer slots", _nbytes(self.optimizer.variables))
         # WSP (§5): the weights at the last push, plus the global updates merged since; the next
-        # push sends the difference, which is exactly the local updates made since.
-        self.paths = [v.path for v in stage.trainable_variables]
+        # push sends the difference, which is exactly the local updates made since. Floating-point
+        # state (BatchNorm's moving statistics) is synchronised the same way, so that its
+        # moving averages take every worker's minibatches, not only this worker's 1/k of them.
+        synced_state = [i for i, v in enumerate(stage.non_trainable_variables) if _is_float(v)]
+        self.synced = self.trainable + [self.non_trainable[i] for i in synced_state]
+        self.paths = ([v.path for v in stage.trainable_variables]
+                      + [stage.non_trainable_variables[i].path for i in synced_state])
         self.base = None
         if wsp:
-            self.memory.allocate("weights at last push", self.version_bytes)
+            self.memory.allocate("weights at last push", _nbytes(self.synced))
             with tf.device(device):
-                self.base = [tf.identity(v.value) for v in self.trainable]
+                self.base = [tf.identity(v.value) for v in self.synced]
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
         self._inflight = {}
@@ -230,9 +236,10 @@ class StageRuntime:
 
     # WSP ---------------------------------------------------------------------------------
     def wave_update(self):
-        """(variable paths, the aggregated update of the wave): w_local - base; base := w_local."""
+        """(variable paths, the aggregated update of the wave): w_local - base; base := w_local
+        (weights, then the synchronised state)."""
         with tf.device(self.device):
-            now = [tf.identity(v.value) for v in self.trainable]
+            now = [tf.identity(v.value) for v in self.synced]
             deltas = [n - b for n, b in zip(now, self.base)]
         self.base = now
         return self.paths, deltas
@@ -246,11 +253,11 @@ class StageRuntime:
         """
         with tf.device(self.device):
             delta = [tf.identity(g) - b for g, b in zip(pulled, self.base)]
-            for v, d in zip(self.trainable, delta):
+            for v, d in zip(self.synced, delta):
                 v.assign_add(d)
             self.base = [b + d for b, d in zip(self.base, delta)]
             stashed = [p for p in self.stash.stats().minibatches if p >= first_minibatch]
-            for p in stashed:
+            for p in stashed:  # versions hold the trainable weights only
                 version = self.stash.get(p, self._dtypes)
                 self.stash.release(p)
                 self.stash.put(p, [w + d for w, d in zip(version, delta)])

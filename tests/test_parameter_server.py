@@ -2,22 +2,23 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hetpipe_tf.parameter_server import ParameterServers
+from hetpipe_tf.parameter_server import ParameterServers, layer_of
 from tests import test_models
 
 SERVERS = ["/device:CPU:0", "/device:CPU:1"]
 
 
 def _layers(model):
-    return [v.path.split("/")[0] for v in model.trainable_variables]
+    return [layer_of(v.path) for v in model.trainable_variables]
 
 
 def test_default_placement_puts_layers_round_robin_on_the_servers():
     model = test_models.mlp()
     ps = ParameterServers(model, SERVERS, [2])
     layers = list(dict.fromkeys(_layers(model)))
+    assert layers == [f"mlp/{layer.name}" for layer in model.layers]  # a layer, not the model
     for v in model.trainable_variables:
-        want = SERVERS[layers.index(v.path.split("/")[0]) % 2]
+        want = SERVERS[layers.index(layer_of(v.path)) % 2]
         assert ps.device_of[v.path] == want
         assert tf.DeviceSpec.from_string(ps.variables[v.path].device).device_index == int(want[-1])
         np.testing.assert_array_equal(ps.variables[v.path].numpy(), v.numpy())
@@ -52,3 +53,12 @@ def test_push_adds_the_update_and_pull_waits_for_the_wave():
         np.testing.assert_allclose(got.numpy(), before[p].numpy() + 2, atol=1e-6)
     ps.write_to(model)
     np.testing.assert_allclose(model.trainable_variables[0].numpy(), before[paths[0]].numpy() + 2, atol=1e-6)
+
+
+def test_batchnorm_statistics_are_kept_but_not_integer_state():
+    model = test_models.cnn()  # BatchNorm, and Dropout's integer seed state
+    ps = ParameterServers(model, SERVERS, [1])
+    state = {v.path for v in model.non_trainable_variables}
+    kept = state & set(ps.variables)
+    assert {p.rsplit("/", 1)[1] for p in kept} == {"moving_mean", "moving_variance"}
+    assert all(p in ps.variables for p in (v.path for v in model.trainable_variables))

@@ -54,29 +54,37 @@ class EmulationReport:
 
 
 class Pacer:
-    """Pads tasks of one emulated device to max(actual, dilation / speed * reference)."""
+    """Pads tasks of one emulated device to max(actual, dilation / speed * reference).
 
-    def __init__(self, speed, dilation=1.0, clock=time.perf_counter, sleep=time.sleep):
+    `slowdown`, if given, maps a minibatch id to a factor >= 1 by which the device is
+    slower for that minibatch's tasks: a transient straggler, as on a shared cluster.
+    """
+
+    def __init__(self, speed, dilation=1.0, clock=time.perf_counter, sleep=time.sleep, slowdown=None):
         if speed <= 0:
             raise ValueError(f"an emulated device's speed must be > 0, got {speed}")
         if dilation < 1.0:
             raise ValueError(f"the emulation's dilation must be >= 1, got {dilation}")
         self.speed = float(speed)
         self.dilation = float(dilation)
+        self.slowdown = slowdown
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
         self.tasks = 0
         self.overran = 0
 
-    def target(self, reference):
+    def target(self, reference, minibatch=None):
         """The time a task whose solo compute time is `reference` takes on this device."""
-        return self.dilation * reference / self.speed
+        factor = self.slowdown(minibatch) if self.slowdown is not None and minibatch is not None else 1.0
+        if factor < 1.0:
+            raise ValueError(f"a slowdown factor must be >= 1, got {factor} for minibatch {minibatch}")
+        return self.dilation * reference * factor / self.speed
 
-    def pace(self, started, reference):
+    def pace(self, started, reference, minibatch=None):
         """Waits until `started` + target; returns (actual, target) of the task."""
         actual = self._clock() - started
-        target = self.target(reference)
+        target = self.target(reference, minibatch)
         with self._lock:
             self.tasks += 1
             if actual > target:

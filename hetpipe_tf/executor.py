@@ -137,6 +137,7 @@ class PipelineExecutor:
         self._sync = sync
         self._pulls = None
         self.pull_waits = []  # (stage, wave, requested, answered)
+        self.first_stage_busy = []  # (start, end) of the first stage's tasks, under WSP (§8.4)
         self._check_instructions()
 
     def _check_instructions(self):
@@ -264,8 +265,11 @@ class PipelineExecutor:
                 t0 = self._clock()
                 for ins in task.instructions:
                     self._execute(s, ins)
+                t1 = self._clock()
                 self.reports[s].tasks += 1
-                self.reports[s].busy_s += self._clock() - t0
+                self.reports[s].busy_s += t1 - t0
+                if s == 0 and self._sync is not None:
+                    self.first_stage_busy.append((t0, t1))
                 pos[i] += 1
             self._set_status(s, "done")
         except PipelineAborted:
@@ -360,17 +364,17 @@ class PipelineExecutor:
         return {(ins.to, (GRADIENT, ins.minibatch)): self.runtimes[s].input_gradients(ins.minibatch)}
 
     # Compute ----------------------------------------------------------------------------
-    def _paced(self, s, kind, start):
+    def _paced(self, s, kind, start, minibatch):
         pacer = self._pacers[s]
         if pacer is not None:
-            pacer.pace(start, self._references[s][kind])
+            pacer.pace(start, self._references[s][kind], minibatch)
         self.reports[s].compute_s += self._clock() - start
 
     def _forward(self, s, ins, *keys):  # the keys say w_p is stashed (and a slot is free)
         rt = self.runtimes[s]
         t0 = self._clock()
         out = rt.forward(ins.minibatch)
-        self._paced(s, Forward, t0)
+        self._paced(s, Forward, t0, ins.minibatch)
         if rt.is_last:
             self._logs[ins.minibatch] = out
         else:
@@ -380,7 +384,7 @@ class PipelineExecutor:
         rt = self.runtimes[s]
         t0 = self._clock()
         rt.backward(ins.minibatch, None if rt.is_last else self._handoff[s].pop(("grad", ins.minibatch)))
-        self._paced(s, Backward, t0)
+        self._paced(s, Backward, t0, ins.minibatch)
 
     def _apply_update(self, s, ins):
         self.runtimes[s].apply_update(ins.minibatch)

@@ -146,3 +146,22 @@ def start_thread(target, name):
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def epoch_steps(dataset):
+    """Minibatches in one pass over `dataset` (a finite tf.data.Dataset)."""
+    steps = int(dataset.cardinality())
+    if steps <= 0:
+        raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
+    return steps
+
+
+def batch_size_of(dataset):
+    """The static batch size of a dataset of (inputs, labels)."""
+    import tensorflow as tf
+
+    size = tf.nest.flatten(dataset.element_spec[0])[0].shape[0]
+    if size is None:
+        raise ValueError(f"the dataset's batch size must be static (batch(..., drop_remainder=True)); its "
+                         f"element spec is {dataset.element_spec}")
+    return int(size)

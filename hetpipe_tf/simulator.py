@@ -79,14 +79,19 @@ class SimulationResult:
         """Per pull of `worker`'s first stage: (seconds waited for the answer, seconds of that
         wait in which the stage ran nothing), §8.4."""
         agent = (worker, 0)
-        busy = sorted((s.start, s.end) for s in self.spans if s.stage == agent)
-        out = []
-        for w, stage, wave, asked, answered in self.pulls:
-            if w != worker or stage != 0:
-                continue
-            covered = sum(max(0.0, min(e, answered) - max(b, asked)) for b, e in busy)
-            out.append((answered - asked, answered - asked - covered))
-        return out
+        busy = [(s.start, s.end) for s in self.spans if s.stage == agent]
+        return wait_and_idle([(asked, answered) for w, stage, wave, asked, answered in self.pulls
+                              if w == worker and stage == 0], busy)
+
+
+def wait_and_idle(waits, busy):
+    """For every (asked, answered) wait of a stage for pulled weights: (seconds waited, seconds
+    of that wait in which the stage ran nothing), given its busy (start, end) spans (§8.4)."""
+    out = []
+    for asked, answered in waits:
+        covered = sum(max(0.0, min(e, answered) - max(b, asked)) for b, e in busy)
+        out.append((answered - asked, answered - asked - covered))
+    return out
 
 
 class ParameterServerModel:

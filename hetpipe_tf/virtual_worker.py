@@ -20,7 +20,7 @@ import tensorflow as tf
 from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
 from hetpipe_tf.emulation import EmulationReport, MemoryAccount, Pacer
 from hetpipe_tf.executor import PipelineExecutor
-from hetpipe_tf.fit_loop import Events, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
 from hetpipe_tf.loss_head import LossHead
 from hetpipe_tf.optimizers import check_optimizer
 from hetpipe_tf.schedule import hetpipe_schedule
@@ -51,11 +51,13 @@ class VirtualWorker:
         "/job:worker/task:1/device:CPU:0" on TensorFlow's distributed runtime).
       sync: a :class:`hetpipe_tf.executor.WorkerSync` when this worker is one of several
         synchronised by Wave Synchronous Parallel (§5).
+      slowdown: minibatch id -> factor >= 1 by which every emulated device of this worker is
+        slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.emulation.Pacer`).
     """
 
     def __init__(self, model, devices, num_minibatches=None, boundaries=None, optimizer="sgd",
                  loss=None, metrics=(), loss_weights=None, dilation=1.0, timeout_s=300.0,
-                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None):
+                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None):
         self.model = model
         self.device_specs = parse_devices(devices)
         if tf_devices is not None and len(tf_devices) != len(self.device_specs):
@@ -63,6 +65,7 @@ class VirtualWorker:
         self.device_names = tuple(tf_devices) if tf_devices is not None else configure_tensorflow_devices(
             self.device_specs)
         self.sync = sync
+        self.slowdown = slowdown
         k = len(self.device_specs)
         self.num_in_flight = int(num_minibatches) if num_minibatches is not None else k
         if self.num_in_flight < 1:
@@ -156,7 +159,8 @@ class VirtualWorker:
         iterator = iter(data)
         first = next(iterator)
         batch_size = self.prepare(*first)
-        self._pacers = [Pacer(d.speed, self.dilation) if d.emulated else None for d in self.device_specs]
+        self._pacers = [Pacer(d.speed, self.dilation, slowdown=self.slowdown) if d.emulated else None
+                        for d in self.device_specs]
         recorder = None
         if trace:
             recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self._trace_metadata())
@@ -207,7 +211,7 @@ class VirtualWorker:
         ``on_epoch_end`` (so ModelCheckpoint and friends see it).
         """
         dataset = x
-        steps_per_epoch = steps_per_epoch or _epoch_steps(dataset)
+        steps_per_epoch = steps_per_epoch or epoch_steps(dataset)
         events = Events()
         holder = {}
         if getattr(self.model, "optimizer", None) is None:
@@ -242,7 +246,7 @@ class VirtualWorker:
         history = run_fit(
             self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
             steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
-            batch_size=_batch_size(dataset), epoch_end=epoch_end,
+            batch_size=batch_size_of(dataset), epoch_end=epoch_end,
             sync_optimizer=lambda done: sync_learning_rate(self.model, self.optimizer,
                                                            [rt.optimizer for rt in self.runtimes or []], done),
             request_stop=lambda: holder["executor"].request_stop(),
@@ -265,17 +269,6 @@ class VirtualWorker:
                 sums[k] = sums.get(k, 0.0) + float(v) * b
             n += b
         return {k: v / n for k, v in sums.items()}
-
-
-def _epoch_steps(dataset):
-    steps = int(dataset.cardinality())
-    if steps <= 0:
-        raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
-    return steps
-
-
-def _batch_size(dataset):
-    return int(tf.nest.flatten(dataset.element_spec[0])[0].shape[0])
 
 
 def _chain(first, rest):

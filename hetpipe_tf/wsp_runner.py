@@ -12,19 +12,24 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from hetpipe_tf.executor import WorkerSync
-from hetpipe_tf.fit_loop import Events, run_fit, start_thread, sync_learning_rate
-from hetpipe_tf.parameter_server import ParameterServers
+from hetpipe_tf.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.parameter_server import ParameterServers, layer_of
+from hetpipe_tf.simulator import wait_and_idle
 from hetpipe_tf.trace import TraceRecorder
-from hetpipe_tf.virtual_worker import VirtualWorker, _batch_size, _epoch_steps
+from hetpipe_tf.virtual_worker import VirtualWorker
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
-    this process's), and its stage boundaries (None: balanced)."""
+    this process's), its stage boundaries (None: balanced), and the parameter server on each
+    stage's node (for ``local`` placement), and an emulated slowdown (minibatch id -> factor >= 1,
+    see :class:`hetpipe_tf.emulation.Pacer`)."""
     devices: object
     tf_devices: tuple = None
     boundaries: tuple = None
+    stage_servers: tuple = None
+    slowdown: object = None
 
 
 class WSPRunner:
@@ -36,12 +41,14 @@ class WSPRunner:
       num_in_flight: Nm, the same for every worker (§4).
       staleness_bound: D (§5).
       ps_devices: the parameter-server devices.
-      placement, layer_devices: see :class:`hetpipe_tf.parameter_server.ParameterServers`.
-      optimizer, loss, metrics, dilation, timeout_s, record_provenance: as for VirtualWorker.
+      placement: "default" (layers round-robin over the servers) or "local" (every layer on the
+        server of the node that trains it in worker 0: `stage_servers` of its stage, §8.1).
+      optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
+        VirtualWorker.
     """
 
     def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
-                 layer_devices=None, optimizer="sgd", loss=None, metrics=(), dilation=1.0, timeout_s=300.0,
+                 optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=1.0, timeout_s=300.0,
                  record_provenance=False):
         if staleness_bound < 0:
             raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
@@ -51,9 +58,17 @@ class WSPRunner:
         self.vws = []
         for w in workers:
             self.vws.append(VirtualWorker(model, w.devices, num_minibatches=num_in_flight, boundaries=w.boundaries,
-                                          optimizer=optimizer, loss=loss, metrics=metrics, dilation=dilation,
-                                          timeout_s=timeout_s, record_provenance=record_provenance,
-                                          tf_devices=w.tf_devices))
+                                          optimizer=optimizer, loss=loss, metrics=metrics,
+                                          loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
+                                          record_provenance=record_provenance, tf_devices=w.tf_devices,
+                                          slowdown=w.slowdown))
+        layer_devices = None
+        if placement == "local":
+            if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
+                raise ValueError("local placement needs worker 0's stage_servers, one per stage")
+            layer_devices = {layer_of(v.path): server for server, stage in
+                             zip(workers[0].stage_servers, self.vws[0].staged.stages)
+                             for v in list(stage.trainable_variables) + list(stage.non_trainable_variables)}
         self.servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
                                         layer_devices)
         for i, vw in enumerate(self.vws):
@@ -62,6 +77,9 @@ class WSPRunner:
         self.trace = None
         self.reports = None
         self._executors = {}
+        self._completions = {}  # worker -> when each of its updates completed (perf_counter)
+        self._started = None
+        self.batch_size = None
 
     @property
     def num_workers(self):
@@ -79,21 +97,26 @@ class WSPRunner:
         iterators = [iter(d) for d in data]
         firsts = [next(it) for it in iterators]
         for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
-            vw.prepare(*first)
+            self.batch_size = vw.prepare(*first)
         self.trace = TraceRecorder(metadata={"hetpipe_tf": f"{self.num_workers} virtual workers, WSP "
                                              f"D={self.staleness_bound}"}) if trace else None
         reports, errors = [None] * self.num_workers, []
+        self._completions = {i: [] for i in range(self.num_workers)}
+        self._started = time.perf_counter()
 
         def run(i):
             def chain():
                 yield firsts[i]
                 yield from iterators[i]
 
+            def done(p, logs):
+                self._completions[i].append(time.perf_counter())
+                if on_minibatch_done:
+                    on_minibatch_done(i, p, logs)
+
             try:
-                reports[i] = self.vws[i].train(
-                    chain(), minibatches, trace=self.trace or False,
-                    on_minibatch_done=(lambda p, logs: on_minibatch_done(i, p, logs)) if on_minibatch_done else None,
-                    executor_hook=lambda ex: self._executors.__setitem__(i, ex))
+                reports[i] = self.vws[i].train(chain(), minibatches, trace=self.trace or False, on_minibatch_done=done,
+                                               executor_hook=lambda ex: self._executors.__setitem__(i, ex))
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
                 self.abort()
@@ -112,18 +135,20 @@ class WSPRunner:
             ex.abort()
 
     def finish(self):
-        """Puts the global weights, and worker 0's non-trainable state, into the Keras model."""
-        self.servers.write_to(self.model)
+        """Puts the global weights and state into the Keras model, and worker 0's state that the
+        servers do not keep (random seeds)."""
         for rt in self.vws[0].runtimes:
             for v, value in zip(rt.stage.non_trainable_variables, rt.non_trainable):
-                v.assign(value.value)
+                if v.path not in self.servers.variables:
+                    v.assign(value.value)
+        self.servers.write_to(self.model)
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
             trace_path=None):
         """Trains like ``keras.Model.fit``. Each worker takes its shard of `x`; an epoch is
         `steps_per_epoch` minibatches of all workers together; at every epoch's end the global
         weights go into the Keras model for validation and callbacks."""
-        steps_per_epoch = steps_per_epoch or _epoch_steps(x)
+        steps_per_epoch = steps_per_epoch or epoch_steps(x)
         k = self.num_workers
         per_worker = -(-epochs * steps_per_epoch // k)
         shards = [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()]
@@ -155,7 +180,7 @@ class WSPRunner:
 
         history = run_fit(
             self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
-            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose, batch_size=_batch_size(x),
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose, batch_size=batch_size_of(x),
             epoch_end=epoch_end, workers=k,
             sync_optimizer=lambda done: sync_learning_rate(
                 self.model, self.optimizer, [rt.optimizer for vw in self.vws for rt in vw.runtimes or []], done),
@@ -175,15 +200,24 @@ class WSPRunner:
                 out[(w, p)] = (local, rt.used_globals.get(p, frozenset()))
         return out
 
-    def stats(self):
-        """Per worker: its clock, the distance to the slowest, its pull waits (seconds) and the
-        throughput of its last run."""
+    def stats(self, since=None):
+        """Per worker: its clock and distance to the slowest worker's, and, over the pulls and
+        updates after `since` (a time.perf_counter() value; None: the whole run), its first
+        stage's average wait for pulled weights, the part of it that stage ran nothing (§8.4),
+        and its minibatches and images per second."""
         clocks, global_clock = self.servers.clock.clocks()
+        now = time.perf_counter()
         out = []
         for w, vw in enumerate(self.vws):
             ex = self._executors.get(w)
-            waits = [answered - asked for s, wave, asked, answered in (ex.pull_waits if ex else []) if s == 0]
+            pulls = [(asked, answered) for s, wave, asked, answered in (ex.pull_waits if ex else [])
+                     if s == 0 and (since is None or answered > since)]
+            waits = wait_and_idle(pulls, ex.first_stage_busy if ex else [])
+            done = [t for t in self._completions.get(w, []) if since is None or t > since]
+            start = since if since is not None else self._started
+            rate = len(done) / ((done[-1] if since is None else now) - start) if done and start else 0.0
             out.append({"worker": w, "clock": clocks[w], "clock_distance": clocks[w] - global_clock,
-                        "average_wait_s": sum(waits) / len(waits) if waits else 0.0,
-                        "minibatches_per_s": vw.report.minibatches_per_s if vw.report else 0.0})
+                        "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
+                        "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0,
+                        "minibatches_per_s": rate, "images_per_s": rate * (self.batch_size or 0)})
         return out

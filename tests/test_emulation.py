@@ -54,3 +54,12 @@ def test_memory_account_fails_like_an_out_of_memory():
         m.allocate("stashed versions", 500)
     assert m.peak == 900 and m.held() == {"weights": 600, "activations": 0}
     MemoryAccount("unlimited").allocate("weights", 10 ** 12)
+
+
+def test_slowdown_makes_chosen_minibatches_slower():
+    pacer = Pacer(0.5, dilation=2.0, slowdown=lambda p: 2.0 if p == 3 else 1.0)
+    assert pacer.target(0.01, minibatch=2) == pytest.approx(0.04)
+    assert pacer.target(0.01, minibatch=3) == pytest.approx(0.08)
+    assert pacer.target(0.01) == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="slowdown factor must be >= 1, got 0.5 for minibatch 1"):
+        Pacer(1.0, slowdown=lambda p: 0.5).target(0.01, minibatch=1)

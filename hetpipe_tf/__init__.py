@@ -1,7 +1,9 @@
 """hetpipe_tf: HetPipe (USENIX ATC 2020) for TensorFlow.
 
 A Keras model is cut into stages placed on several, possibly different, devices and
-trained as a pipeline with Nm minibatches in flight (a virtual worker, HetPipe §3-4).
+trained as a pipeline with Nm minibatches in flight (a virtual worker, HetPipe §3-4);
+several virtual workers train together under Wave Synchronous Parallel through
+parameter servers (§5), planned and launched by :class:`HetPipeStrategy`.
 
 The public API is below. Names load on first use, so that the pure modules
 (``schedule``, ``simulator``, ``emulation``, ``model_graph``, ``partitioner``) import
@@ -11,7 +13,10 @@ import importlib
 
 _EXPORTS = {
     # Training
+    "HetPipeStrategy": "hetpipe_tf.strategy",
     "VirtualWorker": "hetpipe_tf.virtual_worker",
+    "WSPRunner": "hetpipe_tf.wsp_runner",
+    "WorkerSpec": "hetpipe_tf.wsp_runner",
     "PipelineTensorBoard": "hetpipe_tf.callbacks",
     # Stages
     "split_model": "hetpipe_tf.stage_rewrite",
@@ -30,10 +35,17 @@ _EXPORTS = {
     "Pacer": "hetpipe_tf.emulation",
     "MemoryAccount": "hetpipe_tf.emulation",
     "EmulationReport": "hetpipe_tf.emulation",
-    # Custom op
+    # Parameter servers and clusters (§5, §8.1)
+    "ParameterServers": "hetpipe_tf.parameter_server",
+    "LocalCluster": "hetpipe_tf.launch",
+    # Custom ops
     "WeightStash": "hetpipe_tf.ops.weight_stash",
+    "WspClock": "hetpipe_tf.ops.wsp_clock",
     # Errors
     "PipelineError": "hetpipe_tf.executor",
+    "StalenessViolation": "hetpipe_tf.staleness",
+    "ClusterStartError": "hetpipe_tf.launch",
+    "ClusterConfigError": "hetpipe_tf.launch",
     "DeviceOutOfMemoryError": "hetpipe_tf.emulation",
     "DeviceSpecError": "hetpipe_tf.devices",
     "SharedLayerError": "hetpipe_tf.model_graph",

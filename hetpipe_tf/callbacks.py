@@ -44,3 +44,57 @@ class PipelineTensorBoard(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._writer.close()
+
+
+class WSPTensorBoard(keras.callbacks.Callback):
+    """Writes epoch scalars of training under Wave Synchronous Parallel to TensorBoard.
+
+    The epoch logs, and per virtual worker (``vw_<i>/...``, §5, §8.4): its clock, its distance
+    to the slowest worker's clock, its first stage's average wait for pulled weights and the
+    part of that wait it ran nothing (idle), and its images/s over the epoch. Runs with
+    emulated devices also get a text summary saying so.
+
+    Args:
+      log_dir: the TensorBoard directory.
+      strategy: a HetPipeStrategy or a WSPRunner.
+    """
+
+    def __init__(self, log_dir, strategy):
+        super().__init__()
+        self.log_dir = log_dir
+        self.strategy = strategy
+        self._writer = None
+        self._since = None
+
+    def _runner(self):
+        return getattr(self.strategy, "runner", None) or self.strategy
+
+    def on_train_begin(self, logs=None):
+        self._writer = tf.summary.create_file_writer(self.log_dir)
+        self._since = time.perf_counter()
+        describe = getattr(self.strategy, "describe", None)
+        with self._writer.as_default():
+            if describe is not None:
+                tf.summary.text("plan", describe(), step=0)
+            if any(vw.emulated for vw in self._runner().vws):
+                tf.summary.text("emulation", "EMULATED devices: " + "; ".join(
+                    vw.describe() for vw in self._runner().vws), step=0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        runner = self._runner()
+        stats = runner.stats(since=self._since)
+        self._since = time.perf_counter()
+        with self._writer.as_default():
+            for key, value in (logs or {}).items():
+                tf.summary.scalar(key, value, step=epoch)
+            for st in stats:
+                prefix = f"vw_{st['worker']}"
+                tf.summary.scalar(f"{prefix}/clock", st["clock"], step=epoch)
+                tf.summary.scalar(f"{prefix}/clock_distance", st["clock_distance"], step=epoch)
+                tf.summary.scalar(f"{prefix}/wait_s", st["average_wait_s"], step=epoch)
+                tf.summary.scalar(f"{prefix}/idle_s", st["average_idle_s"], step=epoch)
+                tf.summary.scalar(f"{prefix}/images_per_s", st["images_per_s"], step=epoch)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        self._writer.close()

@@ -1,15 +1,19 @@
-"""hetpipe: plan and simulate HetPipe training on a cluster.
+"""hetpipe: plan, simulate and launch HetPipe training on a cluster.
 
     hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json]
     hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
+    hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
 
 `plan` prints the virtual workers and their device types, every stage's layer range,
 predicted time and memory, Nm and the predicted throughput. `simulate` runs the plan's
 schedules in the discrete-event simulator and prints throughput, each device's busy
-fraction, and each worker's wait and idle time under the staleness bound.
+fraction, and each worker's wait and idle time under the staleness bound. `launch`
+starts the parameter-server and worker tasks of the cluster on this machine, runs the
+command after ``--`` as their chief (TF_CONFIG set), and stops every task at its end.
 """
 import json
 import os
+import sys
 
 from absl import app, flags
 
@@ -18,7 +22,7 @@ from hetpipe_tf import cli_flags
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 cli_flags.define_flags()
 FLAGS = flags.FLAGS
-COMMANDS = ("plan", "simulate")
+COMMANDS = ("plan", "simulate", "launch")
 
 
 def _optimizer():
@@ -70,6 +74,11 @@ def simulate_plan(p, minibatches):
 
 
 def main(argv):
+    if len(argv) >= 2 and argv[1] == "launch":
+        if len(argv) < 3:
+            raise app.UsageError("usage: hetpipe launch --cluster=... -- COMMAND [ARGS...]")
+        from hetpipe_tf.launch import launch
+        sys.exit(launch(FLAGS.cluster, argv[2:], log_dir=FLAGS.task_log_dir, host=FLAGS.host))
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: hetpipe {{{','.join(COMMANDS)}}} [flags]; got {argv[1:]}")
     p = make_plan()

@@ -24,3 +24,5 @@ def define_flags():
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).")
     flags.DEFINE_integer("minibatches", 400, "simulate: minibatches per virtual worker.")
     flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
+    flags.DEFINE_string("task_log_dir", None, "launch: where the tasks' logs go (default: a temporary directory).")
+    flags.DEFINE_string("host", "127.0.0.1", "launch: the address the tasks bind.")

@@ -57,6 +57,7 @@ class LocalCluster:
                                                      "chief": [host]}
         self.spec = {job: [f"{h}:{free_port(h)}" for h in hosts[job]] for job in ("ps", "worker", "chief")}
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hetpipe_cluster_")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.start_timeout = start_timeout
         self._procs = {}
         self._connected = False
@@ -133,3 +134,81 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class ClusterConfigError(ValueError):
+    """TF_CONFIG is missing or does not describe the cluster asked for."""
+
+
+def connect_tf_config(num_ps, num_workers, environ=None):
+    """Makes this process the chief of the cluster in ``TF_CONFIG``.
+
+    The cluster must have `num_ps` ``ps`` tasks, `num_workers` ``worker`` tasks and a
+    ``chief``, and TF_CONFIG's task must be the chief. Returns the cluster spec (a dict).
+    """
+    import tensorflow as tf
+
+    text = (environ if environ is not None else os.environ).get("TF_CONFIG")
+    if not text:
+        raise ClusterConfigError("launch='tf_config' needs TF_CONFIG (start the tasks with `hetpipe launch`, "
+                                 "which sets it for the chief)")
+    try:
+        config = json.loads(text)
+        spec, task = config["cluster"], config.get("task", {})
+    except (ValueError, KeyError, TypeError) as e:
+        raise ClusterConfigError(f"TF_CONFIG is not a JSON object with a 'cluster' ({e}): {text[:200]!r}") from None
+    want = {"ps": num_ps, "worker": num_workers, "chief": 1}
+    got = {job: len(spec.get(job, [])) for job in want}
+    if got != want:
+        raise ClusterConfigError(f"TF_CONFIG's cluster has {got} tasks; this cluster description needs {want} "
+                                 f"(one ps and one worker task per node, in node order, and one chief)")
+    if task.get("type") != "chief" or int(task.get("index", 0)) != 0:
+        raise ClusterConfigError(f"this process must be TF_CONFIG's chief (task 0), got task {task}")
+    use_parallel_remote_ops()
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name="chief", task_index=0,
+                                              make_master_device_default=False)
+    return spec
+
+
+def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0, out=sys.stdout):
+    """Runs `command` as the chief of a cluster started here for `cluster` (a description).
+
+    Starts one ps and one worker task per node of the description (the worker with a
+    logical CPU per device), runs `command` with TF_CONFIG naming it the chief, reports a
+    task that ends early with its log, and stops every task when the command ends, fails
+    or is interrupted (Ctrl-C). Returns the command's exit status.
+    """
+    from hetpipe_tf.cluster import load_cluster
+
+    description = load_cluster(cluster)
+    nodes = description.nodes
+    local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
+                         start_timeout=start_timeout)
+    local.start()
+    print(f"hetpipe launch: {len(nodes)} ps and {len(nodes)} worker tasks for cluster '{description.name}' "
+          f"({', '.join(f'{n.name}: {n.count} devices' for n in nodes)}); task logs in {local.log_dir}",
+          file=out, flush=True)
+    chief = subprocess.Popen(command, env=dict(os.environ, TF_CONFIG=local.tf_config()))
+    reported = set()
+    try:
+        while chief.poll() is None:
+            for (job, i), (proc, _) in local._procs.items():
+                if proc.poll() is not None and (job, i) not in reported:
+                    reported.add((job, i))
+                    with open(local.task_log(job, i)) as f:
+                        tail = f.read()[-2000:]
+                    print(f"hetpipe launch: task {job}:{i} ended with status {proc.returncode}; its log "
+                          f"({local.task_log(job, i)}):\n{tail}", file=out, flush=True)
+            time.sleep(0.5)
+        return chief.returncode
+    except KeyboardInterrupt:
+        chief.terminate()
+        try:
+            chief.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            chief.kill()
+            chief.wait()
+        print("hetpipe launch: interrupted; every task stopped", file=out, flush=True)
+        return 130
+    finally:
+        local.stop()

@@ -1,6 +1,8 @@
-"""hetpipe-train: trains a model pipelined over the devices of one virtual worker.
+"""hetpipe-train: trains a model pipelined over the devices of one virtual worker, or over
+several virtual workers under Wave Synchronous Parallel.
 
     hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_minibatches=4
+    hetpipe-train --model=cnn --cluster=local --policy=ed --staleness_bound=1
 """
 import json
 import os
@@ -50,24 +52,12 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     return ordered, chosen.node_boundaries(0), chosen.num_in_flight
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
-    import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
-
-    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
-    tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
+def _data_and_model():
+    """The training and test splits and the model the flags ask for."""
     import keras
 
     from hetpipe_tf import datasets, models
-    from hetpipe_tf.callbacks import PipelineTensorBoard
-    from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
-    from hetpipe_tf.virtual_worker import VirtualWorker
 
-    devices = parse_devices(_devices())
-    configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
     keras.utils.set_random_seed(FLAGS.seed)
     info = datasets.dataset_info(FLAGS.dataset, FLAGS.data_dir)
     side, channels = models.input_requirements(FLAGS.model)
@@ -77,10 +67,83 @@ def main(argv):
     train = datasets.load_image_classification(FLAGS.dataset, "train", shuffle=True, seed=FLAGS.seed, **load)
     test = datasets.load_image_classification(FLAGS.dataset, "test", **load)
     shape = tuple(train.element_spec[0].shape[1:])
-    model = models.build_model(FLAGS.model, shape, info.num_classes)
-    optimizer = {"sgd": lambda: keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum),
-                 "adam": lambda: keras.optimizers.Adam(FLAGS.learning_rate),
-                 "rmsprop": lambda: keras.optimizers.RMSprop(FLAGS.learning_rate)}[FLAGS.optimizer]()
+    return train, test, models.build_model(FLAGS.model, shape, info.num_classes)
+
+
+def _optimizer():
+    import keras
+
+    return {"sgd": lambda: keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum),
+            "adam": lambda: keras.optimizers.Adam(FLAGS.learning_rate),
+            "rmsprop": lambda: keras.optimizers.RMSprop(FLAGS.learning_rate)}[FLAGS.optimizer]()
+
+
+def _train_virtual_workers():
+    """--cluster: several virtual workers under WSP, planned and launched by HetPipeStrategy."""
+    import keras
+
+    from hetpipe_tf.callbacks import WSPTensorBoard
+    from hetpipe_tf.cluster import load_cluster
+    from hetpipe_tf.strategy import HetPipeStrategy
+
+    for name in ("devices", "num_stages", "boundaries"):
+        if FLAGS[name].present:
+            raise app.UsageError(f"--{name} is for one virtual worker; with --cluster the planner chooses it")
+    vw_size = None
+    if FLAGS.num_vws:
+        total = len(load_cluster(FLAGS.cluster).devices())
+        if FLAGS.num_vws < 1 or total % FLAGS.num_vws:
+            raise app.UsageError(f"--num_vws={FLAGS.num_vws} must divide the cluster's {total} devices")
+        vw_size = total // FLAGS.num_vws
+    strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_minibatches=FLAGS.num_minibatches,
+                               staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
+                               dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s)
+    with strategy.scope():
+        train, test, model = _data_and_model()
+        model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    print(f"{FLAGS.model} on {FLAGS.dataset} {tuple(train.element_spec[0].shape[1:])}, "
+          f"{model.count_params():,} parameters")
+    callbacks = [WSPTensorBoard(FLAGS.tensorboard_dir, strategy)] if FLAGS.tensorboard_dir else []
+    history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch, validation_data=test,
+                        callbacks=callbacks, trace_path=FLAGS.trace_file)
+    print(strategy.describe())
+    final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
+    runner = strategy.runner
+    summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "cluster": strategy.cluster.name,
+               "policy": FLAGS.policy, "allocation": strategy.plan.allocation,
+               "staleness_bound": FLAGS.staleness_bound, "num_minibatches": runner.num_in_flight,
+               "test_accuracy": final.get("val_accuracy"), "images_per_s": final.get("images_per_s"),
+               "virtual_workers": runner.stats()}
+    if strategy.cluster.emulated:
+        from hetpipe_tf.emulation import EmulationReport
+        summary["emulation"] = EmulationReport.combine(vw.emulation_report() for vw in runner.vws).as_dict()
+    print("summary: " + json.dumps(summary))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
+    import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
+
+    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
+    if FLAGS.cluster:
+        _train_virtual_workers()
+        return
+    import keras
+
+    from hetpipe_tf.callbacks import PipelineTensorBoard
+    from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
+    from hetpipe_tf.virtual_worker import VirtualWorker
+
+    devices = parse_devices(_devices())
+    configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
+    train, test, model = _data_and_model()
+    shape = tuple(train.element_spec[0].shape[1:])
+    optimizer = _optimizer()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     boundaries = [int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None
     num_minibatches = FLAGS.num_minibatches

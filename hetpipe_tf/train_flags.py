@@ -40,3 +40,16 @@ def define_flags():
     flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_bool("show_schedule", True, "Print the first minibatches of every stage's program.")
+    # Several virtual workers (HetPipe §5, §8): given --cluster, HetPipeStrategy plans and launches.
+    flags.DEFINE_string("cluster", None,
+                        "Train several virtual workers under WSP on this cluster description (a preset such "
+                        "as 'local', or a JSON file); without it, one virtual worker on --devices.")
+    flags.DEFINE_enum("policy", "ed", ["np", "ed", "hd", "auto"], "With --cluster: how devices are grouped into "
+                                                                   "virtual workers (§8.1).")
+    flags.DEFINE_integer("num_vws", None, "With --cluster: the number of virtual workers (default: the policy's).")
+    flags.DEFINE_integer("staleness_bound", 0, "With --cluster: D of Wave Synchronous Parallel (§5).")
+    flags.DEFINE_enum("placement", None, ["default", "local"],
+                      "With --cluster: parameter placement on the servers (default: local for ED, else default).")
+    flags.DEFINE_enum("launch", "processes", ["processes", "tf_config", "in_process"],
+                      "With --cluster: processes (start a local cluster of ps and worker tasks), tf_config (join "
+                      "TF_CONFIG's cluster, e.g. under `hetpipe launch`), in_process (threads).")

@@ -18,6 +18,8 @@ A push and a pull are each one ``tf.function`` spanning the servers: one call fr
 chief per stage and wave, however many variables the stage has, and the pull's wait
 runs in the servers' graph executor, which holds no thread while it waits.
 """
+import functools
+
 import tensorflow as tf
 
 from hetpipe_tf.ops.wsp_clock import WspClock
@@ -86,7 +88,9 @@ class ParameterServers:
         """w_global += u for these variables (on their servers), then the clock records the push."""
         paths = tuple(paths)
         if paths not in self._push_fns:
-            self._push_fns[paths] = tf.function(lambda *args: self._push_graph(paths, *args))
+            # A partial, not a lambda: TensorFlow keys its retracing warning on a function's code,
+            # which one lambda per stage would share.
+            self._push_fns[paths] = tf.function(functools.partial(self._push_graph, paths))
         self._push_fns[paths](tf.constant(worker, tf.int64), tf.constant(stage, tf.int64),
                               tf.constant(wave, tf.int64), list(deltas))
 
@@ -97,7 +101,7 @@ class ParameterServers:
         """
         paths = tuple(paths)
         if paths not in self._pull_fns:
-            self._pull_fns[paths] = tf.function(lambda *args: self._pull_graph(paths, *args))
+            self._pull_fns[paths] = tf.function(functools.partial(self._pull_graph, paths))
         values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 

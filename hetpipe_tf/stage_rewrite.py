@@ -24,6 +24,7 @@ Handled:
 * a layer shared by calls in different stages is refused with
   :class:`hetpipe_tf.model_graph.SharedLayerError` naming the layer.
 """
+import functools
 from dataclasses import dataclass
 
 import keras
@@ -181,7 +182,7 @@ class Stage:
     def call(self, trainable, non_trainable, entering, training=True):
         fn = self._functions.get(training)
         if fn is None:
-            fn = tf.function(lambda tv, ntv, x: self._call(tv, ntv, x, training))
+            fn = tf.function(functools.partial(self._call, training=training))  # one warning key per stage
             self._functions[training] = fn
         return fn(list(trainable), list(non_trainable), list(entering))
 

@@ -14,6 +14,7 @@ to the stage:
 * ``release_weights(p)``: drops w_p.
 """
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -111,14 +112,14 @@ class StageRuntime:
         self.version_globals = {}  # p -> (worker, wave) pushes w_p holds
         self.used_globals = {}  # p -> (worker, wave) pushes the version p's forward pass used
         self.logs = {}  # p -> loss and metrics (last stage)
-        # Per-instance closures: TensorFlow would count traces of a shared method across stages
-        # as retracing.
-        self._forward_fn = tf.function(lambda *args: self._forward_graph(*args))
+        # Partials, not methods or lambdas: TensorFlow keys its retracing warning on a function's
+        # code, which every stage would share.
+        self._forward_fn = tf.function(functools.partial(self._forward_graph))
         # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
         # variable's buffer that a stashed version still shares, as eager updates do. Not on
         # another task's device: TF 2.21's remote eager runtime then fails the next eager op
         # ("KernelAndDeviceOp does not support EagerFunctionParams").
-        self._apply_fn = tf.function(lambda grads: self._apply_graph(grads),
+        self._apply_fn = tf.function(functools.partial(self._apply_graph),
                                      jit_compile=not _is_remote(device))
 
     @property

@@ -18,6 +18,7 @@ _EXPORTS = {
     "WSPRunner": "hetpipe_tf.wsp_runner",
     "WorkerSpec": "hetpipe_tf.wsp_runner",
     "PipelineTensorBoard": "hetpipe_tf.callbacks",
+    "WSPTensorBoard": "hetpipe_tf.callbacks",
     # Stages
     "split_model": "hetpipe_tf.stage_rewrite",
     "describe_model": "hetpipe_tf.stage_rewrite",

@@ -38,18 +38,12 @@ def wsp_exact():
     import numpy as np
 
     from hetpipe_tf import staleness
-    from tests.test_wsp_runner import constant_gradient_model, constant_gradients, mean_output
+    from tests.test_wsp_runner import constant_gradient_model, exact_sgd_case, mean_output
 
     cluster = _cluster(2, [2, 2])
     model = constant_gradient_model()
     n, nm, d = 10, 3, 1
-    data = [[(np.random.default_rng(10 * w + i).normal(size=(4, 6)).astype("float32"), np.zeros(4, "int64"))
-             for i in range(n)] for w in range(2)]
-    expected = {v.path: v.numpy().copy() for v in model.trainable_variables}
-    for batches in data:
-        for x, _ in batches:
-            for p, g in constant_gradients(model, x).items():
-                expected[p] -= 0.05 * g
+    data, expected = exact_sgd_case(model, n)
     runner = _two_workers(cluster, model, ("1,1", "0.5,0.5"), nm, d, mean_output)
     runner.train(data, n)
     error = max(float(np.max(np.abs(v.numpy() - expected[v.path]))) for v in model.trainable_variables)

@@ -45,6 +45,18 @@ def constant_gradients(model, x):
                                                 tape.gradient(loss, model.trainable_variables))}
 
 
+def exact_sgd_case(model, n, workers=2, lr=0.05):
+    """n minibatches per worker, and the weights SGD must end with: w0 - lr * every gradient."""
+    data = [[(np.random.default_rng(10 * w + i).normal(size=(4, 6)).astype("float32"), np.zeros(4, "int64"))
+             for i in range(n)] for w in range(workers)]
+    expected = {v.path: v.numpy().copy() for v in model.trainable_variables}
+    for batches in data:
+        for x, _ in batches:
+            for p, g in constant_gradients(model, x).items():
+                expected[p] -= lr * g
+    return data, expected
+
+
 def _runner(model, speeds, nm, d, **kw):
     workers, n = [], 0
     for s in speeds:
@@ -93,15 +105,8 @@ def test_global_weights_hold_every_update_of_every_worker_exactly_once(nm, n):
     # whatever the staleness: a lost, or doubly applied, update shows. n % Nm != 0 checks that
     # the last, partial wave is pushed too.
     model = constant_gradient_model()
-    w0 = {v.path: v.numpy() for v in model.trainable_variables}
     frozen = model.get_layer("frozen").get_weights()
-    data = [[(np.random.default_rng(10 * w + i).normal(size=(4, 6)).astype("float32"), np.zeros(4, "int64"))
-             for i in range(n)] for w in range(2)]
-    expected = {p: w.copy() for p, w in w0.items()}
-    for batches in data:
-        for x, _ in batches:
-            for p, g in constant_gradients(model, x).items():
-                expected[p] -= 0.05 * g
+    data, expected = exact_sgd_case(model, n)
     runner = _runner(model, ("1,1", "0.5,0.5"), nm, d=1, loss=mean_output)
     runner.train(data, n)
     for v in model.trainable_variables:

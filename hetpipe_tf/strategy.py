@@ -56,14 +56,17 @@ class HetPipeStrategy:
       placement: of the global weights on the servers: "default" (layers round-robin) or
         "local" (each stage's layers on its node's server; ED only). None: local for ED.
       vw_size: devices per virtual worker (None: the policy's default).
-      dilation: multiplies every emulated device's slowdown (see hetpipe-train --dilation).
+      dilation: multiplies every emulated device's slowdown (see hetpipe-train --dilation); None
+        (default): calibrated by probe runs of every virtual worker before training, so that the
+        emulation stays faithful. The planner plans with the devices' speeds alone (dilation 1
+        unless given): a dilation slows every emulated device alike.
       launch: "processes", "tf_config" or "in_process" (see the module docstring).
       timeout_s: a worker, a pull or a task start that takes longer fails with an error.
       log_dir: where the local cluster's task logs go (default: a temporary directory).
     """
 
     def __init__(self, cluster="local", policy="ed", num_minibatches=None, staleness_bound=0, placement=None,
-                 vw_size=None, dilation=3.0, launch="processes", timeout_s=300.0, log_dir=None):
+                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None):
         from hetpipe_tf.cluster import load_cluster
 
         if str(policy).lower() not in POLICIES + ("auto",):
@@ -79,14 +82,16 @@ class HetPipeStrategy:
         self.cluster = load_cluster(cluster)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.emulated})
         if real and launch != "tf_config":
-            raise ValueError(f"cluster '{self.cluster.name}' has real device types {real}: run on those machines "
+            from hetpipe_tf.launch import ClusterConfigError
+
+            raise ClusterConfigError(f"cluster '{self.cluster.name}' has real device types {real}: run on those machines "
                              f"with launch='tf_config' (TF_CONFIG); launch={launch!r} only emulates devices")
         self.policy = str(policy).lower()
         self.num_minibatches = num_minibatches
         self.staleness_bound = staleness_bound
         self.placement = placement or ("local" if self.policy == "ed" else "default")
         self.vw_size = vw_size
-        self.dilation = float(dilation)
+        self.dilation = None if dilation is None else float(dilation)
         self.launch = launch
         self.timeout_s = float(timeout_s)
         self.log_dir = log_dir
@@ -120,9 +125,12 @@ class HetPipeStrategy:
             keras.Model.compile = original
 
     def _attach(self, model, arguments):
-        unsupported = [k for k in ("weighted_metrics",) if arguments.get(k)]
-        if unsupported:
-            raise ValueError(f"HetPipeStrategy does not support compile({', '.join(unsupported)}=...)")
+        """Keeps loss, loss_weights and metrics as given: the workers' loss heads give them
+        Keras's meaning (:mod:`hetpipe_tf.loss_head`)."""
+        if arguments.get("weighted_metrics"):
+            raise ValueError(f"HetPipeStrategy does not support compile(weighted_metrics="
+                             f"{arguments['weighted_metrics']!r}): there are no sample weights to weigh "
+                             f"them with; give them as metrics= (the same values without sample weights)")
         self._compiled[id(model)] = {k: arguments.get(k) for k in ("loss", "metrics", "loss_weights")}
         model.fit = types.MethodType(lambda m, *a, **kw: self.fit(m, *a, **kw), model)
 
@@ -131,14 +139,17 @@ class HetPipeStrategy:
         """``keras.Model.fit`` on the virtual workers; returns the History. `trace_path` writes
         every worker's pipeline, pushes, pulls and waits as a Chrome/Perfetto trace."""
         if unsupported:
-            raise ValueError(f"HetPipeStrategy's fit does not take {sorted(unsupported)}; it takes "
+            weights = sorted(set(unsupported) & {"sample_weight", "class_weight"})
+            why = (f" ({' and '.join(weights)}: every sample weighs the same, as in Keras without them)"
+                   if weights else "")
+            raise ValueError(f"HetPipeStrategy's fit does not take {sorted(unsupported)}{why}; it takes "
                              f"{', '.join(_FIT_ARGS)}")
         if id(model) not in self._compiled:
             raise ValueError("compile the model inside strategy.scope() before fit")
         data = _as_dataset(x, y, batch_size, shuffle)
         if validation_data is not None and not _is_dataset(validation_data):
             validation_data = _as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
-        runner = self._runner(model, batch_size_of(data))
+        runner = self._runner(model, data)
         return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
                           verbose=verbose, validation_data=validation_data, trace_path=trace_path)
 
@@ -147,7 +158,8 @@ class HetPipeStrategy:
         return self.runner.stats() if self.runner else []
 
     # Planning and launching --------------------------------------------------------------
-    def _runner(self, model, batch_size):
+    def _runner(self, model, data):
+        batch_size = batch_size_of(data)
         key = (id(model), batch_size)
         if self._runner_key == key:
             return self.runner
@@ -157,17 +169,19 @@ class HetPipeStrategy:
         from hetpipe_tf.wsp_runner import WSPRunner
 
         compiled = self._compiled[id(model)]
-        profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer)
+        # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure).
+        profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
+                                  sample=next(iter(data)))
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_minibatches, staleness_bound=self.staleness_bound,
-                         placement=self.placement, dilation=self.dilation,
+                         placement=self.placement, dilation=self.dilation or 1.0,
                          optimizer_slots=slots_per_weight(model.optimizer))
         devices = self._devices()
         workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
         self.runner = WSPRunner(
             model, workers, num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
             ps_devices=devices["ps"], placement=self.plan.placement,
-            optimizer=model.optimizer, loss=compiled["loss"], metrics=_metric_names(compiled["metrics"]),
+            optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
             loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s)
         self._runner_key = key
         return self.runner
@@ -235,16 +249,10 @@ class HetPipeStrategy:
         if cluster is not None and hasattr(cluster, "log_dir"):
             lines.append(f"task logs: {cluster.log_dir}")
         if self.cluster.emulated:
-            lines.append(f"EMULATED devices (dilation {self.dilation:g})")
+            report = self.runner.emulation_report() if self.runner else None
+            dilation = report.dilation if report else self.dilation
+            lines.append(f"EMULATED devices (dilation {'calibrated at fit' if dilation is None else f'{dilation:g}'})")
         return "\n".join(lines)
-
-
-def _metric_names(metrics):
-    if metrics is None:
-        return ()
-    if isinstance(metrics, dict):
-        raise ValueError("per-output metrics (a dict) are not supported by HetPipeStrategy; give a list")
-    return tuple(metrics)
 
 
 def _is_dataset(x):

@@ -191,8 +191,7 @@ class PipelineExecutor:
         if self._errors:
             stage, ins, exc, tb = self._errors[0]
             where = f"stage {stage} failed at {ins!r}" if stage is not None else "the pipeline stalled"
-            if self._sync is not None:
-                where = f"virtual worker {self._sync.worker}: {where}"
+            where = f"virtual worker {self._pid}: {where}"
             raise PipelineError(f"{where}: {type(exc).__name__}: {exc}\n"
                                 f"stages: {self.describe_status()}\n{tb}") from exc
         wall = self._clock() - start

@@ -6,13 +6,18 @@ Training threads (one per virtual worker) put events on an :class:`Events` queue
 callbacks, History and progress bar, running epoch means like Keras's, throughput
 from completion times (not from when this loop saw them), the learning rate that
 callbacks set, ``stop_training``, and on any error or Ctrl-C it stops the training
-threads before leaving.
+threads before leaving. A minibatch whose loss is not finite ends training with its
+error, unless a ``keras.callbacks.TerminateOnNaN`` is given: that callback then sees the
+minibatch's logs and stops training as in Keras (the model keeps the weights of the
+last completed epoch, none of that minibatch's update).
 """
 import collections
 import queue
 import threading
 
 import keras
+
+from hetpipe_tf.stage_runtime import NonFiniteError
 
 
 class Events:
@@ -48,6 +53,10 @@ class Events:
                     raise RuntimeError(f"training finished while fit() waited for a {kind!r} event")
                 continue
             self._pending[got].append(payload)
+
+    def forgive(self, error):
+        """`error` was handled by the caller: wait_finished no longer raises it."""
+        self.errors.remove(error)
 
     def wait_finished(self, timeout):
         """Waits for every training thread to finish; re-raises the first error."""
@@ -90,16 +99,24 @@ def run_fit(model, *, events, launch, epochs, steps_per_epoch, callbacks, verbos
             sums, count, t_done = {}, 0, t_epoch
             for step in range(steps_per_epoch):
                 cbs.on_train_batch_begin(step)
-                logs, t_done = events.get("done")
+                try:
+                    logs, t_done = events.get("done")
+                except Exception as exc:  # noqa: BLE001 - re-raised unless TerminateOnNaN takes it
+                    logs = _terminate_on_nan_logs(exc, callbacks)
+                    if logs is None:
+                        raise
+                    events.forgive(exc)
+                    stopped = True
                 completed += 1
                 for k, v in logs.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
                 cbs.on_train_batch_end(step, {k: v / count for k, v in sums.items()})
                 sync_optimizer(completed)
-                if model.stop_training:
+                if model.stop_training or stopped:
+                    if not stopped:
+                        request_stop()
                     stopped = True
-                    request_stop()
                     break
             epoch_logs = {k: v / max(count, 1) for k, v in sums.items()}
             if t_done > t_epoch:
@@ -126,6 +143,17 @@ def run_fit(model, *, events, launch, epochs, steps_per_epoch, callbacks, verbos
         raise
     cbs.on_train_end(history_logs)
     return model.history
+
+
+def _terminate_on_nan_logs(error, callbacks):
+    """The logs of the minibatch whose non-finite loss ended training, when a TerminateOnNaN
+    callback is there to see them; else None."""
+    cause = error.__cause__
+    if not (isinstance(cause, NonFiniteError) and cause.logs):
+        return None
+    if not any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callbacks or ()):
+        return None
+    return cause.logs
 
 
 def sync_learning_rate(model, template, optimizers, completed):

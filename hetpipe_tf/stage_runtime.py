@@ -12,6 +12,11 @@ to the stage:
 * ``backward(p)``: gradients of p against w_p, the version its forward used;
 * ``apply_update(p)``: w_local := w_local + u_p with the stage's optimizer;
 * ``release_weights(p)``: drops w_p.
+
+A non-finite loss (last stage, checked after the forward pass) or weight gradient
+(checked inside the apply function, which then applies nothing) raises
+:class:`NonFiniteError`: nothing of that minibatch reaches w_local, so nothing of it
+can be pushed to the parameter servers.
 """
 import contextlib
 import functools
@@ -55,12 +60,29 @@ class _InFlight:
     weight_version: list = field(default_factory=list)
 
 
+class NonFiniteError(FloatingPointError):
+    """A minibatch's loss or gradient is NaN or infinite; nothing of that minibatch was applied.
+
+    `logs` holds the minibatch's loss and metrics when the loss was not finite (for
+    ``keras.callbacks.TerminateOnNaN``), else None."""
+
+    def __init__(self, message, minibatch, stage, logs=None):
+        super().__init__(message)
+        self.minibatch = minibatch
+        self.stage = stage
+        self.logs = logs
+
+
 @dataclass(frozen=True)
 class StageState:
-    """A stage's state right after some update: what a checkpoint or evaluation needs."""
+    """A stage's state right after some update: what a checkpoint or evaluation needs.
+    `applied`: the minibatches whose updates it holds; `used`: the recorded provenance of the
+    versions used so far ({p: local updates}, {p: global pushes}), when recording it."""
     trainable: list
     non_trainable: list
     optimizer: list
+    applied: tuple = ()
+    used: tuple = ({}, {})
 
 
 class StageRuntime:
@@ -199,6 +221,13 @@ class StageRuntime:
                            weight_version=weights)
         self._inflight[p] = record
         if self.is_last:
+            loss = float(logs["loss"])
+            if not np.isfinite(loss):
+                values = {k: float(v) for k, v in logs.items()}
+                raise NonFiniteError(
+                    f"minibatch {p}: the loss is {loss} on stage {self.index} (the last); nothing of "
+                    f"minibatch {p} was applied or pushed. Lower the learning rate, look for NaN or Inf "
+                    f"in the data, or clip gradients (the optimizer's clipnorm)", p, self.index, values)
             self.logs[p] = logs
             return logs
         return targets
@@ -225,14 +254,29 @@ class StageRuntime:
         return self._input_grads.pop(p)
 
     def _apply_graph(self, grads):
-        self.optimizer.apply(grads, self.trainable)
+        """Applies the gradients if every one is finite; returns whether they were."""
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads])
+
+        def apply():
+            self.optimizer.apply(grads, self.trainable)
+            return tf.constant(True)
+
+        return tf.cond(finite, apply, lambda: tf.constant(False))
 
     def apply_update(self, p):
-        """w_local := w_local + u_p."""
+        """w_local := w_local + u_p, unless u_p is not finite (then NonFiniteError)."""
         grads = self._weight_grads.pop(p)
         if self.trainable:  # a stage may have no weights (pooling, activations)
             with tf.device(self.device):
-                self._apply_fn(grads)
+                finite = self._apply_fn(grads)
+            if not bool(finite):
+                bad = [v.path for v, g in zip(self.stage.trainable_variables, grads) if not np.all(np.isfinite(
+                    tf.convert_to_tensor(g).numpy()))]
+                raise NonFiniteError(
+                    f"minibatch {p}: the gradient of stage {self.index} is not finite (NaN or Inf in "
+                    f"{', '.join(bad)}); nothing of it was applied or pushed. Lower the learning rate or "
+                    f"clip gradients (the optimizer's clipnorm)", p, self.index)
         self.applied.append(p)
 
     # WSP ---------------------------------------------------------------------------------
@@ -285,7 +329,19 @@ class StageRuntime:
         """The stage's state now (tensors share buffers until the variables change)."""
         return StageState(trainable=[tf.identity(v.value) for v in self.trainable],
                           non_trainable=[tf.identity(v.value) for v in self.non_trainable],
-                          optimizer=[tf.identity(v.value) for v in self.optimizer.variables])
+                          optimizer=[tf.identity(v.value) for v in self.optimizer.variables],
+                          applied=tuple(self.applied),
+                          used=(dict(self.used_versions), dict(self.used_globals)) if self.record_provenance
+                          else ({}, {}))
+
+    def restore(self, state):
+        """Sets the stage's live state back to `state` (a :meth:`snapshot`)."""
+        for variables, values in ((self.trainable, state.trainable), (self.non_trainable, state.non_trainable),
+                                  (self.optimizer.variables, state.optimizer)):
+            for v, value in zip(variables, values):
+                v.assign(value)
+        self.applied = list(state.applied)
+        self.used_versions, self.used_globals = dict(state.used[0]), dict(state.used[1])
 
     def write_back(self, state=None):
         """Writes `state` (default: the live state) into the Keras model's own variables."""

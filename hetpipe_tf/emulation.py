@@ -24,6 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+FAITHFUL_OVERRUN = 0.05
+"""An emulated run is faithful while fewer than this fraction of its paced tasks overran."""
+
+DILATIONS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+"""The dilations :func:`calibrate_dilation` tries, in order."""
+
 
 class DeviceOutOfMemoryError(MemoryError):
     """An emulated device would hold more bytes than its capacity."""
@@ -31,26 +37,64 @@ class DeviceOutOfMemoryError(MemoryError):
 
 @dataclass(frozen=True)
 class EmulationReport:
-    """How faithful the time emulation was: tasks paced, and how many overran their target."""
+    """How faithful the time emulation was: tasks paced, and how many overran their target.
+
+    `calibration` holds (dilation, overrun fraction) of each probe run when the dilation
+    was chosen by :func:`calibrate_dilation` (empty when the user gave it)."""
     dilation: float
     tasks: int
     overran: int
+    calibration: tuple = ()
 
     @property
     def overrun_fraction(self):
         return self.overran / self.tasks if self.tasks else 0.0
 
+    @property
+    def faithful(self):
+        return self.overrun_fraction < FAITHFUL_OVERRUN
+
     def as_dict(self):
-        return {"emulated": True, "dilation": self.dilation, "paced_tasks": self.tasks,
-                "overran_tasks": self.overran, "overrun_fraction": round(self.overrun_fraction, 4)}
+        out = {"emulated": True, "dilation": self.dilation, "paced_tasks": self.tasks,
+               "overran_tasks": self.overran, "overrun_fraction": round(self.overrun_fraction, 4),
+               "emulation_faithful": self.faithful}
+        if self.calibration:
+            out["dilation_calibration"] = [[d, round(f, 4)] for d, f in self.calibration]
+        return out
+
+    def warning(self):
+        """A line saying that the run was not faithful, or None when it was."""
+        if self.faithful:
+            return None
+        return (f"WARNING: the emulation was not faithful: {self.overran} of {self.tasks} paced tasks "
+                f"({self.overrun_fraction:.1%}) overran their target (the limit is {FAITHFUL_OVERRUN:.0%}), "
+                f"so this run's timings do not show the emulated devices; give a larger dilation than "
+                f"{self.dilation:g} or emulate fewer devices per host core")
 
     @staticmethod
     def combine(reports):
-        reports = list(reports)
+        reports = [r for r in reports if r is not None]
         if not reports:
             return None
         return EmulationReport(dilation=reports[0].dilation, tasks=sum(r.tasks for r in reports),
-                               overran=sum(r.overran for r in reports))
+                               overran=sum(r.overran for r in reports),
+                               calibration=next((r.calibration for r in reports if r.calibration), ()))
+
+
+def calibrate_dilation(probe, candidates=DILATIONS, limit=FAITHFUL_OVERRUN / 2):
+    """Chooses the dilation of an emulated run: the first of `candidates` whose probe overran
+    on fewer than `limit` of its tasks (half the faithfulness limit: a margin for slower phases
+    of a shared machine), else the last candidate.
+
+    `probe(dilation)` runs the real pipeline briefly at that dilation, keeps nothing of it, and
+    returns its EmulationReport. Returns (dilation, ((dilation, overrun fraction), ...))."""
+    tried = []
+    for dilation in candidates:
+        report = probe(dilation)
+        tried.append((dilation, report.overrun_fraction))
+        if report.overrun_fraction < limit:
+            break
+    return tried[-1][0], tuple(tried)
 
 
 class Pacer:

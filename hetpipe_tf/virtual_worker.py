@@ -11,6 +11,8 @@ minibatches in flight, and the executor (:mod:`hetpipe_tf.executor`) runs it.
 The trained weights are written back into the Keras model at the end, so
 ``model.evaluate``, ``predict`` and ``save`` work as usual.
 """
+import dataclasses
+import sys
 import time
 
 import keras
@@ -18,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetpipe_tf.devices import configure_tensorflow_devices, parse_devices
-from hetpipe_tf.emulation import EmulationReport, MemoryAccount, Pacer
+from hetpipe_tf.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
 from hetpipe_tf.executor import PipelineExecutor
 from hetpipe_tf.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
 from hetpipe_tf.loss_head import LossHead
@@ -41,7 +43,9 @@ class VirtualWorker:
       boundaries: the first layer call of each stage (default: balance a FLOP estimate over
         the devices' speeds).
       optimizer, loss, metrics, loss_weights: as for Keras ``compile``.
-      dilation: multiplies every emulated device's slowdown (see :mod:`hetpipe_tf.emulation`).
+      dilation: multiplies every emulated device's slowdown (see :mod:`hetpipe_tf.emulation`);
+        None (default): chosen by probe runs before training, so that the emulation stays
+        faithful (:meth:`calibrate_dilation`).
       timeout_s: the longest the pipeline may go without progress before it fails.
       record_provenance: record which local updates each minibatch's weight version held.
       single_threaded_stages: run each stage's kernels on its own thread only (one core per
@@ -56,7 +60,7 @@ class VirtualWorker:
     """
 
     def __init__(self, model, devices, num_minibatches=None, boundaries=None, optimizer="sgd",
-                 loss=None, metrics=(), loss_weights=None, dilation=1.0, timeout_s=300.0,
+                 loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
                  record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None):
         self.model = model
         self.device_specs = parse_devices(devices)
@@ -76,7 +80,10 @@ class VirtualWorker:
                                   speeds=[d.speed for d in self.device_specs])
         self.loss_head = LossHead(loss, self.staged.keras_graph.model.output_names,
                                   loss_weights=loss_weights, metrics=metrics)
-        self.dilation = float(dilation)
+        if dilation is not None and not float(dilation) >= 1.0:
+            raise ValueError(f"dilation must be None (calibrated) or a number >= 1, got {dilation!r}")
+        self.dilation = None if dilation is None else float(dilation)
+        self.calibration = ()  # (dilation, overrun fraction) of each probe, when calibrated
         self.timeout_s = float(timeout_s)
         self.record_provenance = record_provenance
         if single_threaded_stages and len(set(self.device_names)) > 1:
@@ -101,7 +108,8 @@ class VirtualWorker:
 
     def emulation_report(self):
         """How faithful the time emulation was in the current (or last) run (None without emulated devices)."""
-        return EmulationReport.combine(p.report() for p in self._pacers if p is not None)
+        report = EmulationReport.combine(p.report() for p in self._pacers if p is not None)
+        return report and dataclasses.replace(report, calibration=self.calibration)
 
     def busy_seconds(self):
         """Seconds each stage has spent running tasks in the current (or last) run."""
@@ -112,15 +120,16 @@ class VirtualWorker:
         for s, spec in zip(self.staged.stages, self.device_specs):
             lines.append(f"  {spec}: " + self.staged.describe().splitlines()[s.index])
         if self.emulated:
-            lines.append(f"  EMULATED devices (dilation {self.dilation:g}): task times are padded, "
+            dilation = "calibrated before training" if self.dilation is None else f"{self.dilation:g}"
+            lines.append(f"  EMULATED devices (dilation {dilation}): task times are padded, "
                          f"memory is accounted; see hetpipe_tf.emulation")
         return "\n".join(lines)
 
-    def schedule(self, num_minibatches, snapshot_after=()):
+    def schedule(self, num_minibatches, snapshot_after=(), synchronised=True):
         """The HetPipe schedule this worker runs for `num_minibatches` minibatches."""
         return hetpipe_schedule(self.num_stages, num_minibatches, self.num_in_flight,
                                 input_stages=self.staged.input_stages(), snapshot_after=snapshot_after,
-                                wsp=self.sync is not None)
+                                wsp=synchronised and self.sync is not None)
 
     # Building --------------------------------------------------------------------------
     def _build(self, batch_size):
@@ -159,30 +168,65 @@ class VirtualWorker:
         iterator = iter(data)
         first = next(iterator)
         batch_size = self.prepare(*first)
+        if self.emulated and self.dilation is None:
+            self.calibrate_dilation(first)
+        self.report = self._run(_chain(first, iterator), num_minibatches, trace=trace,
+                                on_minibatch_done=on_minibatch_done, snapshot_after=snapshot_after,
+                                on_snapshot=on_snapshot, executor_hook=executor_hook)
+        self.report.batch_size = batch_size
+        if self.sync is None:  # under WSP the global weights are what the model gets
+            for rt in self.runtimes:
+                rt.write_back()
+        return self.report
+
+    def _run(self, iterator, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
+             on_snapshot=None, executor_hook=None, synchronised=True):
         self._pacers = [Pacer(d.speed, self.dilation, slowdown=self.slowdown) if d.emulated else None
                         for d in self.device_specs]
         recorder = None
         if trace:
             recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self._trace_metadata())
             self._name_trace(recorder)
+        sync = self.sync if synchronised else None
         executor = PipelineExecutor(
-            self.schedule(num_minibatches, snapshot_after=snapshot_after), self.runtimes,
-            _chain(first, iterator), self.staged.split_inputs, pacers=self._pacers,
+            self.schedule(num_minibatches, snapshot_after=snapshot_after, synchronised=synchronised),
+            self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
             references=self.references, timeout_s=self.timeout_s, trace=recorder,
-            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot, sync=self.sync,
+            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot, sync=sync,
             pid=self.sync.worker if self.sync else 0)
         self._executor = executor
         if executor_hook:
             executor_hook(executor)
         try:
-            self.report = executor.run()
+            return executor.run()
         finally:
             self.trace = recorder
-        self.report.batch_size = batch_size
-        if self.sync is None:  # under WSP the global weights are what the model gets
-            for rt in self.runtimes:
-                rt.write_back()
-        return self.report
+
+    # Emulation -------------------------------------------------------------------------
+    def probe_minibatches(self, workers=1):
+        """How many minibatches a calibration probe runs: at least 3 waves, and about 120 paced
+        tasks over `workers` such workers running together."""
+        return max(3 * self.num_in_flight, -(-120 // (2 * self.num_stages * workers)))
+
+    def probe_emulation(self, minibatch, dilation, num_minibatches=None):
+        """Runs the pipeline on copies of `minibatch` at `dilation`, unsynchronised, and keeps
+        nothing of it (every stage's state is restored); returns the run's EmulationReport."""
+        num_minibatches = num_minibatches or self.probe_minibatches()
+        states = [rt.snapshot() for rt in self.runtimes]
+        given, self.dilation = self.dilation, dilation
+        try:
+            report = self._run(iter([minibatch] * num_minibatches), num_minibatches, synchronised=False)
+        finally:
+            self.dilation = given
+            for rt, state in zip(self.runtimes, states):
+                rt.restore(state)
+        return report.emulation
+
+    def calibrate_dilation(self, minibatch):
+        """Chooses the dilation by probe runs (:func:`hetpipe_tf.emulation.calibrate_dilation`):
+        the smallest at which fewer than 2.5 % of the tasks overran their target."""
+        self.dilation, self.calibration = calibrate_dilation(lambda d: self.probe_emulation(minibatch, d))
+        return self.dilation
 
     def _trace_metadata(self):
         meta = {"hetpipe_tf": "virtual worker", "num_in_flight": self.num_in_flight,
@@ -254,6 +298,7 @@ class VirtualWorker:
             timeout_s=self.timeout_s)
         if trace_path and self.trace:
             self.trace.write(trace_path)
+        warn_if_not_faithful(self.emulation_report())
         return history
 
     def evaluate(self, dataset):
@@ -263,12 +308,21 @@ class VirtualWorker:
             outputs = self.model(x, training=False)
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
             labels = self.loss_head.split_labels(y)
-            values = dict(self.loss_head.metrics(labels, outputs), loss=self.loss_head.loss(labels, outputs))
+            values = self.loss_head.metrics(labels, outputs)
+            if self.model.losses:  # as Keras's evaluate: the model's own losses (regularization) count
+                values["loss"] = values["loss"] + tf.add_n(self.model.losses)
             b = int(tf.nest.flatten(x)[0].shape[0])
             for k, v in values.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * b
             n += b
         return {k: v / n for k, v in sums.items()}
+
+
+def warn_if_not_faithful(report):
+    """Prints the emulation's warning line to stderr when `report` (or None) was not faithful."""
+    line = report.warning() if report is not None else None
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _chain(first, rest):

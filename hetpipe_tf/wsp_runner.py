@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
+from hetpipe_tf.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.executor import WorkerSync
 from hetpipe_tf.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
 from hetpipe_tf.parameter_server import ParameterServers, layer_of
 from hetpipe_tf.simulator import wait_and_idle
 from hetpipe_tf.trace import TraceRecorder
-from hetpipe_tf.virtual_worker import VirtualWorker
+from hetpipe_tf.virtual_worker import VirtualWorker, warn_if_not_faithful
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,12 @@ class WSPRunner:
       placement: "default" (layers round-robin over the servers) or "local" (every layer on the
         server of the node that trains it in worker 0: `stage_servers` of its stage, §8.1).
       optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
-        VirtualWorker.
+        VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe
+        runs of every worker at once (they share the host).
     """
 
     def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
-                 optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=1.0, timeout_s=300.0,
+                 optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
                  record_provenance=False):
         if staleness_bound < 0:
             raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
@@ -98,6 +100,8 @@ class WSPRunner:
         firsts = [next(it) for it in iterators]
         for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
             self.batch_size = vw.prepare(*first)
+        if any(vw.emulated and vw.dilation is None for vw in self.vws):
+            self.calibrate_dilation(firsts)
         self.trace = TraceRecorder(metadata={"hetpipe_tf": f"{self.num_workers} virtual workers, WSP "
                                              f"D={self.staleness_bound}"}) if trace else None
         reports, errors = [None] * self.num_workers, []
@@ -133,6 +137,35 @@ class WSPRunner:
     def abort(self):
         for ex in list(self._executors.values()):
             ex.abort()
+
+    def emulation_report(self):
+        """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
+        return EmulationReport.combine(vw.emulation_report() for vw in self.vws)
+
+    def calibrate_dilation(self, minibatches):
+        """Chooses one dilation for every worker: probe runs of all workers at once (each on
+        copies of its minibatch in `minibatches`, unsynchronised, nothing kept), as in
+        :meth:`VirtualWorker.calibrate_dilation`."""
+        def probe(dilation):
+            reports, errors = [None] * self.num_workers, []
+            n = self.vws[0].probe_minibatches(self.num_workers)
+
+            def run(i):
+                try:
+                    reports[i] = self.vws[i].probe_emulation(minibatches[i], dilation, n)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+
+            for t in [start_thread(lambda i=i: run(i), f"hetpipe-probe-{i}") for i in range(self.num_workers)]:
+                t.join()
+            if errors:
+                raise errors[0]
+            return EmulationReport.combine(reports)
+
+        dilation, tried = calibrate_dilation(probe)
+        for vw in self.vws:
+            vw.dilation, vw.calibration = dilation, tried
+        return dilation
 
     def finish(self):
         """Puts the global weights and state into the Keras model, and worker 0's state that the
@@ -173,9 +206,7 @@ class WSPRunner:
             clocks, global_clock = self.servers.clock.clocks()
             logs["global_clock"] = global_clock
             if self.vws[0].emulated:
-                from hetpipe_tf.emulation import EmulationReport
-                logs["emulated_overrun_fraction"] = EmulationReport.combine(
-                    vw.emulation_report() for vw in self.vws).overrun_fraction
+                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
             return logs
 
         history = run_fit(
@@ -188,6 +219,7 @@ class WSPRunner:
             abort=self.abort, timeout_s=self.timeout_s)
         if trace_path and self.trace:
             self.trace.write(trace_path)
+        warn_if_not_faithful(self.emulation_report())
         return history
 
     def provenance(self, stage=0):

@@ -24,6 +24,11 @@ class DatasetNotFoundError(FileNotFoundError):
     """The data set is unknown, or not prepared in the data directory."""
 
 
+class DatasetOptionError(ValueError):
+    """A data set that cannot give what was asked: it is not image classification, or has no
+    such split, or the batch size, image size or channels do not suit it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageDatasetInfo:
     """What a pipeline needs to know about an image-classification data set.
@@ -77,9 +82,9 @@ def _image_label_keys(builder):
             and len(info.features[keys[0]].shape) == 3
             and isinstance(info.features[keys[1]], tfds.features.ClassLabel)):
         return keys
-    raise ValueError(f"Dataset {builder.name!r} is not an image-classification data set: "
-                     f"its supervised keys {keys!r} are not (image of shape (H, W, C), "
-                     "ClassLabel)")
+    raise DatasetOptionError(f"Dataset {builder.name!r} is not an image-classification data set: "
+                             f"its supervised keys {keys!r} are not (image of shape (H, W, C), "
+                             "ClassLabel)")
 
 
 def _info(builder):
@@ -97,7 +102,7 @@ def dataset_info(name, data_dir=None):
 
     ``hetpipe_digits`` is prepared into ``data_dir`` on first use; any other data
     set must already be prepared there. Raises DatasetNotFoundError otherwise
-    (nothing is downloaded), and ValueError if the data set is not an
+    (nothing is downloaded), and DatasetOptionError if the data set is not an
     (image, class label) one.
     """
     return _info(_prepared_builder(name, data_dir))
@@ -118,25 +123,25 @@ def load_image_classification(name, split, batch_size, data_dir=None, image_size
     builder = _prepared_builder(name, data_dir)
     info = _info(builder)
     if split not in info.num_examples:
-        raise ValueError(f"split={split!r} does not exist in {info.name!r}; "
-                         f"allowed: {sorted(info.num_examples)}")
+        raise DatasetOptionError(f"split={split!r} does not exist in {info.name!r}; "
+                                 f"allowed: {sorted(info.num_examples)}")
     size = info.num_examples[split]
     if not isinstance(batch_size, numbers.Integral) or not 0 < batch_size <= size:
-        raise ValueError(f"batch_size={batch_size!r} must be an integer from 1 to {size}, "
-                         f"the number of examples in split {split!r} of {info.name!r}")
+        raise DatasetOptionError(f"batch_size={batch_size!r} must be an integer from 1 to {size}, "
+                                 f"the number of examples in split {split!r} of {info.name!r}")
     if image_size is not None and (not isinstance(image_size, numbers.Integral)
                                    or image_size <= 0):
-        raise ValueError(f"image_size={image_size!r} must be None or a positive integer")
+        raise DatasetOptionError(f"image_size={image_size!r} must be None or a positive integer")
     if channels not in (None, 1, 3):
-        raise ValueError(f"channels={channels!r} is not supported; allowed: None "
-                         "(keep the stored channels), 1 or 3")
+        raise DatasetOptionError(f"channels={channels!r} is not supported; allowed: None "
+                                 "(keep the stored channels), 1 or 3")
     height, width, stored = info.image_shape
     if channels not in (None, stored) and stored not in (1, 3):
-        raise ValueError(f"channels={channels!r}: cannot convert the {stored} channels "
-                         f"of {info.name!r}; allowed: None")
+        raise DatasetOptionError(f"channels={channels!r}: cannot convert the {stored} channels "
+                                 f"of {info.name!r}; allowed: None")
     if image_size is None and None in (height, width):
-        raise ValueError(f"{info.name!r} has images of varying size {info.image_shape}: "
-                         "give image_size so that batches have one shape")
+        raise DatasetOptionError(f"{info.name!r} has images of varying size {info.image_shape}: "
+                                 "give image_size so that batches have one shape")
 
     image_key, _ = _image_label_keys(builder)
     image_feature = builder.info.features[image_key]

@@ -4,16 +4,16 @@
 ``vgg16``, ``vgg19``, ``resnet50``, ``resnet101`` and ``resnet152`` are the
 ``keras.applications`` models (``weights=None``: nothing is downloaded) that the
 HetPipe paper trains, which need images of at least 32x32 with 3 channels.
-All models output logits.
+All models output logits. Keras is imported when a model is built, so that the
+binaries' flags (which list the names) parse without loading it.
 """
-import keras
-
-_APPLICATIONS = {
-    "vgg16": keras.applications.VGG16, "vgg19": keras.applications.VGG19,
-    "resnet50": keras.applications.ResNet50, "resnet101": keras.applications.ResNet101,
-    "resnet152": keras.applications.ResNet152,
-}
+_APPLICATIONS = {"vgg16": "VGG16", "vgg19": "VGG19", "resnet50": "ResNet50", "resnet101": "ResNet101",
+                 "resnet152": "ResNet152"}  # keras.applications names
 MODELS = ("mlp", "cnn") + tuple(_APPLICATIONS)
+
+
+class ModelInputError(ValueError):
+    """A model of the zoo cannot take the images it was asked to build for."""
 
 
 def input_requirements(name):
@@ -23,6 +23,8 @@ def input_requirements(name):
 
 def build_model(name, input_shape, num_classes):
     """A Keras model `name` for images of `input_shape` and `num_classes` classes."""
+    import keras
+
     if name == "mlp":
         return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten()]
                                 + [keras.layers.Dense(256, activation="relu") for _ in range(3)]
@@ -44,8 +46,8 @@ def build_model(name, input_shape, num_classes):
     if name in _APPLICATIONS:
         side, channels = input_requirements(name)
         if min(input_shape[:2]) < side or input_shape[2] != channels:
-            raise ValueError(f"{name} needs images of at least {side}x{side}x{channels}, got "
+            raise ModelInputError(f"{name} needs images of at least {side}x{side}x{channels}, got "
                              f"{tuple(input_shape)}; pass --image_size={side} (the binary converts channels)")
-        return _APPLICATIONS[name](weights=None, input_shape=tuple(input_shape), classes=num_classes,
+        return getattr(keras.applications, _APPLICATIONS[name])(weights=None, input_shape=tuple(input_shape), classes=num_classes,
                                    classifier_activation=None)
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")

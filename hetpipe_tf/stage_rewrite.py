@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hetpipe_tf.model_graph import LayerNode, ModelGraph, TensorInfo
+from hetpipe_tf.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 from hetpipe_tf.partitioner import balanced_boundaries
 
 
@@ -256,11 +256,12 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
         boundaries = balanced_boundaries([n.flops_per_example for n in graph.nodes], num_stages,
                                          allowed_cuts=graph.allowed_cuts(), speeds=speeds)
     elif num_stages is not None and len(boundaries) != num_stages:
-        raise ValueError(f"{len(boundaries)} boundaries given for num_stages={num_stages}")
+        raise PartitionError(f"{len(boundaries)} stage boundaries {list(boundaries)} given for {num_stages} stages: "
+                             f"give one per stage (each stage's first layer call, starting at 0)")
     boundaries = graph.check_boundaries(boundaries)
     ios = graph.stage_io(boundaries)
     if devices is not None and len(devices) != len(ios):
-        raise ValueError(f"{len(ios)} stages but {len(devices)} devices were given")
+        raise PartitionError(f"{len(ios)} stages but {len(devices)} devices were given: give one device per stage")
     stages = []
     for io in ios:
         sub = keras.Model(inputs=_one_or_list([kg.tensors[t] for t in io.consumed]),

@@ -3,6 +3,9 @@ several virtual workers under Wave Synchronous Parallel.
 
     hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_minibatches=4
     hetpipe-train --model=cnn --cluster=local --policy=ed --staleness_bound=1
+
+Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
+HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli_errors`).
 """
 import json
 import os
@@ -11,16 +14,13 @@ from absl import app, flags, logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-from hetpipe_tf import train_flags
+from hetpipe_tf import cli_errors, train_flags
 
 train_flags.define_flags()
 FLAGS = flags.FLAGS
 
 
 def _devices():
-    if FLAGS.devices and FLAGS.num_stages and len(FLAGS.devices.split(",")) != FLAGS.num_stages:
-        raise app.UsageError(f"--num_stages={FLAGS.num_stages} but --devices lists "
-                             f"{len(FLAGS.devices.split(','))} devices")
     if FLAGS.devices:
         return FLAGS.devices
     if FLAGS.num_stages:
@@ -43,7 +43,7 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
     links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
     chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_minibatches,
-                  dilation=FLAGS.dilation, optimizer_slots=slots_per_weight(optimizer), links=links)
+                  dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links)
     print(chosen.format())
     by_type = {}
     for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):
@@ -86,13 +86,10 @@ def _train_virtual_workers():
     from hetpipe_tf.cluster import load_cluster
     from hetpipe_tf.strategy import HetPipeStrategy
 
-    for name in ("devices", "num_stages", "boundaries"):
-        if FLAGS[name].present:
-            raise app.UsageError(f"--{name} is for one virtual worker; with --cluster the planner chooses it")
     vw_size = None
     if FLAGS.num_vws:
         total = len(load_cluster(FLAGS.cluster).devices())
-        if FLAGS.num_vws < 1 or total % FLAGS.num_vws:
+        if total % FLAGS.num_vws:
             raise app.UsageError(f"--num_vws={FLAGS.num_vws} must divide the cluster's {total} devices")
         vw_size = total // FLAGS.num_vws
     strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_minibatches=FLAGS.num_minibatches,
@@ -116,8 +113,7 @@ def _train_virtual_workers():
                "test_accuracy": final.get("val_accuracy"), "images_per_s": final.get("images_per_s"),
                "virtual_workers": runner.stats()}
     if strategy.cluster.emulated:
-        from hetpipe_tf.emulation import EmulationReport
-        summary["emulation"] = EmulationReport.combine(vw.emulation_report() for vw in runner.vws).as_dict()
+        summary["emulation"] = runner.emulation_report().as_dict()
     print("summary: " + json.dumps(summary))
 
 
@@ -148,8 +144,6 @@ def main(argv):
     boundaries = [int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None
     num_minibatches = FLAGS.num_minibatches
     if FLAGS.plan == "auto":
-        if boundaries:
-            raise app.UsageError("--plan=auto chooses the boundaries; do not give --boundaries as well")
         devices, boundaries, num_minibatches = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
     vw = VirtualWorker(
         model, devices, num_minibatches=num_minibatches, boundaries=boundaries, optimizer=optimizer, loss=loss,
@@ -174,7 +168,7 @@ def main(argv):
 
 
 def run():
-    app.run(main)
+    cli_errors.run(main, "hetpipe-train")
 
 
 if __name__ == "__main__":

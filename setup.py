@@ -66,6 +66,7 @@ setup(
     # CPU wheel: `pip install .[cpu]` or `pip install .[gpu]`.
     install_requires=["tensorflow-datasets", "numpy", "scipy", "absl-py", "tensorboard"],
     extras_require={"cpu": ["tensorflow-cpu==2.21.0"],
-                    "gpu": ["tensorflow[and-cuda]==2.21.0"]},
+                    "gpu": ["tensorflow[and-cuda]==2.21.0"],
+                    "plot": ["matplotlib>=3.7"]},
     entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.train:run", "hetpipe=hetpipe_tf.cli:run"]},
 )

@@ -1,8 +1,9 @@
-"""hetpipe: plan, simulate and launch HetPipe training on a cluster.
+"""hetpipe: plan, simulate and launch HetPipe training on a cluster, and draw plans and traces.
 
-    hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json]
+    hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json] [--png=plan.png]
     hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
     hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
+    hetpipe trace plot TRACE.json [-o timeline.png]
 
 `plan` prints the virtual workers and their device types, every stage's layer range,
 predicted time and memory, Nm and the predicted throughput. `simulate` runs the plan's
@@ -10,6 +11,11 @@ schedules in the discrete-event simulator and prints throughput, each device's b
 fraction, and each worker's wait and idle time under the staleness bound. `launch`
 starts the parameter-server and worker tasks of the cluster on this machine, runs the
 command after ``--`` as their chief (TF_CONFIG set), and stops every task at its end.
+`--png` and `trace plot` draw a plan and a trace (``hetpipe-train --trace_file``) as PNG
+pictures (:mod:`hetpipe_tf.plots`; needs matplotlib: ``pip install 'hetpipe_tf[plot]'``).
+
+Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
+HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli_errors`).
 """
 import json
 import os
@@ -17,12 +23,13 @@ import sys
 
 from absl import app, flags
 
-from hetpipe_tf import cli_flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from hetpipe_tf import cli_errors, cli_flags  # noqa: E402 - after the environment TensorFlow reads
+
 cli_flags.define_flags()
 FLAGS = flags.FLAGS
-COMMANDS = ("plan", "simulate", "launch")
+COMMANDS = "plan, simulate, launch -- COMMAND [ARGS...], trace plot TRACE.json [-o PNG]"
 
 
 def _optimizer():
@@ -73,17 +80,39 @@ def simulate_plan(p, minibatches):
     return run(p, minibatches)
 
 
+def trace_plot(trace_path):
+    """`hetpipe trace plot`: the trace as a Gantt chart, into -o or beside the trace."""
+    from hetpipe_tf.plots import plot_trace
+    output = FLAGS.output or os.path.splitext(trace_path)[0] + ".png"
+    drawn = plot_trace(trace_path, output)
+    print(f"timeline of {drawn['spans']} spans on {len(drawn['rows'])} rows, {drawn['duration_s']:.2f} s"
+          f"{' (EMULATED devices)' if drawn['emulated'] else ''}, written to {output}")
+
+
 def main(argv):
-    if len(argv) >= 2 and argv[1] == "launch":
-        if len(argv) < 3:
-            raise app.UsageError("usage: hetpipe launch --cluster=... -- COMMAND [ARGS...]")
+    command = argv[1:]
+    if command[:1] == ["launch"]:
+        if len(command) < 2:
+            raise app.UsageError("launch needs the command to run after --: hetpipe launch --cluster=... -- "
+                                 "COMMAND [ARGS...]")
         from hetpipe_tf.launch import launch
-        sys.exit(launch(FLAGS.cluster, argv[2:], log_dir=FLAGS.task_log_dir, host=FLAGS.host))
-    if len(argv) != 2 or argv[1] not in COMMANDS:
-        raise app.UsageError(f"usage: hetpipe {{{','.join(COMMANDS)}}} [flags]; got {argv[1:]}")
+        sys.exit(launch(FLAGS.cluster, command[1:], log_dir=FLAGS.task_log_dir, host=FLAGS.host))
+    if command[:2] == ["trace", "plot"]:
+        if len(command) != 3:
+            raise app.UsageError(f"trace plot takes one trace file, got {command[2:]}: "
+                                 f"hetpipe trace plot TRACE.json [-o timeline.png]")
+        trace_plot(command[2])
+        return
+    if command not in (["plan"], ["simulate"]):
+        given = f"unknown command {' '.join(command)!r}" if command else "no command given"
+        raise app.UsageError(f"{given}; the commands are: {COMMANDS} (flags: hetpipe --helpfull)")
     p = make_plan()
-    if argv[1] == "plan":
+    if command == ["plan"]:
         print(json.dumps(p.to_dict(), indent=1) if FLAGS.json else p.format())
+        if FLAGS.png:
+            from hetpipe_tf.plots import plot_plan
+            plot_plan(p, FLAGS.png)
+            print(f"plan drawn to {FLAGS.png}")
         return
     report = simulate_plan(p, FLAGS.minibatches)
     if FLAGS.json:
@@ -99,7 +128,7 @@ def main(argv):
 
 
 def run():
-    app.run(main)
+    cli_errors.run(main, "hetpipe")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,29 @@ parameter servers (§5), planned and launched by :class:`HetPipeStrategy`.
 The public API is below. Names load on first use, so that the pure modules
 (``schedule``, ``simulator``, ``emulation``, ``model_graph``, ``partitioner``) import
 without TensorFlow.
+
+TensorFlow is not a hard requirement of the package, so that installing hetpipe_tf never
+replaces a GPU build of TensorFlow by the CPU wheel: ``pip install '.[cpu]'`` or
+``'.[gpu]'`` brings one. Without any, ``import hetpipe_tf`` says in one line what to
+install, and every name that needs TensorFlow raises ImportError with that line.
 """
 import importlib
+import importlib.util
+import sys
+
+TENSORFLOW_NEEDED = ("hetpipe_tf needs TensorFlow 2.21 with Keras 3, and none is installed: "
+                     "pip install tensorflow-cpu==2.21.0 (or tensorflow[and-cuda]==2.21.0 for GPUs)")
+
+
+def _tensorflow_missing():
+    try:
+        return importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None
+    except (ImportError, ValueError):  # an import hook refused it, or a broken install
+        return True
+
+
+if _tensorflow_missing():
+    print(TENSORFLOW_NEEDED, file=sys.stderr)
 
 _EXPORTS = {
     # Training
@@ -44,6 +65,7 @@ _EXPORTS = {
     "WspClock": "hetpipe_tf.ops.wsp_clock",
     # Errors
     "PipelineError": "hetpipe_tf.executor",
+    "NonFiniteError": "hetpipe_tf.stage_runtime",
     "StalenessViolation": "hetpipe_tf.staleness",
     "ClusterStartError": "hetpipe_tf.launch",
     "ClusterConfigError": "hetpipe_tf.launch",
@@ -65,7 +87,12 @@ def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hetpipe_tf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in ("tensorflow", "keras"):
+            raise ImportError(f"{TENSORFLOW_NEEDED} (hetpipe_tf.{name} needs {exc.name})") from exc
+        raise
     globals()[name] = value
     return value
 

@@ -14,3 +14,34 @@ def test_pure_modules_import_without_tensorflow():
             "hetpipe_tf.model_graph, hetpipe_tf.partitioner; "
             "assert 'tensorflow' not in sys.modules, sorted(m for m in sys.modules if 'tensorflow' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+_WITHOUT_TENSORFLOW = """
+import sys
+
+class Uninstalled:  # as if neither tensorflow nor keras were installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("tensorflow", "keras"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Uninstalled())
+import hetpipe_tf
+try:
+    hetpipe_tf.VirtualWorker
+except ImportError as exc:
+    print("ImportError:", exc)
+"""
+
+
+def test_without_tensorflow_import_says_in_one_line_what_to_install():
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_TENSORFLOW], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip().splitlines() == [hetpipe_tf.TENSORFLOW_NEEDED]
+    assert "pip install tensorflow-cpu==2.21.0" in run.stderr
+    assert run.stdout.startswith("ImportError: " + hetpipe_tf.TENSORFLOW_NEEDED)
+    assert "VirtualWorker needs" in run.stdout
+
+
+def test_with_tensorflow_import_says_nothing():
+    run = subprocess.run([sys.executable, "-c", "import hetpipe_tf"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "" and run.stdout == ""

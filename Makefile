@@ -20,4 +20,5 @@ train: $(STAMP)
 	$(BIN)/hetpipe-train $(ARGS)
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests $(ARGS)

@@ -68,5 +68,5 @@ setup(
     extras_require={"cpu": ["tensorflow-cpu==2.21.0"],
                     "gpu": ["tensorflow[and-cuda]==2.21.0"],
                     "plot": ["matplotlib>=3.7"]},
-    entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.train:run", "hetpipe=hetpipe_tf.cli:run"]},
+    entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.cli.train:run", "hetpipe=hetpipe_tf.cli.hetpipe:run"]},
 )

@@ -4,7 +4,7 @@ Cases:
 * ``emulated_k4``: 4 emulated devices of equal speed, balanced stages (one equal
   Dense block each), Nm = 1..4. The dilation is raised until fewer than 2.5 % of
   tasks overran their target in a probe run (half the 5 % limit, as a margin; the
-  runners' own ``hetpipe_tf.emulation.calibrate_dilation``); every
+  runners' own ``hetpipe_tf.pipeline.emulation.calibrate_dilation``); every
   Nm then runs with it, and each row reports the worst round's overrun fraction.
 * ``real_k2``: 2 stages of a convolution stack computing for real on the host,
   no padding, each stage on one core (one intra-op thread per op, and the stage's
@@ -57,7 +57,7 @@ def _batches(np, model, n, batch, seed=0):
 
 def _measure(vw, data):
     """One measured run; the figures of one round."""
-    from hetpipe_tf.simulator import simulate
+    from hetpipe_tf.pipeline.simulator import simulate
 
     n = len(data)
     report = vw.train(iter(data), n)
@@ -129,8 +129,8 @@ def main():
     import keras
     import numpy as np
 
-    from hetpipe_tf.emulation import calibrate_dilation
-    from hetpipe_tf.virtual_worker import VirtualWorker
+    from hetpipe_tf.pipeline.emulation import calibrate_dilation
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     n = args.minibatches

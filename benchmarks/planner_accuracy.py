@@ -48,8 +48,8 @@ def _error(predicted, measured):
 
 # Part 1 ---------------------------------------------------------------------------------
 def _run_plan(model, plan, data, dilation, loss, optimizer):
-    from hetpipe_tf.devices import DeviceSpec
-    from hetpipe_tf.virtual_worker import VirtualWorker
+    from hetpipe_tf.planning.devices import DeviceSpec
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
     worker = plan.workers[0]
     specs = [DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory) for d in worker.devices]
@@ -61,7 +61,7 @@ def _run_plan(model, plan, data, dilation, loss, optimizer):
     n = len(data)
     first = n // 4
     steady = (n - first) / (done[n] - done[first])
-    from hetpipe_tf.instructions import Backward, Forward
+    from hetpipe_tf.pipeline.instructions import Backward, Forward
     targets = [vw._pacers[s].target(vw.references[s][Forward]) + vw._pacers[s].target(vw.references[s][Backward])
                for s in range(vw.num_stages)]
     return report, steady, targets
@@ -71,12 +71,12 @@ def local_part(rounds):
     import keras
     import numpy as np
 
-    from hetpipe_tf import models
-    from hetpipe_tf.cluster import load_cluster
-    from hetpipe_tf.cost_model import LinkModel
-    from hetpipe_tf.optimizers import slots_per_weight
-    from hetpipe_tf.planner import plan as make_plan
-    from hetpipe_tf.profiler import measure_profile, measure_transfers
+    from hetpipe_tf.cli import models
+    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.cost_model import LinkModel
+    from hetpipe_tf.planning.planner import plan as make_plan
+    from hetpipe_tf.runtime.optimizers import slots_per_weight
+    from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
 
     cluster = load_cluster("local")
     samples = measure_transfers("/device:CPU:0", "/device:CPU:1")  # every local "node" is this host
@@ -147,7 +147,7 @@ def local_part(rounds):
 
 # Part 2 ---------------------------------------------------------------------------------
 def _sub_cluster(types):
-    from hetpipe_tf.cluster import PRESETS, load_cluster
+    from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 
     spec = json.loads(json.dumps(PRESETS["paper"]))
     spec["nodes"] = [n for n in spec["nodes"] if n["device_type"] in types]
@@ -156,7 +156,7 @@ def _sub_cluster(types):
 
 
 def _paper_cell(profile, column, assume):
-    from hetpipe_tf.planner import plan
+    from hetpipe_tf.planning.planner import plan
 
     cluster = _sub_cluster(COLUMNS[column])
     if column == "4[V]":  # one virtual worker of the four TITAN Vs
@@ -167,9 +167,9 @@ def _paper_cell(profile, column, assume):
 def paper_part():
     import keras
 
-    from hetpipe_tf.planner import PlanError
-    from hetpipe_tf.profile import AnalyticAssumptions, static_profile
-    from hetpipe_tf.stage_rewrite import describe_model
+    from hetpipe_tf.planning.planner import PlanError
+    from hetpipe_tf.planning.profile import AnalyticAssumptions, static_profile
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     profiles = {}
     for name, build in (("vgg19", keras.applications.VGG19), ("resnet152", keras.applications.ResNet152)):
@@ -204,7 +204,7 @@ def paper_part():
     assume = assumed["resnet152"]
     g_alone = _sub_cluster("G")
     try:
-        from hetpipe_tf.planner import plan
+        from hetpipe_tf.planning.planner import plan
         plan(profiles["resnet152"], g_alone, workers=[g_alone.devices()[:1]], analytic=assume)
         shape["resnet152 cannot fit one G-type GPU"] = False
     except PlanError as e:

@@ -33,15 +33,17 @@ def main():
     parser.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
     args = parser.parse_args()
 
-    from hetpipe_tf.strategy import HetPipeStrategy
+    from hetpipe_tf.api.strategy import HetPipeStrategy
 
     strategies = {d: HetPipeStrategy(cluster="local", policy="ed", staleness_bound=d, launch="in_process",
                                      dilation=args.dilation) for d in (0, 4, 32)}
     strategies[0]._connect()  # the logical devices, before anything starts TensorFlow
     import keras
 
-    from hetpipe_tf import datasets, models
-    from hetpipe_tf.virtual_worker import VirtualWorker
+    from hetpipe_tf.data import datasets
+
+    from hetpipe_tf.cli import models
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
     class Clock(keras.callbacks.Callback):
         def __init__(self, label, extra):

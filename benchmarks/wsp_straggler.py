@@ -67,7 +67,7 @@ def reference_times(model, names, data):
     targets, and the simulator predicts every D from the same times)."""
     import keras
 
-    from hetpipe_tf.virtual_worker import VirtualWorker
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
     vw = VirtualWorker(model, ",".join(["1"] * STAGES), tf_devices=names[:STAGES],
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -78,7 +78,7 @@ def reference_times(model, names, data):
 def run_once(model, names, slow, d, minibatches, dilation, data, references):
     import keras
 
-    from hetpipe_tf.wsp_runner import WorkerSpec, WSPRunner
+    from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
 
     def slowdown(w):
         return lambda p: 2.0 if slow[w][(p - 1) // NM] else 1.0
@@ -93,15 +93,15 @@ def run_once(model, names, slow, d, minibatches, dilation, data, references):
     runner.train([data] * WORKERS, minibatches)
     ends = [t for times in runner._completions.values() for t in times]
     images_per_s = WORKERS * minibatches * BATCH / (max(ends) - runner._started)
-    from hetpipe_tf.emulation import EmulationReport
+    from hetpipe_tf.pipeline.emulation import EmulationReport
     overrun = EmulationReport.combine(vw.emulation_report() for vw in runner.vws).overrun_fraction
     return runner, images_per_s, overrun
 
 
 def predict(runner, slow, d, minibatches, dilation):
     """The simulator's images/s for the same schedules, from the measured stage times."""
-    from hetpipe_tf.instructions import Backward, Forward
-    from hetpipe_tf.simulator import ParameterServerModel, simulate_workers
+    from hetpipe_tf.pipeline.instructions import Backward, Forward
+    from hetpipe_tf.pipeline.simulator import ParameterServerModel, simulate_workers
 
     schedules = [vw.schedule(minibatches) for vw in runner.vws]
 
@@ -125,7 +125,8 @@ def main():
 
     import tensorflow as tf
 
-    from hetpipe_tf.devices import DeviceSpec, configure_tensorflow_devices
+    from hetpipe_tf.planning.devices import DeviceSpec
+    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     names = configure_tensorflow_devices([DeviceSpec("emulated")] * (WORKERS * STAGES))

@@ -5,7 +5,7 @@ data set that is there without a download. ``HetpipeDigits`` wraps the bundled
 ``digits.npz`` as a TensorFlow Datasets builder, registered under the name
 ``hetpipe_digits``, so that once this module is imported
 ``tfds.load("hetpipe_digits", data_dir=...)`` prepares and reads it offline, and
-it goes through the same code path (``hetpipe_tf.datasets``) as any other TFDS
+it goes through the same code path (``hetpipe_tf.data.datasets``) as any other TFDS
 data set.
 """
 import os

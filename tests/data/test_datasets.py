@@ -1,4 +1,4 @@
-"""Tests of hetpipe_tf.datasets and the bundled hetpipe_digits builder.
+"""Tests of hetpipe_tf.data.datasets and the bundled hetpipe_digits builder.
 
 Everything here must work offline: a module-wide guard makes any socket
 connection or DNS look-up fail the test, and the data directories are checked
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from hetpipe_tf import datasets
+from hetpipe_tf.data import datasets
 from hetpipe_tf.data import digits
 
 DIGITS = "hetpipe_digits"

@@ -1,0 +1,1 @@
+"""The Keras-facing API: ``HetPipeStrategy`` and the TensorBoard callbacks."""

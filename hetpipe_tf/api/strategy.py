@@ -1,0 +1,281 @@
+"""HetPipeStrategy: Keras training on virtual workers under Wave Synchronous Parallel (HetPipe §3-§5, §8).
+
+    strategy = hetpipe_tf.HetPipeStrategy(cluster="local", policy="ed", staleness_bound=0)
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="sgd", loss=..., metrics=["accuracy"])
+    model.fit(dataset, epochs=5, validation_data=test, callbacks=[...])
+    print(strategy.plan.format())
+
+Behind ``fit``: the model is profiled on this host, the planner groups the cluster's
+devices into virtual workers by the policy and cuts the model for each (with Nm), and
+the workers train under WSP with parameter servers (:class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`).
+
+Where the tasks run (``launch``):
+
+* ``"processes"`` (default): a :class:`hetpipe_tf.distributed.launch.LocalCluster` on this machine,
+  one worker task per node of the cluster description (its devices are the task's
+  logical devices) and one parameter-server task per node (§8.1); this process is the
+  chief. Emulated devices only.
+* ``"tf_config"``: the cluster in ``TF_CONFIG`` (jobs ``ps`` and ``worker``, one of
+  each per node in the description's node order, this process the ``chief``), for
+  example started by ``hetpipe launch``. Emulated devices are the worker tasks'
+  logical CPUs, real ones their GPUs.
+* ``"in_process"``: every device and server in this process (threads; quick, for
+  tests and small models).
+
+Keras 3's ``model.fit`` does not run under TensorFlow's ``ParameterServerStrategy``,
+so ``fit`` of a model compiled in ``scope()`` is this project's: it keeps Keras's
+callbacks, History, progress bar and validation. Between epochs and at the end the
+Keras model holds the global weights, so Keras's own ``evaluate`` and ``predict`` use
+them. Users who need more use :class:`WSPRunner` and the servers directly.
+"""
+import contextlib
+import inspect
+import types
+
+from hetpipe_tf.planning.allocation import POLICIES
+from hetpipe_tf.runtime.fit_loop import batch_size_of
+
+LAUNCHES = ("processes", "tf_config", "in_process")
+_FIT_ARGS = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
+             "steps_per_epoch", "trace_path")
+_connected = {}  # the cluster this process is the chief of: TensorFlow connects a process once
+
+
+class HetPipeStrategy:
+    """Data parallelism over heterogeneous virtual workers (HetPipe).
+
+    Args:
+      cluster: a cluster description: a preset name ("local"), a JSON path, a dict or a
+        Cluster (see :mod:`hetpipe_tf.planning.cluster`).
+      policy: how devices are grouped into virtual workers: "np", "ed", "hd" (§8.1) or
+        "auto" (the best predicted of every allocation).
+      num_minibatches: Nm, minibatches in flight per worker (None: the planner's choice).
+      staleness_bound: D of WSP (§5).
+      placement: of the global weights on the servers: "default" (layers round-robin) or
+        "local" (each stage's layers on its node's server; ED only). None: local for ED.
+      vw_size: devices per virtual worker (None: the policy's default).
+      dilation: multiplies every emulated device's slowdown (see hetpipe-train --dilation); None
+        (default): calibrated by probe runs of every virtual worker before training, so that the
+        emulation stays faithful. The planner plans with the devices' speeds alone (dilation 1
+        unless given): a dilation slows every emulated device alike.
+      launch: "processes", "tf_config" or "in_process" (see the module docstring).
+      timeout_s: a worker, a pull or a task start that takes longer fails with an error.
+      log_dir: where the local cluster's task logs go (default: a temporary directory).
+    """
+
+    def __init__(self, cluster="local", policy="ed", num_minibatches=None, staleness_bound=0, placement=None,
+                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None):
+        from hetpipe_tf.planning.cluster import load_cluster
+
+        if str(policy).lower() not in POLICIES + ("auto",):
+            raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES + ('auto',))}")
+        if launch not in LAUNCHES:
+            raise ValueError(f"unknown launch {launch!r}; allowed: {', '.join(LAUNCHES)}")
+        if not isinstance(staleness_bound, int) or isinstance(staleness_bound, bool) or staleness_bound < 0:
+            raise ValueError(f"staleness_bound (D) must be an integer >= 0, got {staleness_bound!r}")
+        if num_minibatches is not None and (not isinstance(num_minibatches, int) or num_minibatches < 1):
+            raise ValueError(f"num_minibatches (Nm) must be None or an integer >= 1, got {num_minibatches!r}")
+        if placement not in (None, "default", "local"):
+            raise ValueError(f"unknown placement {placement!r}; allowed: None, 'default', 'local'")
+        self.cluster = load_cluster(cluster)
+        real = sorted({d.type.name for d in self.cluster.devices() if not d.type.emulated})
+        if real and launch != "tf_config":
+            from hetpipe_tf.distributed.launch import ClusterConfigError
+
+            raise ClusterConfigError(f"cluster '{self.cluster.name}' has real device types {real}: run on those machines "
+                             f"with launch='tf_config' (TF_CONFIG); launch={launch!r} only emulates devices")
+        self.policy = str(policy).lower()
+        self.num_minibatches = num_minibatches
+        self.staleness_bound = staleness_bound
+        self.placement = placement or ("local" if self.policy == "ed" else "default")
+        self.vw_size = vw_size
+        self.dilation = None if dilation is None else float(dilation)
+        self.launch = launch
+        self.timeout_s = float(timeout_s)
+        self.log_dir = log_dir
+        self.plan = None  # the planner's Plan, once fit has run
+        self.runner = None  # the WSPRunner, once fit has run
+        self._compiled = {}  # id(model) -> compile arguments
+        self._runner_key = None
+        self._local_devices = None
+
+    # The user's side ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """Models compiled inside train with this strategy (their ``fit`` is replaced)."""
+        import keras
+
+        self._connect()
+        original = keras.Model.compile
+        strategy = self
+        signature = inspect.signature(original)
+
+        def compile(model, *args, **kwargs):
+            original(model, *args, **kwargs)
+            bound = signature.bind(model, *args, **kwargs)
+            bound.apply_defaults()
+            strategy._attach(model, bound.arguments)
+
+        keras.Model.compile = compile
+        try:
+            yield self
+        finally:
+            keras.Model.compile = original
+
+    def _attach(self, model, arguments):
+        """Keeps loss, loss_weights and metrics as given: the workers' loss heads give them
+        Keras's meaning (:mod:`hetpipe_tf.runtime.loss_head`)."""
+        if arguments.get("weighted_metrics"):
+            raise ValueError(f"HetPipeStrategy does not support compile(weighted_metrics="
+                             f"{arguments['weighted_metrics']!r}): there are no sample weights to weigh "
+                             f"them with; give them as metrics= (the same values without sample weights)")
+        self._compiled[id(model)] = {k: arguments.get(k) for k in ("loss", "metrics", "loss_weights")}
+        model.fit = types.MethodType(lambda m, *a, **kw: self.fit(m, *a, **kw), model)
+
+    def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_data=None, shuffle=True, steps_per_epoch=None, trace_path=None, **unsupported):
+        """``keras.Model.fit`` on the virtual workers; returns the History. `trace_path` writes
+        every worker's pipeline, pushes, pulls and waits as a Chrome/Perfetto trace."""
+        if unsupported:
+            weights = sorted(set(unsupported) & {"sample_weight", "class_weight"})
+            why = (f" ({' and '.join(weights)}: every sample weighs the same, as in Keras without them)"
+                   if weights else "")
+            raise ValueError(f"HetPipeStrategy's fit does not take {sorted(unsupported)}{why}; it takes "
+                             f"{', '.join(_FIT_ARGS)}")
+        if id(model) not in self._compiled:
+            raise ValueError("compile the model inside strategy.scope() before fit")
+        data = _as_dataset(x, y, batch_size, shuffle)
+        if validation_data is not None and not _is_dataset(validation_data):
+            validation_data = _as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
+        runner = self._runner(model, data)
+        return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+                          verbose=verbose, validation_data=validation_data, trace_path=trace_path)
+
+    def stats(self):
+        """Per virtual worker: clock, distance to the slowest, average wait, throughput."""
+        return self.runner.stats() if self.runner else []
+
+    # Planning and launching --------------------------------------------------------------
+    def _runner(self, model, data):
+        batch_size = batch_size_of(data)
+        key = (id(model), batch_size)
+        if self._runner_key == key:
+            return self.runner
+        from hetpipe_tf.planning.planner import plan
+        from hetpipe_tf.runtime.optimizers import slots_per_weight
+        from hetpipe_tf.runtime.profiler import measure_profile
+        from hetpipe_tf.runtime.wsp_runner import WSPRunner
+
+        compiled = self._compiled[id(model)]
+        # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure).
+        profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
+                                  sample=next(iter(data)))
+        self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
+                         num_in_flight=self.num_minibatches, staleness_bound=self.staleness_bound,
+                         placement=self.placement, dilation=self.dilation or 1.0,
+                         optimizer_slots=slots_per_weight(model.optimizer))
+        devices = self._devices()
+        workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
+        self.runner = WSPRunner(
+            model, workers, num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
+            ps_devices=devices["ps"], placement=self.plan.placement,
+            optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
+            loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s)
+        self._runner_key = key
+        return self.runner
+
+    def _worker_spec(self, w, devices):
+        from hetpipe_tf.planning.devices import DeviceSpec
+        from hetpipe_tf.runtime.wsp_runner import WorkerSpec
+
+        nodes = [n.name for n in self.cluster.nodes]
+        specs, names, servers = [], [], []
+        for d in self.plan.workers[w].devices:
+            node = nodes.index(d.node)
+            if d.type.emulated:
+                specs.append(DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory))
+            else:
+                specs.append(DeviceSpec("gpu", index=d.index))
+            names.append(devices["worker"](node, d))
+            servers.append(devices["ps"][node % len(devices["ps"])])
+        return WorkerSpec(tuple(specs), tuple(names), boundaries=self.plan.node_boundaries(w),
+                          stage_servers=tuple(servers))
+
+    def _devices(self):
+        """Parameter-server devices (one per node) and the TensorFlow device of a cluster device."""
+        nodes = self.cluster.nodes
+        if self.launch == "in_process":
+            names = self._local_devices
+            flat = [(n, i) for n, node in enumerate(nodes) for i in range(node.count)]
+            return {"ps": [names[flat.index((n, 0))] for n in range(len(nodes))],
+                    "worker": lambda n, d: names[flat.index((n, d.index))]}
+        return {"ps": [f"/job:ps/task:{n}/device:CPU:0" for n in range(len(nodes))],
+                "worker": lambda n, d: f"/job:worker/task:{n}/device:{'CPU' if d.type.emulated else 'GPU'}:{d.index}"}
+
+    def _connect(self):
+        """Starts (processes) or joins (tf_config) the cluster, once per process."""
+        if self.launch == "in_process":
+            from hetpipe_tf.planning.devices import DeviceSpec
+            from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+
+            if self._local_devices is None:  # a logical CPU per device, if TensorFlow has not started yet
+                self._local_devices = configure_tensorflow_devices(
+                    [DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory)
+                     for d in self.cluster.devices()])
+            return
+        want = [len(self.cluster.nodes), [n.count for n in self.cluster.nodes]]
+        if _connected:
+            if _connected["shape"] != want or _connected["launch"] != self.launch:
+                raise RuntimeError(f"this process already drives a {_connected['launch']} cluster of "
+                                   f"{_connected['shape']} (ps tasks, devices per worker task); TensorFlow "
+                                   f"connects a process to one cluster only, so this strategy "
+                                   f"({self.launch}, {want}) needs a new process")
+            return
+        from hetpipe_tf.distributed.launch import LocalCluster, connect_tf_config
+
+        if self.launch == "processes":
+            cluster = LocalCluster(num_ps=want[0], worker_cpus=want[1], log_dir=self.log_dir,
+                                   start_timeout=self.timeout_s).start().connect()
+        else:
+            cluster = connect_tf_config(num_ps=want[0], num_workers=want[0])
+        _connected.update(shape=want, launch=self.launch, cluster=cluster)
+
+    def describe(self):
+        """The chosen plan and where its tasks run, as text."""
+        lines = [self.plan.format() if self.plan else "(no plan yet: fit plans the run)",
+                 f"launch: {self.launch}"]
+        cluster = _connected.get("cluster")
+        if cluster is not None and hasattr(cluster, "log_dir"):
+            lines.append(f"task logs: {cluster.log_dir}")
+        if self.cluster.emulated:
+            report = self.runner.emulation_report() if self.runner else None
+            dilation = report.dilation if report else self.dilation
+            lines.append(f"EMULATED devices (dilation {'calibrated at fit' if dilation is None else f'{dilation:g}'})")
+        return "\n".join(lines)
+
+
+def _is_dataset(x):
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)
+
+
+def _as_dataset(x, y=None, batch_size=None, shuffle=True):
+    """A batched (inputs, labels) dataset from a dataset or from arrays (as Keras's fit)."""
+    import numpy as np
+    import tensorflow as tf
+
+    if _is_dataset(x):
+        if y is not None or batch_size is not None:
+            raise ValueError("with a tf.data.Dataset give neither y nor batch_size (the dataset is batched)")
+        return x
+    if x is None or y is None:
+        raise ValueError(f"fit takes a batched tf.data.Dataset of (inputs, labels), or arrays x and y; got "
+                         f"x={type(x).__name__}, y={type(y).__name__}")
+    n = len(np.asarray(tf.nest.flatten(x)[0]))
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    if shuffle:
+        data = data.shuffle(n, reshuffle_each_iteration=True)
+    return data.batch(batch_size or 32, drop_remainder=True)

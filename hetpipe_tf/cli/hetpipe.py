@@ -1,0 +1,136 @@
+"""hetpipe: plan, simulate and launch HetPipe training on a cluster, and draw plans and traces.
+
+    hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json] [--png=plan.png]
+    hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
+    hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
+    hetpipe trace plot TRACE.json [-o timeline.png]
+
+`plan` prints the virtual workers and their device types, every stage's layer range,
+predicted time and memory, Nm and the predicted throughput. `simulate` runs the plan's
+schedules in the discrete-event simulator and prints throughput, each device's busy
+fraction, and each worker's wait and idle time under the staleness bound. `launch`
+starts the parameter-server and worker tasks of the cluster on this machine, runs the
+command after ``--`` as their chief (TF_CONFIG set), and stops every task at its end.
+`--png` and `trace plot` draw a plan and a trace (``hetpipe-train --trace_file``) as PNG
+pictures (:mod:`hetpipe_tf.cli.plots`; needs matplotlib: ``pip install 'hetpipe_tf[plot]'``).
+
+Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
+HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli.errors`).
+"""
+import json
+import os
+import sys
+
+from absl import app, flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
+
+from hetpipe_tf.cli import errors, hetpipe_flags  # noqa: E402 - after the environment TensorFlow reads
+
+hetpipe_flags.define_flags()
+FLAGS = flags.FLAGS
+COMMANDS = "plan, simulate, launch -- COMMAND [ARGS...], trace plot TRACE.json [-o PNG]"
+
+
+def _optimizer():
+    import keras
+    return {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=FLAGS.momentum),
+            "adam": lambda: keras.optimizers.Adam(), "rmsprop": lambda: keras.optimizers.RMSprop()}[FLAGS.optimizer]()
+
+
+def make_plan():
+    """The plan the flags ask for, and a one-line description of where its times come from."""
+    from hetpipe_tf.cli import models
+    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.profile import static_profile
+    from hetpipe_tf.runtime.optimizers import slots_per_weight
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
+
+    cluster = load_cluster(FLAGS.cluster)
+    if cluster.emulated:  # logical devices before anything starts TensorFlow's runtime
+        from hetpipe_tf.planning.devices import DeviceSpec
+        from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+        names = configure_tensorflow_devices([DeviceSpec("emulated")] * 2)
+    big = models.input_requirements(FLAGS.model)[0] is not None
+    shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
+    classes = FLAGS.num_classes or (1000 if big else 10)
+    model = models.build_model(FLAGS.model, shape, classes)
+    optimizer = _optimizer()
+    links = None
+    if cluster.emulated:
+        # Emulated devices are measured here, and so is the host link between them (§7's
+        # synthetic transfer benchmark); every "node" of an emulated cluster is this host.
+        import keras
+        from hetpipe_tf.planning.cost_model import LinkModel
+        from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
+        samples = measure_transfers(names[0], names[1])
+        links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
+        profile = measure_profile(model, FLAGS.batch_size, optimizer=optimizer,
+                                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    else:
+        profile = static_profile(describe_model(model).graph, FLAGS.batch_size)
+    return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_minibatches,
+                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
+                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links)
+
+
+def simulate_plan(p, minibatches):
+    """Simulation of a plan: throughput, busy fractions, per-worker wait and idle (§8.4)."""
+    from hetpipe_tf.planning.planner import simulate_plan as run
+    return run(p, minibatches)
+
+
+def trace_plot(trace_path):
+    """`hetpipe trace plot`: the trace as a Gantt chart, into -o or beside the trace."""
+    from hetpipe_tf.cli.plots import plot_trace
+    output = FLAGS.output or os.path.splitext(trace_path)[0] + ".png"
+    drawn = plot_trace(trace_path, output)
+    print(f"timeline of {drawn['spans']} spans on {len(drawn['rows'])} rows, {drawn['duration_s']:.2f} s"
+          f"{' (EMULATED devices)' if drawn['emulated'] else ''}, written to {output}")
+
+
+def main(argv):
+    command = argv[1:]
+    if command[:1] == ["launch"]:
+        if len(command) < 2:
+            raise app.UsageError("launch needs the command to run after --: hetpipe launch --cluster=... -- "
+                                 "COMMAND [ARGS...]")
+        from hetpipe_tf.distributed.launch import launch
+        sys.exit(launch(FLAGS.cluster, command[1:], log_dir=FLAGS.task_log_dir, host=FLAGS.host))
+    if command[:2] == ["trace", "plot"]:
+        if len(command) != 3:
+            raise app.UsageError(f"trace plot takes one trace file, got {command[2:]}: "
+                                 f"hetpipe trace plot TRACE.json [-o timeline.png]")
+        trace_plot(command[2])
+        return
+    if command not in (["plan"], ["simulate"]):
+        given = f"unknown command {' '.join(command)!r}" if command else "no command given"
+        raise app.UsageError(f"{given}; the commands are: {COMMANDS} (flags: hetpipe --helpfull)")
+    p = make_plan()
+    if command == ["plan"]:
+        print(json.dumps(p.to_dict(), indent=1) if FLAGS.json else p.format())
+        if FLAGS.png:
+            from hetpipe_tf.cli.plots import plot_plan
+            plot_plan(p, FLAGS.png)
+            print(f"plan drawn to {FLAGS.png}")
+        return
+    report = simulate_plan(p, FLAGS.minibatches)
+    if FLAGS.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(p.format().split("\n\n")[0])
+    print(f"\nsimulated {FLAGS.minibatches} minibatches per worker, D={p.staleness_bound}: "
+          f"{report['images_per_s']:.1f} images/s")
+    for w in report["virtual_workers"]:
+        print(f"  worker {w['index']} ({''.join(w['device_types'])}): busy "
+              f"{', '.join(f'{b:.2f}' for b in w['busy_fraction'])}; average wait {w['average_wait_s'] * 1e3:.1f} ms, "
+              f"idle {w['average_idle_s'] * 1e3:.1f} ms per wave")
+
+
+def run():
+    errors.run(main, "hetpipe")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,43 @@
+"""Flags of the `hetpipe` command (plan, simulate, launch, trace plot), defined in one place, with
+the ranges absl checks while parsing."""
+from absl import flags
+
+from hetpipe_tf.cli import models
+from hetpipe_tf.planning.allocation import POLICIES
+from hetpipe_tf.planning.planner import PLACEMENTS
+
+
+def define_flags():
+    flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
+    flags.DEFINE_enum("model", "resnet152", list(models.MODELS), "Model to plan for.")
+    flags.DEFINE_enum("policy", "hd", list(POLICIES) + ["auto"], "Allocation of devices to virtual workers.")
+    flags.DEFINE_integer("vw_size", None, "Devices per virtual worker (default: the smallest node's count).",
+                         lower_bound=1)
+    flags.DEFINE_integer("batch_size", 32, "Minibatch size.", lower_bound=1)
+    flags.DEFINE_list("input_shape", None, "Input image shape H,W,C (default: 224,224,3 for keras.applications "
+                                           "models, else the bundled digits' 8,8,1).")
+    flags.DEFINE_integer("num_classes", None, "Classes (default: 1000 for keras.applications models, else 10).",
+                         lower_bound=1)
+    flags.DEFINE_integer("num_minibatches", None, "Force Nm (default: chosen by the planner).", lower_bound=1)
+    flags.DEFINE_integer("staleness_bound", 0, "D of Wave Synchronous Parallel.", lower_bound=0)
+    flags.DEFINE_enum("placement", "default", list(PLACEMENTS), "Parameter placement on the servers.")
+    flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
+    flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
+    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer (its slots take memory).")
+    flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_integer("minibatches", 400, "simulate: minibatches per virtual worker.", lower_bound=1)
+    flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
+    flags.DEFINE_string("png", None, "plan: also draw the plan into this PNG file (needs matplotlib).")
+    flags.DEFINE_string("output", None, "trace plot: the PNG to write (default: the trace's path ending in .png).",
+                        short_name="o")
+    flags.DEFINE_string("task_log_dir", None, "launch: where the tasks' logs go (default: a temporary directory).")
+    flags.DEFINE_string("host", "127.0.0.1", "launch: the address the tasks bind.")
+    flags.register_validator("input_shape", _image_shape,
+                             message="--input_shape must be three positive integers H,W,C, e.g. 224,224,3")
+
+
+def _image_shape(values):
+    try:
+        return values is None or (len(values) == 3 and all(int(v) > 0 for v in values))
+    except ValueError:
+        return False

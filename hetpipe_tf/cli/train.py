@@ -1,0 +1,178 @@
+"""hetpipe-train: trains a model pipelined over the devices of one virtual worker, or over
+several virtual workers under Wave Synchronous Parallel.
+
+    hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_minibatches=4
+    hetpipe-train --model=cnn --cluster=local --policy=ed --staleness_bound=1
+
+Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
+HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli.errors`).
+"""
+import json
+import os
+
+from absl import app, flags, logging
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
+
+from hetpipe_tf.cli import errors, train_flags
+
+train_flags.define_flags()
+FLAGS = flags.FLAGS
+
+
+def _devices():
+    if FLAGS.devices:
+        return FLAGS.devices
+    if FLAGS.num_stages:
+        return ",".join(["1"] * FLAGS.num_stages)
+    return train_flags.DEFAULT_DEVICES
+
+
+def _auto_plan(model, devices, optimizer, loss, batch_size):
+    """The planner's device order, stage boundaries and Nm for one virtual worker on `devices`."""
+    from hetpipe_tf.planning.cluster import from_device_specs
+    from hetpipe_tf.planning.cost_model import LinkModel
+    from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+    from hetpipe_tf.runtime.optimizers import slots_per_weight
+    from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
+
+    cluster = from_device_specs(devices, name="devices")
+    profile = measure_profile(model, batch_size, loss=loss, optimizer=optimizer)
+    names = configure_tensorflow_devices(devices)
+    samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
+    links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
+    chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_minibatches,
+                  dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links)
+    print(chosen.format())
+    by_type = {}
+    for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):
+        by_type.setdefault(device.type.name, []).append(spec)
+    ordered = [by_type[d.type.name].pop() for d in chosen.workers[0].devices]
+    return ordered, chosen.node_boundaries(0), chosen.num_in_flight
+
+
+def _data_and_model():
+    """The training and test splits and the model the flags ask for."""
+    import keras
+
+    from hetpipe_tf.data import datasets
+
+    from hetpipe_tf.cli import models
+
+    keras.utils.set_random_seed(FLAGS.seed)
+    info = datasets.dataset_info(FLAGS.dataset, FLAGS.data_dir)
+    side, channels = models.input_requirements(FLAGS.model)
+    size = FLAGS.image_size or (side if side and side > info.image_shape[0] else None)
+    channels = channels or info.image_shape[2]
+    load = dict(batch_size=FLAGS.batch_size, data_dir=FLAGS.data_dir, image_size=size, channels=channels)
+    train = datasets.load_image_classification(FLAGS.dataset, "train", shuffle=True, seed=FLAGS.seed, **load)
+    test = datasets.load_image_classification(FLAGS.dataset, "test", **load)
+    shape = tuple(train.element_spec[0].shape[1:])
+    return train, test, models.build_model(FLAGS.model, shape, info.num_classes)
+
+
+def _optimizer():
+    import keras
+
+    return {"sgd": lambda: keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum),
+            "adam": lambda: keras.optimizers.Adam(FLAGS.learning_rate),
+            "rmsprop": lambda: keras.optimizers.RMSprop(FLAGS.learning_rate)}[FLAGS.optimizer]()
+
+
+def _train_virtual_workers():
+    """--cluster: several virtual workers under WSP, planned and launched by HetPipeStrategy."""
+    import keras
+
+    from hetpipe_tf.api.callbacks import WSPTensorBoard
+    from hetpipe_tf.api.strategy import HetPipeStrategy
+    from hetpipe_tf.planning.cluster import load_cluster
+
+    vw_size = None
+    if FLAGS.num_vws:
+        total = len(load_cluster(FLAGS.cluster).devices())
+        if total % FLAGS.num_vws:
+            raise app.UsageError(f"--num_vws={FLAGS.num_vws} must divide the cluster's {total} devices")
+        vw_size = total // FLAGS.num_vws
+    strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_minibatches=FLAGS.num_minibatches,
+                               staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
+                               dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s)
+    with strategy.scope():
+        train, test, model = _data_and_model()
+        model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    print(f"{FLAGS.model} on {FLAGS.dataset} {tuple(train.element_spec[0].shape[1:])}, "
+          f"{model.count_params():,} parameters")
+    callbacks = [WSPTensorBoard(FLAGS.tensorboard_dir, strategy)] if FLAGS.tensorboard_dir else []
+    history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch, validation_data=test,
+                        callbacks=callbacks, trace_path=FLAGS.trace_file)
+    print(strategy.describe())
+    final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
+    runner = strategy.runner
+    summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "cluster": strategy.cluster.name,
+               "policy": FLAGS.policy, "allocation": strategy.plan.allocation,
+               "staleness_bound": FLAGS.staleness_bound, "num_minibatches": runner.num_in_flight,
+               "test_accuracy": final.get("val_accuracy"), "images_per_s": final.get("images_per_s"),
+               "virtual_workers": runner.stats()}
+    if strategy.cluster.emulated:
+        summary["emulation"] = runner.emulation_report().as_dict()
+    print("summary: " + json.dumps(summary))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
+    import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
+
+    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
+    if FLAGS.cluster:
+        _train_virtual_workers()
+        return
+    import keras
+
+    from hetpipe_tf.api.callbacks import PipelineTensorBoard
+    from hetpipe_tf.planning.devices import parse_devices
+    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+
+    devices = parse_devices(_devices())
+    configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
+    train, test, model = _data_and_model()
+    shape = tuple(train.element_spec[0].shape[1:])
+    optimizer = _optimizer()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    boundaries = [int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None
+    num_minibatches = FLAGS.num_minibatches
+    if FLAGS.plan == "auto":
+        devices, boundaries, num_minibatches = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
+    vw = VirtualWorker(
+        model, devices, num_minibatches=num_minibatches, boundaries=boundaries, optimizer=optimizer, loss=loss,
+        metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s)
+    print(f"{FLAGS.model} on {FLAGS.dataset} {shape}, {model.count_params():,} parameters")
+    print(vw.describe())
+    if FLAGS.show_schedule:
+        print(vw.schedule(FLAGS.epochs * (FLAGS.steps_per_epoch or int(train.cardinality()))).format(3))
+    callbacks = [PipelineTensorBoard(FLAGS.tensorboard_dir, vw)] if FLAGS.tensorboard_dir else []
+    history = vw.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
+                     validation_data=test, callbacks=callbacks, trace_path=FLAGS.trace_file)
+    final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
+    summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "devices": [str(d) for d in vw.device_specs],
+               "num_minibatches": vw.num_in_flight, "test_accuracy": final.get("val_accuracy"),
+               "images_per_s": final.get("images_per_s"),
+               "busy_fraction": [round(b, 3) for b in vw.report.busy_fraction()]}
+    if vw.emulated:
+        summary["emulation"] = vw.emulation_report().as_dict()
+    print("summary: " + json.dumps(summary))
+    if FLAGS.trace_file:
+        print(f"pipeline trace written to {FLAGS.trace_file} (open it in https://ui.perfetto.dev)")
+
+
+def run():
+    errors.run(main, "hetpipe-train")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,112 @@
+"""Flags of the hetpipe-train binary, defined in one place, with the checks absl runs on them
+while parsing: a value out of its range, or flags that contradict each other, is reported
+before anything starts."""
+from absl import flags
+
+from hetpipe_tf.data import datasets
+
+from hetpipe_tf.cli import models
+
+DEFAULT_DEVICES = "1@32M,0.5@32M,0.5@32M,0.25@32M"
+
+
+def define_flags():
+    flags.DEFINE_enum("model", "cnn", list(models.MODELS), "Model to train.")
+    flags.DEFINE_string("dataset", "hetpipe_digits",
+                        "TFDS dataset name; hetpipe_digits ships with the package, others must be "
+                        "prepared in --data_dir (nothing is downloaded).")
+    flags.DEFINE_string("data_dir", datasets.DEFAULT_DATA_DIR, "TFDS data directory.")
+    flags.DEFINE_string("devices", None,
+                        "Devices of the virtual worker, one per stage: SPEED@MEMORY (emulated), cpu, "
+                        f"gpu:I[@MEMORY]. Default: {DEFAULT_DEVICES} (emulated, heterogeneous).")
+    flags.DEFINE_integer("num_stages", None,
+                         "Number of stages; without --devices, that many emulated devices of speed 1.",
+                         lower_bound=1)
+    flags.DEFINE_list("boundaries", None, "First layer call of each stage, e.g. 0,5,9 (default: balanced).")
+    flags.DEFINE_enum("plan", "none", ["none", "auto"],
+                      "auto: profile the model on this host and let the planner choose the device order, "
+                      "the stage boundaries and Nm (memory per stage position included); none: --boundaries, "
+                      "or a static FLOP balance, and --num_minibatches.")
+    flags.DEFINE_integer("num_minibatches", None, "Nm, minibatches in flight (default: the number of stages).",
+                         lower_bound=1)
+    flags.DEFINE_integer("batch_size", 32, "Minibatch size.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 12, "Epochs.", lower_bound=1)
+    flags.DEFINE_integer("steps_per_epoch", None, "Minibatches per epoch (default: the whole training split).",
+                         lower_bound=1)
+    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer.")
+    flags.DEFINE_float("learning_rate", 0.02, "Learning rate.", lower_bound=0.0)
+    flags.DEFINE_float("momentum", 0.9, "Momentum (sgd).", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_integer("image_size", None, "Resize images to this side (keras.applications models need >= 32).",
+                         lower_bound=1)
+    flags.DEFINE_float("dilation", None, "Multiplies every emulated device's slowdown. Default: calibrated "
+                                         "by short probe runs before training, the smallest at which fewer "
+                                         "than 2.5 percent of the tasks overran (a run above 5 percent is not "
+                                         "faithful and says so).", lower_bound=1.0)
+    flags.DEFINE_integer("intra_op_threads", 1, "TensorFlow intra-op threads (1: each stage uses about one core).",
+                         lower_bound=0)
+    flags.DEFINE_integer("inter_op_threads", 0, "TensorFlow inter-op threads (0: TensorFlow's choice).",
+                         lower_bound=0)
+    flags.DEFINE_float("timeout_s", 300.0, "Fail when the pipeline makes no progress for this long.")
+    flags.DEFINE_string("trace_file", None, "Write the pipeline timeline here (Chrome/Perfetto trace JSON).")
+    flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
+    flags.DEFINE_integer("seed", 0, "Random seed.")
+    flags.DEFINE_bool("show_schedule", True, "Print the first minibatches of every stage's program.")
+    # Several virtual workers (HetPipe §5, §8): given --cluster, HetPipeStrategy plans and launches.
+    flags.DEFINE_string("cluster", None,
+                        "Train several virtual workers under WSP on this cluster description (a preset such "
+                        "as 'local', or a JSON file); without it, one virtual worker on --devices.")
+    flags.DEFINE_enum("policy", "ed", ["np", "ed", "hd", "auto"], "With --cluster: how devices are grouped into "
+                                                                   "virtual workers (§8.1).")
+    flags.DEFINE_integer("num_vws", None, "With --cluster: the number of virtual workers (default: the policy's).",
+                         lower_bound=1)
+    flags.DEFINE_integer("staleness_bound", 0, "With --cluster: D of Wave Synchronous Parallel (§5).",
+                         lower_bound=0)
+    flags.DEFINE_enum("placement", None, ["default", "local"],
+                      "With --cluster: parameter placement on the servers (default: local for ED, else default).")
+    flags.DEFINE_enum("launch", "processes", ["processes", "tf_config", "in_process"],
+                      "With --cluster: processes (start a local cluster of ps and worker tasks), tf_config (join "
+                      "TF_CONFIG's cluster, e.g. under `hetpipe launch`), in_process (threads).")
+    flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
+    flags.register_validator("boundaries", _integers,
+                             message="--boundaries must be integers (each stage's first layer call), e.g. 0,5,9")
+    # absl runs validators in the order registered and reports the first that fails.
+    for name in ("devices", "num_stages", "boundaries"):
+        flags.register_multi_flags_validator(
+            ["cluster", name], lambda v, name=name: v["cluster"] is None or v[name] is None,
+            message=f"--{name} is for one virtual worker; with --cluster the planner chooses it: "
+                    f"drop --{name} or --cluster")
+    flags.register_multi_flags_validator(
+        ["plan", "boundaries"], lambda v: v["plan"] != "auto" or v["boundaries"] is None,
+        message="--plan=auto chooses the boundaries; drop --boundaries or --plan=auto")
+    flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
+    flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
+
+
+def _integers(values):
+    try:
+        [int(v) for v in values or ()]
+    except ValueError:
+        return False
+    return True
+
+
+def _one_device_per_stage(values):
+    devices, num_stages = values["devices"], values["num_stages"]
+    if devices is not None and num_stages is not None and len(devices.split(",")) != num_stages:
+        raise flags.ValidationError(f"--num_stages={num_stages} but --devices lists {len(devices.split(','))} "
+                                    f"devices: give one device per stage")
+    return True
+
+
+def _one_boundary_per_stage(values):
+    devices, num_stages, boundaries = values["devices"], values["num_stages"], values["boundaries"]
+    if devices is not None:
+        stages, where = len(devices.split(",")), "--devices lists {}"
+    elif num_stages is not None:
+        stages, where = num_stages, "--num_stages={}"
+    else:
+        stages, where = len(DEFAULT_DEVICES.split(",")), f"the default --devices={DEFAULT_DEVICES} has {{}}"
+    if boundaries is not None and len(boundaries) != stages:
+        raise flags.ValidationError(f"--boundaries gives {len(boundaries)} stages but {where.format(stages)}: "
+                                    f"give one boundary per stage (its first layer call, the first one 0)")
+    return True

@@ -1,0 +1,69 @@
+"""One task of a hetpipe_tf cluster on TensorFlow's distributed runtime.
+
+    python -m hetpipe_tf.distributed.server --cluster_spec='{"ps": [...], "worker": [...], "chief": [...]}' \\
+        --job_name=worker --task_index=0 --logical_cpus=2
+
+A ``tf.distribute.Server`` (gRPC) with hetpipe_tf's custom ops loaded, so that the chief
+can run stages, weight stashes and the WSP clock on it. A worker task gets one logical
+CPU device per emulated device of its virtual worker. The task ends with its parent
+(the launcher or the chief): no server is left behind when they die.
+"""
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("cluster_spec", None, "The cluster as JSON: {job: [host:port, ...]}.")
+flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
+flags.DEFINE_integer("task_index", 0, "This task's index in its job.")
+flags.DEFINE_integer("logical_cpus", 1, "Logical CPU devices of this task (one per emulated device).")
+flags.DEFINE_integer("intra_op_threads", 1, "TensorFlow intra-op threads.")
+flags.DEFINE_integer("parent_pid", 0, "End when this process ends (default: the parent).")
+FLAGS = flags.FLAGS
+
+
+def _end_with_parent(parent):
+    try:  # Linux: the kernel sends SIGTERM when the parent dies
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():
+        while True:
+            try:
+                os.kill(parent, 0)
+            except OSError:
+                os._exit(0)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _end_with_parent(FLAGS.parent_pid or os.getppid())
+    import tensorflow as tf
+
+    from hetpipe_tf.ops.loader import load_ops
+
+    load_ops()
+    # The server builds its own devices from this config (not from tf.config's logical devices).
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": FLAGS.logical_cpus},
+                                      intra_op_parallelism_threads=FLAGS.intra_op_threads,
+                                      inter_op_parallelism_threads=max(2, FLAGS.logical_cpus + 1))
+    server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(FLAGS.cluster_spec)), job_name=FLAGS.job_name,
+                                  task_index=FLAGS.task_index, protocol="grpc", config=config, start=True)
+    print(f"hetpipe_tf server {FLAGS.job_name}:{FLAGS.task_index} ready at {server.target}", flush=True)
+    sys.stdout.flush()
+    server.join()
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["cluster_spec", "job_name"])
+    app.run(main)

@@ -1,0 +1,3 @@
+"""The pipeline layer (pure Python, no TensorFlow): the instruction vocabulary, schedules,
+the simulator, the executor that carries a schedule out with one thread per stage, the
+emulation rules and the trace (HetPipe §4)."""

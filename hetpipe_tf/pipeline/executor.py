@@ -1,0 +1,446 @@
+"""Carries out a schedule's instruction lists on the stages' devices (HetPipe §4).
+
+Only the schedule decides the order. Each stage runs its program: the prologue,
+then, repeatedly, the task chosen by :func:`hetpipe_tf.pipeline.schedule.fifo_pick`
+among the heads of its streams whose required keys have arrived (the same rule
+the simulator applies). Every instruction type maps to one method below; a type
+without a method is refused before anything runs.
+
+Why threads in one process: the stages of a virtual worker are the devices of
+one training process, as TensorFlow itself drives several GPUs of a node. Each
+stage gets a Python thread that places its work with ``tf.device``; TensorFlow
+releases the GIL while kernels run, so stages overlap (measured 1.9x for two
+stages on two cores), and activations and gradients move between devices as
+tensors, with no serialisation. Devices of another machine are reachable the
+same way, as remote TensorFlow devices. The process boundary is where the paper
+puts it, between virtual workers and parameter servers.
+
+Nothing waits forever: each wait for a message has a timeout, and a watchdog
+stops the run when no stage has made progress for ``timeout_s``, naming what
+every stage was doing.
+"""
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from hetpipe_tf.pipeline.emulation import EmulationReport
+from hetpipe_tf.pipeline.instructions import (
+    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, PULLED, ApplyUpdate, Backward, Forward,
+    LoadMinibatch, MergePulled, PullWeights, PushUpdate, RecvActivation, RecvGradient, RecvInputs,
+    RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
+from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
+from hetpipe_tf.pipeline.schedule import fifo_pick
+
+
+_FINISHED = object()
+
+
+class PipelineError(RuntimeError):
+    """A stage failed; the message names the stage, its instruction and what the others were doing."""
+
+
+class UnknownInstructionError(TypeError):
+    """A schedule holds an instruction type the executor does not carry out."""
+
+
+@dataclass
+class StageReport:
+    stage: int
+    device: str
+    busy_s: float = 0.0
+    compute_s: float = 0.0
+    tasks: int = 0
+    memory_peak: int = 0
+    stash_peak_versions: int = 0
+    stash_bytes_peak: int = 0
+    emulation: EmulationReport | None = None
+
+
+@dataclass
+class ExecutionReport:
+    num_minibatches: int
+    wall_s: float
+    stages: list = field(default_factory=list)
+
+    @property
+    def minibatches_per_s(self):
+        return self.num_minibatches / self.wall_s if self.wall_s > 0 else 0.0
+
+    def busy_fraction(self):
+        return [s.busy_s / self.wall_s if self.wall_s else 0.0 for s in self.stages]
+
+    @property
+    def emulation(self):
+        return EmulationReport.combine(s.emulation for s in self.stages if s.emulation)
+
+
+class PipelineExecutor:
+    """Runs `schedule` with one :class:`StageRuntime` per stage.
+
+    Args:
+      schedule: a :class:`hetpipe_tf.pipeline.schedule.Schedule`.
+      runtimes: a StageRuntime per stage.
+      data: iterator of (inputs, labels) minibatches; only stage 0 reads it.
+      split_inputs: inputs -> {stage: [tensors]} (``StagedModel.split_inputs``).
+      pacers: per stage, an emulation Pacer or None.
+      references: per stage, {instruction type: seconds measured alone}, for pacers.
+      timeout_s: the longest any stage may wait, and the longest the run may go with no progress.
+      trace: a TraceRecorder or None; pid: its process id for this virtual worker.
+      on_minibatch_done: called (from a stage thread) with (p, logs) when update p is in every stage.
+      on_snapshot: called with (p, [StageState per stage]) once every stage recorded state p.
+      sync: a :class:`WorkerSync` when this worker is one of several under WSP (§5).
+    """
+
+    _HANDLERS = {
+        LoadMinibatch: "_load_minibatch", RecvInputs: "_recv_inputs", RecvLabels: "_recv_labels",
+        RecvActivation: "_recv_activation", SendActivation: "_send_activation",
+        RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", Forward: "_forward",
+        Backward: "_backward", ApplyUpdate: "_apply_update", StashWeights: "_stash_weights",
+        ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state",
+        PushUpdate: "_push_update", PullWeights: "_pull_weights", MergePulled: "_merge_pulled",
+    }
+
+    def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
+                 timeout_s=120.0, trace=None, pid=0, on_minibatch_done=None, on_snapshot=None,
+                 clock=time.perf_counter, sync=None):
+        if len(runtimes) != schedule.num_stages:
+            raise ValueError(f"{schedule.num_stages} stages in the schedule, {len(runtimes)} runtimes")
+        self.schedule = schedule
+        self.runtimes = runtimes
+        self._data = data
+        self._split_inputs = split_inputs
+        self._pacers = pacers or [None] * len(runtimes)
+        self._references = references or [{} for _ in runtimes]
+        self.timeout_s = float(timeout_s)
+        self._trace = trace
+        self._pid = pid
+        self._on_done = on_minibatch_done
+        self._on_snapshot = on_snapshot
+        self._clock = clock
+        self._abort = threading.Event()
+        k = schedule.num_stages
+        self._mailboxes = [Mailbox(f"stage {s} ({runtimes[s].device})", self._abort, clock) for s in range(k)]
+        self._handoff = [{} for _ in range(k)]  # values one instruction hands the next on a stage
+        self._positions = [[0] * len(p.streams) for p in schedule.programs]  # next task of each stream
+        self._status = ["not started"] * k
+        self._since = [0.0] * k
+        self._progress = clock()
+        self._errors = []
+        self._limit = schedule.num_minibatches
+        self._admitted = 0
+        self._snapshots = {}
+        self._snapshot_lock = threading.Lock()
+        self._logs = {}
+        self.reports = [StageReport(s, runtimes[s].device) for s in range(k)]
+        self._sync = sync
+        self._pulls = None
+        self.pull_waits = []  # (stage, wave, requested, answered)
+        self.first_stage_busy = []  # (start, end) of the first stage's tasks, under WSP (§8.4)
+        self._check_instructions()
+
+    def _check_instructions(self):
+        for prog in self.schedule.programs:
+            samples = list(prog.prologue) + [ins for stream in prog.streams for task in stream[:2]
+                                             for ins in task.instructions]
+            for ins in samples:
+                if type(ins) not in self._HANDLERS:
+                    known = ", ".join(sorted(t.__name__ for t in self._HANDLERS))
+                    raise UnknownInstructionError(
+                        f"stage {prog.stage}: the executor does not carry out {ins!r}; it knows: {known}")
+
+    # Running ----------------------------------------------------------------------------
+    def run(self):
+        """Runs the whole schedule; returns an ExecutionReport or raises PipelineError."""
+        if self._sync is not None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pulls = ThreadPoolExecutor(max_workers=self.schedule.num_stages,
+                                             thread_name_prefix=f"hetpipe-pull-w{self._sync.worker}")
+        threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
+                                    daemon=True) for s in range(self.schedule.num_stages)]
+        start = self._clock()
+        self._progress = start
+        if self._trace:
+            self._trace.set_origin(start)
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(timeout=0.2)
+            if self._errors:
+                break
+            idle = self._clock() - self._progress
+            if idle > self.timeout_s:
+                self._fail(None, None, TimeoutError(
+                    f"no stage made progress for {idle:.0f} s (timeout_s={self.timeout_s:g})"))
+                break
+        self._abort.set()
+        for mb in self._mailboxes:
+            mb.wake()
+        for t in threads:
+            t.join(timeout=5.0)
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
+        for rt in self.runtimes:
+            try:
+                rt.end_run()
+            except Exception:  # noqa: BLE001 - a failed run's devices may be gone; report its cause
+                if not self._errors:
+                    raise
+        if self._errors:
+            stage, ins, exc, tb = self._errors[0]
+            where = f"stage {stage} failed at {ins!r}" if stage is not None else "the pipeline stalled"
+            where = f"virtual worker {self._pid}: {where}"
+            raise PipelineError(f"{where}: {type(exc).__name__}: {exc}\n"
+                                f"stages: {self.describe_status()}\n{tb}") from exc
+        wall = self._clock() - start
+        for s, rep in enumerate(self.reports):
+            rt = self.runtimes[s]
+            rep.memory_peak = rt.memory.peak
+            if self._pacers[s] is not None:
+                rep.emulation = self._pacers[s].report()
+        return ExecutionReport(num_minibatches=min(self._limit, self.schedule.num_minibatches),
+                               wall_s=wall, stages=self.reports)
+
+    def abort(self):
+        """Stops every stage now (for example when the caller was interrupted)."""
+        self._fail(None, None, KeyboardInterrupt("the run was aborted by its caller"))
+
+    def request_stop(self):
+        """Stops admitting minibatches: every stream ends at the last one already started.
+
+        Returns the id of the last minibatch the run will complete.
+        """
+        with self._mailboxes[0].cond:
+            self._limit = min(self._limit, max(self._admitted, 0))
+        return self._limit
+
+    def describe_waits(self):
+        """For every stage: the next task of each stream and the keys it still lacks."""
+        parts = []
+        for s, prog in enumerate(self.schedule.programs):
+            mb = self._mailboxes[s]
+            lacking = [f"{prog.streams[i].kind} {stream[p]!r} lacks {[k for k in stream[p].requires if mb.arrival(k) is None]}"
+                       for i, (stream, p) in enumerate(zip(prog.streams, self._positions[s])) if p < len(stream)]
+            parts.append(f"stage {s}: " + ("; ".join(lacking) or "done"))
+        return " | ".join(parts)
+
+    def describe_status(self):
+        now = self._clock()
+        return "; ".join(f"stage {s}: {st} ({now - self._since[s]:.1f} s)"
+                         for s, st in enumerate(self._status))
+
+    def _fail(self, stage, ins, exc):
+        self._errors.append((stage, ins, exc, traceback.format_exc() if stage is not None else ""))
+        self._abort.set()
+        for mb in self._mailboxes:
+            mb.wake()
+
+    def _set_status(self, s, text):
+        self._status[s] = text
+        self._since[s] = self._clock()
+
+    def _stage_main(self, s):
+        with self.runtimes[s].execution_scope():
+            self._run_program(s)
+
+    def _run_program(self, s):
+        prog = self.schedule.programs[s]
+        ins = None
+        try:
+            for ins in prog.prologue:
+                self._execute(s, ins)
+            # The stash is fullest now (the op refuses more than Nm versions): ask it once.
+            stats = self.runtimes[s].stash.stats()
+            self.reports[s].stash_peak_versions = stats.num_versions
+            self.reports[s].stash_bytes_peak = stats.bytes
+            pos = self._positions[s]
+            while True:
+                chosen = self._next_task(s, prog, pos)
+                if chosen is None:
+                    break
+                i, task = chosen
+                t0 = self._clock()
+                for ins in task.instructions:
+                    self._execute(s, ins)
+                t1 = self._clock()
+                self.reports[s].tasks += 1
+                self.reports[s].busy_s += t1 - t0
+                if s == 0 and self._sync is not None:
+                    self.first_stage_busy.append((t0, t1))
+                pos[i] += 1
+            self._set_status(s, "done")
+        except PipelineAborted:
+            self._set_status(s, f"stopped at {ins!r}")
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            self._set_status(s, f"failed at {ins!r}")
+            self._fail(s, ins, exc)
+
+    def _next_task(self, s, prog, pos):
+        mb = self._mailboxes[s]
+
+        def heads():
+            for i, stream in enumerate(prog.streams):
+                if pos[i] < len(stream) and stream[pos[i]].minibatch <= self._limit:
+                    yield i, stream[pos[i]]
+
+        def choose():
+            if next(heads(), None) is None:
+                return _FINISHED  # the run was stopped while this stage waited
+            ready = []
+            for i, task in heads():
+                times = [mb.arrival(key) for key in task.requires]
+                if all(t is not None for t in times):
+                    ready.append(((max(times, default=0.0), task.minibatch, i), task))
+            if not ready:
+                return None
+            pick = fifo_pick([c for c, _ in ready])
+            task = next(t for c, t in ready if c == pick)
+            if s == 0 and task.kind in ("forward", "forward_backward"):
+                self._admitted = max(self._admitted, task.minibatch)
+            return pick[2], task
+
+        def describe():
+            return self.describe_waits()
+
+        if next(heads(), None) is None:
+            return None
+        self._set_status(s, "waiting: " + ", ".join(repr(t) for _, t in heads()))
+        chosen = mb.wait_until(choose, self.timeout_s, describe)
+        return None if chosen is _FINISHED else chosen
+
+    def _execute(self, s, ins):
+        """Carries out one instruction: takes the keys it requires from the stage's mailbox,
+        runs its method, and delivers the keys it provides, with the values the method
+        returns for them ({(stage, key): value}; keys without a value carry None)."""
+        if ins.minibatch > self._limit and isinstance(ins, (StashWeights, SnapshotState)):
+            return  # the run was stopped before this minibatch started
+        self._set_status(s, f"running {ins!r}")
+        t0 = self._clock()
+        taken = [self._mailboxes[s].take(key) for key in ins.requires()]
+        values = getattr(self, self._HANDLERS[type(ins)])(s, ins, *taken) or {}
+        for dst, key in ins.provides(s):
+            if dst != PARAMETER_SERVER:  # the method itself talked to the parameter servers
+                self._mailboxes[dst].put(key, values.get((dst, key)))
+        t1 = self._clock()
+        self._progress = t1
+        if self._trace:
+            self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__)
+
+    # Messages ---------------------------------------------------------------------------
+    def _load_minibatch(self, s, ins):
+        item = next(self._data)
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"minibatch {ins.minibatch}: the dataset must yield (inputs, labels) "
+                             f"pairs, got {type(item).__name__} of length "
+                             f"{len(item) if hasattr(item, '__len__') else '?'}")
+        x, y = item
+        values = {(ins.labels_to, (LABELS, ins.minibatch)): y}
+        for stage, tensors in self._split_inputs(x).items():
+            if stage == s:
+                self.runtimes[s].set_loaded(ins.minibatch, tensors)
+            else:
+                values[(stage, (INPUTS, ins.minibatch))] = tensors
+        return values
+
+    def _recv_inputs(self, s, ins, tensors):
+        self.runtimes[s].set_loaded(ins.minibatch, tensors)
+
+    def _recv_labels(self, s, ins, labels):
+        self.runtimes[s].set_labels(ins.minibatch, labels)
+
+    def _recv_activation(self, s, ins, tensors):
+        self.runtimes[s].set_received(ins.minibatch, tensors)
+
+    def _send_activation(self, s, ins):
+        return {(ins.to, (ACTIVATION, ins.minibatch)): self._handoff[s].pop(("sent", ins.minibatch))}
+
+    def _recv_gradient(self, s, ins, grads):
+        self._handoff[s][("grad", ins.minibatch)] = grads
+
+    def _send_gradient(self, s, ins):
+        return {(ins.to, (GRADIENT, ins.minibatch)): self.runtimes[s].input_gradients(ins.minibatch)}
+
+    # Compute ----------------------------------------------------------------------------
+    def _paced(self, s, kind, start, minibatch):
+        pacer = self._pacers[s]
+        if pacer is not None:
+            pacer.pace(start, self._references[s][kind], minibatch)
+        self.reports[s].compute_s += self._clock() - start
+
+    def _forward(self, s, ins, *keys):  # the keys say w_p is stashed (and a slot is free)
+        rt = self.runtimes[s]
+        t0 = self._clock()
+        out = rt.forward(ins.minibatch)
+        self._paced(s, Forward, t0, ins.minibatch)
+        if rt.is_last:
+            self._logs[ins.minibatch] = out
+        else:
+            self._handoff[s][("sent", ins.minibatch)] = out
+
+    def _backward(self, s, ins):
+        rt = self.runtimes[s]
+        t0 = self._clock()
+        rt.backward(ins.minibatch, None if rt.is_last else self._handoff[s].pop(("grad", ins.minibatch)))
+        self._paced(s, Backward, t0, ins.minibatch)
+
+    def _apply_update(self, s, ins):
+        self.runtimes[s].apply_update(ins.minibatch)
+        if s == 0 and self._on_done:
+            self._on_done(ins.minibatch, self._logs.pop(ins.minibatch, {}))
+
+    def _stash_weights(self, s, ins):
+        self.runtimes[s].stash_weights(ins.minibatch)
+
+    def _release_weights(self, s, ins):
+        self.runtimes[s].release_weights(ins.minibatch)
+
+    def _snapshot_state(self, s, ins):
+        state = self.runtimes[s].snapshot()
+        with self._snapshot_lock:
+            states = self._snapshots.setdefault(ins.minibatch, {})
+            states[s] = state
+            complete = len(states) == self.schedule.num_stages
+            if complete:
+                del self._snapshots[ins.minibatch]
+        if complete and self._on_snapshot:
+            self._on_snapshot(ins.minibatch, [states[i] for i in range(self.schedule.num_stages)])
+
+    # Wave Synchronous Parallel (§5) -----------------------------------------------------
+    def _push_update(self, s, ins):
+        paths, deltas = self.runtimes[s].wave_update()
+        self._sync.servers.push(self._sync.worker, s, ins.wave, paths, deltas)
+
+    def _pull_weights(self, s, ins):
+        """Asks for the global weights; a pool thread waits for them, the stage goes on."""
+        rt, sync = self.runtimes[s], self._sync
+        asked = self._clock()
+
+        def pull():
+            try:
+                values, clocks = sync.servers.pull(rt.paths, ins.wave - sync.staleness_bound, sync.timeout_s)
+                answered = self._clock()
+                self.pull_waits.append((s, ins.wave, asked, answered))
+                if self._trace:
+                    self._trace.span(self._pid, 100 + s, f"wait for wave {ins.wave - sync.staleness_bound} "
+                                     f"(pull of clock {ins.wave})", asked, answered, category="PullWait")
+                self._mailboxes[s].put((PULLED, ins.wave), (values, clocks))
+            except BaseException as exc:  # noqa: BLE001 - reported by run()
+                self._fail(s, ins, exc)
+
+        self._pulls.submit(pull)
+
+    def _merge_pulled(self, s, ins, pulled):
+        values, clocks = pulled
+        self.runtimes[s].merge_pulled(ins.wave, values, clocks,
+                                      first_minibatch=(ins.wave + 2) * self.schedule.num_in_flight)
+
+
+@dataclass(frozen=True)
+class WorkerSync:
+    """How one virtual worker synchronises with the others under WSP (§5)."""
+    worker: int
+    servers: object  # ParameterServers
+    staleness_bound: int
+    timeout_s: float = 300.0

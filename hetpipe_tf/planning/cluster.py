@@ -1,0 +1,236 @@
+"""Cluster descriptions: nodes of devices, device types, links (HetPipe §3, §8.1).
+
+Pure Python. A cluster has H nodes, each holding a number of devices of one type
+(§3: "each node comprises a homogeneous set of GPUs"), the device types' compute
+speed and memory, and the bandwidth of links inside a node and between nodes.
+The JSON format::
+
+    {"name": "paper",
+     "device_types": {"V": {"label": "TITAN V", "peak_tflops": 14.9, "memory": "12G",
+                            "memory_bandwidth_GBps": 653}, ...},
+     "nodes": [{"name": "node-V", "device_type": "V", "count": 4}, ...],
+     "links": {"intra_node_GBps": 15.75, "inter_node_GBps": 7.0}}
+
+A device type with ``emulated_speed`` is emulated on this host (see
+:mod:`hetpipe_tf.pipeline.emulation`): its speed is relative to the host running a task
+alone. Other types are real accelerators, described by their peak FP32 TFLOP/s and
+memory bandwidth (used for analytic profiles of hardware that is not here).
+
+Presets: ``paper`` (Table 1's four nodes of four GPUs each) and ``local`` (this
+machine's emulated devices).
+"""
+import json
+import os
+from dataclasses import dataclass
+
+from hetpipe_tf.planning.devices import DeviceSpecError, parse_bytes
+
+
+class ClusterError(ValueError):
+    """A cluster description that is malformed or inconsistent."""
+
+
+def _bytes(text, where):
+    try:
+        return parse_bytes(text)
+    except DeviceSpecError as e:
+        raise ClusterError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    name: str
+    label: str
+    memory: int  # bytes
+    peak_tflops: float | None = None  # real accelerators
+    memory_bandwidth: float | None = None  # bytes/s, real accelerators
+    emulated_speed: float | None = None  # emulated devices, relative to the host
+
+    @property
+    def emulated(self):
+        return self.emulated_speed is not None
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    device_type: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the cluster: its node, its index in the node, its type."""
+    node: str
+    index: int
+    type: DeviceType
+
+    @property
+    def name(self):
+        return f"{self.node}:{self.index}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device_types: dict
+    nodes: tuple
+    intra_node_bandwidth: float  # bytes/s
+    inter_node_bandwidth: float  # bytes/s
+
+    @property
+    def emulated(self):
+        return any(t.emulated for t in self.device_types.values())
+
+    def devices(self):
+        """Every device, node by node."""
+        return tuple(Device(n.name, i, self.device_types[n.device_type])
+                     for n in self.nodes for i in range(n.count))
+
+    def devices_in_spec_order(self, specs):
+        """For a cluster made by from_device_specs: its device of each spec, in spec order."""
+        pools = {}
+        for d in self.devices():
+            pools.setdefault((d.type.emulated_speed, d.type.memory), []).append(d)
+        return [pools[(s.speed, s.memory or 64 * 1024 ** 3)].pop(0) for s in specs]
+
+    def bandwidth(self, a, b):
+        """Bytes/s between devices `a` and `b` (Device objects)."""
+        return self.intra_node_bandwidth if a.node == b.node else self.inter_node_bandwidth
+
+    def describe(self):
+        parts = [f"{n.count}x {self.device_types[n.device_type].label} ({n.device_type}) on {n.name}"
+                 for n in self.nodes]
+        return f"cluster '{self.name}': " + ", ".join(parts)
+
+
+def from_dict(spec, where="cluster"):
+    """A validated :class:`Cluster` from its JSON-like description."""
+    if not isinstance(spec, dict):
+        raise ClusterError(f"{where}: a cluster description is a JSON object, got {type(spec).__name__}")
+    for key in ("device_types", "nodes", "links"):
+        if key not in spec:
+            raise ClusterError(f"{where}: missing '{key}' (a cluster has device_types, nodes and links)")
+    types = {}
+    for name, t in spec["device_types"].items():
+        at = f"{where}: device type '{name}'"
+        if not isinstance(t, dict) or "memory" not in t:
+            raise ClusterError(f"{at} needs a memory size")
+        speed = t.get("emulated_speed")
+        if speed is None and (t.get("peak_tflops") is None or t.get("memory_bandwidth_GBps") is None):
+            raise ClusterError(f"{at}: give peak_tflops and memory_bandwidth_GBps (a real device) "
+                               f"or emulated_speed (emulated on this host)")
+        for key in ("emulated_speed", "peak_tflops", "memory_bandwidth_GBps"):
+            if t.get(key) is not None and not float(t[key]) > 0:
+                raise ClusterError(f"{at}: {key} must be > 0, got {t[key]!r}")
+        types[name] = DeviceType(
+            name=name, label=t.get("label", name), memory=_bytes(t["memory"], at),
+            peak_tflops=float(t["peak_tflops"]) if t.get("peak_tflops") is not None else None,
+            memory_bandwidth=float(t["memory_bandwidth_GBps"]) * 1e9 if t.get("memory_bandwidth_GBps") else None,
+            emulated_speed=float(speed) if speed is not None else None)
+    if not types:
+        raise ClusterError(f"{where}: no device types")
+    nodes, names = [], set()
+    for i, n in enumerate(spec["nodes"]):
+        at = f"{where}: node {i}"
+        if not isinstance(n, dict) or "device_type" not in n or "count" not in n:
+            raise ClusterError(f"{at} needs a device_type and a count")
+        name = n.get("name", f"node{i}")
+        if name in names:
+            raise ClusterError(f"{at}: node name '{name}' is used twice")
+        names.add(name)
+        if n["device_type"] not in types:
+            raise ClusterError(f"{at} ('{name}'): unknown device type '{n['device_type']}'; "
+                               f"known: {sorted(types)}")
+        if not isinstance(n["count"], int) or n["count"] <= 0:
+            raise ClusterError(f"{at} ('{name}'): count must be a positive integer, got {n['count']!r}")
+        nodes.append(Node(name, n["device_type"], n["count"]))
+    if not nodes:
+        raise ClusterError(f"{where}: no nodes")
+    links = spec["links"]
+    bw = {}
+    for key in ("intra_node_GBps", "inter_node_GBps"):
+        value = links.get(key) if isinstance(links, dict) else None
+        if value is None or not float(value) > 0:
+            raise ClusterError(f"{where}: links.{key} must be a bandwidth > 0 in GB/s, got {value!r}")
+        bw[key] = float(value) * 1e9
+    return Cluster(name=spec.get("name", "cluster"), device_types=types, nodes=tuple(nodes),
+                   intra_node_bandwidth=bw["intra_node_GBps"], inter_node_bandwidth=bw["inter_node_GBps"])
+
+
+# Table 1 of the paper: FP32 peak = 2 x CUDA cores x boost clock; memory; memory bandwidth.
+# Links (§8.1): PCIe 3.0 x16 inside a node (15.75 GB/s), 56 Gb/s InfiniBand between nodes.
+PRESETS = {
+    "paper": {
+        "name": "paper",
+        "device_types": {
+            "V": {"label": "TITAN V", "peak_tflops": 2 * 5120 * 1.455e-3, "memory": "12G",
+                  "memory_bandwidth_GBps": 653},
+            "R": {"label": "TITAN RTX", "peak_tflops": 2 * 4608 * 1.770e-3, "memory": "24G",
+                  "memory_bandwidth_GBps": 672},
+            "G": {"label": "GeForce RTX 2060", "peak_tflops": 2 * 1920 * 1.680e-3, "memory": "6G",
+                  "memory_bandwidth_GBps": 336},
+            "Q": {"label": "Quadro P4000", "peak_tflops": 2 * 1792 * 1.480e-3, "memory": "8G",
+                  "memory_bandwidth_GBps": 243},
+        },
+        "nodes": [{"name": "node-V", "device_type": "V", "count": 4},
+                  {"name": "node-R", "device_type": "R", "count": 4},
+                  {"name": "node-G", "device_type": "G", "count": 4},
+                  {"name": "node-Q", "device_type": "Q", "count": 4}],
+        "links": {"intra_node_GBps": 15.75, "inter_node_GBps": 56 / 8},
+    },
+    # This host's emulated devices: two "nodes" of two devices each, one type twice as fast.
+    # Tensors between emulated devices stay in host memory (a fast link).
+    "local": {
+        "name": "local",
+        "device_types": {
+            "F": {"label": "emulated fast", "emulated_speed": 1.0, "memory": "64M"},
+            "S": {"label": "emulated slow", "emulated_speed": 0.5, "memory": "32M"},
+        },
+        "nodes": [{"name": "host-F", "device_type": "F", "count": 2},
+                  {"name": "host-S", "device_type": "S", "count": 2}],
+        "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0},
+    },
+}
+
+
+def load_cluster(name_or_path):
+    """A preset by name (``paper``, ``local``) or a JSON file's path."""
+    if isinstance(name_or_path, Cluster):
+        return name_or_path
+    if isinstance(name_or_path, dict):
+        return from_dict(name_or_path)
+    if name_or_path in PRESETS:
+        return from_dict(PRESETS[name_or_path], where=f"preset '{name_or_path}'")
+    if not os.path.exists(str(name_or_path)):
+        raise ClusterError(f"no cluster preset or file named {name_or_path!r}; presets: {sorted(PRESETS)}")
+    try:
+        with open(name_or_path) as f:
+            spec = json.load(f)
+    except ValueError as e:
+        raise ClusterError(f"{name_or_path}: not valid JSON ({e})") from e
+    return from_dict(spec, where=str(name_or_path))
+
+
+def from_device_specs(specs, name="devices"):
+    """A cluster of emulated devices given as DeviceSpecs (``--devices``): one node per distinct
+    (speed, memory), joined by host-memory links. Real devices have no specs to plan with."""
+    types, nodes = {}, {}
+    for spec in specs:
+        if not spec.emulated:
+            raise ClusterError(f"{spec} is not emulated: describe real devices with a cluster file "
+                               f"(peak TFLOP/s, memory, bandwidth) to plan for them")
+        key = (spec.speed, spec.memory)
+        if key not in types:
+            tname = f"E{len(types)}"
+            types[key] = tname
+            memory = spec.memory or 64 * 1024 ** 3
+            nodes[tname] = {"name": f"{name}-{tname}", "device_type": tname, "count": 0,
+                            "spec": {"label": f"emulated speed {spec.speed:g}", "emulated_speed": spec.speed,
+                                     "memory": memory}}
+        nodes[types[key]]["count"] += 1
+    return from_dict({
+        "name": name,
+        "device_types": {t: n.pop("spec") for t, n in nodes.items()},
+        "nodes": list(nodes.values()),
+        "links": PRESETS["local"]["links"]}, where=name)

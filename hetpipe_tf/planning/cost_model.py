@@ -1,0 +1,196 @@
+"""Predicted time and memory of a stage (HetPipe §4 and §7).
+
+Pure Python. For a stage made of segments [lo, hi) of a :class:`Profile`, placed on
+a cluster device at position q of a virtual worker of k stages with Nm minibatches
+in flight:
+
+* **time per minibatch** = forward and backward task overheads + the segments'
+  compute on that device type (emulated devices: the host's times scaled by
+  dilation / speed, as the emulation pads them) + receiving the activations that
+  cross into the stage (forward) + receiving the gradients of the tensors it sends
+  (backward) + applying the update (which writes a fresh buffer when Nm > 1, since
+  a stashed version shares the old one) + the executor's cost of the stage's
+  non-compute instructions (their number per minibatch comes from the schedule). Communication over a link follows §7: inside a
+  node, bytes / (bandwidth x a scaling-down constant); between nodes, a linear fit
+  ``intercept + slope x bytes`` (:class:`LinkModel`);
+* **memory** = live weights and non-trainable state, Nm stashed weight versions,
+  optimizer slots, with WSP one more copy (the weights at the last push), and the
+  activations of the minibatches in flight at that stage: min(Nm, k - q), so the
+  first stage holds the most and the last one holds one (§4; the schedule enforces
+  this window), plus a reserve for the framework's own memory on real devices.
+"""
+from dataclasses import dataclass, field
+
+REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GPU
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Seconds to move bytes between two devices of a cluster (§7): ``intercept + bytes /
+    (nominal bandwidth x scale)``, inside a node and between nodes. §7 calibrates the
+    intra-node scaling-down constant with a synthetic transfer benchmark and fits the
+    inter-node line by regression: :meth:`calibrated` does both from measured samples."""
+    intra_scale: float = 0.8  # the fraction of the nominal intra-node bandwidth achieved
+    inter_intercept: float = 50e-6  # seconds
+    inter_scale: float = 0.9  # fraction of the nominal inter-node bandwidth (slope = 1 / (bw x scale))
+    intra_intercept: float = 0.0
+    source: str = "assumed (not calibrated): 0.8 of PCIe, 50 us + bytes / (0.9 x InfiniBand)"
+
+    def seconds(self, nbytes, src, dst, cluster):
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        if src.node == dst.node:
+            return self.intra_intercept + nbytes / (cluster.intra_node_bandwidth * self.intra_scale)
+        return self.inter_intercept + nbytes / (cluster.inter_node_bandwidth * self.inter_scale)
+
+    def calibrated(self, cluster, intra_samples=None, inter_samples=None):
+        """This model with the intra-node and/or inter-node lines fitted to (bytes, seconds)
+        samples, e.g. from :func:`hetpipe_tf.runtime.profiler.measure_transfers`."""
+        fields, notes = {}, []
+        if intra_samples:
+            intercept, per_byte = fit_line(intra_samples)
+            fields.update(intra_intercept=intercept, intra_scale=1.0 / (per_byte * cluster.intra_node_bandwidth))
+            notes.append(f"intra-node {intercept * 1e6:.0f} us + bytes / {1 / per_byte / 1e9:.2f} GB/s "
+                         f"({len(intra_samples)} transfers measured)")
+        if inter_samples:
+            intercept, per_byte = fit_line(inter_samples)
+            fields.update(inter_intercept=intercept, inter_scale=1.0 / (per_byte * cluster.inter_node_bandwidth))
+            notes.append(f"inter-node {intercept * 1e6:.0f} us + bytes / {1 / per_byte / 1e9:.2f} GB/s "
+                         f"({len(inter_samples)} transfers measured)")
+        kept = [] if inter_samples else [f"inter-node assumed: {self.inter_intercept * 1e6:.0f} us + bytes / "
+                                         f"({self.inter_scale:g} x nominal)"]
+        return LinkModel(**{**self.__dict__, **fields,
+                            "source": "calibrated: " + "; ".join(notes + kept)})
+
+
+def fit_line(samples):
+    """Least squares (intercept >= 0, seconds per byte > 0) of seconds against bytes."""
+    n = len(samples)
+    if n < 2 or len({b for b, _ in samples}) < 2:
+        raise ValueError(f"a link fit needs transfers of at least two sizes, got {samples}")
+    mean_b = sum(b for b, _ in samples) / n
+    mean_t = sum(t for _, t in samples) / n
+    slope = (sum((b - mean_b) * (t - mean_t) for b, t in samples)
+             / sum((b - mean_b) ** 2 for b, _ in samples))
+    if slope <= 0:
+        raise ValueError(f"transfer times do not grow with size: {samples}")
+    return max(mean_t - slope * mean_b, 0.0), slope
+
+
+def non_compute_instructions(position, num_stages):
+    """How many receives, sends, stashes and releases a minibatch has at a stage position,
+    counted from the HetPipe schedule itself."""
+    from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
+    from hetpipe_tf.pipeline.schedule import hetpipe_schedule
+
+    prog = hetpipe_schedule(num_stages, 3, 1).programs[position]
+    return sum(1 for stream in prog.streams for ins in stream[1].instructions
+               if not isinstance(ins, (Forward, Backward, ApplyUpdate)))
+
+
+def in_flight(position, num_stages, num_in_flight):
+    """Minibatches whose activations a stage holds at once (§4): min(Nm, k - q)."""
+    return max(1, min(num_in_flight, num_stages - position))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    device: object  # a cluster Device
+    segments: tuple  # (lo, hi)
+    position: int
+    forward: float
+    backward: float
+    recv_activation: float
+    recv_gradient: float
+    apply: float
+    executor: float = 0.0  # non-compute instructions
+    memory: dict = field(default_factory=dict)  # category -> bytes
+
+    @property
+    def time(self):
+        return (self.forward + self.backward + self.recv_activation + self.recv_gradient + self.apply
+                + self.executor)
+
+    @property
+    def memory_total(self):
+        return sum(self.memory.values())
+
+    @property
+    def capacity(self):
+        return self.device.type.memory
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Stage costs for one profile on one cluster."""
+    profile: object
+    cluster: object
+    links: LinkModel = LinkModel()
+    dilation: float = 1.0  # emulated devices' time dilation
+    optimizer_slots: int = 1  # optimizer variables per weight (SGD with momentum: 1, Adam: 2)
+    wsp: bool = False  # several virtual workers: one more weight copy per stage
+    analytic: object = None  # AnalyticAssumptions for device types that are not measured
+
+    def times(self, device_type):
+        """SegmentTimes of a device type, and the factor its compute is scaled by."""
+        if device_type.emulated:
+            return self.profile.times["host"], self.dilation / device_type.emulated_speed
+        if device_type.name in self.profile.times:
+            return self.profile.times[device_type.name], 1.0
+        from hetpipe_tf.planning.profile import AnalyticAssumptions, analytic_times
+        return analytic_times(self.profile, device_type, self.analytic or AnalyticAssumptions()), 1.0
+
+    def apply_seconds(self, device_type, weight_bytes, num_in_flight=1):
+        """Applying an update: measured on the host for emulated devices; on a real device,
+        reading and writing the weights, gradients and slots at its memory bandwidth."""
+        p = self.profile
+        if device_type.emulated or device_type.name in p.times:
+            per_byte = p.apply_shared_per_byte if num_in_flight > 1 and p.apply_shared_per_byte else p.apply_per_byte
+            return p.apply_base + per_byte * weight_bytes
+        from hetpipe_tf.planning.profile import AnalyticAssumptions
+        moved = weight_bytes * (3 + 2 * self.optimizer_slots)
+        efficiency = (self.analytic or AnalyticAssumptions()).memory_efficiency
+        return moved / (device_type.memory_bandwidth * efficiency)
+
+    def executor_seconds(self, position, num_stages):
+        """The executor's cost of one minibatch's non-compute instructions at a stage position."""
+        if not self.profile.instruction_seconds:
+            return 0.0
+        return self.profile.instruction_seconds * non_compute_instructions(position, num_stages)
+
+    def weight_copies(self, num_in_flight):
+        """Copies of a stage's weights: live, Nm stashed versions, with WSP the last push."""
+        return 1 + num_in_flight + (1 if self.wsp else 0)
+
+    def stage(self, lo, hi, devices, position, num_in_flight):
+        """The :class:`StageCost` of segments [lo, hi) at `position` of the device chain `devices`."""
+        p = self.profile
+        device = devices[position]
+        k = len(devices)
+        t, scale = self.times(device.type)
+        late = p.pacing_overshoot_seconds if device.type.emulated else 0.0
+        forward = scale * (t.forward_overhead + sum(t.forward[lo:hi])) + late
+        backward = scale * (t.backward_overhead + sum(t.backward[lo:hi])) + late
+        weights = sum(p.weight_bytes[lo:hi])
+        cut_in = p.cut_bytes[lo] if lo > 0 else 0
+        cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0
+        recv_act = self.links.seconds(cut_in, devices[position - 1], device, self.cluster) if position > 0 else 0.0
+        recv_grad = (self.links.seconds(cut_out, devices[position + 1], device, self.cluster)
+                     if position < k - 1 else 0.0)
+        apply = self.apply_seconds(device.type, weights, num_in_flight)
+        held = in_flight(position, k, num_in_flight)
+        memory = {
+            "weights and versions": weights * self.weight_copies(num_in_flight),
+            "optimizer slots": weights * self.optimizer_slots,
+            "non-trainable state": sum(p.state_bytes[lo:hi]),
+            "activations": held * (cut_in + sum(p.activation_bytes[lo:hi])),
+            "framework reserve": 0 if device.type.emulated else REAL_DEVICE_RESERVE,
+        }
+        return StageCost(device=device, segments=(lo, hi), position=position, forward=forward,
+                         backward=backward, recv_activation=recv_act, recv_gradient=recv_grad, apply=apply,
+                         executor=self.executor_seconds(position, k), memory=memory)
+
+    def stages(self, boundaries, devices, num_in_flight):
+        """StageCosts of a whole partition (segment boundaries, starting with 0)."""
+        ends = tuple(boundaries[1:]) + (self.profile.num_segments,)
+        return [self.stage(lo, hi, devices, q, num_in_flight) for q, (lo, hi) in enumerate(zip(boundaries, ends))]

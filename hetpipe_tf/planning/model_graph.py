@@ -1,0 +1,215 @@
+"""A model as plain data: its layer calls in topological order and the tensors between them.
+
+Pure Python (no TensorFlow), so that partitioning, cost models and schedules can
+be computed and tested without a device. :func:`hetpipe_tf.runtime.stage_rewrite.describe_model`
+builds a :class:`ModelGraph` from a Keras model.
+
+A *stage* is a contiguous range of nodes in topological order (HetPipe §4, §7:
+"divide multiple layers of the model into k partitions"). ``boundaries`` are the
+index of each stage's first node, so ``(0, 5, 9)`` makes stages [0, 5), [5, 9),
+[9, n).
+
+Tensors that cross stages are forwarded through the stages in between: a skip
+connection from stage 0 to stage 2 is received by stage 1 and sent on unchanged.
+Every stage then talks only to its neighbours, the schedule stays a chain, and
+each cut carries exactly the tensors alive across it (what the cost model of §7
+charges for that cut). Model inputs come from the host straight to the first
+stage that consumes them; labels go straight to the last stage.
+"""
+from dataclasses import dataclass
+
+
+class PartitionError(ValueError):
+    """Stage boundaries that do not describe a valid cut of the model."""
+
+
+class SharedLayerError(PartitionError):
+    """A layer whose calls fall into different stages (its weights would live twice)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the model graph; sizes are per example (no batch dimension)."""
+    index: int
+    name: str
+    shape: tuple  # per-example shape; None for unknown dimensions
+    itemsize: int  # bytes per element
+    producer: int | None  # node index, or None for a model input
+    consumers: tuple  # node indices, ascending
+    model_input: int | None = None  # position among the model's inputs
+    model_output: int | None = None  # position among the model's outputs
+
+    @property
+    def bytes_per_example(self):
+        n = 1
+        for d in self.shape:
+            n *= d if d is not None else 1
+        return n * self.itemsize
+
+
+@dataclass(frozen=True)
+class LayerNode:
+    """One call of a layer. A shared layer has several nodes with the same `layer`."""
+    index: int
+    layer: str  # the layer's name
+    kind: str  # the layer's class name
+    inputs: tuple  # tensor indices
+    outputs: tuple  # tensor indices
+    trainable_bytes: int
+    non_trainable_bytes: int
+    flops_per_example: int  # a static estimate: 2 x multiply-adds, or elements touched
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """Which tensors a stage receives, loads, consumes, produces and sends (by index)."""
+    stage: int
+    nodes: range
+    received: tuple  # from the previous stage, in tensor order
+    loaded: tuple  # model inputs first consumed here, from the host
+    consumed: tuple  # inputs of this stage's nodes produced elsewhere
+    produced: tuple  # outputs of this stage's nodes needed by later stages or the loss
+    sent: tuple  # to the next stage (produced + passed through); for the last stage, the model outputs
+
+    @property
+    def entering(self):
+        """Everything the stage starts a minibatch with: received, then loaded."""
+        return self.received + self.loaded
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """Layer calls in topological order and the tensors between them."""
+    name: str
+    nodes: tuple
+    tensors: tuple
+    inputs: tuple  # tensor indices of the model inputs, in model order
+    outputs: tuple  # tensor indices of the model outputs, in model order
+
+    @property
+    def num_nodes(self):
+        return len(self.nodes)
+
+    def check_boundaries(self, boundaries):
+        """Returns `boundaries` as a tuple after checking it is a valid cut.
+
+        Valid: starts at 0, strictly increasing, every stage has at least one node,
+        and no layer has calls in two stages.
+        """
+        b = tuple(int(x) for x in boundaries)
+        n = self.num_nodes
+        if not b or b[0] != 0:
+            raise PartitionError(f"stage boundaries must start with 0 (the first node), got {list(b)}")
+        if any(b2 <= b1 for b1, b2 in zip(b, b[1:])) or b[-1] >= n:
+            raise PartitionError(
+                f"stage boundaries {list(b)} must be strictly increasing node indices below "
+                f"{n} (the model has {n} layer calls), so that every stage gets at least one")
+        stage_of = self.stage_of_nodes(b)
+        by_layer = {}
+        for node in self.nodes:
+            by_layer.setdefault(node.layer, set()).add(stage_of[node.index])
+        for layer, stages in by_layer.items():
+            if len(stages) > 1:
+                raise SharedLayerError(
+                    f"layer '{layer}' is called in stages {sorted(stages)}; a layer's weights live "
+                    f"in one stage, so all calls of a shared layer must fall into the same stage "
+                    f"(choose boundaries that keep them together)")
+        return b
+
+    def allowed_cuts(self):
+        """Node indices a stage may start at: every cut that keeps each layer's calls together."""
+        first, last = {}, {}
+        for node in self.nodes:
+            first.setdefault(node.layer, node.index)
+            last[node.layer] = node.index
+        return tuple(c for c in range(1, self.num_nodes)
+                     if not any(first[l] < c <= last[l] for l in first))
+
+    def stage_of_nodes(self, boundaries):
+        """A tuple giving the stage of every node."""
+        stage_of = []
+        s = 0
+        for i in range(self.num_nodes):
+            while s + 1 < len(boundaries) and i >= boundaries[s + 1]:
+                s += 1
+            stage_of.append(s)
+        return tuple(stage_of)
+
+    def live_across(self, cut):
+        """Tensors alive across the cut before node `cut`: made before it, needed at or after it.
+
+        Model inputs are not counted: they come from the host to the stage that first
+        needs them. Model outputs are needed by the loss, after the last node.
+        """
+        live = []
+        for t in self.tensors:
+            if t.producer is None or t.producer >= cut:
+                continue
+            if t.model_output is not None or (t.consumers and t.consumers[-1] >= cut):
+                live.append(t.index)
+        return tuple(live)
+
+    def _forwarded_inputs_across(self, cut):
+        """Model inputs first consumed before `cut` but still needed at or after it."""
+        return tuple(t.index for t in self.tensors
+                     if t.producer is None and t.consumers and t.consumers[0] < cut
+                     and (t.consumers[-1] >= cut or t.model_output is not None))
+
+    def crossing(self, cut):
+        """Every tensor sent across the cut before node `cut`, in tensor order."""
+        return tuple(sorted(self.live_across(cut) + self._forwarded_inputs_across(cut)))
+
+    def stage_io(self, boundaries):
+        """The :class:`StageIO` of every stage for `boundaries`."""
+        b = self.check_boundaries(boundaries)
+        ends = b[1:] + (self.num_nodes,)
+        result = []
+        received = ()
+        for s, (lo, hi) in enumerate(zip(b, ends)):
+            loaded = tuple(t.index for t in self.tensors if t.producer is None and (
+                (t.consumers and lo <= t.consumers[0] < hi)
+                or (not t.consumers and t.model_output is not None and hi == self.num_nodes)))
+            inside = set()
+            consumed = []
+            for node in self.nodes[lo:hi]:
+                for t in node.inputs:
+                    if t not in inside and t not in consumed:
+                        consumed.append(t)
+                inside.update(node.outputs)
+            last = hi == self.num_nodes
+            sent = self.outputs if last else self.crossing(hi)
+            produced = tuple(t for t in sorted(inside) if t in set(sent))
+            result.append(StageIO(stage=s, nodes=range(lo, hi), received=received, loaded=loaded,
+                                  consumed=tuple(sorted(consumed)), produced=produced,
+                                  sent=tuple(sent)))
+            received = tuple(sent)
+        return tuple(result)
+
+    def stage_activation_bytes(self, boundaries, batch_size):
+        """Per stage: bytes one minibatch keeps alive there until its backward pass.
+
+        Counted as the tensors the stage starts with plus every output of its nodes
+        (what the forward pass records for the backward pass), at `batch_size`.
+        """
+        per_stage = []
+        for io in self.stage_io(boundaries):
+            made = {t for node in self.nodes[io.nodes.start:io.nodes.stop] for t in node.outputs}
+            total = sum(self.tensors[t].bytes_per_example for t in set(io.entering) | made)
+            per_stage.append(total * batch_size)
+        return tuple(per_stage)
+
+    def stage_weight_bytes(self, boundaries):
+        """Per stage: (trainable, non-trainable) weight bytes."""
+        b = self.check_boundaries(boundaries)
+        ends = b[1:] + (self.num_nodes,)
+        out = []
+        for lo, hi in zip(b, ends):
+            seen, tr, ntr = set(), 0, 0
+            for node in self.nodes[lo:hi]:
+                if node.layer in seen:
+                    continue
+                seen.add(node.layer)
+                tr += node.trainable_bytes
+                ntr += node.non_trainable_bytes
+            out.append((tr, ntr))
+        return tuple(out)

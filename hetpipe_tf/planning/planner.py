@@ -1,0 +1,377 @@
+"""Planning a cluster: virtual workers, partitions, Nm and predicted throughput (HetPipe §4, §7, §8.1).
+
+Pure Python, over a :class:`hetpipe_tf.planning.profile.Profile`:
+
+1. **allocation**: the devices are grouped into virtual workers by a policy (NP,
+   ED, HD; :mod:`hetpipe_tf.planning.allocation`), or by ``auto``, which tries every
+   allocation the policies can make and keeps the best predicted throughput (a
+   search the paper does not do);
+2. **partition**: each worker's model cut minimises its slowest stage under every
+   stage's memory, over every distinct order of its devices
+   (:mod:`hetpipe_tf.planning.partitioner`);
+3. **Nm** (§4): Max_m of a worker is the largest Nm its memory admits; Nm is the
+   minimum over workers; among 1..Nm the planner takes the smallest Nm whose
+   predicted throughput is within 2 % of the best;
+4. **prediction**: the workers' schedules run in the simulator with the cost
+   model's times, under WSP with staleness bound D when there are several workers.
+   Parameters are placed on one parameter server per node: ``default`` spreads the
+   layers round-robin over them, ``local`` (ED only) keeps a stage's layers on the
+   server of its own node, so pushes and pulls stay inside the node (§8.1).
+"""
+from dataclasses import dataclass
+
+from hetpipe_tf.pipeline.instructions import (ApplyUpdate, Backward, Forward, MergePulled, RecvActivation,
+                                     RecvGradient)
+from hetpipe_tf.pipeline.schedule import hetpipe_schedule
+from hetpipe_tf.pipeline.simulator import ParameterServerModel, simulate_workers
+from hetpipe_tf.planning.allocation import AllocationError, allocate, candidate_allocations, describe
+from hetpipe_tf.planning.cost_model import CostModel, LinkModel
+from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, distinct_orders, fits
+from hetpipe_tf.planning.profile import coarsen
+
+MAX_SEGMENTS = 48
+PLACEMENTS = ("default", "local")
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made: the model does not fit, or the options conflict."""
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One virtual worker: its devices in stage order, its partition and Max_m."""
+    devices: tuple
+    partition: object  # Partition
+    max_num_in_flight: int
+
+    @property
+    def device_types(self):
+        return [d.type.name for d in self.devices]
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: object
+    profile: object
+    policy: str
+    placement: str
+    staleness_bound: int
+    num_in_flight: int
+    workers: tuple  # WorkerPlan
+    minibatches_per_s: float
+    per_worker: tuple  # predicted minibatches/s of each worker in the cluster
+    by_num_in_flight: dict  # Nm -> predicted minibatches/s
+    notes: tuple
+    analytic: object = None  # the AnalyticAssumptions the plan used
+
+    @property
+    def allocation(self):
+        """Each worker's device types in node order, as Table 3 writes them (VVQQ)."""
+        order = [n.name for n in self.cluster.nodes]
+        return describe([sorted(w.devices, key=lambda d: (order.index(d.node), d.index)) for w in self.workers])
+
+    @property
+    def images_per_s(self):
+        return self.minibatches_per_s * self.profile.batch_size
+
+    def node_boundaries(self, worker=0):
+        """First layer call of each stage of `worker`, for VirtualWorker(boundaries=...)."""
+        part = self.workers[worker].partition
+        return tuple(self.profile.starts[b] for b in part.boundaries)
+
+    def to_dict(self):
+        names = self.profile.layer_names
+        workers = []
+        for i, w in enumerate(self.workers):
+            stages = []
+            for st in w.partition.stages:
+                first = self.profile.starts[st.segments[0]]
+                end = (self.profile.starts[st.segments[1]] if st.segments[1] < self.profile.num_segments
+                       else len(names))
+                stages.append({
+                    "device": st.device.name, "device_type": st.device.type.name,
+                    "layers": [first, end - 1], "layer_names": [names[first], names[end - 1]] if names else [],
+                    "time_ms": {"total": st.time * 1e3, "forward": st.forward * 1e3, "backward": st.backward * 1e3,
+                                "receive": (st.recv_activation + st.recv_gradient) * 1e3, "apply": st.apply * 1e3},
+                    "memory_bytes": {**st.memory, "total": st.memory_total}, "capacity_bytes": st.capacity})
+            workers.append({"index": i, "devices": [d.name for d in w.devices], "device_types": w.device_types,
+                            "max_num_in_flight": w.max_num_in_flight,
+                            "predicted_minibatches_per_s": self.per_worker[i], "stages": stages})
+        return {"cluster": self.cluster.name, "model": self.profile.model, "batch_size": self.profile.batch_size,
+                "policy": self.policy, "placement": self.placement, "staleness_bound": self.staleness_bound,
+                "num_in_flight": self.num_in_flight, "allocation": self.allocation,
+                "predicted_images_per_s": self.images_per_s,
+                "predicted_minibatches_per_s": self.minibatches_per_s,
+                "predicted_by_num_in_flight": {str(k): v for k, v in self.by_num_in_flight.items()},
+                "virtual_workers": workers, "notes": list(self.notes)}
+
+    def format(self):
+        from hetpipe_tf.pipeline.emulation import format_bytes
+        d = self.to_dict()
+        lines = [f"{self.cluster.describe()}",
+                 f"model {d['model']}, batch {d['batch_size']}; policy {self.policy.upper()} "
+                 f"({d['allocation']}), placement {self.placement}, D={self.staleness_bound}",
+                 f"Nm = {self.num_in_flight}; predicted {self.images_per_s:.1f} images/s "
+                 f"({self.minibatches_per_s:.3f} minibatches/s)", ""]
+        for w in d["virtual_workers"]:
+            lines.append(f"virtual worker {w['index']}: {''.join(w['device_types'])}  Max_m={w['max_num_in_flight']}"
+                         f"  predicted {w['predicted_minibatches_per_s'] * self.profile.batch_size:.1f} images/s")
+            lines.append(f"  {'stage':<5} {'device':<12} {'layers':<34} {'time ms':>9} {'memory':>11} {'capacity':>10}")
+            for q, st in enumerate(w["stages"]):
+                layers = f"{st['layers'][0]}..{st['layers'][1]} ({st['layer_names'][0]}..{st['layer_names'][1]})"
+                lines.append(f"  {q:<5} {st['device']:<12} {layers[:34]:<34} {st['time_ms']['total']:>9.2f} "
+                             f"{format_bytes(st['memory_bytes']['total']):>11} {format_bytes(st['capacity_bytes']):>10}")
+        lines += [""] + [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _max_num_in_flight(model, devices, limit):
+    """Max_m: the largest Nm <= limit that some order of these devices fits (0 if none).
+
+    Memory grows with Nm, so the feasible Nm are 1..Max_m: a binary search.
+    """
+    orders = distinct_orders(devices)
+
+    def ok(nm):
+        return any(fits(model, order, nm) for order in orders)
+
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _shape(devices):
+    """What a worker's costs depend on: its device types, and which devices share a node."""
+    nodes = {}
+    return tuple((d.type.name, nodes.setdefault(d.node, len(nodes))) for d in sorted(devices, key=lambda d: d.name))
+
+
+class _PartitionCache:
+    """Best partitions by worker shape and Nm: identical workers (as in ED, HD) are solved once.
+
+    A stage's time does not depend on Nm and its memory only grows with Nm, so a
+    partition optimal for some Nm that still fits a larger Nm is optimal there too:
+    it is reused, and the problem is solved again only when it no longer fits.
+    """
+
+    def __init__(self, model, method):
+        self.model, self.method, self._seen, self._last = model, method, {}, {}
+
+    def __call__(self, devices, nm):
+        shape = _shape(devices)
+        key = (shape, nm)
+        if key not in self._seen:
+            from hetpipe_tf.planning.partitioner import _result
+            last = self._last.get(shape)
+            reused = last and _result(self.model, last.devices, last.boundaries, nm)
+            if reused and last.num_in_flight < nm and all(s.memory_total <= s.capacity for s in reused.stages):
+                self._seen[key] = reused
+            else:
+                self._seen[key] = best_partition(self.model, devices, nm, self.method)
+            self._last[shape] = self._seen[key]
+        found = self._seen[key]
+        if set(found.devices) == set(devices):
+            return found
+        # The same shape on other devices: map the solved order onto these devices.
+        by_role = {}
+        for d in sorted(devices, key=lambda d: d.name):
+            by_role.setdefault(_role(d, devices), []).append(d)
+        order = [by_role[_role(d, found.devices)].pop(0) for d in found.devices]
+        from hetpipe_tf.planning.partitioner import _result
+        return _result(self.model, order, found.boundaries, nm)
+
+
+def _role(device, devices):
+    """A device's type and the set of its worker's devices on the same node (by type)."""
+    return (device.type.name, tuple(sorted(d.type.name for d in devices if d.node == device.node)))
+
+
+def _ps_nodes(cluster):
+    return [n.name for n in cluster.nodes]
+
+
+def _push_seconds(model, stage, worker_index, placement):
+    """Seconds for a stage to send its layers' update to their parameter servers (or pull them)."""
+    cluster, links, p = model.cluster, model.links, model.profile
+    nodes = _ps_nodes(cluster)
+    host = {n: next(d for d in cluster.devices() if d.node == n) for n in nodes}
+    total = 0.0
+    for seg in range(*stage.segments):
+        if not p.weight_bytes[seg]:
+            continue
+        server = stage.device.node if placement == "local" else nodes[seg % len(nodes)]
+        total += links.seconds(p.weight_bytes[seg], stage.device, host[server], cluster)
+    return total
+
+
+def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
+    wsp = len(workers) > 1
+    schedules = [hetpipe_schedule(len(w.stages), n, num_in_flight, wsp=wsp) for w in workers]
+
+    per_instruction = model.profile.instruction_seconds
+
+    def duration(agent, ins):
+        st = workers[agent[0]].stages[agent[1]]
+        kind = type(ins)
+        if kind is Forward:
+            return st.forward
+        if kind is Backward:
+            return st.backward
+        if kind in (ApplyUpdate, MergePulled):
+            return st.apply
+        link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
+        return link + per_instruction
+
+    ps = None
+    if wsp:
+        def sync(agent, ins):
+            return _push_seconds(model, workers[agent[0]].stages[agent[1]], agent[0], placement)
+        ps = ParameterServerModel(staleness_bound, push_time=sync, pull_time=sync)
+    return simulate_workers(schedules, duration, parameter_servers=ps)
+
+
+def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", minibatches=None):
+    """Predicted minibatches/s of the cluster and of each worker, by simulation.
+
+    `workers` are Partitions; with several, they synchronise by WSP (§5), and in the
+    long run every worker goes at the pace of the slowest (a finite staleness bound
+    only lets the others run ahead by D waves), which is what each worker is given.
+    """
+    n = minibatches or max(6 * num_in_flight, 32)
+    result = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
+    alone = [result.steady_throughput((w, 0)) for w in range(len(workers))]
+    # With any finite staleness bound, the slowest worker sets everyone's pace in the long run.
+    pace = min(alone)
+    return pace * len(workers), tuple([pace] * len(workers))
+
+
+def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, max_nm, method, notes):
+    if placement not in PLACEMENTS:
+        raise PlanError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
+    if placement == "local" and len({tuple(d.type.name for d in w) for w in workers}) > 1:
+        raise PlanError("local placement keeps a stage's layers on its node's parameter server, which needs "
+                        "every virtual worker to hold the same device types (ED)")
+    solve = _PartitionCache(model, method)
+    max_m = []
+    for w in workers:
+        m = _max_num_in_flight(model, w, max_nm)
+        if m == 0:
+            try:
+                best_partition(model, w, 1, method)
+            except InfeasiblePartitionError as e:
+                raise PlanError(f"virtual worker {describe([w])} cannot train {model.profile.model}: {e}") from e
+        max_m.append(m)
+    limit = min(max_m)
+    if num_in_flight is not None:
+        if num_in_flight > limit:
+            raise PlanError(f"Nm={num_in_flight} does not fit: the workers admit at most "
+                            f"{dict(zip(describe(workers).split(), max_m))} (Max_m), so Nm <= {limit}")
+        candidates = [num_in_flight]
+    else:
+        candidates = range(1, limit + 1)
+    results = {}
+    for nm in candidates:
+        parts = [solve(w, nm) for w in workers]
+        total, per = predict(model, parts, nm, staleness_bound, placement)
+        results[nm] = (total, per, parts)
+        # No worker beats 1 / its slowest stage, a bound that only falls as Nm grows (a cut that
+        # fits a larger Nm fits a smaller one): once it is reached, larger Nm cannot do better.
+        if total >= 0.999 * len(parts) * min(1.0 / p.bottleneck for p in parts):
+            break
+    best = max(v[0] for v in results.values())
+    chosen = min(nm for nm, v in results.items() if v[0] >= 0.98 * best)
+    total, per, parts = results[chosen]
+    plans = tuple(WorkerPlan(devices=p.devices, partition=p, max_num_in_flight=m) for p, m in zip(parts, max_m))
+    return Plan(cluster=model.cluster, profile=model.profile, policy=policy, placement=placement,
+                staleness_bound=staleness_bound, num_in_flight=chosen, workers=plans, minibatches_per_s=total,
+                per_worker=per, by_num_in_flight={nm: v[0] for nm, v in results.items()}, notes=tuple(notes),
+                analytic=model.analytic)
+
+
+def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, staleness_bound=0, placement="default",
+         dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None,
+         analytic=None):
+    """Plans training `profile`'s model on `cluster`; see the module docstring.
+
+    Args:
+      profile: a Profile (measured for emulated devices, analytic parts are added as needed).
+      cluster: a Cluster.
+      policy: "np", "ed", "hd" or "auto".
+      vw_size: devices per virtual worker (default: the smallest node's device count).
+      num_in_flight: force Nm (checked against every worker's Max_m).
+      staleness_bound: D of WSP.
+      placement: "default" or "local".
+      dilation, optimizer_slots, links: passed to the CostModel.
+      method: "milp" (default) or "dp".
+      workers: explicit virtual workers (tuples of cluster devices) instead of a policy.
+      analytic: AnalyticAssumptions for device types that are not measured.
+    """
+    notes = []
+    if profile.num_segments > MAX_SEGMENTS:
+        notes.append(f"{profile.num_segments} segments coarsened to {MAX_SEGMENTS} for the search "
+                     f"(stages are cut only between merged segments)")
+        profile = coarsen(profile, MAX_SEGMENTS)
+    links = links or LinkModel()
+    model = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
+                      analytic=analytic)
+    for name, t in profile.times.items():
+        notes.append(f"times for {name}: {t.source}")
+    for dtype in {d.type for d in cluster.devices()}:
+        if not dtype.emulated and dtype.name not in profile.times:
+            notes.append(model.times(dtype)[0].source)
+    if cluster.emulated:
+        notes.append(f"EMULATED devices: host times scaled by dilation {dilation:g} / speed")
+    notes.append(f"links: {links.source}")
+    if workers is not None:
+        candidates = [("given", tuple(tuple(w) for w in workers))]
+    elif policy.lower() == "auto":
+        candidates = candidate_allocations(cluster)
+    else:
+        try:
+            candidates = [(policy.lower(), allocate(cluster, policy, vw_size))]
+        except AllocationError as e:
+            raise PlanError(str(e)) from e
+    best, errors = None, []
+    for label, group in candidates:
+        several = len(group) > 1
+        cm = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
+                       wsp=several, analytic=analytic)
+        try:
+            p = _plan_workers(cm, group, label.lower() if policy.lower() != "auto" else f"auto: {label}",
+                              placement if several else "default", staleness_bound, num_in_flight,
+                              max_num_in_flight, method, notes)
+        except PlanError as e:
+            errors.append(f"{label} {describe(group)}: {e}")
+            continue
+        if best is None or p.minibatches_per_s > best.minibatches_per_s:
+            best = p
+    if best is None:
+        raise PlanError("no plan fits:\n" + "\n".join(errors))
+    return best
+
+
+def simulate_plan(p, minibatches=400):
+    """A plan's schedules in the simulator, longer than the planner runs them: a report dict
+    with images/s, and per worker its devices' busy fractions and its average wait for pulled
+    weights and idle time of its first stage during those waits (§8.4)."""
+    model = CostModel(p.profile, p.cluster, wsp=len(p.workers) > 1, analytic=p.analytic)
+    parts = [w.partition for w in p.workers]
+    result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, minibatches)
+    alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]
+    busy = result.busy_fraction()
+    workers = []
+    for w, part in enumerate(parts):
+        waits = result.wait_and_idle(w)
+        workers.append({
+            "index": w, "device_types": [d.type.name for d in part.devices],
+            "minibatches_per_s": alone[w],
+            "busy_fraction": [busy[result.agents.index((w, s))] for s in range(len(part.stages))],
+            "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
+            "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0})
+    return {"images_per_s": len(parts) * min(alone) * p.profile.batch_size, "staleness_bound": p.staleness_bound,
+            "minibatches_per_worker": minibatches, "virtual_workers": workers}

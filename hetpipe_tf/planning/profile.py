@@ -1,0 +1,181 @@
+"""What the planner knows about a model: per-segment costs on each device type (HetPipe §7).
+
+Pure Python. A *segment* is the unit of partitioning: the layer calls between two
+cuts that are allowed (a shared layer's calls stay in one segment), so a stage is
+a contiguous run of segments. For a batch size, a :class:`Profile` holds
+
+* per device type, each segment's forward and backward compute time plus the
+  fixed cost of one forward or backward task (:class:`SegmentTimes`), either
+  measured (:mod:`hetpipe_tf.runtime.profiler`) or analytic, from FLOPs and bytes and the
+  device's peak FLOP/s and memory bandwidth (a roofline; labelled as such);
+* per segment, the bytes of its trainable weights and non-trainable state, the
+  activations one minibatch keeps alive in it until its backward pass, and the
+  bytes that cross into it from the previous segment (activations forward,
+  gradients backward; a skip tensor counts at every cut it spans);
+* the time to apply an update, ``apply_base + apply_per_byte * weight bytes``, and
+  ``apply_shared_per_byte`` when a stashed version still shares the weights' buffer
+  (Nm > 1: the update then writes a fresh buffer);
+* ``instruction_seconds``: what one non-compute instruction (receive, send, stash,
+  release) costs the executor, and ``pacing_overshoot_seconds``: how late, on
+  average, a paced task on an emulated device ends after its target (waking from
+  its sleep needs the interpreter back).
+
+Memory is counted from tensor shapes (weights, optimizer slots, activations);
+frameworks add workspace on top, which the cost model reserves per device.
+"""
+import json
+from dataclasses import asdict, dataclass, field
+
+@dataclass(frozen=True)
+class AnalyticAssumptions:
+    """What an analytic profile assumes: the fractions of peak FLOP/s and memory bandwidth a
+    training kernel reaches, a cost per kernel, and a cost per task. They are printed with
+    every analytic figure; benchmarks/planner_accuracy.py calibrates them on measured cells."""
+    compute_efficiency: float = 0.5
+    memory_efficiency: float = 0.7
+    kernel_seconds: float = 10e-6
+    task_seconds: float = 200e-6
+
+
+@dataclass(frozen=True)
+class SegmentTimes:
+    """Per-segment compute seconds on one device type, and the fixed cost of a forward
+    task and of a backward task (a function call, the tape)."""
+    forward: tuple
+    backward: tuple
+    forward_overhead: float
+    backward_overhead: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    batch_size: int
+    starts: tuple  # first layer call of each segment
+    weight_bytes: tuple
+    state_bytes: tuple
+    activation_bytes: tuple
+    cut_bytes: tuple  # into segment i from segment i - 1 (0 for the first)
+    forward_flops: tuple
+    backward_flops: tuple
+    traffic_bytes: tuple  # bytes a segment's forward pass reads and writes
+    kernels: tuple  # layer calls per segment
+    layer_names: tuple = ()  # of every layer call, in order
+    times: dict = field(default_factory=dict)  # device type (or "host") -> SegmentTimes
+    apply_base: float = 0.0
+    apply_per_byte: float = 0.0
+    apply_shared_per_byte: float = 0.0
+    instruction_seconds: float = 0.0
+    pacing_overshoot_seconds: float = 0.0
+
+    @property
+    def num_segments(self):
+        return len(self.starts)
+
+    def with_times(self, key, times):
+        merged = dict(self.times)
+        merged[key] = times
+        return Profile(**{**self._fields(), "times": merged})
+
+    def with_costs(self, **costs):
+        """The profile with some of apply_base, apply_per_byte, apply_shared_per_byte,
+        instruction_seconds replaced."""
+        return Profile(**{**self._fields(), **costs})
+
+    def _fields(self):
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def to_json(self):
+        d = asdict(self)
+        d["times"] = {k: asdict(v) for k, v in self.times.items()}
+        return json.dumps(d)
+
+    @staticmethod
+    def from_json(text):
+        d = json.loads(text)
+        times = {k: SegmentTimes(**{f: tuple(x) if isinstance(x, list) else x for f, x in v.items()})
+                 for k, v in d.pop("times").items()}
+        return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}, times=times)
+
+
+def segment_starts(graph):
+    """First layer call of every segment: 0 and every cut that keeps shared layers together."""
+    return (0,) + graph.allowed_cuts()
+
+
+def static_profile(graph, batch_size):
+    """A :class:`Profile` with the static facts of `graph` at `batch_size` and no times yet."""
+    starts = segment_starts(graph)
+    ends = starts[1:] + (graph.num_nodes,)
+    weights, state, act, cut, fwd, bwd, traffic, kernels = [], [], [], [], [], [], [], []
+    for i, (lo, hi) in enumerate(zip(starts, ends)):
+        nodes = graph.nodes[lo:hi]
+        seen = set()
+        w = s = 0
+        for n in nodes:
+            if n.layer not in seen:
+                seen.add(n.layer)
+                w += n.trainable_bytes
+                s += n.non_trainable_bytes
+        made = {t for n in nodes for t in n.outputs}
+        loaded = {t.index for t in graph.tensors if t.producer is None and t.consumers and lo <= t.consumers[0] < hi}
+        act.append(batch_size * sum(graph.tensors[t].bytes_per_example for t in made | loaded))
+        cut.append(0 if i == 0 else batch_size * sum(graph.tensors[t].bytes_per_example
+                                                     for t in graph.crossing(lo)))
+        weights.append(w)
+        state.append(s)
+        fwd.append(batch_size * sum(n.flops_per_example for n in nodes))
+        bwd.append(batch_size * sum(n.flops_per_example * (2 if n.trainable_bytes else 1) for n in nodes))
+        traffic.append(sum(batch_size * sum(graph.tensors[t].bytes_per_example for t in n.inputs + n.outputs)
+                           + n.trainable_bytes for n in nodes))
+        kernels.append(len(nodes))
+    return Profile(model=graph.name, batch_size=batch_size, starts=starts, weight_bytes=tuple(weights),
+                   state_bytes=tuple(state), activation_bytes=tuple(act), cut_bytes=tuple(cut),
+                   forward_flops=tuple(fwd), backward_flops=tuple(bwd), traffic_bytes=tuple(traffic),
+                   kernels=tuple(kernels), layer_names=tuple(n.layer for n in graph.nodes))
+
+
+def coarsen(profile, max_segments):
+    """A profile of at most `max_segments` segments, made by merging the adjacent pair with
+    the least compute (FLOPs) again and again; stages can then only be cut between merged
+    segments. Per-segment times, bytes and FLOPs add up; a merged segment receives what its
+    first part received."""
+    groups = [[i] for i in range(profile.num_segments)]
+    cost = [f + b for f, b in zip(profile.forward_flops, profile.backward_flops)]
+    while len(groups) > max_segments:
+        pair = min(range(len(groups) - 1),
+                   key=lambda g: sum(cost[i] for i in groups[g] + groups[g + 1]))
+        groups[pair:pair + 2] = [groups[pair] + groups[pair + 1]]
+
+    def summed(values):
+        return tuple(sum(values[i] for i in g) for g in groups)
+
+    times = {k: SegmentTimes(summed(t.forward), summed(t.backward), t.forward_overhead, t.backward_overhead,
+                             t.source) for k, t in profile.times.items()}
+    return Profile(**{**profile._fields(), "starts": tuple(profile.starts[g[0]] for g in groups),
+                      "weight_bytes": summed(profile.weight_bytes), "state_bytes": summed(profile.state_bytes),
+                      "activation_bytes": summed(profile.activation_bytes),
+                      "cut_bytes": tuple(profile.cut_bytes[g[0]] for g in groups),
+                      "forward_flops": summed(profile.forward_flops),
+                      "backward_flops": summed(profile.backward_flops),
+                      "traffic_bytes": summed(profile.traffic_bytes), "kernels": summed(profile.kernels),
+                      "times": times})
+
+
+def analytic_times(profile, device_type, assume=AnalyticAssumptions()):
+    """Roofline times of every segment on a real device type described by its specs."""
+    flops = device_type.peak_tflops * 1e12 * assume.compute_efficiency
+    bandwidth = device_type.memory_bandwidth * assume.memory_efficiency
+
+    def seconds(f, traffic, kernels):
+        return max(f / flops, traffic / bandwidth) + kernels * assume.kernel_seconds
+
+    forward = tuple(seconds(f, b, k) for f, b, k in zip(profile.forward_flops, profile.traffic_bytes,
+                                                        profile.kernels))
+    backward = tuple(seconds(f, 2 * b, 2 * k) for f, b, k in zip(profile.backward_flops, profile.traffic_bytes,
+                                                                 profile.kernels))
+    source = (f"analytic for {device_type.label}: roofline of {device_type.peak_tflops:.1f} TFLOP/s x "
+              f"{assume.compute_efficiency:g} and {device_type.memory_bandwidth / 1e9:.0f} GB/s x "
+              f"{assume.memory_efficiency:g}, {assume.kernel_seconds * 1e6:g} us per kernel")
+    return SegmentTimes(forward, backward, assume.task_seconds, assume.task_seconds, source)

@@ -1,0 +1,195 @@
+"""A Keras-like ``fit`` driven by pipelines that train in other threads.
+
+Training threads (one per virtual worker) put events on an :class:`Events` queue:
+``started``, ``done`` (a minibatch's update is in: its logs and when it completed),
+``snapshot`` and ``finished``. :func:`run_fit` runs on the caller's thread: Keras
+callbacks, History and progress bar, running epoch means like Keras's, throughput
+from completion times (not from when this loop saw them), the learning rate that
+callbacks set, ``stop_training``, and on any error or Ctrl-C it stops the training
+threads before leaving. A minibatch whose loss is not finite ends training with its
+error, unless a ``keras.callbacks.TerminateOnNaN`` is given: that callback then sees the
+minibatch's logs and stops training as in Keras (the model keeps the weights of the
+last completed epoch, none of that minibatch's update).
+"""
+import collections
+import queue
+import threading
+
+import keras
+
+from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+
+
+class Events:
+    """Events from training threads, taken by kind; other kinds wait their turn."""
+
+    def __init__(self, producers=1):
+        self._queue = queue.Queue()
+        self._pending = collections.defaultdict(collections.deque)
+        self._producers = producers
+        self._finished = 0
+        self.errors = []
+
+    def put(self, kind, payload=None):
+        self._queue.put((kind, payload))
+
+    def finished(self, error=None):
+        """A training thread ends (with its error, if any)."""
+        self._queue.put(("finished", error))
+
+    def get(self, kind):
+        """The payload of the next `kind` event; raises a training thread's error, or if every
+        thread finished without one."""
+        while True:
+            if self._pending[kind]:
+                return self._pending[kind].popleft()
+            got, payload = self._queue.get()
+            if got == "finished":
+                self._finished += 1
+                if payload is not None:
+                    self.errors.append(payload)
+                    raise payload
+                if self._finished == self._producers and not self._pending[kind]:
+                    raise RuntimeError(f"training finished while fit() waited for a {kind!r} event")
+                continue
+            self._pending[got].append(payload)
+
+    def forgive(self, error):
+        """`error` was handled by the caller: wait_finished no longer raises it."""
+        self.errors.remove(error)
+
+    def wait_finished(self, timeout):
+        """Waits for every training thread to finish; re-raises the first error."""
+        while self._finished < self._producers:
+            got, payload = self._queue.get(timeout=timeout)
+            if got == "finished":
+                self._finished += 1
+                if payload is not None:
+                    self.errors.append(payload)
+        if self.errors:
+            raise self.errors[0]
+
+
+def run_fit(model, *, events, launch, epochs, steps_per_epoch, callbacks, verbose, batch_size, epoch_end,
+            sync_optimizer, request_stop, abort, timeout_s, workers=1):
+    """Runs Keras's fit protocol over training threads; returns the History.
+
+    Args:
+      events: the Events the training threads report to.
+      launch: starts the training threads (called after on_train_begin).
+      epoch_end: epoch_end(epoch, stopped) -> extra epoch logs; it puts the weights the
+        epoch ended with into the Keras model (validation and callbacks see them).
+      sync_optimizer: sync_optimizer(completed minibatches) after callbacks may have run.
+      request_stop: asks the training threads to stop admitting minibatches.
+      abort: stops the training threads now.
+      workers: how many threads report `started`.
+    """
+    verbose = 1 if verbose == "auto" else verbose
+    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=model,
+                                       verbose=verbose, epochs=epochs, steps=steps_per_epoch)
+    model.stop_training = False
+    cbs.on_train_begin()
+    launch()
+    history_logs, stopped, completed = {}, False, 0
+    try:
+        t_epoch = min(events.get("started") for _ in range(workers))
+        for epoch in range(epochs):
+            cbs.on_epoch_begin(epoch)
+            sync_optimizer(completed)
+            sums, count, t_done = {}, 0, t_epoch
+            for step in range(steps_per_epoch):
+                cbs.on_train_batch_begin(step)
+                try:
+                    logs, t_done = events.get("done")
+                except Exception as exc:  # noqa: BLE001 - re-raised unless TerminateOnNaN takes it
+                    logs = _terminate_on_nan_logs(exc, callbacks)
+                    if logs is None:
+                        raise
+                    events.forgive(exc)
+                    stopped = True
+                completed += 1
+                for k, v in logs.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+                cbs.on_train_batch_end(step, {k: v / count for k, v in sums.items()})
+                sync_optimizer(completed)
+                if model.stop_training or stopped:
+                    if not stopped:
+                        request_stop()
+                    stopped = True
+                    break
+            epoch_logs = {k: v / max(count, 1) for k, v in sums.items()}
+            if t_done > t_epoch:
+                epoch_logs["images_per_s"] = count * batch_size / (t_done - t_epoch)
+            t_epoch = t_done
+            epoch_logs.update(epoch_end(epoch, stopped))
+            cbs.on_epoch_end(epoch, epoch_logs)
+            sync_optimizer(completed)
+            history_logs = epoch_logs
+            if model.stop_training and not stopped:
+                stopped = True
+                request_stop()
+            if stopped:
+                break
+        events.wait_finished(timeout_s)
+    except BaseException:
+        # A callback failed, training failed, or the user interrupted: stop every stage and
+        # let the training threads end before leaving.
+        abort()
+        try:
+            events.wait_finished(timeout_s)
+        except BaseException:  # noqa: BLE001 - their errors follow from the abort
+            pass
+        raise
+    cbs.on_train_end(history_logs)
+    return model.history
+
+
+def _terminate_on_nan_logs(error, callbacks):
+    """The logs of the minibatch whose non-finite loss ended training, when a TerminateOnNaN
+    callback is there to see them; else None."""
+    cause = error.__cause__
+    if not (isinstance(cause, NonFiniteError) and cause.logs):
+        return None
+    if not any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callbacks or ()):
+        return None
+    return cause.logs
+
+
+def sync_learning_rate(model, template, optimizers, completed):
+    """Keeps the user's optimizer (what callbacks see as model.optimizer) and the stages' copies
+    in step: its iteration count follows the completed updates, so a schedule's learning rate
+    reads right, and a learning rate a callback set reaches every copy."""
+    template = model.optimizer if getattr(model, "optimizer", None) is not None else template
+    template.iterations.assign(completed)
+    if isinstance(template.get_config().get("learning_rate"), dict):
+        return  # a schedule: every copy computes it from its own iterations
+    lr = float(template.learning_rate)
+    for opt in optimizers:
+        if float(opt.learning_rate) != lr:
+            opt.learning_rate = lr
+
+
+def start_thread(target, name):
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def epoch_steps(dataset):
+    """Minibatches in one pass over `dataset` (a finite tf.data.Dataset)."""
+    steps = int(dataset.cardinality())
+    if steps <= 0:
+        raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
+    return steps
+
+
+def batch_size_of(dataset):
+    """The static batch size of a dataset of (inputs, labels)."""
+    import tensorflow as tf
+
+    size = tf.nest.flatten(dataset.element_spec[0])[0].shape[0]
+    if size is None:
+        raise ValueError(f"the dataset's batch size must be static (batch(..., drop_remainder=True)); its "
+                         f"element spec is {dataset.element_spec}")
+    return int(size)

@@ -1,0 +1,218 @@
+"""Measuring a model's profile on this host (HetPipe §7: "we first profile the DNN model").
+
+Each segment (see :mod:`hetpipe_tf.planning.profile`) runs as a stage of its own, with the
+same stage code the executor runs, and its forward and backward times are measured
+alone (:func:`hetpipe_tf.runtime.stage_runtime.measure_stage_times`). A trivial stage gives
+the fixed cost of a task, which is subtracted from every segment, so that a stage of
+several segments costs one task overhead plus its segments' compute. Emulated device
+types use these host times scaled by dilation / speed, as the emulation itself does.
+The time to apply an update is fitted from applies of two sizes with the real
+optimizer. Profiles are cached as JSON, keyed by model, batch size and host.
+"""
+import hashlib
+import os
+import platform
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hetpipe_tf.pipeline.instructions import Backward, Forward
+from hetpipe_tf.planning.profile import Profile, SegmentTimes, static_profile
+from hetpipe_tf.runtime.loss_head import LossHead
+from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
+from hetpipe_tf.runtime.stage_rewrite import split_model
+from hetpipe_tf.runtime.stage_runtime import StageRuntime, measure_stage_times
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf", "profiles")
+
+
+def host_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _fingerprint(graph):
+    text = "|".join(f"{n.kind}:{n.inputs}:{n.outputs}:{n.trainable_bytes}" for n in graph.nodes)
+    text += "|" + "|".join(str(t.shape) for t in graph.tensors)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _random_minibatch(model, batch_size, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(batch_size,) + tuple(t.shape[1:])).astype("float32") for t in model.inputs]
+    ys = [rng.integers(0, max(int(t.shape[-1]), 2), size=batch_size) for t in model.outputs]
+    return (xs[0] if len(xs) == 1 else xs), (ys[0] if len(ys) == 1 else ys)
+
+
+def _segment_times(staged, loss, x, y, device, repeats):
+    """Solo times of every stage (each the minimum over `repeats` runs)."""
+    head = LossHead(loss, staged.keras_graph.model.output_names)
+    last = staged.num_stages - 1
+    runtimes = [StageRuntime(stage, device, 1, keras.optimizers.SGD(), loss_head=head if s == last else None)
+                for s, stage in enumerate(staged.stages)]
+    try:
+        return measure_stage_times(runtimes, staged.split_inputs, x, y, repeats=repeats)
+    finally:
+        for rt in runtimes:
+            rt.close()
+
+
+def _groupings(n):
+    """Segment groupings measured besides the singletons: the whole model, halves, quarters."""
+    out = []
+    for parts in (1, 2, 4):
+        if parts < n:
+            cuts = sorted({round(i * n / parts) for i in range(parts)})
+            out.append(tuple(cuts))
+    return out
+
+
+def _fit_segments(rows, n):
+    """Non-negative least squares for `stage time = overhead + sum of its segments' costs`.
+
+    `rows` are (first segment, end segment, seconds). Returns (overhead, per-segment costs).
+    """
+    from scipy.optimize import nnls
+
+    a = np.zeros((len(rows), n + 1))
+    b = np.zeros(len(rows))
+    for r, (lo, hi, t) in enumerate(rows):
+        a[r, 0] = 1.0
+        a[r, 1 + lo:1 + hi] = 1.0
+        b[r] = t
+    x, _ = nnls(a, b)
+    return float(x[0]), tuple(float(v) for v in x[1:])
+
+
+def _apply_seconds(optimizer, device, shared, sizes=(2 ** 14, 2 ** 22), repeats=20):
+    """(base, per byte) of one optimizer apply, fitted from two variable sizes; with `shared`,
+    a reference to the weights is held across the apply, as a stashed version holds it."""
+    points = []
+    for n in sizes:
+        with tf.device(device):
+            variables = [keras.Variable(np.zeros(n, "float32"))]
+            opt = stage_optimizer(optimizer)
+            opt.build(variables)
+            grads = [tf.ones(n)]
+            fn = tf.function(lambda g: opt.apply(g, variables), jit_compile=True)
+            fn(grads)
+            best = float("inf")
+            for _ in range(repeats):
+                held = variables[0].value.read_value() if shared else None
+                t0 = time.perf_counter()
+                fn(grads)
+                float(variables[0][0])
+                best = min(best, time.perf_counter() - t0)
+                del held
+        points.append((4 * n, best))
+    (b0, t0), (b1, t1) = points
+    per_byte = max((t1 - t0) / (b1 - b0), 0.0)
+    return max(t0 - per_byte * b0, 0.0), per_byte
+
+
+def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_per_byte, minibatches=24):
+    """What the executor adds around compute, measured by running `model` for real as a two-stage
+    pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
+    instruction, how much slower an apply is there than alone, the mean time a paced task
+    ends after its target)."""
+    from hetpipe_tf.pipeline.instructions import ApplyUpdate
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
+
+    cuts = describe_model(model).graph.allowed_cuts()
+    vw = VirtualWorker(model, "1,1", num_minibatches=2, boundaries=(0, cuts[len(cuts) // 2]),
+                       optimizer=optimizer, loss=loss, dilation=2.0)
+    data = [sample] * minibatches
+    vw.train(iter(data[:2]), 2)
+    vw.train(iter(data), minibatches, trace=True)
+    events = [e for e in vw.trace.events() if e.get("ph") == "X"]
+    compute = {Forward.__name__, Backward.__name__, ApplyUpdate.__name__}
+    instruction = float(np.median([e["dur"] for e in events if e["cat"] not in compute])) * 1e-6
+    late = [e["dur"] * 1e-6 - vw._pacers[e["tid"]].target(vw.references[e["tid"]][kind])
+            for kind in (Forward, Backward) for e in events if e["cat"] == kind.__name__]
+    overshoot = max(0.0, float(np.mean(late)))
+    ratios = []
+    for rt in vw.runtimes:
+        applied = [e["dur"] * 1e-6 for e in events if e["cat"] == ApplyUpdate.__name__ and e["tid"] == rt.index]
+        alone = apply_base + apply_per_byte * rt.version_bytes
+        if applied and alone > 0:
+            ratios.append(float(np.median(applied)) / alone)
+    return instruction, (max(1.0, float(np.median(ratios))) if ratios else 1.0), overshoot
+
+
+def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repeats=5):
+    """The synthetic transfer benchmark of §7: (bytes, seconds) for moving float32 tensors of
+    `sizes` elements from device `src` to `dst` (the least time of `repeats` each)."""
+    samples = []
+    for n in sizes:
+        with tf.device(src):
+            x = tf.random.uniform((n,))
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            with tf.device(dst):
+                y = tf.identity(x) + 0.0  # lands on dst and is written there
+            float(y[0])
+            best = min(best, time.perf_counter() - t0)
+        samples.append((4 * n, best))
+    return samples
+
+
+def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", optimizer="sgd",
+                    sample=None, device="/device:CPU:0", repeats=7, cache_dir=DEFAULT_CACHE_DIR):
+    """The profile of `model` at `batch_size`, with times measured on `device` of this host.
+
+    Times go under the key ``"host"``. With `cache_dir`, a profile measured before for
+    the same model graph, batch size, optimizer and host is read back instead.
+    """
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
+
+    graph = describe_model(model).graph
+    base = static_profile(graph, batch_size)
+    optimizer = check_optimizer(optimizer)
+    host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
+    key = f"{graph.name}-{_fingerprint(graph)}-b{batch_size}-{type(optimizer).__name__}-{host}"
+    path = os.path.join(cache_dir, key + ".json") if cache_dir else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return Profile.from_json(f.read())
+    x, y = sample if sample is not None else _random_minibatch(model, batch_size)
+    n = base.num_segments
+    rows = {Forward: [], Backward: []}
+    for grouping in [tuple(range(n))] + _groupings(n):
+        starts = tuple(base.starts[i] for i in grouping)
+        staged = split_model(model, boundaries=starts, devices=[device] * len(starts))
+        ends = grouping[1:] + (n,)
+        for (lo, hi), measured in zip(zip(grouping, ends), _segment_times(staged, loss, x, y, device, repeats)):
+            for kind in rows:
+                rows[kind].append((lo, hi, measured[kind]))
+    f_overhead, forward = _fit_segments(rows[Forward], n)
+    b_overhead, backward = _fit_segments(rows[Backward], n)
+    times = SegmentTimes(forward=forward, backward=backward, forward_overhead=f_overhead,
+                         backward_overhead=b_overhead,
+                         source=f"measured on {host_name()} ({device}), batch {batch_size}")
+    apply_base, apply_per_byte = _apply_seconds(optimizer, device, shared=False)
+    _, shared_per_byte = _apply_seconds(optimizer, device, shared=True)
+    weights = [v.numpy() for v in model.weights]
+    instruction, slower, overshoot = _executor_costs(model, loss, optimizer, (x, y), device, apply_base,
+                                                     shared_per_byte)
+    for v, w in zip(model.weights, weights):
+        v.assign(w)  # the probe run trained the model a little: undo it
+    profile = base.with_times("host", times).with_costs(
+        apply_base=apply_base * slower, apply_per_byte=apply_per_byte * slower,
+        apply_shared_per_byte=shared_per_byte * slower, instruction_seconds=instruction,
+        pacing_overshoot_seconds=overshoot)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(profile.to_json())
+    return profile

@@ -1,0 +1,271 @@
+"""Rewriting a Keras model into k pipeline stages (HetPipe §2.3, §4).
+
+The model's layer calls, in topological order, are cut into k contiguous ranges.
+Each range becomes a Keras sub-model over the same layers (built from the
+original graph's tensors, so no layer is copied or re-initialised), with the
+tensors that enter the stage as inputs and the tensors later stages need as
+outputs. A stage computes with whatever weight values it is given
+(``stateless_call``), which is how a minibatch uses its stashed weight version.
+
+Handled:
+
+* skip connections across stages: the tensor is forwarded through the stages in
+  between (see :mod:`hetpipe_tf.planning.model_graph`), and its gradient flows back the
+  same way, summed with the gradient of any use inside those stages;
+* several inputs and outputs: a model input goes from the host to the first
+  stage that uses it; model outputs made early are forwarded to the last stage,
+  which computes the loss;
+* BatchNormalization and other layers with non-trainable state: the new state
+  comes back from the stage's forward pass and is kept in that stage;
+* Dropout and other ``training``-dependent layers: their random state is stage
+  state too, and the backward pass reuses the forward pass's masks (the tape
+  holds them);
+* layers with no weights, nested models (each is one node);
+* a layer shared by calls in different stages is refused with
+  :class:`hetpipe_tf.planning.model_graph.SharedLayerError` naming the layer.
+"""
+import functools
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
+from hetpipe_tf.planning.partitioner import balanced_boundaries
+
+
+class UnsupportedModelError(TypeError):
+    """A model that has no layer graph to cut (for example a subclassed model)."""
+
+
+def _functional(model):
+    if isinstance(model, keras.Sequential):
+        fn = getattr(model, "_functional", None)
+        if fn is None:
+            raise UnsupportedModelError(
+                f"Sequential model '{model.name}' is not built: start it with keras.Input(shape) "
+                f"or call model.build(input_shape) before cutting it into stages")
+        return fn
+    if not hasattr(model, "_nodes_by_depth") or not getattr(model, "inputs", None):
+        raise UnsupportedModelError(
+            f"model '{model.name}' ({type(model).__name__}) has no layer graph to cut: only "
+            f"Sequential and functional Keras models can be rewritten into stages (a subclassed "
+            f"model's call() is Python code; rebuild it with the functional API)")
+    return model
+
+
+def _weight_bytes(variables):
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+
+
+def _elements(shape):
+    return int(np.prod([d if d is not None else 1 for d in shape[1:]]))
+
+
+@dataclass(frozen=True)
+class KerasGraph:
+    """A :class:`ModelGraph` with the Keras objects behind its indices."""
+    graph: ModelGraph
+    model: keras.Model  # the functional model the graph was read from
+    tensors: tuple  # KerasTensor of every tensor index
+    operations: tuple  # layer (operation) of every node index
+
+
+def describe_model(model):
+    """The :class:`KerasGraph` of a Sequential or functional Keras model."""
+    fn = _functional(model)
+    depths = sorted(fn._nodes_by_depth, reverse=True)
+    op_order = {id(op): i for i, op in enumerate(fn.operations)}
+    ordered = []
+    for d in depths:
+        ordered += sorted(fn._nodes_by_depth[d], key=lambda n: op_order.get(id(n.operation), 0))
+
+    tensor_ids, keras_tensors, producers = {}, [], []
+
+    def tensor_index(kt, producer):
+        if id(kt) not in tensor_ids:
+            tensor_ids[id(kt)] = len(keras_tensors)
+            keras_tensors.append(kt)
+            producers.append(producer)
+        return tensor_ids[id(kt)]
+
+    for kt in fn.inputs:
+        tensor_index(kt, None)
+    raw_nodes, operations = [], []
+    for node in ordered:
+        op = node.operation
+        if isinstance(op, keras.layers.InputLayer):
+            continue
+        index = len(raw_nodes)
+        inputs = tuple(tensor_ids[id(t)] for t in node.input_tensors)
+        outputs = tuple(tensor_index(t, index) for t in node.output_tensors)
+        raw_nodes.append((node, op, inputs, outputs))
+        operations.append(op)
+
+    consumers = {i: [] for i in range(len(keras_tensors))}
+    for index, (_, _, inputs, _) in enumerate(raw_nodes):
+        for t in set(inputs):
+            consumers[t].append(index)
+    input_pos = {tensor_ids[id(t)]: i for i, t in enumerate(fn.inputs)}
+    output_pos = {tensor_ids[id(t)]: i for i, t in enumerate(fn.outputs)}
+    tensors = tuple(
+        TensorInfo(index=i, name=kt.name, shape=tuple(kt.shape[1:]),
+                   itemsize=np.dtype(kt.dtype).itemsize, producer=producers[i],
+                   consumers=tuple(sorted(consumers[i])), model_input=input_pos.get(i),
+                   model_output=output_pos.get(i))
+        for i, kt in enumerate(keras_tensors))
+
+    nodes = []
+    for index, (node, op, inputs, outputs) in enumerate(raw_nodes):
+        trainable = getattr(op, "trainable_weights", [])
+        params = int(sum(np.prod(v.shape) for v in trainable))
+        out_elems = sum(_elements(keras_tensors[t].shape) for t in outputs)
+        last_dim = keras_tensors[outputs[0]].shape[-1] or 1
+        flops = int(2 * params * max(out_elems // max(last_dim, 1), 1) + out_elems)
+        nodes.append(LayerNode(
+            index=index, layer=op.name, kind=type(op).__name__, inputs=inputs, outputs=outputs,
+            trainable_bytes=_weight_bytes(trainable),
+            non_trainable_bytes=_weight_bytes(getattr(op, "non_trainable_weights", [])),
+            flops_per_example=flops))
+    graph = ModelGraph(name=model.name, nodes=tuple(nodes), tensors=tensors,
+                       inputs=tuple(tensor_ids[id(t)] for t in fn.inputs),
+                       outputs=tuple(tensor_ids[id(t)] for t in fn.outputs))
+    return KerasGraph(graph=graph, model=fn, tensors=tuple(keras_tensors), operations=tuple(operations))
+
+
+def _one_or_list(values):
+    return values[0] if len(values) == 1 else list(values)
+
+
+class Stage:
+    """One stage: a Keras sub-model over a range of layer calls, and how it talks to its neighbours.
+
+    ``call(trainable, non_trainable, entering, training)`` runs the stage with the
+    given weight values on the tensors in ``io.entering`` order and returns the
+    tensors in ``io.sent`` order, the new non-trainable state, and the stage's
+    regularisation loss.
+    """
+
+    def __init__(self, index, io, model, device=None):
+        self.index = index
+        self.io = io
+        self.model = model
+        self.device = device
+        self._consumed_pos = [io.entering.index(t) for t in io.consumed]
+        produced = {t: i for i, t in enumerate(io.produced)}
+        entering = {t: i for i, t in enumerate(io.entering)}
+        # Where each sent tensor comes from: ("made", i) or ("entered", i).
+        self._sent_from = tuple(("made", produced[t]) if t in produced else ("entered", entering[t])
+                                for t in io.sent)
+        self._functions = {}
+
+    @property
+    def trainable_variables(self):
+        return self.model.trainable_variables
+
+    @property
+    def non_trainable_variables(self):
+        return self.model.non_trainable_variables
+
+    def _call(self, trainable, non_trainable, entering, training):
+        inputs = [entering[i] for i in self._consumed_pos]
+        outputs, new_state, losses = self.model.stateless_call(
+            list(trainable), list(non_trainable), _one_or_list(inputs), training=training,
+            return_losses=True)
+        outputs = [outputs] if len(self.io.produced) == 1 else list(outputs)
+        sent = [outputs[i] if where == "made" else tf.identity(entering[i])
+                for where, i in self._sent_from]
+        reg = tf.add_n([tf.cast(l, tf.float32) for l in losses]) if losses else tf.constant(0.0)
+        return sent, list(new_state), reg
+
+    def call(self, trainable, non_trainable, entering, training=True):
+        fn = self._functions.get(training)
+        if fn is None:
+            fn = tf.function(functools.partial(self._call, training=training))  # one warning key per stage
+            self._functions[training] = fn
+        return fn(list(trainable), list(non_trainable), list(entering))
+
+
+@dataclass(frozen=True)
+class StagedModel:
+    """A Keras model cut into stages."""
+    model: keras.Model
+    keras_graph: KerasGraph
+    boundaries: tuple
+    stages: tuple
+
+    @property
+    def graph(self):
+        return self.keras_graph.graph
+
+    @property
+    def num_stages(self):
+        return len(self.stages)
+
+    def input_stages(self):
+        """Stages that load model inputs from the host."""
+        return tuple(s.index for s in self.stages if s.io.loaded)
+
+    def split_inputs(self, x):
+        """Model inputs `x` (tensor, list/tuple in model order, or dict by input name) by stage."""
+        fn = self.keras_graph.model
+        if isinstance(x, dict):
+            names = [t.name for t in fn.inputs]
+            missing = [n for n in names if n not in x]
+            if missing:
+                raise KeyError(f"inputs {missing} missing from the minibatch; it has {sorted(x)}")
+            flat = [x[n] for n in names]
+        elif isinstance(x, (list, tuple)):
+            flat = list(x)
+        else:
+            flat = [x]
+        if len(flat) != len(fn.inputs):
+            raise ValueError(f"the model has {len(fn.inputs)} inputs but the minibatch gives {len(flat)}")
+        by_tensor = dict(zip(self.graph.inputs, (tf.convert_to_tensor(v) for v in flat)))
+        return {s.index: [by_tensor[t] for t in s.io.loaded] for s in self.stages if s.io.loaded}
+
+    def describe(self):
+        lines = []
+        for s in self.stages:
+            names = [self.graph.nodes[i].layer for i in s.io.nodes]
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            lines.append(f"stage {s.index} on {s.device}: layer calls {s.io.nodes.start}..{s.io.nodes.stop - 1} "
+                         f"({span}), sends {len(s.io.sent)} tensor(s)")
+        return "\n".join(lines)
+
+
+def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None):
+    """Cuts a Keras model into stages.
+
+    Args:
+      model: a Sequential or functional Keras model, built.
+      boundaries: index of each stage's first layer call (topological order), starting at 0.
+      num_stages: instead of `boundaries`, the number of stages; the cut then balances
+        a static FLOP estimate (divided by `speeds`), exactly.
+      devices: the TensorFlow device of each stage (default: none).
+      speeds: relative device speeds used with `num_stages`.
+    Returns:
+      A :class:`StagedModel`.
+    """
+    kg = describe_model(model)
+    graph = kg.graph
+    if boundaries is None:
+        if num_stages is None:
+            num_stages = len(devices) if devices else 1
+        boundaries = balanced_boundaries([n.flops_per_example for n in graph.nodes], num_stages,
+                                         allowed_cuts=graph.allowed_cuts(), speeds=speeds)
+    elif num_stages is not None and len(boundaries) != num_stages:
+        raise PartitionError(f"{len(boundaries)} stage boundaries {list(boundaries)} given for {num_stages} stages: "
+                             f"give one per stage (each stage's first layer call, starting at 0)")
+    boundaries = graph.check_boundaries(boundaries)
+    ios = graph.stage_io(boundaries)
+    if devices is not None and len(devices) != len(ios):
+        raise PartitionError(f"{len(ios)} stages but {len(devices)} devices were given: give one device per stage")
+    stages = []
+    for io in ios:
+        sub = keras.Model(inputs=_one_or_list([kg.tensors[t] for t in io.consumed]),
+                          outputs=_one_or_list([kg.tensors[t] for t in io.produced]),
+                          name=f"{model.name}_stage{io.stage}")
+        stages.append(Stage(io.stage, io, sub, devices[io.stage] if devices else None))
+    return StagedModel(model=model, keras_graph=kg, boundaries=boundaries, stages=tuple(stages))

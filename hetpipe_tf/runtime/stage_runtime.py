@@ -1,0 +1,411 @@
+"""One pipeline stage on its device: weights, optimizer, weight stash, minibatches in flight.
+
+The stage's live weights w_local, its optimizer copy and its weight stash are
+placed on the stage's device (``tf.device``). The rules of HetPipe §4 are
+carried out by the schedule's instructions; this class is what each of them does
+to the stage:
+
+* ``stash_weights(p)``: w_p := w_local, kept in the C++ weight stash;
+* ``forward(p)``: runs the stage on minibatch p with w_p, under a gradient tape
+  that keeps the minibatch's activations until its backward pass (activations
+  are not recomputed; GPipe's recomputation is not used, as in the paper);
+* ``backward(p)``: gradients of p against w_p, the version its forward used;
+* ``apply_update(p)``: w_local := w_local + u_p with the stage's optimizer;
+* ``release_weights(p)``: drops w_p.
+
+A non-finite loss (last stage, checked after the forward pass) or weight gradient
+(checked inside the apply function, which then applies nothing) raises
+:class:`NonFiniteError`: nothing of that minibatch reaches w_local, so nothing of it
+can be pushed to the parameter servers.
+"""
+import contextlib
+import functools
+import time
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from hetpipe_tf.ops.weight_stash import WeightStash
+from hetpipe_tf.pipeline.emulation import MemoryAccount
+from hetpipe_tf.pipeline.instructions import Backward, Forward
+from hetpipe_tf.runtime.optimizers import stage_optimizer
+
+
+def _nbytes(variables):
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+
+
+def _is_remote(device):
+    """Whether `device` belongs to a task of a cluster rather than to this process."""
+    job = tf.DeviceSpec.from_string(device or "").job
+    return job not in (None, "localhost")
+
+
+def _is_float(t):
+    """Whether a tensor or a (Keras) variable holds floating-point values."""
+    return tf.as_dtype(t.dtype).is_floating
+
+
+@dataclass
+class _InFlight:
+    """What minibatch p holds on this stage between its forward and backward passes."""
+    tape: object
+    sources: list  # float received tensors, then the weight version's tensors
+    num_entering: int  # how many of `sources` are received tensors
+    received_float: list  # for each received tensor: its position in sources, or None
+    targets: list  # what the backward pass differentiates
+    weight_version: list = field(default_factory=list)
+
+
+class NonFiniteError(FloatingPointError):
+    """A minibatch's loss or gradient is NaN or infinite; nothing of that minibatch was applied.
+
+    `logs` holds the minibatch's loss and metrics when the loss was not finite (for
+    ``keras.callbacks.TerminateOnNaN``), else None."""
+
+    def __init__(self, message, minibatch, stage, logs=None):
+        super().__init__(message)
+        self.minibatch = minibatch
+        self.stage = stage
+        self.logs = logs
+
+
+@dataclass(frozen=True)
+class StageState:
+    """A stage's state right after some update: what a checkpoint or evaluation needs.
+    `applied`: the minibatches whose updates it holds; `used`: the recorded provenance of the
+    versions used so far ({p: local updates}, {p: global pushes}), when recording it."""
+    trainable: list
+    non_trainable: list
+    optimizer: list
+    applied: tuple = ()
+    used: tuple = ({}, {})
+
+
+class StageRuntime:
+    def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
+                 activation_bytes=0, record_provenance=False, single_threaded=False, wsp=False):
+        self.stage = stage
+        self.index = stage.index
+        self.device = device
+        self.loss_head = loss_head
+        self.memory = memory or MemoryAccount(device)
+        self.activation_bytes = int(activation_bytes)
+        self.record_provenance = record_provenance
+        self.single_threaded = single_threaded
+        with tf.device(device):
+            # From a value (numpy): given a tf.Variable, keras.Variable would reuse it.
+            self.trainable = [keras.Variable(v.numpy(), dtype=v.dtype, trainable=True, name=v.name)
+                              for v in stage.trainable_variables]
+            self.non_trainable = [keras.Variable(v.numpy(), dtype=v.dtype, trainable=False, name=v.name)
+                                  for v in stage.non_trainable_variables]
+            self.optimizer = stage_optimizer(optimizer)
+            self.optimizer.build(self.trainable)
+        self.stash = WeightStash(num_in_flight, device=device, name=f"stage{self.index}")
+        self._dtypes = [v.dtype for v in self.trainable]
+        self.version_bytes = _nbytes(self.trainable)
+        self.memory.allocate("weights", self.version_bytes + _nbytes(self.non_trainable))
+        self.memory.allocate("optimizer slots", _nbytes(self.optimizer.variables))
+        # WSP (§5): the weights at the last push, plus the global updates merged since; the next
+        # push sends the difference, which is exactly the local updates made since. Floating-point
+        # state (BatchNorm's moving statistics) is synchronised the same way, so that its
+        # moving averages take every worker's minibatches, not only this worker's 1/k of them.
+        synced_state = [i for i, v in enumerate(stage.non_trainable_variables) if _is_float(v)]
+        self.synced = self.trainable + [self.non_trainable[i] for i in synced_state]
+        self.paths = ([v.path for v in stage.trainable_variables]
+                      + [stage.non_trainable_variables[i].path for i in synced_state])
+        self.base = None
+        if wsp:
+            self.memory.allocate("weights at last push", _nbytes(self.synced))
+            with tf.device(device):
+                self.base = [tf.identity(v.value) for v in self.synced]
+        self._entering = {}  # p -> {position: tensor}
+        self._labels = {}
+        self._inflight = {}
+        self._weight_grads = {}
+        self._input_grads = {}
+        self.applied = []  # minibatch ids whose updates w_local holds, in order
+        self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
+        self.used_versions = {}  # p -> updates the version p's forward pass used
+        self.global_included = frozenset()  # (worker, wave) pushes the live weights hold (WSP)
+        self.version_globals = {}  # p -> (worker, wave) pushes w_p holds
+        self.used_globals = {}  # p -> (worker, wave) pushes the version p's forward pass used
+        self.logs = {}  # p -> loss and metrics (last stage)
+        # Partials, not methods or lambdas: TensorFlow keys its retracing warning on a function's
+        # code, which every stage would share.
+        self._forward_fn = tf.function(functools.partial(self._forward_graph))
+        # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
+        # variable's buffer that a stashed version still shares, as eager updates do. Not on
+        # another task's device: TF 2.21's remote eager runtime then fails the next eager op
+        # ("KernelAndDeviceOp does not support EagerFunctionParams").
+        self._apply_fn = tf.function(functools.partial(self._apply_graph),
+                                     jit_compile=not _is_remote(device))
+
+    @property
+    def is_last(self):
+        return self.loss_head is not None
+
+    def execution_scope(self):
+        """How the stage's functions run. With `single_threaded`, the stage's kernels run one
+        after another on its own thread (TensorFlow's single-threaded function executor), so a
+        stage uses one core, as a GPU runs a stage's kernels in one stream; by default
+        TensorFlow's inter-op pool may spread a stage's independent ops over every core."""
+        if self.single_threaded:
+            return context.function_executor_type("SINGLE_THREADED_EXECUTOR")
+        return contextlib.nullcontext()
+
+    # Inputs of a minibatch -------------------------------------------------------------
+    def set_received(self, p, tensors):
+        self._entering.setdefault(p, {}).update(enumerate(tensors))
+
+    def set_loaded(self, p, tensors):
+        n = len(self.stage.io.received)
+        self._entering.setdefault(p, {}).update((n + i, t) for i, t in enumerate(tensors))
+
+    def set_labels(self, p, labels):
+        self._labels[p] = labels
+
+    # Weight versions -------------------------------------------------------------------
+    def stash_weights(self, p):
+        self.memory.allocate("stashed versions", self.version_bytes)
+        self.stash.put(p, [v.value for v in self.trainable])
+        if self.record_provenance:
+            self.version_updates[p] = tuple(self.applied)
+            self.version_globals[p] = self.global_included
+
+    def release_weights(self, p):
+        self.stash.release(p)
+        self.memory.free("stashed versions", self.version_bytes)
+
+    # Compute -----------------------------------------------------------------------------
+    def _forward_graph(self, weights, entering, labels, training):
+        state = [v.value for v in self.non_trainable]
+        sent, new_state, reg = self.stage._call(weights, state, entering, training)
+        for v, value in zip(self.non_trainable, new_state):
+            v.assign(value)
+        if not self.is_last:
+            return sent, reg, {}
+        labels = self.loss_head.split_labels(labels)
+        loss = self.loss_head.loss(labels, sent) + reg
+        with tf.name_scope("metrics"):
+            metrics = self.loss_head.metrics(labels, [tf.stop_gradient(o) for o in sent])
+        return [loss], reg, dict(metrics, loss=loss)
+
+    def forward(self, p, training=True):
+        """Forward pass of minibatch p with its stashed weight version w_p."""
+        entering = self._entering.pop(p)
+        entering = [entering[i] for i in range(len(entering))]
+        weights = self.stash.get(p, self._dtypes)
+        if self.record_provenance:
+            self.used_versions[p] = self.version_updates.pop(p)
+            self.used_globals[p] = self.version_globals.pop(p, frozenset())
+        self.memory.allocate("activations", self.activation_bytes)
+        # Differentiate with respect to what the previous stage sent (its gradient goes back)
+        # and the weights; model inputs loaded here need no gradient.
+        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
+        sources = [entering[i] for i in float_pos] + list(weights)
+        labels = self._labels.pop(p) if self.is_last else None
+        with tf.device(self.device):
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                tape.watch(sources)
+                targets, reg, logs = self._forward_fn(weights, entering, labels, training)
+        position = {i: k for k, i in enumerate(float_pos)}
+        n_received = len(self.stage.io.received)
+        record = _InFlight(tape=tape, sources=sources, num_entering=len(float_pos),
+                           received_float=[position.get(i) for i in range(n_received)],
+                           targets=list(targets) + ([] if self.is_last else [reg]),
+                           weight_version=weights)
+        self._inflight[p] = record
+        if self.is_last:
+            loss = float(logs["loss"])
+            if not np.isfinite(loss):
+                values = {k: float(v) for k, v in logs.items()}
+                raise NonFiniteError(
+                    f"minibatch {p}: the loss is {loss} on stage {self.index} (the last); nothing of "
+                    f"minibatch {p} was applied or pushed. Lower the learning rate, look for NaN or Inf "
+                    f"in the data, or clip gradients (the optimizer's clipnorm)", p, self.index, values)
+            self.logs[p] = logs
+            return logs
+        return targets
+
+    def backward(self, p, output_grads=None):
+        """Backward pass of minibatch p against w_p; keeps the weight gradients for apply_update."""
+        record = self._inflight.pop(p)
+        if self.is_last:
+            seeds = None
+        else:
+            float_targets = [t for t in record.targets[:-1] if _is_float(t)]
+            seeds = [g for t, g in zip(record.targets[:-1], output_grads) if _is_float(t)]
+            record.targets = float_targets + [record.targets[-1]]
+            seeds = seeds + [tf.ones_like(record.targets[-1])]
+        with tf.device(self.device):
+            grads = record.tape.gradient(record.targets, record.sources, output_gradients=seeds,
+                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        self.memory.free("activations", self.activation_bytes)
+        self._weight_grads[p] = grads[record.num_entering:]
+        self._input_grads[p] = [grads[k] if k is not None else None for k in record.received_float]
+
+    def input_gradients(self, p):
+        """The gradient of minibatch p's received tensors, for the previous stage."""
+        return self._input_grads.pop(p)
+
+    def _apply_graph(self, grads):
+        """Applies the gradients if every one is finite; returns whether they were."""
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads])
+
+        def apply():
+            self.optimizer.apply(grads, self.trainable)
+            return tf.constant(True)
+
+        return tf.cond(finite, apply, lambda: tf.constant(False))
+
+    def apply_update(self, p):
+        """w_local := w_local + u_p, unless u_p is not finite (then NonFiniteError)."""
+        grads = self._weight_grads.pop(p)
+        if self.trainable:  # a stage may have no weights (pooling, activations)
+            with tf.device(self.device):
+                finite = self._apply_fn(grads)
+            if not bool(finite):
+                bad = [v.path for v, g in zip(self.stage.trainable_variables, grads) if not np.all(np.isfinite(
+                    tf.convert_to_tensor(g).numpy()))]
+                raise NonFiniteError(
+                    f"minibatch {p}: the gradient of stage {self.index} is not finite (NaN or Inf in "
+                    f"{', '.join(bad)}); nothing of it was applied or pushed. Lower the learning rate or "
+                    f"clip gradients (the optimizer's clipnorm)", p, self.index)
+        self.applied.append(p)
+
+    # WSP ---------------------------------------------------------------------------------
+    def wave_update(self):
+        """(variable paths, the aggregated update of the wave): w_local - base; base := w_local
+        (weights, then the synchronised state)."""
+        with tf.device(self.device):
+            now = [tf.identity(v.value) for v in self.synced]
+            deltas = [n - b for n, b in zip(now, self.base)]
+        self.base = now
+        return self.paths, deltas
+
+    def merge_pulled(self, wave, pulled, clocks, first_minibatch):
+        """Takes global weights pulled after wave `wave` in (§5).
+
+        w_local becomes the pulled weights plus the local updates made since the last push;
+        so do the versions stashed since it (those of minibatches >= `first_minibatch`).
+        `clocks` are the workers' clocks read before the pulled values.
+        """
+        with tf.device(self.device):
+            delta = [tf.identity(g) - b for g, b in zip(pulled, self.base)]
+            for v, d in zip(self.synced, delta):
+                v.assign_add(d)
+            self.base = [b + d for b, d in zip(self.base, delta)]
+            stashed = [p for p in self.stash.stats().minibatches if p >= first_minibatch]
+            for p in stashed:  # versions hold the trainable weights only
+                version = self.stash.get(p, self._dtypes)
+                self.stash.release(p)
+                self.stash.put(p, [w + d for w, d in zip(version, delta)])
+        included = frozenset((w, c) for w, clock in enumerate(clocks) for c in range(clock))
+        self.global_included = included
+        if self.record_provenance:
+            for p in stashed:
+                self.version_globals[p] = included
+
+    def end_run(self):
+        """Drops what a stopped or failed run left behind: versions stashed for minibatches
+        that never ran, and their inputs, so that the next run starts clean."""
+        for p in self.stash.stats().minibatches:
+            self.release_weights(p)
+        for p in list(self._inflight):
+            self._inflight.pop(p)
+            self.memory.free("activations", self.activation_bytes)
+        for pending in (self._entering, self._labels, self._weight_grads, self._input_grads,
+                        self.version_updates, self.version_globals):
+            pending.clear()
+
+    # State -------------------------------------------------------------------------------
+    def snapshot(self):
+        """The stage's state now (tensors share buffers until the variables change)."""
+        return StageState(trainable=[tf.identity(v.value) for v in self.trainable],
+                          non_trainable=[tf.identity(v.value) for v in self.non_trainable],
+                          optimizer=[tf.identity(v.value) for v in self.optimizer.variables],
+                          applied=tuple(self.applied),
+                          used=(dict(self.used_versions), dict(self.used_globals)) if self.record_provenance
+                          else ({}, {}))
+
+    def restore(self, state):
+        """Sets the stage's live state back to `state` (a :meth:`snapshot`)."""
+        for variables, values in ((self.trainable, state.trainable), (self.non_trainable, state.non_trainable),
+                                  (self.optimizer.variables, state.optimizer)):
+            for v, value in zip(variables, values):
+                v.assign(value)
+        self.applied = list(state.applied)
+        self.used_versions, self.used_globals = dict(state.used[0]), dict(state.used[1])
+
+    def write_back(self, state=None):
+        """Writes `state` (default: the live state) into the Keras model's own variables."""
+        state = state or self.snapshot()
+        for v, value in zip(self.stage.trainable_variables, state.trainable):
+            v.assign(value)
+        for v, value in zip(self.stage.non_trainable_variables, state.non_trainable):
+            v.assign(value)
+
+    def close(self):
+        self.stash.close()
+
+
+def _block(tensors):
+    """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
+    for t in tf.nest.flatten(tensors):
+        if hasattr(t, "device") and "GPU" in t.device:
+            np.asarray(tf.reshape(t, [-1])[:1])
+            return
+
+
+def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
+    """Each stage's forward and backward time, measured alone, one stage at a time.
+
+    Runs minibatch (x, y) through the chain of `runtimes` (id 0, the weights as they
+    are) `repeats` + 1 times; the first run traces the functions, and the minimum of the
+    others is the result (interference from other work only ever adds time): a list
+    with, per stage, {Forward: seconds, Backward: seconds}.
+    Nothing is applied, and the stages' non-trainable state is restored afterwards.
+    """
+    times = [{Forward: [], Backward: []} for _ in runtimes]
+    saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
+    for _ in range(repeats + 1):
+        for rt in runtimes:
+            rt.stash_weights(0)
+        loaded = split_inputs(x)
+        carry = None
+        for s, rt in enumerate(runtimes):
+            if carry is not None:
+                rt.set_received(0, carry)
+            if s in loaded:
+                rt.set_loaded(0, loaded[s])
+            if rt.is_last:
+                rt.set_labels(0, y)
+            t0 = time.perf_counter()
+            with rt.execution_scope():
+                carry = rt.forward(0)
+                _block(carry)
+            times[s][Forward].append(time.perf_counter() - t0)
+        grads = None
+        for s in reversed(range(len(runtimes))):
+            rt = runtimes[s]
+            t0 = time.perf_counter()
+            with rt.execution_scope():
+                rt.backward(0, grads)
+                _block(rt._weight_grads[0])
+            grads = rt.input_gradients(0)
+            times[s][Backward].append(time.perf_counter() - t0)
+            rt._weight_grads.pop(0)
+            rt.release_weights(0)
+        runtimes[-1].logs.pop(0, None)
+    for rt, values in zip(runtimes, saved):
+        for v, value in zip(rt.non_trainable, values):
+            v.assign(value)
+        rt.version_updates.pop(0, None)
+        rt.used_versions.pop(0, None)
+    return [{kind: min(ts[1:]) for kind, ts in stage.items()} for stage in times]

@@ -1,0 +1,331 @@
+"""A virtual worker (HetPipe §3): one Keras model on k devices, trained as a pipeline (§4).
+
+    vw = hetpipe_tf.VirtualWorker(model, devices="1@512M,0.5@256M", num_minibatches=2,
+                                  optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = vw.fit(train_ds, epochs=5, validation_data=test_ds)
+
+The model is cut into one stage per device (:mod:`hetpipe_tf.runtime.stage_rewrite`), the
+HetPipe schedule (:mod:`hetpipe_tf.pipeline.schedule`) keeps ``num_minibatches`` (Nm)
+minibatches in flight, and the executor (:mod:`hetpipe_tf.pipeline.executor`) runs it.
+The trained weights are written back into the Keras model at the end, so
+``model.evaluate``, ``predict`` and ``save`` work as usual.
+"""
+import dataclasses
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
+from hetpipe_tf.pipeline.executor import PipelineExecutor
+from hetpipe_tf.pipeline.schedule import hetpipe_schedule
+from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.planning.devices import parse_devices
+from hetpipe_tf.runtime.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+from hetpipe_tf.runtime.loss_head import LossHead
+from hetpipe_tf.runtime.optimizers import check_optimizer
+from hetpipe_tf.runtime.stage_rewrite import split_model
+from hetpipe_tf.runtime.stage_runtime import StageRuntime, measure_stage_times
+
+
+class VirtualWorker:
+    """Trains a Keras model pipelined over k devices with Nm minibatches in flight.
+
+    Args:
+      model: a built Sequential or functional Keras model.
+      devices: one device per stage: DeviceSpecs or a string such as "1@512M,0.5@256M"
+        (see :mod:`hetpipe_tf.planning.devices`).
+      num_minibatches: Nm, minibatches in flight (default: the number of stages). Nm = 1 is
+        naive model parallelism.
+      boundaries: the first layer call of each stage (default: balance a FLOP estimate over
+        the devices' speeds).
+      optimizer, loss, metrics, loss_weights: as for Keras ``compile``.
+      dilation: multiplies every emulated device's slowdown (see :mod:`hetpipe_tf.pipeline.emulation`);
+        None (default): chosen by probe runs before training, so that the emulation stays
+        faithful (:meth:`calibrate_dilation`).
+      timeout_s: the longest the pipeline may go without progress before it fails.
+      record_provenance: record which local updates each minibatch's weight version held.
+      single_threaded_stages: run each stage's kernels on its own thread only (one core per
+        stage on a CPU host). TensorFlow's single-threaded executor cannot move tensors between
+        devices, so this needs every stage on the same device (e.g. devices="cpu,cpu").
+      tf_devices: the TensorFlow device of each stage, when not this process's own (e.g.
+        "/job:worker/task:1/device:CPU:0" on TensorFlow's distributed runtime).
+      sync: a :class:`hetpipe_tf.pipeline.executor.WorkerSync` when this worker is one of several
+        synchronised by Wave Synchronous Parallel (§5).
+      slowdown: minibatch id -> factor >= 1 by which every emulated device of this worker is
+        slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.pipeline.emulation.Pacer`).
+    """
+
+    def __init__(self, model, devices, num_minibatches=None, boundaries=None, optimizer="sgd",
+                 loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
+                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None):
+        self.model = model
+        self.device_specs = parse_devices(devices)
+        if tf_devices is not None and len(tf_devices) != len(self.device_specs):
+            raise ValueError(f"{len(self.device_specs)} devices but {len(tf_devices)} TensorFlow devices")
+        self.device_names = tuple(tf_devices) if tf_devices is not None else configure_tensorflow_devices(
+            self.device_specs)
+        self.sync = sync
+        self.slowdown = slowdown
+        k = len(self.device_specs)
+        self.num_in_flight = int(num_minibatches) if num_minibatches is not None else k
+        if self.num_in_flight < 1:
+            raise ValueError(f"num_minibatches (Nm) must be >= 1, got {num_minibatches}")
+        self.optimizer = check_optimizer(optimizer)
+        self.staged = split_model(model, boundaries=boundaries, num_stages=k,
+                                  devices=self.device_names,
+                                  speeds=[d.speed for d in self.device_specs])
+        self.loss_head = LossHead(loss, self.staged.keras_graph.model.output_names,
+                                  loss_weights=loss_weights, metrics=metrics)
+        if dilation is not None and not float(dilation) >= 1.0:
+            raise ValueError(f"dilation must be None (calibrated) or a number >= 1, got {dilation!r}")
+        self.dilation = None if dilation is None else float(dilation)
+        self.calibration = ()  # (dilation, overrun fraction) of each probe, when calibrated
+        self.timeout_s = float(timeout_s)
+        self.record_provenance = record_provenance
+        if single_threaded_stages and len(set(self.device_names)) > 1:
+            raise ValueError(f"single_threaded_stages needs every stage on one device, got "
+                             f"{list(self.device_names)}: TensorFlow's single-threaded executor "
+                             f"cannot move tensors between devices")
+        self.single_threaded_stages = single_threaded_stages
+        self.runtimes = None
+        self.references = None
+        self.report = None
+        self.trace = None
+        self._executor = None
+        self._pacers = []  # of the current (or last) run
+
+    @property
+    def num_stages(self):
+        return self.staged.num_stages
+
+    @property
+    def emulated(self):
+        return any(d.emulated for d in self.device_specs)
+
+    def emulation_report(self):
+        """How faithful the time emulation was in the current (or last) run (None without emulated devices)."""
+        report = EmulationReport.combine(p.report() for p in self._pacers if p is not None)
+        return report and dataclasses.replace(report, calibration=self.calibration)
+
+    def busy_seconds(self):
+        """Seconds each stage has spent running tasks in the current (or last) run."""
+        return [r.busy_s for r in self._executor.reports] if self._executor else None
+
+    def describe(self):
+        lines = [f"virtual worker: {self.num_stages} stages, Nm={self.num_in_flight}"]
+        for s, spec in zip(self.staged.stages, self.device_specs):
+            lines.append(f"  {spec}: " + self.staged.describe().splitlines()[s.index])
+        if self.emulated:
+            dilation = "calibrated before training" if self.dilation is None else f"{self.dilation:g}"
+            lines.append(f"  EMULATED devices (dilation {dilation}): task times are padded, "
+                         f"memory is accounted; see hetpipe_tf.pipeline.emulation")
+        return "\n".join(lines)
+
+    def schedule(self, num_minibatches, snapshot_after=(), synchronised=True):
+        """The HetPipe schedule this worker runs for `num_minibatches` minibatches."""
+        return hetpipe_schedule(self.num_stages, num_minibatches, self.num_in_flight,
+                                input_stages=self.staged.input_stages(), snapshot_after=snapshot_after,
+                                wsp=synchronised and self.sync is not None)
+
+    # Building --------------------------------------------------------------------------
+    def _build(self, batch_size):
+        if self.runtimes is not None:
+            return
+        act = self.staged.graph.stage_activation_bytes(self.staged.boundaries, batch_size)
+        last = self.num_stages - 1
+        self.runtimes = []
+        for s, (stage, spec, name) in enumerate(zip(self.staged.stages, self.device_specs, self.device_names)):
+            memory = MemoryAccount(f"stage {s} ({spec})", spec.memory if spec.emulated else None)
+            self.runtimes.append(StageRuntime(
+                stage, name, self.num_in_flight, self.optimizer,
+                loss_head=self.loss_head if s == last else None, memory=memory,
+                activation_bytes=act[s], record_provenance=self.record_provenance,
+                single_threaded=self.single_threaded_stages, wsp=self.sync is not None))
+
+    def _calibrate(self, x, y):
+        """Each stage's forward and backward time, measured alone: the emulation's references."""
+        self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y)
+
+    def prepare(self, x, y):
+        """Builds the stages for minibatches like (x, y) and measures their solo times (once);
+        returns the batch size."""
+        batch_size = int(tf.nest.flatten(x)[0].shape[0])
+        self._build(batch_size)
+        if self.references is None:
+            self._calibrate(x, y)
+        return batch_size
+
+    # Training --------------------------------------------------------------------------
+    def train(self, data, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
+              on_snapshot=None, executor_hook=None):
+        """Trains on `num_minibatches` minibatches from `data` (a tf.data.Dataset or an iterator
+        of (inputs, labels)); returns the :class:`ExecutionReport`. Weights are written back into
+        the Keras model at the end. `trace` is True or a TraceRecorder to add to."""
+        iterator = iter(data)
+        first = next(iterator)
+        batch_size = self.prepare(*first)
+        if self.emulated and self.dilation is None:
+            self.calibrate_dilation(first)
+        self.report = self._run(_chain(first, iterator), num_minibatches, trace=trace,
+                                on_minibatch_done=on_minibatch_done, snapshot_after=snapshot_after,
+                                on_snapshot=on_snapshot, executor_hook=executor_hook)
+        self.report.batch_size = batch_size
+        if self.sync is None:  # under WSP the global weights are what the model gets
+            for rt in self.runtimes:
+                rt.write_back()
+        return self.report
+
+    def _run(self, iterator, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
+             on_snapshot=None, executor_hook=None, synchronised=True):
+        self._pacers = [Pacer(d.speed, self.dilation, slowdown=self.slowdown) if d.emulated else None
+                        for d in self.device_specs]
+        recorder = None
+        if trace:
+            recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self._trace_metadata())
+            self._name_trace(recorder)
+        sync = self.sync if synchronised else None
+        executor = PipelineExecutor(
+            self.schedule(num_minibatches, snapshot_after=snapshot_after, synchronised=synchronised),
+            self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
+            references=self.references, timeout_s=self.timeout_s, trace=recorder,
+            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot, sync=sync,
+            pid=self.sync.worker if self.sync else 0)
+        self._executor = executor
+        if executor_hook:
+            executor_hook(executor)
+        try:
+            return executor.run()
+        finally:
+            self.trace = recorder
+
+    # Emulation -------------------------------------------------------------------------
+    def probe_minibatches(self, workers=1):
+        """How many minibatches a calibration probe runs: at least 3 waves, and about 120 paced
+        tasks over `workers` such workers running together."""
+        return max(3 * self.num_in_flight, -(-120 // (2 * self.num_stages * workers)))
+
+    def probe_emulation(self, minibatch, dilation, num_minibatches=None):
+        """Runs the pipeline on copies of `minibatch` at `dilation`, unsynchronised, and keeps
+        nothing of it (every stage's state is restored); returns the run's EmulationReport."""
+        num_minibatches = num_minibatches or self.probe_minibatches()
+        states = [rt.snapshot() for rt in self.runtimes]
+        given, self.dilation = self.dilation, dilation
+        try:
+            report = self._run(iter([minibatch] * num_minibatches), num_minibatches, synchronised=False)
+        finally:
+            self.dilation = given
+            for rt, state in zip(self.runtimes, states):
+                rt.restore(state)
+        return report.emulation
+
+    def calibrate_dilation(self, minibatch):
+        """Chooses the dilation by probe runs (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`):
+        the smallest at which fewer than 2.5 % of the tasks overran their target."""
+        self.dilation, self.calibration = calibrate_dilation(lambda d: self.probe_emulation(minibatch, d))
+        return self.dilation
+
+    def _trace_metadata(self):
+        meta = {"hetpipe_tf": "virtual worker", "num_in_flight": self.num_in_flight,
+                "devices": [str(d) for d in self.device_specs]}
+        if self.emulated:
+            meta["emulation"] = (f"EMULATED devices: task times padded to max(actual, "
+                                 f"{self.dilation:g} / speed * reference); memory accounted")
+        return meta
+
+    def _name_trace(self, recorder):
+        label = " (EMULATED devices)" if self.emulated else ""
+        pid = self.sync.worker if self.sync else 0
+        recorder.name_process(pid, f"virtual worker {pid}, Nm={self.num_in_flight}{label}")
+        for s, spec in enumerate(self.device_specs):
+            recorder.name_thread(pid, s, f"stage {s}: {spec} [{self.device_names[s]}]")
+            if self.sync:
+                recorder.name_thread(pid, 100 + s, f"stage {s}: waits for pulled weights")
+
+    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto",
+            validation_data=None, trace_path=None):
+        """Trains like ``keras.Model.fit``: callbacks, History, progress bar, validation.
+
+        The pipeline runs across epoch boundaries without draining. At the end of each
+        epoch every stage records its state right after the epoch's last update, and that
+        consistent state is written into the Keras model before validation and
+        ``on_epoch_end`` (so ModelCheckpoint and friends see it).
+        """
+        dataset = x
+        steps_per_epoch = steps_per_epoch or epoch_steps(dataset)
+        events = Events()
+        holder = {}
+        if getattr(self.model, "optimizer", None) is None:
+            self.model.optimizer = self.optimizer  # callbacks read and set its learning rate
+
+        def run():
+            def keep(executor):
+                holder["executor"] = executor
+                events.put("started", time.perf_counter())
+
+            error = None
+            try:
+                self.train(dataset.repeat(), epochs * steps_per_epoch, trace=trace_path is not None,
+                           on_minibatch_done=lambda p, logs: events.put("done", (logs, time.perf_counter())),
+                           snapshot_after=[e * steps_per_epoch for e in range(1, epochs + 1)],
+                           on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=keep)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run_fit
+                error = exc
+            events.finished(error)
+
+        def epoch_end(epoch, stopped):
+            if not stopped:
+                for rt, state in zip(self.runtimes, events.get("snapshot")):
+                    rt.write_back(state)
+            logs = {}
+            if validation_data is not None:
+                logs.update({f"val_{k}": v for k, v in self.evaluate(validation_data).items()})
+            if self.emulated:
+                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
+            return logs
+
+        history = run_fit(
+            self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
+            batch_size=batch_size_of(dataset), epoch_end=epoch_end,
+            sync_optimizer=lambda done: sync_learning_rate(self.model, self.optimizer,
+                                                           [rt.optimizer for rt in self.runtimes or []], done),
+            request_stop=lambda: holder["executor"].request_stop(),
+            abort=lambda: holder["executor"].abort() if "executor" in holder else None,
+            timeout_s=self.timeout_s)
+        if trace_path and self.trace:
+            self.trace.write(trace_path)
+        warn_if_not_faithful(self.emulation_report())
+        return history
+
+    def evaluate(self, dataset):
+        """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
+        sums, n = {}, 0
+        for x, y in dataset:
+            outputs = self.model(x, training=False)
+            outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            labels = self.loss_head.split_labels(y)
+            values = self.loss_head.metrics(labels, outputs)
+            if self.model.losses:  # as Keras's evaluate: the model's own losses (regularization) count
+                values["loss"] = values["loss"] + tf.add_n(self.model.losses)
+            b = int(tf.nest.flatten(x)[0].shape[0])
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * b
+            n += b
+        return {k: v / n for k, v in sums.items()}
+
+
+def warn_if_not_faithful(report):
+    """Prints the emulation's warning line to stderr when `report` (or None) was not faithful."""
+    line = report.warning() if report is not None else None
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest

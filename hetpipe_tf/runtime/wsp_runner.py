@@ -1,0 +1,255 @@
+"""Several virtual workers trained together by Wave Synchronous Parallel (HetPipe §3, §5).
+
+Every virtual worker is a :class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker` whose schedule
+pushes each wave's aggregated update to the parameter servers and pulls the global
+weights, waiting until every worker has pushed wave c - D; the workers run concurrently,
+each on its own devices (which may be remote tasks of TensorFlow's distributed runtime),
+and the global weights end in the Keras model.
+"""
+import time
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
+from hetpipe_tf.pipeline.executor import WorkerSync
+from hetpipe_tf.pipeline.simulator import wait_and_idle
+from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.runtime.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
+from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
+    this process's), its stage boundaries (None: balanced), and the parameter server on each
+    stage's node (for ``local`` placement), and an emulated slowdown (minibatch id -> factor >= 1,
+    see :class:`hetpipe_tf.pipeline.emulation.Pacer`)."""
+    devices: object
+    tf_devices: tuple = None
+    boundaries: tuple = None
+    stage_servers: tuple = None
+    slowdown: object = None
+
+
+class WSPRunner:
+    """Virtual workers synchronised through parameter servers under staleness bound D.
+
+    Args:
+      model: a built Keras model (every worker cuts it into its own stages).
+      workers: a WorkerSpec per virtual worker.
+      num_in_flight: Nm, the same for every worker (§4).
+      staleness_bound: D (§5).
+      ps_devices: the parameter-server devices.
+      placement: "default" (layers round-robin over the servers) or "local" (every layer on the
+        server of the node that trains it in worker 0: `stage_servers` of its stage, §8.1).
+      optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
+        VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe
+        runs of every worker at once (they share the host).
+    """
+
+    def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
+                 optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
+                 record_provenance=False):
+        if staleness_bound < 0:
+            raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
+        self.model = model
+        self.staleness_bound = int(staleness_bound)
+        self.timeout_s = float(timeout_s)
+        self.vws = []
+        for w in workers:
+            self.vws.append(VirtualWorker(model, w.devices, num_minibatches=num_in_flight, boundaries=w.boundaries,
+                                          optimizer=optimizer, loss=loss, metrics=metrics,
+                                          loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
+                                          record_provenance=record_provenance, tf_devices=w.tf_devices,
+                                          slowdown=w.slowdown))
+        layer_devices = None
+        if placement == "local":
+            if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
+                raise ValueError("local placement needs worker 0's stage_servers, one per stage")
+            layer_devices = {layer_of(v.path): server for server, stage in
+                             zip(workers[0].stage_servers, self.vws[0].staged.stages)
+                             for v in list(stage.trainable_variables) + list(stage.non_trainable_variables)}
+        self.servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
+                                        layer_devices)
+        for i, vw in enumerate(self.vws):
+            vw.sync = WorkerSync(i, self.servers, self.staleness_bound, self.timeout_s)
+        self.optimizer = self.vws[0].optimizer
+        self.trace = None
+        self.reports = None
+        self._executors = {}
+        self._completions = {}  # worker -> when each of its updates completed (perf_counter)
+        self._started = None
+        self.batch_size = None
+
+    @property
+    def num_workers(self):
+        return len(self.vws)
+
+    @property
+    def num_in_flight(self):
+        return self.vws[0].num_in_flight
+
+    def train(self, data, minibatches, trace=False, on_minibatch_done=None):
+        """Trains every worker on `minibatches` minibatches of its own data (a list, one
+        iterable per worker); returns their ExecutionReports. on_minibatch_done(worker, p, logs)."""
+        if len(data) != self.num_workers:
+            raise ValueError(f"{self.num_workers} workers but data for {len(data)}")
+        iterators = [iter(d) for d in data]
+        firsts = [next(it) for it in iterators]
+        for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
+            self.batch_size = vw.prepare(*first)
+        if any(vw.emulated and vw.dilation is None for vw in self.vws):
+            self.calibrate_dilation(firsts)
+        self.trace = TraceRecorder(metadata={"hetpipe_tf": f"{self.num_workers} virtual workers, WSP "
+                                             f"D={self.staleness_bound}"}) if trace else None
+        reports, errors = [None] * self.num_workers, []
+        self._completions = {i: [] for i in range(self.num_workers)}
+        self._started = time.perf_counter()
+
+        def run(i):
+            def chain():
+                yield firsts[i]
+                yield from iterators[i]
+
+            def done(p, logs):
+                self._completions[i].append(time.perf_counter())
+                if on_minibatch_done:
+                    on_minibatch_done(i, p, logs)
+
+            try:
+                reports[i] = self.vws[i].train(chain(), minibatches, trace=self.trace or False, on_minibatch_done=done,
+                                               executor_hook=lambda ex: self._executors.__setitem__(i, ex))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+                self.abort()
+
+        threads = [start_thread(lambda i=i: run(i), f"hetpipe-worker-{i}") for i in range(self.num_workers)]
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.finish()
+        self.reports = reports
+        return reports
+
+    def abort(self):
+        for ex in list(self._executors.values()):
+            ex.abort()
+
+    def emulation_report(self):
+        """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
+        return EmulationReport.combine(vw.emulation_report() for vw in self.vws)
+
+    def calibrate_dilation(self, minibatches):
+        """Chooses one dilation for every worker: probe runs of all workers at once (each on
+        copies of its minibatch in `minibatches`, unsynchronised, nothing kept), as in
+        :meth:`VirtualWorker.calibrate_dilation`."""
+        def probe(dilation):
+            reports, errors = [None] * self.num_workers, []
+            n = self.vws[0].probe_minibatches(self.num_workers)
+
+            def run(i):
+                try:
+                    reports[i] = self.vws[i].probe_emulation(minibatches[i], dilation, n)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+
+            for t in [start_thread(lambda i=i: run(i), f"hetpipe-probe-{i}") for i in range(self.num_workers)]:
+                t.join()
+            if errors:
+                raise errors[0]
+            return EmulationReport.combine(reports)
+
+        dilation, tried = calibrate_dilation(probe)
+        for vw in self.vws:
+            vw.dilation, vw.calibration = dilation, tried
+        return dilation
+
+    def finish(self):
+        """Puts the global weights and state into the Keras model, and worker 0's state that the
+        servers do not keep (random seeds)."""
+        for rt in self.vws[0].runtimes:
+            for v, value in zip(rt.stage.non_trainable_variables, rt.non_trainable):
+                if v.path not in self.servers.variables:
+                    v.assign(value.value)
+        self.servers.write_to(self.model)
+
+    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
+            trace_path=None):
+        """Trains like ``keras.Model.fit``. Each worker takes its shard of `x`; an epoch is
+        `steps_per_epoch` minibatches of all workers together; at every epoch's end the global
+        weights go into the Keras model for validation and callbacks."""
+        steps_per_epoch = steps_per_epoch or epoch_steps(x)
+        k = self.num_workers
+        per_worker = -(-epochs * steps_per_epoch // k)
+        shards = [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()]
+        events = Events(producers=1)
+        if getattr(self.model, "optimizer", None) is None:
+            self.model.optimizer = self.optimizer
+
+        def run():
+            error = None
+            try:
+                for _ in range(k):
+                    events.put("started", time.perf_counter())
+                self.train(shards, per_worker, trace=trace_path is not None,
+                           on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run_fit
+                error = exc
+            events.finished(error)
+
+        def epoch_end(epoch, stopped):
+            self.finish()
+            logs = {f"val_{k}": v for k, v in self.vws[0].evaluate(validation_data).items()} if validation_data else {}
+            clocks, global_clock = self.servers.clock.clocks()
+            logs["global_clock"] = global_clock
+            if self.vws[0].emulated:
+                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
+            return logs
+
+        history = run_fit(
+            self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose, batch_size=batch_size_of(x),
+            epoch_end=epoch_end, workers=k,
+            sync_optimizer=lambda done: sync_learning_rate(
+                self.model, self.optimizer, [rt.optimizer for vw in self.vws for rt in vw.runtimes or []], done),
+            request_stop=lambda: [ex.request_stop() for ex in self._executors.values()],
+            abort=self.abort, timeout_s=self.timeout_s)
+        if trace_path and self.trace:
+            self.trace.write(trace_path)
+        warn_if_not_faithful(self.emulation_report())
+        return history
+
+    def provenance(self, stage=0):
+        """{(worker, minibatch): (local updates, global (worker, wave) pushes)} that `stage`'s
+        weight versions held, for :func:`hetpipe_tf.sync.staleness.check`."""
+        out = {}
+        for w, vw in enumerate(self.vws):
+            rt = vw.runtimes[stage]
+            for p, local in rt.used_versions.items():
+                out[(w, p)] = (local, rt.used_globals.get(p, frozenset()))
+        return out
+
+    def stats(self, since=None):
+        """Per worker: its clock and distance to the slowest worker's, and, over the pulls and
+        updates after `since` (a time.perf_counter() value; None: the whole run), its first
+        stage's average wait for pulled weights, the part of it that stage ran nothing (§8.4),
+        and its minibatches and images per second."""
+        clocks, global_clock = self.servers.clock.clocks()
+        now = time.perf_counter()
+        out = []
+        for w, vw in enumerate(self.vws):
+            ex = self._executors.get(w)
+            pulls = [(asked, answered) for s, wave, asked, answered in (ex.pull_waits if ex else [])
+                     if s == 0 and (since is None or answered > since)]
+            waits = wait_and_idle(pulls, ex.first_stage_busy if ex else [])
+            done = [t for t in self._completions.get(w, []) if since is None or t > since]
+            start = since if since is not None else self._started
+            rate = len(done) / ((done[-1] if since is None else now) - start) if done and start else 0.0
+            out.append({"worker": w, "clock": clocks[w], "clock_distance": clocks[w] - global_clock,
+                        "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
+                        "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0,
+                        "minibatches_per_s": rate, "images_per_s": rate * (self.batch_size or 0)})
+        return out

@@ -1,0 +1,82 @@
+"""HetPipeStrategy in one process (launch="in_process"); the multi-process launches are in
+test_train.py's cluster runs."""
+import keras
+import numpy as np
+import pytest
+
+from hetpipe_tf.data import datasets
+
+from hetpipe_tf.api.strategy import HetPipeStrategy
+from hetpipe_tf.cli import models
+
+
+def _compiled(strategy, name="mlp"):
+    with strategy.scope():
+        train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=16, shuffle=True, seed=0)
+        test = datasets.load_image_classification("hetpipe_digits", "test", batch_size=16)
+        keras.utils.set_random_seed(0)
+        model = models.build_model(name, tuple(train.element_spec[0].shape[1:]), 10)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return train, test, model
+
+
+class Counter(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs, self.batches = [], 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def test_fit_trains_virtual_workers_like_keras_fit():
+    strategy = HetPipeStrategy(cluster="local", policy="ed", staleness_bound=1, launch="in_process", dilation=1)
+    train, test, model = _compiled(strategy)
+    counter = Counter()
+    history = model.fit(train, epochs=2, steps_per_epoch=12, validation_data=test, callbacks=[counter], verbose=0)
+    assert strategy.plan.allocation == "FS FS" and len(strategy.runner.vws) == 2  # §8.1's ED
+    assert strategy.runner.servers.placement == "local"
+    assert len(counter.epochs) == 2 and counter.batches == 24
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy", "images_per_s", "global_clock"):
+        assert len(history.history[key]) == 2, key
+    assert history.history["loss"][1] < history.history["loss"][0]
+    # The Keras model holds the global weights: Keras's own evaluate and predict use them.
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), strategy.runner.servers.variables[v.path].numpy())
+    loss, accuracy = model.evaluate(test, verbose=0)
+    assert loss == pytest.approx(history.history["val_loss"][1], rel=1e-4)
+    assert model.predict(next(iter(test))[0], verbose=0).shape == (16, 10)
+    stats = strategy.stats()
+    assert [s["worker"] for s in stats] == [0, 1] and all(s["images_per_s"] > 0 for s in stats)
+    assert "EMULATED" in strategy.describe()
+
+
+def test_fit_takes_arrays_and_names_what_it_does_not_take():
+    strategy = HetPipeStrategy(cluster="local", policy="np", launch="in_process", dilation=1)
+    train, _, model = _compiled(strategy)
+    x = np.concatenate([b[0].numpy() for b in train.take(4)])
+    y = np.concatenate([b[1].numpy() for b in train.take(4)])
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert len(history.history["loss"]) == 1
+    with pytest.raises(ValueError, match=r"does not take \['class_weight'\]"):
+        model.fit(x, y, class_weight={0: 1.0})
+    with pytest.raises(ValueError, match="give neither y nor batch_size"):
+        model.fit(train, batch_size=8)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"policy": "zz"}, "unknown policy 'zz'; allowed: np, ed, hd, auto"),
+    ({"launch": "ssh"}, "unknown launch 'ssh'; allowed: processes, tf_config, in_process"),
+    ({"staleness_bound": -1}, r"staleness_bound \(D\) must be an integer >= 0, got -1"),
+    ({"num_minibatches": 0}, r"num_minibatches \(Nm\) must be None or an integer >= 1, got 0"),
+    ({"placement": "near"}, "unknown placement 'near'"),
+    ({"cluster": "paper"}, "has real device types .*launch='tf_config'"),
+    ({"cluster": "nowhere.json"}, "no cluster preset or file named 'nowhere.json'"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HetPipeStrategy(**dict({"launch": "in_process"}, **kwargs))

@@ -1,0 +1,110 @@
+"""The hetpipe-train binary, end to end in its own process (it configures TensorFlow's devices)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _train(tmp_path, *flags):
+    cmd = [sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--show_schedule=false",
+           *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_main_job_trains_on_bundled_data_and_labels_emulation(tmp_path):
+    trace, tb = tmp_path / "trace.json", tmp_path / "tb"
+    run = _train(tmp_path, "--epochs=2", "--steps_per_epoch=12", "--devices=1@64M,0.5@64M", "--num_minibatches=2",
+                 "--dilation=2", f"--trace_file={trace}", f"--tensorboard_dir={tb}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert summary["num_minibatches"] == 2 and 0.0 <= summary["test_accuracy"] <= 1.0
+    assert summary["emulation"]["emulated"] is True and summary["emulation"]["paced_tasks"] > 0
+    assert "EMULATED devices" in run.stdout
+    assert "EMULATED" in json.loads(trace.read_text())["otherData"]["emulation"]
+    assert list(tb.glob("events.out.tfevents.*"))
+
+
+def test_bad_flags_fail_with_a_clear_message(tmp_path):
+    run = _train(tmp_path, "--devices=fast,1")
+    assert run.returncode != 0 and "cannot read device 'fast'" in run.stderr
+    run = _train(tmp_path, "--dataset=mnist", "--epochs=1")
+    assert run.returncode != 0 and "'mnist' is not prepared" in run.stderr and "never downloads" in run.stderr
+    run = _train(tmp_path, "--num_stages=3", "--devices=1,1")
+    assert run.returncode != 0 and "--num_stages=3 but --devices lists 2 devices" in run.stderr
+
+
+def test_plan_auto_profiles_plans_and_trains(tmp_path):
+    run = _train(tmp_path, "--plan=auto", "--epochs=1", "--steps_per_epoch=8", "--devices=1@64M,0.5@64M,0.5@64M",
+                 "--model=mlp", "--dilation=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "policy GIVEN" in run.stdout and "predicted" in run.stdout and "Max_m=" in run.stdout
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert summary["num_minibatches"] >= 1 and len(summary["devices"]) == 3
+
+
+def _tensorboard_tags(directory):
+    import tensorflow as tf
+
+    tags = set()
+    for path in directory.glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            tags.update(v.tag for v in event.summary.value)
+    return tags
+
+
+def _processes_with(text):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoch=8", "--dilation=2", "--num_minibatches=2",
+               "--momentum=0", "--learning_rate=0.1"]
+
+
+def test_cluster_flags_train_virtual_workers_on_ps_and_worker_processes(tmp_path):
+    trace, tb = tmp_path / "trace.json", tmp_path / "tb"
+    run = _train(tmp_path, *CLUSTER_RUN, "--policy=ed", "--staleness_bound=1", f"--trace_file={trace}",
+                 f"--tensorboard_dir={tb}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert summary["allocation"] == "FS FS" and summary["staleness_bound"] == 1
+    assert [w["worker"] for w in summary["virtual_workers"]] == [0, 1]
+    assert summary["emulation"]["emulated"] is True and "EMULATED" in run.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    for cat in ("PushUpdate", "PullWeights", "PullWait", "Forward"):
+        assert {e["pid"] for e in events if e.get("cat") == cat} == {0, 1}, cat
+    tags = _tensorboard_tags(tb)
+    for tag in ("vw_0/clock", "vw_1/clock_distance", "vw_0/wait_s", "vw_1/idle_s", "vw_0/images_per_s",
+                "val_accuracy", "emulation"):
+        assert tag in tags, (tag, sorted(tags))
+
+
+def test_hetpipe_launch_runs_the_chief_under_tf_config_and_stops_every_task(tmp_path):
+    cmd = [sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "launch", "--cluster=local", f"--task_log_dir={tmp_path / 'logs'}", "--",
+           sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--launch=tf_config",
+           "--policy=np", *CLUSTER_RUN]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "2 ps and 2 worker tasks for cluster 'local'" in out
+    summary = json.loads(out.split("summary: ")[1].splitlines()[0])
+    assert summary["allocation"] == "FF SS" and len(summary["virtual_workers"]) == 2
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["ps-0.log", "ps-1.log", "worker-0.log",
+                                                                    "worker-1.log"]
+    time.sleep(1.0)
+    assert not _processes_with(f"--parent_pid={proc.pid}"), "tasks outlived hetpipe launch"
+
+
+def test_cluster_flags_refuse_single_worker_flags(tmp_path):
+    run = _train(tmp_path, "--cluster=local", "--devices=1,1")
+    assert run.returncode != 0 and "--devices is for one virtual worker" in run.stderr
+    run = _train(tmp_path, "--cluster=local", "--num_vws=3")
+    assert run.returncode != 0 and "--num_vws=3 must divide the cluster's 4 devices" in run.stderr

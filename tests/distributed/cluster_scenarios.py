@@ -1,0 +1,110 @@
+"""Multi-process WSP scenarios on TensorFlow's distributed runtime (loopback), one per process.
+
+    python -m tests.distributed.cluster_scenarios SCENARIO
+
+A process can connect to one cluster only, and tasks end with the chief that started
+them, so test_cluster.py runs every scenario in a fresh process and reads the JSON
+line it prints last.
+"""
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _cluster(num_ps, worker_cpus):
+    from hetpipe_tf.distributed.launch import LocalCluster
+
+    return LocalCluster(num_ps=num_ps, worker_cpus=worker_cpus).start().connect()
+
+
+def _two_workers(cluster, model, speeds, nm, d, loss, timeout_s=60, record_provenance=True):
+    import keras
+
+    from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+
+    return WSPRunner(model, [WorkerSpec(s, tuple(cluster.worker_devices(w))) for w, s in enumerate(speeds)],
+                     num_in_flight=nm, staleness_bound=d, ps_devices=cluster.ps_devices(),
+                     optimizer=keras.optimizers.SGD(0.05), loss=loss, record_provenance=record_provenance,
+                     timeout_s=timeout_s)
+
+
+def wsp_exact():
+    """Two VWs of different emulated speeds, two parameter servers, Nm=3, D=1, 10 minibatches
+    each (the last wave partial): the global weights equal w0 - lr * every gradient, and every
+    minibatch's weights keep the WSP bounds."""
+    import numpy as np
+
+    from hetpipe_tf.sync import staleness
+    from tests.runtime.test_wsp_runner import constant_gradient_model, exact_sgd_case, mean_output
+
+    cluster = _cluster(2, [2, 2])
+    model = constant_gradient_model()
+    n, nm, d = 10, 3, 1
+    data, expected = exact_sgd_case(model, n)
+    runner = _two_workers(cluster, model, ("1,1", "0.5,0.5"), nm, d, mean_output)
+    runner.train(data, n)
+    error = max(float(np.max(np.abs(v.numpy() - expected[v.path]))) for v in model.trainable_variables)
+    checked = [staleness.check(runner.provenance(s), nm, d, 2) for s in range(2)]
+    return {"max_error": error, "checked": checked, "clocks": list(runner.servers.clock.clocks()[0]),
+            "ps_devices": sorted({v.device for v in runner.servers.variables.values()}),
+            "stage_devices": [rt.trainable[0].value.device for vw in runner.vws for rt in vw.runtimes],
+            "task_pids": [p.pid for p, _ in cluster._procs.values()]}
+
+
+def seed_001():
+    """Seed 001's example (Nm=4, D=0) with two VWs on worker tasks."""
+    import keras
+
+    from hetpipe_tf.sync import staleness
+    from tests.cli import test_models
+    from tests.pipeline.test_executor import LOSS, _batches
+
+    cluster = _cluster(1, [2, 2])
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    runner = _two_workers(cluster, model, ("1,1", "0.5,0.5"), 4, 0, LOSS)
+    runner.train([_batches(model, 16, seed=i) for i in range(2)], 16)
+    records = runner.provenance(0)
+    return {"checked": staleness.check(records, 4, 0, 2),
+            "mb11": [sorted(records[(0, 11)][0]), sorted(records[(0, 11)][1])],
+            "mb12_globals": sorted(records[(0, 12)][1])}
+
+
+def killed_worker():
+    """A worker task dies mid-training: training must fail within its timeout with an error."""
+    import keras
+
+    from tests.cli import test_models
+    from tests.pipeline.test_executor import LOSS, _batches
+
+    cluster = _cluster(1, [2, 2])
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    runner = _two_workers(cluster, model, ("1,1", "1,1"), 2, 0, LOSS, timeout_s=15, record_provenance=False)
+    victim = cluster._procs[("worker", 1)][0]
+    killed = {}
+
+    def kill(worker, p, logs):
+        if worker == 0 and p == 10 and not killed:
+            victim.kill()
+            killed["t"] = time.monotonic()
+
+    t0 = time.monotonic()
+    try:
+        runner.train([_batches(model, 8, seed=i) * 100 for i in range(2)], 800, on_minibatch_done=kill)
+        outcome = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - what the test inspects
+        outcome = {"error": type(exc).__name__, "message": str(exc)[:2000]}
+    outcome.update(seconds_after_kill=time.monotonic() - killed.get("t", t0), killed=bool(killed),
+                   task_pids=[p.pid for p, _ in cluster._procs.values()])
+    return outcome
+
+
+SCENARIOS = {f.__name__: f for f in (wsp_exact, seed_001, killed_worker)}
+
+if __name__ == "__main__":
+    result = SCENARIOS[sys.argv[1]]()
+    print("RESULT " + json.dumps(result), flush=True)

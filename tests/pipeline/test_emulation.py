@@ -1,0 +1,65 @@
+import pytest
+
+from hetpipe_tf.pipeline.emulation import DeviceOutOfMemoryError, EmulationReport, MemoryAccount, Pacer
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+        self.slept = []
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.t += s
+
+
+def test_pacer_pads_to_dilation_over_speed_times_reference():
+    clock = FakeClock()
+    pacer = Pacer(speed=0.25, dilation=2.0, clock=clock, sleep=clock.sleep)
+    clock.t = 1.0  # the task ran 1 s
+    actual, target = pacer.pace(started=0.0, reference=0.5)
+    assert (actual, target) == (1.0, 4.0) and clock.t == pytest.approx(4.0)
+    clock.t = 14.0  # 10 s: over its 4 s target, no padding
+    pacer.pace(started=4.0, reference=0.5)
+    assert clock.t == 14.0
+    report = pacer.report()
+    assert (report.tasks, report.overran, report.overrun_fraction) == (2, 1, 0.5)
+    assert report.as_dict()["emulated"] is True
+
+
+def test_pacer_rejects_bad_settings():
+    with pytest.raises(ValueError, match="speed must be > 0"):
+        Pacer(0)
+    with pytest.raises(ValueError, match="dilation must be >= 1"):
+        Pacer(1, dilation=0.5)
+
+
+def test_reports_combine():
+    r = EmulationReport.combine([EmulationReport(3.0, 10, 1), EmulationReport(3.0, 30, 1)])
+    assert (r.tasks, r.overran, r.overrun_fraction) == (40, 2, 0.05)
+    assert EmulationReport.combine([]) is None
+
+
+def test_memory_account_fails_like_an_out_of_memory():
+    m = MemoryAccount("stage 1 (emulated)", capacity=1000)
+    m.allocate("weights", 600)
+    m.allocate("activations", 300)
+    m.free("activations", 300)
+    with pytest.raises(DeviceOutOfMemoryError,
+                       match=r"out of memory on stage 1 \(emulated\) \(emulated capacity 1000 B\): allocating "
+                             r"500 B for stashed versions would hold 1.1 KiB \(now holding: weights 600 B\)"):
+        m.allocate("stashed versions", 500)
+    assert m.peak == 900 and m.held() == {"weights": 600, "activations": 0}
+    MemoryAccount("unlimited").allocate("weights", 10 ** 12)
+
+
+def test_slowdown_makes_chosen_minibatches_slower():
+    pacer = Pacer(0.5, dilation=2.0, slowdown=lambda p: 2.0 if p == 3 else 1.0)
+    assert pacer.target(0.01, minibatch=2) == pytest.approx(0.04)
+    assert pacer.target(0.01, minibatch=3) == pytest.approx(0.08)
+    assert pacer.target(0.01) == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="slowdown factor must be >= 1, got 0.5 for minibatch 1"):
+        Pacer(1.0, slowdown=lambda p: 0.5).target(0.01, minibatch=1)

@@ -1,0 +1,49 @@
+import json
+
+import pytest
+
+from hetpipe_tf.planning.cluster import ClusterError, PRESETS, load_cluster
+
+
+def test_paper_preset_is_table_1():
+    c = load_cluster("paper")
+    assert [(n.device_type, n.count) for n in c.nodes] == [("V", 4), ("R", 4), ("G", 4), ("Q", 4)]
+    t = c.device_types
+    assert [t[k].memory // 2 ** 30 for k in "VRGQ"] == [12, 24, 6, 8]
+    assert [round(t[k].peak_tflops, 1) for k in "VRGQ"] == [14.9, 16.3, 6.5, 5.3]
+    assert c.intra_node_bandwidth == 15.75e9 and c.inter_node_bandwidth == 7e9
+    devices = c.devices()
+    assert len(devices) == 16 and devices[5].name == "node-R:1"
+    assert c.bandwidth(devices[0], devices[1]) == 15.75e9 and c.bandwidth(devices[0], devices[4]) == 7e9
+
+
+def test_local_preset_is_emulated():
+    c = load_cluster("local")
+    assert c.emulated and {d.type.emulated_speed for d in c.devices()} == {1.0, 0.5}
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(PRESETS["local"]))
+    assert load_cluster(str(path)).name == "local"
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s["nodes"][0].update(device_type="X"), "unknown device type 'X'; known: \\['F', 'S'\\]"),
+    (lambda s: s["nodes"][0].update(count=-1), "count must be a positive integer, got -1"),
+    (lambda s: s["device_types"]["F"].update(memory="0M"), "memory size must be > 0"),
+    (lambda s: s["device_types"]["F"].pop("emulated_speed"), "give peak_tflops and memory_bandwidth_GBps"),
+    (lambda s: s["links"].update(inter_node_GBps=0), "inter_node_GBps must be a bandwidth > 0"),
+    (lambda s: s.pop("links"), "missing 'links'"),
+    (lambda s: s["nodes"].append(dict(s["nodes"][0])), "node name 'host-F' is used twice"),
+])
+def test_bad_descriptions_say_what_is_wrong(change, match):
+    spec = json.loads(json.dumps(PRESETS["local"]))
+    change(spec)
+    with pytest.raises(ClusterError, match=match):
+        load_cluster(spec)
+
+
+def test_unknown_name():
+    with pytest.raises(ClusterError, match="no cluster preset or file named 'moon'; presets: \\['local', 'paper'\\]"):
+        load_cluster("moon")

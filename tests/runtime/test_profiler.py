@@ -1,0 +1,31 @@
+import keras
+
+from hetpipe_tf.planning.profile import Profile
+from hetpipe_tf.runtime.profiler import measure_profile
+from tests.cli import test_models
+
+
+def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
+    model = test_models.mlp()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    before = [v.numpy() for v in model.weights]
+    p = measure_profile(model, 8, loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                        cache_dir=str(tmp_path), repeats=3)
+    host = p.times["host"]
+    assert len(host.forward) == len(host.backward) == p.num_segments == 4
+    assert all(t >= 0 for t in host.forward + host.backward) and sum(host.forward) > 0
+    assert host.forward_overhead > 0 and host.backward_overhead > 0 and "measured on" in host.source
+    assert p.apply_per_byte > 0 and p.apply_shared_per_byte > 0 and p.instruction_seconds > 0
+    assert p.pacing_overshoot_seconds >= 0
+    assert all((a == b).all() for a, b in zip(before, [v.numpy() for v in model.weights]))  # probe undone
+    cached = list(tmp_path.glob("*.json"))
+    assert len(cached) == 1 and Profile.from_json(cached[0].read_text()) == p
+    again = measure_profile(model, 8, loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                            cache_dir=str(tmp_path))
+    assert again == p
+
+
+def test_synthetic_transfer_benchmark_measures_growing_times():
+    from hetpipe_tf.runtime.profiler import measure_transfers
+    samples = measure_transfers("/device:CPU:0", "/device:CPU:1", sizes=(2 ** 12, 2 ** 22), repeats=3)
+    assert [b for b, _ in samples] == [2 ** 14, 2 ** 24] and samples[1][1] > samples[0][1] > 0

@@ -1,0 +1,89 @@
+"""What a stage does with a non-finite loss or gradient: it stops the run, names the minibatch,
+the virtual worker and the stage, and applies and pushes nothing of that minibatch."""
+import keras
+import numpy as np
+import pytest
+
+from hetpipe_tf.pipeline.executor import PipelineError
+from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+from tests.cli import test_models
+from tests.pipeline.test_executor import LOSS, _batches
+from tests.runtime.test_wsp_runner import _runner
+
+
+def _poisoned(model, n, bad, seed=0):
+    """n minibatches; minibatch `bad` (1-based) holds a NaN input."""
+    batches = _batches(model, n, seed=seed)
+    x, y = batches[bad - 1]
+    x = x.copy()
+    x[0, 0] = np.nan
+    batches[bad - 1] = (x, y)
+    return batches
+
+
+def _weights(vw):
+    return [v.numpy() for rt in vw.runtimes for v in rt.trainable]
+
+
+def test_a_nan_loss_stops_the_run_naming_minibatch_worker_and_stage_and_applies_nothing_of_it():
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                       timeout_s=30)
+    vw.train(iter(_batches(model, 4)), 4)
+    before = _weights(vw)
+    with pytest.raises(PipelineError, match=r"virtual worker 0: stage 1 failed at .*minibatch 3: the loss is nan") \
+            as info:
+        vw.train(iter(_poisoned(model, 6, bad=3)), 6)
+    cause = info.value.__cause__
+    assert isinstance(cause, NonFiniteError) and (cause.minibatch, cause.stage) == (3, 1)
+    after = _weights(vw)
+    assert all(np.isfinite(w).all() for w in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))  # minibatches 1 and 2 were applied
+
+
+def test_a_nan_gradient_with_a_finite_loss_is_refused_by_the_apply():
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+
+    def finite_loss_nan_gradient(y_true, y_pred):  # sqrt at 0: value 0, gradient inf * 0 = NaN
+        return LOSS(y_true, y_pred) + tf.reduce_mean(tf.sqrt(tf.square(y_pred) * 0.0))
+
+    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=1, optimizer=keras.optimizers.SGD(0.1),
+                       loss=finite_loss_nan_gradient, timeout_s=30)
+    with pytest.raises(PipelineError, match=r"stage (\d) failed at ApplyUpdate\(1\).*minibatch 1: the gradient of "
+                                            r"stage \1 is not finite \(NaN or Inf in .*kernel"):
+        vw.train(iter(_batches(model, 4)), 4)
+    assert all(np.isfinite(w).all() for w in _weights(vw))
+
+
+def test_a_nan_in_one_worker_pushes_nothing_of_it_to_the_parameter_servers():
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    nm, n = 2, 8
+    runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=LOSS, dilation=1.0)
+    with pytest.raises(PipelineError, match=r"virtual worker 1: stage 1 failed at .*minibatch 5: the loss is nan"):
+        runner.train([_batches(model, n), _poisoned(model, n, bad=5, seed=1)], n)
+    values = runner.servers.values()
+    assert all(np.isfinite(v).all() for v in values.values())
+    clocks, _ = runner.servers.clock.clocks()
+    assert clocks[1] <= (5 - 1) // nm  # waves 0 and 1 (minibatches 1..4) at most; not wave 2, which holds 5
+
+
+def test_terminate_on_nan_stops_fit_as_in_keras_and_the_model_keeps_finite_weights():
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    batches = _poisoned(model, 12, bad=9)
+    data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
+        tf.TensorSpec(batches[0][0].shape, tf.float32), tf.TensorSpec(batches[0][1].shape, tf.int64)))
+    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                       timeout_s=30)
+    history = vw.fit(data, epochs=3, steps_per_epoch=4, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0)
+    assert model.stop_training
+    assert len(history.history["loss"]) == 3 and np.isnan(history.history["loss"][-1])
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)

@@ -1,0 +1,137 @@
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetpipe_tf.api.callbacks import PipelineTensorBoard
+from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+from tests.cli import test_models
+from tests.pipeline.test_executor import LOSS, _stale_sgd_reference
+
+
+def _dataset(n_batches, batch=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n_batches * batch, 12)).astype("float32")
+    y = rng.integers(0, 5, size=n_batches * batch)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self.epoch_weights = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append("train_begin")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch", batch, sorted(logs)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch", epoch, sorted(logs)))
+        self.epoch_weights.append([v.numpy() for v in self.model.trainable_variables])
+
+    def on_train_end(self, logs=None):
+        self.calls.append("train_end")
+
+
+def test_fit_behaves_like_keras_fit():
+    keras.utils.set_random_seed(1)
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "1,0.5", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1),
+                       loss=LOSS, metrics=["accuracy"], timeout_s=60)
+    recorder = Recorder()
+    history = vw.fit(_dataset(5), epochs=3, validation_data=_dataset(2, seed=1), callbacks=[recorder], verbose=0)
+    assert history is model.history
+    assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy", "images_per_s",
+                                    "emulated_overrun_fraction"}
+    assert all(len(v) == 3 for v in history.history.values())
+    assert recorder.calls[0] == "train_begin" and recorder.calls[-1] == "train_end"
+    assert [c[1] for c in recorder.calls if c[0] == "batch"] == [0, 1, 2, 3, 4] * 3
+    # The last epoch ends with the last update: its validation used the final weights.
+    assert history.history["val_loss"][-1] == pytest.approx(vw.evaluate(_dataset(2, seed=1))["loss"], abs=1e-5)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_epoch_end_weights_are_the_state_right_after_the_epochs_last_update():
+    keras.utils.set_random_seed(2)
+    model = test_models.mlp()
+    data = _dataset(6)
+    batches = [(x.numpy(), y.numpy()) for x, y in data]
+    # Epoch 1 ends after update 6; the pipeline has already started minibatches 7 and 8.
+    want, _ = _stale_sgd_reference(model, batches, 3, keras.optimizers.SGD(0.1))
+    vw = VirtualWorker(model, "1,1,1", num_minibatches=3, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                       timeout_s=60)
+    recorder = Recorder()
+    vw.fit(data, epochs=2, callbacks=[recorder], verbose=0)
+    for got, w in zip(recorder.epoch_weights[0], want):
+        np.testing.assert_allclose(got, w, atol=1e-5)
+
+
+def test_stop_training_stops_the_pipeline_early():
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                self.model.stop_training = True
+
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "1,1", num_minibatches=2, optimizer="sgd", loss=LOSS, timeout_s=60)
+    history = vw.fit(_dataset(20), epochs=5, callbacks=[StopAt()], verbose=0)
+    assert len(history.history["loss"]) == 1
+    assert vw.report.num_minibatches < 10
+    assert all(rt.stash.stats().num_versions == 0 for rt in vw.runtimes)
+    vw.fit(_dataset(4), epochs=1, verbose=0)  # the next run starts clean
+
+
+def test_failing_callback_stops_every_stage():
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("callback failed")
+
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "1,1", num_minibatches=2, optimizer="sgd", loss=LOSS, timeout_s=60)
+    with pytest.raises(RuntimeError, match="callback failed"):
+        vw.fit(_dataset(50), epochs=4, callbacks=[Boom()], verbose=0)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hetpipe-")]
+    vw.fit(_dataset(3), epochs=1, verbose=0)
+
+
+def test_keras_and_pipeline_tensorboard_callbacks_write_scalars(tmp_path):
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "1,0.5", num_minibatches=2, optimizer="sgd", loss=LOSS, metrics=["accuracy"],
+                       timeout_s=60)
+    vw.fit(_dataset(4), epochs=2, verbose=0,
+           callbacks=[PipelineTensorBoard(str(tmp_path / "hetpipe"), vw),
+                      keras.callbacks.TensorBoard(str(tmp_path / "keras"))])
+    tags = set()
+    for f in tmp_path.glob("**/events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(f)):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"loss", "accuracy", "images_per_s", "busy_fraction/stage_0", "busy_fraction/stage_1",
+            "emulation", "emulated_overrun_fraction"} <= tags
+    assert "epoch_loss" in tags  # written by Keras's own TensorBoard callback
+
+
+def test_bad_inputs_get_clear_errors():
+    model = test_models.mlp()
+    with pytest.raises(ValueError, match="Nm\\) must be >= 1, got 0"):
+        VirtualWorker(model, "1,1", num_minibatches=0, optimizer="sgd", loss=LOSS)
+    with pytest.raises(ValueError, match="a loss is needed"):
+        VirtualWorker(model, "1,1", optimizer="sgd")
+    vw = VirtualWorker(model, "1,1", optimizer="sgd", loss=LOSS)
+    with pytest.raises(ValueError, match="steps_per_epoch is needed"):
+        vw.fit(_dataset(2).repeat(), epochs=1, verbose=0)
+
+
+def test_learning_rate_callbacks_reach_every_stage():
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "1,1,1", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                       timeout_s=60)
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))
+    vw.fit(_dataset(4), epochs=3, callbacks=[schedule], verbose=0)
+    assert model.optimizer is vw.optimizer
+    assert [float(rt.optimizer.learning_rate) for rt in vw.runtimes] == pytest.approx([0.1 / 3] * 3)

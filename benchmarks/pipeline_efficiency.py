@@ -64,9 +64,7 @@ def _measure(vw, data):
     per_mb = [s.busy_s / n for s in report.stages]
 
     def duration(stage, ins):
-        ref = vw.references[stage].get(type(ins))
-        pacer = vw._pacers[stage]
-        return 0.0 if ref is None else (pacer.target(ref) if pacer else ref)
+        return vw.task_seconds(stage, type(ins)) if type(ins) in vw.references[stage] else 0.0
 
     emulation = report.emulation
     return {"throughput_mb_per_s": report.minibatches_per_s, "ideal_mb_per_s": 1.0 / max(per_mb),

@@ -62,8 +62,7 @@ def _run_plan(model, plan, data, dilation, loss, optimizer):
     first = n // 4
     steady = (n - first) / (done[n] - done[first])
     from hetpipe_tf.pipeline.instructions import Backward, Forward
-    targets = [vw._pacers[s].target(vw.references[s][Forward]) + vw._pacers[s].target(vw.references[s][Backward])
-               for s in range(vw.num_stages)]
+    targets = [vw.task_seconds(s, Forward) + vw.task_seconds(s, Backward) for s in range(vw.num_stages)]
     return report, steady, targets
 
 

@@ -91,8 +91,7 @@ def run_once(model, names, slow, d, minibatches, dilation, data, references):
     for vw in runner.vws:
         vw.references = references
     runner.train([data] * WORKERS, minibatches)
-    ends = [t for times in runner._completions.values() for t in times]
-    images_per_s = WORKERS * minibatches * BATCH / (max(ends) - runner._started)
+    images_per_s = runner.images_per_s()
     from hetpipe_tf.pipeline.emulation import EmulationReport
     overrun = EmulationReport.combine(vw.emulation_report() for vw in runner.vws).overrun_fraction
     return runner, images_per_s, overrun
@@ -101,7 +100,8 @@ def run_once(model, names, slow, d, minibatches, dilation, data, references):
 def predict(runner, slow, d, minibatches, dilation):
     """The simulator's images/s for the same schedules, from the measured stage times."""
     from hetpipe_tf.pipeline.instructions import Backward, Forward
-    from hetpipe_tf.pipeline.simulator import ParameterServerModel, simulate_workers
+    from hetpipe_tf.pipeline.simulator import simulate_workers
+    from hetpipe_tf.sync.wsp import ParameterServerModel
 
     schedules = [vw.schedule(minibatches) for vw in runner.vws]
 

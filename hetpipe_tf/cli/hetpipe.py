@@ -32,19 +32,13 @@ FLAGS = flags.FLAGS
 COMMANDS = "plan, simulate, launch -- COMMAND [ARGS...], trace plot TRACE.json [-o PNG]"
 
 
-def _optimizer():
-    import keras
-    return {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=FLAGS.momentum),
-            "adam": lambda: keras.optimizers.Adam(), "rmsprop": lambda: keras.optimizers.RMSprop()}[FLAGS.optimizer]()
-
-
 def make_plan():
     """The plan the flags ask for, and a one-line description of where its times come from."""
     from hetpipe_tf.cli import models
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan
     from hetpipe_tf.planning.profile import static_profile
-    from hetpipe_tf.runtime.optimizers import slots_per_weight
+    from hetpipe_tf.runtime.optimizers import by_name, slots_per_weight
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     cluster = load_cluster(FLAGS.cluster)
@@ -56,7 +50,7 @@ def make_plan():
     shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
     classes = FLAGS.num_classes or (1000 if big else 10)
     model = models.build_model(FLAGS.model, shape, classes)
-    optimizer = _optimizer()
+    optimizer = by_name(FLAGS.optimizer, momentum=FLAGS.momentum)  # only its slots matter to a plan
     links = None
     if cluster.emulated:
         # Emulated devices are measured here, and so is the host link between them (§7's

@@ -4,7 +4,7 @@ from absl import flags
 
 from hetpipe_tf.cli import models
 from hetpipe_tf.planning.allocation import POLICIES
-from hetpipe_tf.planning.planner import PLACEMENTS
+from hetpipe_tf.sync.wsp import PLACEMENTS
 
 
 def define_flags():

@@ -73,11 +73,9 @@ def _data_and_model():
 
 
 def _optimizer():
-    import keras
+    from hetpipe_tf.runtime.optimizers import by_name
 
-    return {"sgd": lambda: keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum),
-            "adam": lambda: keras.optimizers.Adam(FLAGS.learning_rate),
-            "rmsprop": lambda: keras.optimizers.RMSprop(FLAGS.learning_rate)}[FLAGS.optimizer]()
+    return by_name(FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum)
 
 
 def _train_virtual_workers():

@@ -66,7 +66,3 @@ class Mailbox:
                 if left <= 0:
                     raise TimeoutError(f"{self.owner} waited {timeout:g} s with no task ready: {describe()}")
                 self.cond.wait(min(left, 1.0))
-
-    def pending(self):
-        with self.cond:
-            return sorted(self._items)

@@ -20,6 +20,15 @@ class UnsupportedOptimizerError(ValueError):
     """An optimizer the pipeline cannot run as plain Keras would."""
 
 
+def by_name(name, learning_rate=0.01, momentum=0.0):
+    """A Keras optimizer by the name the binaries' --optimizer flag takes: sgd, adam or rmsprop."""
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate, momentum=momentum)
+    if name in ("adam", "rmsprop"):
+        return {"adam": keras.optimizers.Adam, "rmsprop": keras.optimizers.RMSprop}[name](learning_rate)
+    raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: sgd, adam, rmsprop")
+
+
 def check_optimizer(optimizer):
     """Returns a Keras optimizer for `optimizer` (an instance or a name), or raises."""
     if isinstance(optimizer, str):

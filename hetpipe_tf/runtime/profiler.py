@@ -137,7 +137,7 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     events = [e for e in vw.trace.events() if e.get("ph") == "X"]
     compute = {Forward.__name__, Backward.__name__, ApplyUpdate.__name__}
     instruction = float(np.median([e["dur"] for e in events if e["cat"] not in compute])) * 1e-6
-    late = [e["dur"] * 1e-6 - vw._pacers[e["tid"]].target(vw.references[e["tid"]][kind])
+    late = [e["dur"] * 1e-6 - vw.task_seconds(e["tid"], kind)
             for kind in (Forward, Backward) for e in events if e["cat"] == kind.__name__]
     overshoot = max(0.0, float(np.mean(late)))
     ratios = []

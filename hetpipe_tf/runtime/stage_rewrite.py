@@ -168,7 +168,8 @@ class Stage:
     def non_trainable_variables(self):
         return self.model.non_trainable_variables
 
-    def _call(self, trainable, non_trainable, entering, training):
+    def stateless_call(self, trainable, non_trainable, entering, training):
+        """The stage on given weight values and state: (sent tensors, new state, regularisation loss)."""
         inputs = [entering[i] for i in self._consumed_pos]
         outputs, new_state, losses = self.model.stateless_call(
             list(trainable), list(non_trainable), _one_or_list(inputs), training=training,
@@ -182,7 +183,7 @@ class Stage:
     def call(self, trainable, non_trainable, entering, training=True):
         fn = self._functions.get(training)
         if fn is None:
-            fn = tf.function(functools.partial(self._call, training=training))  # one warning key per stage
+            fn = tf.function(functools.partial(self.stateless_call, training=training))  # one warning key per stage
             self._functions[training] = fn
         return fn(list(trainable), list(non_trainable), list(entering))
 

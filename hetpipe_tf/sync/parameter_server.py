@@ -23,8 +23,8 @@ import functools
 import tensorflow as tf
 
 from hetpipe_tf.ops.wsp_clock import WspClock
+from hetpipe_tf.sync.wsp import PLACEMENTS
 
-PLACEMENTS = ("default", "local")
 
 
 class ParameterServers:

@@ -47,8 +47,13 @@ _EXPORTS = {
     "ModelGraph": "hetpipe_tf.planning.model_graph",
     "balanced_boundaries": "hetpipe_tf.planning.partitioner",
     # Schedules and simulation
-    "hetpipe_schedule": "hetpipe_tf.pipeline.schedule",
+    "hetpipe_schedule": "hetpipe_tf.pipeline.hetpipe",
     "Schedule": "hetpipe_tf.pipeline.schedule",
+    # The seams: a schedule and a synchronisation scheme are registered objects
+    "PipelineSchedule": "hetpipe_tf.pipeline.schedule",
+    "SyncScheme": "hetpipe_tf.pipeline.schedule",
+    "register_schedule": "hetpipe_tf.pipeline.schedule",
+    "register_sync": "hetpipe_tf.pipeline.schedule",
     "simulate": "hetpipe_tf.pipeline.simulator",
     # Devices and emulation
     "DeviceSpec": "hetpipe_tf.planning.devices",

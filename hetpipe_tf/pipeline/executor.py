@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, PULLED, ApplyUpdate, Backward, Forward,
-    LoadMinibatch, MergePulled, PullWeights, PushUpdate, RecvActivation, RecvGradient, RecvInputs,
-    RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
+    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, ApplyUpdate, Backward, Forward, LoadMinibatch,
+    RecvActivation, RecvGradient, RecvInputs, RecvLabels, ReleaseWeights, SendActivation, SendGradient,
+    SnapshotState, StashWeights)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
@@ -90,7 +90,10 @@ class PipelineExecutor:
       trace: a TraceRecorder or None; pid: its process id for this virtual worker.
       on_minibatch_done: called (from a stage thread) with (p, logs) when update p is in every stage.
       on_snapshot: called with (p, [StageState per stage]) once every stage recorded state p.
-      sync: a :class:`WorkerSync` when this worker is one of several under WSP (§5).
+      sync_handlers: how to carry out the instructions of the synchronisation scheme between
+        virtual workers: {instruction type: handler(executor, stage, instruction, *taken keys)}
+        (:meth:`hetpipe_tf.pipeline.schedule.SyncScheme.handlers`). Handlers use the executor's
+        ``runtimes``, ``schedule``, :meth:`clock`, :meth:`trace_span` and :meth:`in_background`.
     """
 
     _HANDLERS = {
@@ -99,12 +102,11 @@ class PipelineExecutor:
         RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", Forward: "_forward",
         Backward: "_backward", ApplyUpdate: "_apply_update", StashWeights: "_stash_weights",
         ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state",
-        PushUpdate: "_push_update", PullWeights: "_pull_weights", MergePulled: "_merge_pulled",
     }
 
     def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
                  timeout_s=120.0, trace=None, pid=0, on_minibatch_done=None, on_snapshot=None,
-                 clock=time.perf_counter, sync=None):
+                 clock=time.perf_counter, sync_handlers=None):
         if len(runtimes) != schedule.num_stages:
             raise ValueError(f"{schedule.num_stages} stages in the schedule, {len(runtimes)} runtimes")
         self.schedule = schedule
@@ -134,10 +136,9 @@ class PipelineExecutor:
         self._snapshot_lock = threading.Lock()
         self._logs = {}
         self.reports = [StageReport(s, runtimes[s].device) for s in range(k)]
-        self._sync = sync
-        self._pulls = None
-        self.pull_waits = []  # (stage, wave, requested, answered)
-        self.first_stage_busy = []  # (start, end) of the first stage's tasks, under WSP (§8.4)
+        self._sync_handlers = dict(sync_handlers or {})
+        self._background = None
+        self.first_stage_busy = []  # (start, end) of the first stage's tasks (§8.4's idle time)
         self._check_instructions()
 
     def _check_instructions(self):
@@ -145,18 +146,18 @@ class PipelineExecutor:
             samples = list(prog.prologue) + [ins for stream in prog.streams for task in stream[:2]
                                              for ins in task.instructions]
             for ins in samples:
-                if type(ins) not in self._HANDLERS:
-                    known = ", ".join(sorted(t.__name__ for t in self._HANDLERS))
+                if type(ins) not in self._HANDLERS and type(ins) not in self._sync_handlers:
+                    known = ", ".join(sorted(t.__name__ for t in list(self._HANDLERS) + list(self._sync_handlers)))
                     raise UnknownInstructionError(
                         f"stage {prog.stage}: the executor does not carry out {ins!r}; it knows: {known}")
 
     # Running ----------------------------------------------------------------------------
     def run(self):
         """Runs the whole schedule; returns an ExecutionReport or raises PipelineError."""
-        if self._sync is not None:
+        if self._sync_handlers:
             from concurrent.futures import ThreadPoolExecutor
-            self._pulls = ThreadPoolExecutor(max_workers=self.schedule.num_stages,
-                                             thread_name_prefix=f"hetpipe-pull-w{self._sync.worker}")
+            self._background = ThreadPoolExecutor(max_workers=self.schedule.num_stages,
+                                                  thread_name_prefix=f"hetpipe-sync-w{self._pid}")
         threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
                                     daemon=True) for s in range(self.schedule.num_stages)]
         start = self._clock()
@@ -180,8 +181,8 @@ class PipelineExecutor:
             mb.wake()
         for t in threads:
             t.join(timeout=5.0)
-        if self._pulls is not None:
-            self._pulls.shutdown(wait=False, cancel_futures=True)
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
         for rt in self.runtimes:
             try:
                 rt.end_run()
@@ -267,7 +268,7 @@ class PipelineExecutor:
                 t1 = self._clock()
                 self.reports[s].tasks += 1
                 self.reports[s].busy_s += t1 - t0
-                if s == 0 and self._sync is not None:
+                if s == 0:
                     self.first_stage_busy.append((t0, t1))
                 pos[i] += 1
             self._set_status(s, "done")
@@ -319,7 +320,9 @@ class PipelineExecutor:
         self._set_status(s, f"running {ins!r}")
         t0 = self._clock()
         taken = [self._mailboxes[s].take(key) for key in ins.requires()]
-        values = getattr(self, self._HANDLERS[type(ins)])(s, ins, *taken) or {}
+        method = self._HANDLERS.get(type(ins))
+        values = (getattr(self, method)(s, ins, *taken) if method
+                  else self._sync_handlers[type(ins)](self, s, ins, *taken)) or {}
         for dst, key in ins.provides(s):
             if dst != PARAMETER_SERVER:  # the method itself talked to the parameter servers
                 self._mailboxes[dst].put(key, values.get((dst, key)))
@@ -407,40 +410,22 @@ class PipelineExecutor:
         if complete and self._on_snapshot:
             self._on_snapshot(ins.minibatch, [states[i] for i in range(self.schedule.num_stages)])
 
-    # Wave Synchronous Parallel (§5) -----------------------------------------------------
-    def _push_update(self, s, ins):
-        paths, deltas = self.runtimes[s].wave_update()
-        self._sync.servers.push(self._sync.worker, s, ins.wave, paths, deltas)
+    # What the synchronisation scheme's handlers use ------------------------------------
+    def clock(self):
+        return self._clock()
 
-    def _pull_weights(self, s, ins):
-        """Asks for the global weights; a pool thread waits for them, the stage goes on."""
-        rt, sync = self.runtimes[s], self._sync
-        asked = self._clock()
+    def trace_span(self, thread, name, start, end, category):
+        """Adds a span to this worker's trace (if traced): `thread` is a row of its own."""
+        if self._trace:
+            self._trace.span(self._pid, thread, name, start, end, category=category)
 
-        def pull():
+    def in_background(self, s, ins, key, work):
+        """Runs `work()` on a pool thread while stage `s` goes on, and delivers its result to
+        the stage as `key`; an error fails the run at `ins`."""
+        def run():
             try:
-                values, clocks = sync.servers.pull(rt.paths, ins.wave - sync.staleness_bound, sync.timeout_s)
-                answered = self._clock()
-                self.pull_waits.append((s, ins.wave, asked, answered))
-                if self._trace:
-                    self._trace.span(self._pid, 100 + s, f"wait for wave {ins.wave - sync.staleness_bound} "
-                                     f"(pull of clock {ins.wave})", asked, answered, category="PullWait")
-                self._mailboxes[s].put((PULLED, ins.wave), (values, clocks))
+                self._mailboxes[s].put(key, work())
             except BaseException as exc:  # noqa: BLE001 - reported by run()
                 self._fail(s, ins, exc)
 
-        self._pulls.submit(pull)
-
-    def _merge_pulled(self, s, ins, pulled):
-        values, clocks = pulled
-        self.runtimes[s].merge_pulled(ins.wave, values, clocks,
-                                      first_minibatch=(ins.wave + 2) * self.schedule.num_in_flight)
-
-
-@dataclass(frozen=True)
-class WorkerSync:
-    """How one virtual worker synchronises with the others under WSP (§5)."""
-    worker: int
-    servers: object  # ParameterServers
-    staleness_bound: int
-    timeout_s: float = 300.0
+        self._background.submit(run)

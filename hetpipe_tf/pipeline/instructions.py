@@ -23,8 +23,6 @@ INPUTS = "inputs"
 LABELS = "labels"
 WEIGHTS = "weights"
 SLOT = "activation slot"
-PULLED = "pulled"
-MERGED = "merged"
 #: The destination of what a stage sends to the parameter servers.
 PARAMETER_SERVER = "ps"
 
@@ -118,18 +116,17 @@ class Forward(Instruction):
     """Forward pass of minibatch p with weight version w_p; the last stage adds the loss.
 
     With a `window` w, the stage holds at most w minibatches' activations: Forward(p)
-    also waits for Backward(p - w) on the same stage.
+    also waits for Backward(p - w) on the same stage. `waits`: further keys it waits for,
+    from the synchronisation scheme between virtual workers.
     """
     window: int = field(default=0, kw_only=True)
-    merged: int | None = field(default=None, kw_only=True)  # WSP: the wave whose pull w_p needs
+    waits: tuple = field(default=(), kw_only=True)
 
     def requires(self):
         keys = ((WEIGHTS, self.minibatch),)
         if self.window and self.minibatch > self.window:
             keys += ((SLOT, self.minibatch),)
-        if self.merged is not None:
-            keys += ((MERGED, self.merged),)
-        return keys
+        return keys + tuple(self.waits)
 
 
 @dataclass(frozen=True, repr=False)
@@ -165,50 +162,6 @@ class ReleaseWeights(Instruction):
 @dataclass(frozen=True, repr=False)
 class SnapshotState(Instruction):
     """Records the stage's state right after update p: weights, optimizer slots, statistics."""
-
-
-@dataclass(frozen=True, repr=False)
-class WaveInstruction(Instruction):
-    """An instruction about wave c (minibatches c*Nm+1 .. (c+1)*Nm), §5. `minibatch` is the
-    wave's last minibatch, after whose update it runs."""
-    wave: int = field(default=0, kw_only=True)
-
-    def __repr__(self):
-        return f"{type(self).__name__}(wave={self.wave})"
-
-
-@dataclass(frozen=True, repr=False)
-class PushUpdate(WaveInstruction):
-    """Pushes the stage's aggregated update of wave c (the sum of its local updates) to the
-    parameter servers, which apply w_global += u (§5)."""
-
-    def provides(self, stage):
-        return ((PARAMETER_SERVER, ("update", self.wave)),)
-
-
-@dataclass(frozen=True, repr=False)
-class PullWeights(WaveInstruction):
-    """Asks the parameter servers for the global weights at the end of clock c; they answer
-    once every virtual worker has pushed wave c - D (§5). The stage does not wait here."""
-
-    def provides(self, stage):
-        return ((PARAMETER_SERVER, ("pull", self.wave)),)
-
-
-@dataclass(frozen=True, repr=False)
-class MergePulled(WaveInstruction):
-    """Takes the pulled global weights into the stage: w_local becomes w_global plus the local
-    updates made since the push of wave c, and so do the versions stashed since then."""
-
-    def requires(self):
-        return ((PULLED, self.wave),)
-
-    def provides(self, stage):
-        return ((stage, (MERGED, self.wave)),)
-
-
-#: Instructions that compute on the device: emulated devices pad these.
-COMPUTE = (Forward, Backward)
 
 
 @dataclass(frozen=True)

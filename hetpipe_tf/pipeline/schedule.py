@@ -1,4 +1,4 @@
-"""Pipeline schedules: for every stage, the program it runs (HetPipe §4).
+"""Pipeline schedules and the two seams around them (HetPipe §4, §5).
 
 Pure Python. A :class:`Schedule` holds one :class:`StageProgram` per stage: a
 prologue run first, in order, then one or more task streams. A single stream
@@ -15,11 +15,6 @@ one place where timing decides, for example when a middle stage has a forward
 and a backward task ready, and the program says so: it lists both streams.
 """
 from dataclasses import dataclass
-
-from hetpipe_tf.pipeline.instructions import (
-    ApplyUpdate, Backward, Forward, LoadMinibatch, MergePulled, PullWeights, PushUpdate, RecvActivation,
-    RecvGradient, RecvInputs, RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState,
-    StashWeights, Task, TaskStream)
 
 
 def fifo_pick(candidates):
@@ -39,10 +34,6 @@ class StageProgram:
     stage: int
     prologue: tuple
     streams: tuple
-
-    @property
-    def num_tasks(self):
-        return sum(len(s) for s in self.streams)
 
     def format(self, max_minibatches=6):
         merge = ("FIFO merge of the streams below (§4 rule 3: first ready, first run; "
@@ -73,108 +64,115 @@ class Schedule:
         return self.format()
 
 
-def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0,),
-                     snapshot_after=(), wsp=False):
-    """The HetPipe schedule of one virtual worker (§4).
+class PipelineSchedule:
+    """The schedule seam: how the stages of one virtual worker order their work.
 
-    Minibatch p uses weight version w_p, which holds exactly the local updates of
-    minibatches 1..p-Nm: every stage stashes w_1 = ... = w_Nm = w_0 in its
-    prologue, and stashes w_{p+Nm} right after applying update p. Forward(p)
-    requires w_p, so minibatch p starts only once update p-Nm is applied, and at
-    most Nm versions are live per stage (w_p is released before update p). The
-    last stage runs forward and backward of a minibatch as one task.
-
-    §4 sizes each stage's memory by its position: the first stage holds the
-    activations of the most minibatches, the last stage of one. This schedule makes
-    that a rule: stage q holds at most min(Nm, k - q) minibatches' activations
-    (Forward(p) also waits for Backward(p - w) on that stage), so the planner's
-    memory per stage position is what the stage can ever need.
-
-    Args:
-      num_stages: k.
-      num_minibatches: how many minibatches the run trains.
-      num_in_flight: Nm, the number of minibatches in the pipeline (s_local + 1).
-      input_stages: the stages that consume model inputs (stage 0 loads them).
-      snapshot_after: minibatch ids after whose update every stage records its state.
-      wsp: this virtual worker is one of several synchronised by Wave Synchronous Parallel
-        (§5). At the end of every wave c (after update (c+1)*Nm) each stage pushes the
-        wave's aggregated update and asks for the global weights (PushUpdate, PullWeights);
-        a third stream merges them when they arrive (MergePulled), and minibatch (c+2)*Nm,
-        the first whose version must hold the global updates of wave c, waits for that
-        merge. A last, partial wave is pushed too (no update is lost); pulls that no later
-        minibatch needs are not made. For D = 0, Nm = 4 (seed 001): minibatch 8 waits for every worker's wave 0,
-        while minibatches 5..7 of wave 1 are already in the pipeline.
+    A schedule is a registered object (:func:`register_schedule`) that generates every
+    stage's program and states the facts the cost model and the planner charge for it;
+    ``VirtualWorker(schedule=NAME)``, the planner, the cost model and the simulator ask it
+    and hard-wire nothing of any one schedule. HetPipe's (:mod:`hetpipe_tf.pipeline.hetpipe`)
+    is the first registration; tests/pipeline/test_seams.py registers a toy one.
     """
-    k, n, nm = int(num_stages), int(num_minibatches), int(num_in_flight)
-    if k < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if n < 0:
-        raise ValueError(f"num_minibatches must be >= 0, got {num_minibatches}")
-    if nm < 1:
-        raise ValueError(f"num_in_flight (Nm) must be >= 1, got {num_in_flight}")
-    input_stages = tuple(sorted(set(input_stages)))
-    if 0 not in input_stages or input_stages[-1] >= k:
-        raise ValueError(f"input_stages must include 0 and lie in 0..{k - 1}, got {list(input_stages)}")
-    snapshots = frozenset(snapshot_after)
-    last = k - 1
 
-    def entry(s, p):
-        ins = []
-        if s == 0:
-            ins.append(LoadMinibatch(p, inputs_to=input_stages[1:], labels_to=last))
-        elif s in input_stages:
-            ins.append(RecvInputs(p))
-        if s > 0:
-            ins.append(RecvActivation(p))
-        return ins
+    name = None
+    #: The instruction types its programs contain (the executor must carry out each).
+    instructions = frozenset()
 
-    def update(s, p):
-        ins = [SendGradient(p, to=s - 1)] if s > 0 else []
-        ins += [ReleaseWeights(p), ApplyUpdate(p)]
-        if p + nm <= n:
-            ins.append(StashWeights(p + nm))
-        if wsp and (p % nm == 0 or p == n):
-            wave = (p - 1) // nm
-            ins.append(PushUpdate(p, wave=wave))
-            if (wave + 2) * nm <= n:  # some later minibatch needs this wave's pull
-                ins.append(PullWeights(p, wave=wave))
-        if p in snapshots:
-            ins.append(SnapshotState(p))
-        return ins
+    def programs(self, num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(),
+                 sync=None):
+        """The :class:`Schedule` of a run of `num_minibatches` minibatches with `num_in_flight`
+        (Nm) in flight; `sync` (a :class:`SyncScheme`, default none) adds its instructions."""
+        raise NotImplementedError
 
-    def gate(p):
-        """The wave whose pull minibatch p's version needs (§5), or None."""
-        return p // nm - 2 if wsp and p % nm == 0 and p > nm else None
+    def activations_held(self, position, num_stages, num_in_flight):
+        """The most minibatches whose activations the stage at `position` holds at once."""
+        raise NotImplementedError
 
-    num_waves = n // nm if wsp else 0
+    def weight_versions(self, num_in_flight):
+        """The most stashed weight versions a stage holds at once (besides its live weights)."""
+        raise NotImplementedError
 
-    programs = []
-    for s in range(k):
-        prologue = tuple(StashWeights(p) for p in range(1, min(nm, n) + 1))
-        if s < last:
-            window = k - s if k - s < nm else 0  # only where it is tighter than Nm itself
 
-            def forward(p, s=s, w=window):
-                return Task(s, "forward", p, tuple(entry(s, p) + [Forward(p, window=w, merged=gate(p)),
-                                                                  SendActivation(p, to=s + 1)]))
+class SyncScheme:
+    """The synchronisation seam: everything between virtual workers.
 
-            def backward(p, s=s, w=window):
-                return Task(s, "backward", p, tuple([RecvGradient(p), Backward(p, window=w)] + update(s, p)))
+    A scheme is a registered object (:func:`register_sync`) that says which instructions
+    follow a minibatch's update (:meth:`after_update`), what a minibatch's forward pass
+    waits for (:meth:`forward_waits`), which extra task streams a stage runs
+    (:meth:`streams`), how the executor carries its instructions out (:meth:`handlers`),
+    how the simulator models the servers (:meth:`simulation_model`) and how many more
+    copies of a stage's weights it keeps (:attr:`weight_copies`). This base class is the
+    scheme of one virtual worker alone: nothing between workers. WSP
+    (:mod:`hetpipe_tf.sync.wsp`) is the first registration.
+    """
 
-            streams = (TaskStream("forward", n, forward), TaskStream("backward", n, backward))
-        else:
-            def forward_backward(p, s=s):
-                return Task(s, "forward_backward", p,
-                            tuple(entry(s, p) + [RecvLabels(p), Forward(p, merged=gate(p)), Backward(p)]
-                                  + update(s, p)))
+    name = "none"
+    instructions = frozenset()
+    #: Its instructions that rewrite a stage's weights like an update: the planner charges
+    #: each the stage's apply time.
+    apply_like = frozenset()
+    weight_copies = 0
 
-            streams = (TaskStream("forward_backward", n, forward_backward),)
-        if wsp:
-            def merge(c, s=s):
-                return Task(s, "merge", (c + 1) * nm, (MergePulled((c + 1) * nm, wave=c),))
+    def after_update(self, minibatch, num_minibatches, num_in_flight):
+        """Instructions a stage runs right after applying `minibatch`'s update."""
+        return ()
 
-            # Only merges that a later minibatch waits for: wave c gates minibatch (c+2)*Nm.
-            streams += (TaskStream("merge", max(num_waves - 1, 0), lambda i, s=s: merge(i - 1, s)),)
-        programs.append(StageProgram(stage=s, prologue=prologue, streams=streams))
-    return Schedule(name="hetpipe", num_stages=k, num_minibatches=n, num_in_flight=nm,
-                    programs=tuple(programs))
+    def forward_waits(self, minibatch, num_in_flight):
+        """Keys (at the stage itself) that `minibatch`'s forward pass waits for."""
+        return ()
+
+    def streams(self, stage, num_minibatches, num_in_flight):
+        """Task streams a stage runs beside its pipeline's own."""
+        return ()
+
+    def bind(self, worker, servers, staleness_bound, timeout_s):
+        """The binding of virtual worker `worker` to the parameter servers: what its executor's
+        handlers use. It has ``scheme`` (this scheme), ``worker`` and ``pull_waits`` (a list of
+        (stage, clock, asked, answered) the handlers append to)."""
+        raise NotImplementedError(f"the synchronisation scheme {self.name!r} binds no workers to servers")
+
+    def handlers(self, binding):
+        """Instruction type -> handler(executor, stage, instruction, *taken keys), for one
+        worker bound to the others by `binding`."""
+        return {}
+
+    def simulation_model(self, staleness_bound, push_time, pull_time):
+        """What answers the schedule's requests to the servers in the simulator (None: none)."""
+        return None
+
+
+NO_SYNC = SyncScheme()
+
+_SCHEDULES = {}
+_SYNCS = {NO_SYNC.name: NO_SYNC}
+
+
+def register_schedule(schedule):
+    """Makes `schedule` (a :class:`PipelineSchedule`) known by its name; returns it."""
+    _SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def register_sync(scheme):
+    """Makes `scheme` (a :class:`SyncScheme`) known by its name; returns it."""
+    _SYNCS[scheme.name] = scheme
+    return scheme
+
+
+def _lookup(kind, registry, value):
+    if not isinstance(value, str):
+        return value
+    if value not in registry:
+        raise ValueError(f"unknown {kind} {value!r}; the registered ones are: {', '.join(sorted(registry))} "
+                         f"(register_{kind} adds one)")
+    return registry[value]
+
+
+def get_schedule(schedule):
+    """The registered :class:`PipelineSchedule` named `schedule` (or `schedule` itself)."""
+    return _lookup("schedule", _SCHEDULES, schedule)
+
+
+def get_sync(scheme):
+    """The registered :class:`SyncScheme` named `scheme` (or `scheme` itself; None: no sync)."""
+    return NO_SYNC if scheme is None else _lookup("sync", _SYNCS, scheme)

@@ -8,14 +8,14 @@ seconds (``duration((worker, stage), instruction)`` for several workers), and a 
 provided to another stage arrives ``transfer(src, dst, instruction)`` seconds after
 the instruction ends.
 
-With several virtual workers, :class:`ParameterServerModel` plays the parameter
-servers of Wave Synchronous Parallel (§5): a push of wave c arrives after its
-transfer time; a pull of clock c is answered once every stage of every worker has
-pushed wave c - D, and arrives after its transfer time.
+With several virtual workers, the synchronisation scheme's simulation model
+(:meth:`hetpipe_tf.pipeline.schedule.SyncScheme.simulation_model`, for WSP
+:class:`hetpipe_tf.sync.wsp.ParameterServerModel`) plays the servers: it receives
+what instructions send to ``PARAMETER_SERVER`` and says when its answers arrive.
 """
 from dataclasses import dataclass, field
 
-from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, PULLED, ApplyUpdate
+from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, ApplyUpdate
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
 
@@ -38,7 +38,7 @@ class SimulationResult:
     num_minibatches: int  # per virtual worker
     spans: list = field(default_factory=list)
     task_order: dict = field(default_factory=dict)  # agent -> [(kind, minibatch), ...]
-    pulls: list = field(default_factory=list)  # (worker, stage, wave, requested, answered)
+    pulls: list = field(default_factory=list)  # (worker, stage, key, requested, answered) of server answers
 
     @property
     def num_stages(self):
@@ -80,7 +80,7 @@ class SimulationResult:
         wait in which the stage ran nothing), §8.4."""
         agent = (worker, 0)
         busy = [(s.start, s.end) for s in self.spans if s.stage == agent]
-        return wait_and_idle([(asked, answered) for w, stage, wave, asked, answered in self.pulls
+        return wait_and_idle([(asked, answered) for w, stage, key, asked, answered in self.pulls
                               if w == worker and stage == 0], busy)
 
 
@@ -92,42 +92,6 @@ def wait_and_idle(waits, busy):
         covered = sum(max(0.0, min(e, answered) - max(b, asked)) for b, e in busy)
         out.append((answered - asked, answered - asked - covered))
     return out
-
-
-class ParameterServerModel:
-    """Simulated WSP parameter servers: clocks from pushes, pulls answered under bound D."""
-
-    def __init__(self, staleness_bound, push_time=lambda agent, ins: 0.0, pull_time=lambda agent, ins: 0.0):
-        if staleness_bound < 0:
-            raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
-        self.staleness_bound = staleness_bound
-        self.push_time = push_time
-        self.pull_time = pull_time
-        self.pushes = {}  # wave -> {agent: arrival}
-        self.pending = []  # (agent, wave, requested, instruction)
-
-    def receive(self, agent, key, instruction, time):
-        kind, wave = key
-        if kind == "update":
-            self.pushes.setdefault(wave, {})[agent] = time + self.push_time(agent, instruction)
-        elif kind == "pull":
-            self.pending.append((agent, wave, time, instruction))
-        else:
-            raise ValueError(f"the parameter servers got an unknown request {key!r}")
-
-    def answers(self, agents):
-        """Pulls that can be answered now: (agent, wave, requested, arrival)."""
-        ready, still = [], []
-        for agent, wave, asked, ins in self.pending:
-            needed = wave - self.staleness_bound
-            pushed = self.pushes.get(needed, {}) if needed >= 0 else None
-            if needed < 0 or len(pushed) == len(agents):
-                start = max([asked] + (list(pushed.values()) if pushed else []))
-                ready.append((agent, wave, asked, start + self.pull_time(agent, ins)))
-            else:
-                still.append((agent, wave, asked, ins))
-        self.pending = still
-        return ready
 
 
 def simulate(schedule, duration, transfer=None):
@@ -149,8 +113,9 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None)
       duration: duration((worker, stage), instruction) -> seconds.
       transfer: transfer(src_agent, dst_agent, instruction) -> seconds for a key to reach
         another stage of the same worker (default 0).
-      parameter_servers: a :class:`ParameterServerModel`, needed when the schedules push
-        and pull (WSP).
+      parameter_servers: the synchronisation scheme's simulation model, needed when the
+        schedules talk to parameter servers: receive(agent, key, instruction, time) takes a
+        request, answers(agents) gives (agent, key, requested, arrival) of those answered now.
     Returns:
       A :class:`SimulationResult` whose agents are (worker, stage) pairs.
     Raises:
@@ -185,10 +150,10 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None)
                 touched.add(target)
             t = end
         if ps is not None:
-            for who, wave, asked, arrival in ps.answers(agents):
-                avail[who][(PULLED, wave)] = arrival
+            for who, key, asked, arrival in ps.answers(agents):
+                avail[who][key] = arrival
                 touched.add(who)
-                result.pulls.append((who[0], who[1], wave, asked, arrival))
+                result.pulls.append((who[0], who[1], key, asked, arrival))
         return t
 
     def candidate(a):

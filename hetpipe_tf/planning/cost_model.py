@@ -13,13 +13,20 @@ in flight:
   non-compute instructions (their number per minibatch comes from the schedule). Communication over a link follows §7: inside a
   node, bytes / (bandwidth x a scaling-down constant); between nodes, a linear fit
   ``intercept + slope x bytes`` (:class:`LinkModel`);
-* **memory** = live weights and non-trainable state, Nm stashed weight versions,
-  optimizer slots, with WSP one more copy (the weights at the last push), and the
-  activations of the minibatches in flight at that stage: min(Nm, k - q), so the
-  first stage holds the most and the last one holds one (§4; the schedule enforces
-  this window), plus a reserve for the framework's own memory on real devices.
+* **memory** = live weights and non-trainable state, the stashed weight versions,
+  optimizer slots, the synchronisation scheme's copies, and the activations of the
+  minibatches in flight at that stage, plus a reserve for the framework's own memory on
+  real devices. The schedule and the synchronisation scheme state their numbers (the
+  seams of :mod:`hetpipe_tf.pipeline.schedule`): HetPipe holds Nm versions and the
+  activations of min(Nm, k - q) minibatches at position q, so the first stage holds the
+  most and the last one holds one (§4; the schedule enforces this window); WSP keeps one
+  more copy (the weights at the last push).
 """
 from dataclasses import dataclass, field
+
+from hetpipe_tf.pipeline.hetpipe import HETPIPE
+from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
+from hetpipe_tf.pipeline.schedule import NO_SYNC
 
 REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GPU
 
@@ -77,20 +84,12 @@ def fit_line(samples):
     return max(mean_t - slope * mean_b, 0.0), slope
 
 
-def non_compute_instructions(position, num_stages):
+def non_compute_instructions(position, num_stages, schedule=HETPIPE):
     """How many receives, sends, stashes and releases a minibatch has at a stage position,
-    counted from the HetPipe schedule itself."""
-    from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
-    from hetpipe_tf.pipeline.schedule import hetpipe_schedule
-
-    prog = hetpipe_schedule(num_stages, 3, 1).programs[position]
+    counted from the schedule itself."""
+    prog = schedule.programs(num_stages, 3, 1).programs[position]
     return sum(1 for stream in prog.streams for ins in stream[1].instructions
                if not isinstance(ins, (Forward, Backward, ApplyUpdate)))
-
-
-def in_flight(position, num_stages, num_in_flight):
-    """Minibatches whose activations a stage holds at once (§4): min(Nm, k - q)."""
-    return max(1, min(num_in_flight, num_stages - position))
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,8 @@ class CostModel:
     links: LinkModel = LinkModel()
     dilation: float = 1.0  # emulated devices' time dilation
     optimizer_slots: int = 1  # optimizer variables per weight (SGD with momentum: 1, Adam: 2)
-    wsp: bool = False  # several virtual workers: one more weight copy per stage
+    schedule: object = HETPIPE  # the PipelineSchedule: activations and weight versions a stage holds
+    sync: object = NO_SYNC  # the SyncScheme between virtual workers: its weight copies per stage
     analytic: object = None  # AnalyticAssumptions for device types that are not measured
 
     def times(self, device_type):
@@ -156,11 +156,12 @@ class CostModel:
         """The executor's cost of one minibatch's non-compute instructions at a stage position."""
         if not self.profile.instruction_seconds:
             return 0.0
-        return self.profile.instruction_seconds * non_compute_instructions(position, num_stages)
+        return self.profile.instruction_seconds * non_compute_instructions(position, num_stages, self.schedule)
 
     def weight_copies(self, num_in_flight):
-        """Copies of a stage's weights: live, Nm stashed versions, with WSP the last push."""
-        return 1 + num_in_flight + (1 if self.wsp else 0)
+        """Copies of a stage's weights: live, the schedule's stashed versions (HetPipe: Nm), and
+        the synchronisation scheme's (WSP: the weights at the last push)."""
+        return 1 + self.schedule.weight_versions(num_in_flight) + self.sync.weight_copies
 
     def stage(self, lo, hi, devices, position, num_in_flight):
         """The :class:`StageCost` of segments [lo, hi) at `position` of the device chain `devices`."""
@@ -178,7 +179,7 @@ class CostModel:
         recv_grad = (self.links.seconds(cut_out, devices[position + 1], device, self.cluster)
                      if position < k - 1 else 0.0)
         apply = self.apply_seconds(device.type, weights, num_in_flight)
-        held = in_flight(position, k, num_in_flight)
+        held = self.schedule.activations_held(position, k, num_in_flight)
         memory = {
             "weights and versions": weights * self.weight_copies(num_in_flight),
             "optimizer slots": weights * self.optimizer_slots,

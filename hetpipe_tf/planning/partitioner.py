@@ -94,7 +94,7 @@ class _Coefficients:
             late = 2 * p.pacing_overshoot_seconds if d.type.emulated else 0.0
             self.time_const.append(scale * (t.forward_overhead + t.backward_overhead) + apply_base
                                    + model.executor_seconds(q, k) + late)
-            held = min(max(1, k - q), num_in_flight)
+            held = model.schedule.activations_held(q, k, num_in_flight)
             self.held.append(held)
             self.mem_prefix.append(_prefix([w * copies + s + held * a for w, s, a in
                                             zip(p.weight_bytes, p.state_bytes, p.activation_bytes)]))

@@ -20,17 +20,17 @@ Pure Python, over a :class:`hetpipe_tf.planning.profile.Profile`:
 """
 from dataclasses import dataclass
 
-from hetpipe_tf.pipeline.instructions import (ApplyUpdate, Backward, Forward, MergePulled, RecvActivation,
-                                     RecvGradient)
-from hetpipe_tf.pipeline.schedule import hetpipe_schedule
-from hetpipe_tf.pipeline.simulator import ParameterServerModel, simulate_workers
+from hetpipe_tf.pipeline.hetpipe import HETPIPE
+from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward, RecvActivation, RecvGradient
+from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule, get_sync
+from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.planning.allocation import AllocationError, allocate, candidate_allocations, describe
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, distinct_orders, fits
 from hetpipe_tf.planning.profile import coarsen
+from hetpipe_tf.sync.wsp import PLACEMENTS, WSP_SCHEME
 
 MAX_SEGMENTS = 48
-PLACEMENTS = ("default", "local")
 
 
 class PlanError(ValueError):
@@ -63,6 +63,8 @@ class Plan:
     by_num_in_flight: dict  # Nm -> predicted minibatches/s
     notes: tuple
     analytic: object = None  # the AnalyticAssumptions the plan used
+    schedule: object = HETPIPE  # the PipelineSchedule planned for
+    sync: object = NO_SYNC  # the SyncScheme between its virtual workers
 
     @property
     def allocation(self):
@@ -195,7 +197,7 @@ def _ps_nodes(cluster):
     return [n.name for n in cluster.nodes]
 
 
-def _push_seconds(model, stage, worker_index, placement):
+def _push_seconds(model, stage, placement):
     """Seconds for a stage to send its layers' update to their parameter servers (or pull them)."""
     cluster, links, p = model.cluster, model.links, model.profile
     nodes = _ps_nodes(cluster)
@@ -210,8 +212,7 @@ def _push_seconds(model, stage, worker_index, placement):
 
 
 def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
-    wsp = len(workers) > 1
-    schedules = [hetpipe_schedule(len(w.stages), n, num_in_flight, wsp=wsp) for w in workers]
+    schedules = [model.schedule.programs(len(w.stages), n, num_in_flight, sync=model.sync) for w in workers]
 
     per_instruction = model.profile.instruction_seconds
 
@@ -222,17 +223,16 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
             return st.forward
         if kind is Backward:
             return st.backward
-        if kind in (ApplyUpdate, MergePulled):
+        if kind is ApplyUpdate or kind in model.sync.apply_like:
             return st.apply
         link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
         return link + per_instruction
 
-    ps = None
-    if wsp:
-        def sync(agent, ins):
-            return _push_seconds(model, workers[agent[0]].stages[agent[1]], agent[0], placement)
-        ps = ParameterServerModel(staleness_bound, push_time=sync, pull_time=sync)
-    return simulate_workers(schedules, duration, parameter_servers=ps)
+    def transfer(agent, ins):  # a push or a pull moves the stage's weights to or from the servers
+        return _push_seconds(model, workers[agent[0]].stages[agent[1]], placement)
+
+    servers = model.sync.simulation_model(staleness_bound, push_time=transfer, pull_time=transfer)
+    return simulate_workers(schedules, duration, parameter_servers=servers)
 
 
 def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", minibatches=None):
@@ -290,12 +290,12 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
     return Plan(cluster=model.cluster, profile=model.profile, policy=policy, placement=placement,
                 staleness_bound=staleness_bound, num_in_flight=chosen, workers=plans, minibatches_per_s=total,
                 per_worker=per, by_num_in_flight={nm: v[0] for nm, v in results.items()}, notes=tuple(notes),
-                analytic=model.analytic)
+                analytic=model.analytic, schedule=model.schedule, sync=model.sync)
 
 
 def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, staleness_bound=0, placement="default",
          dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None,
-         analytic=None):
+         analytic=None, schedule=HETPIPE, sync=WSP_SCHEME):
     """Plans training `profile`'s model on `cluster`; see the module docstring.
 
     Args:
@@ -310,7 +310,11 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
       method: "milp" (default) or "dp".
       workers: explicit virtual workers (tuples of cluster devices) instead of a policy.
       analytic: AnalyticAssumptions for device types that are not measured.
+      schedule: the pipelining schedule, a registered name or object (its memory facts and
+        programs are what is charged and simulated).
+      sync: the synchronisation scheme between virtual workers when there are several.
     """
+    schedule, sync = get_schedule(schedule), get_sync(sync)
     notes = []
     if profile.num_segments > MAX_SEGMENTS:
         notes.append(f"{profile.num_segments} segments coarsened to {MAX_SEGMENTS} for the search "
@@ -340,7 +344,7 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     for label, group in candidates:
         several = len(group) > 1
         cm = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
-                       wsp=several, analytic=analytic)
+                       schedule=schedule, sync=sync if several else NO_SYNC, analytic=analytic)
         try:
             p = _plan_workers(cm, group, label.lower() if policy.lower() != "auto" else f"auto: {label}",
                               placement if several else "default", staleness_bound, num_in_flight,
@@ -359,7 +363,7 @@ def simulate_plan(p, minibatches=400):
     """A plan's schedules in the simulator, longer than the planner runs them: a report dict
     with images/s, and per worker its devices' busy fractions and its average wait for pulled
     weights and idle time of its first stage during those waits (§8.4)."""
-    model = CostModel(p.profile, p.cluster, wsp=len(p.workers) > 1, analytic=p.analytic)
+    model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic)
     parts = [w.partition for w in p.workers]
     result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, minibatches)
     alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]

@@ -87,7 +87,7 @@ class StageState:
 
 class StageRuntime:
     def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
-                 activation_bytes=0, record_provenance=False, single_threaded=False, wsp=False):
+                 activation_bytes=0, record_provenance=False, single_threaded=False, synchronised=False):
         self.stage = stage
         self.index = stage.index
         self.device = device
@@ -118,7 +118,7 @@ class StageRuntime:
         self.paths = ([v.path for v in stage.trainable_variables]
                       + [stage.non_trainable_variables[i].path for i in synced_state])
         self.base = None
-        if wsp:
+        if synchronised:
             self.memory.allocate("weights at last push", _nbytes(self.synced))
             with tf.device(device):
                 self.base = [tf.identity(v.value) for v in self.synced]
@@ -183,7 +183,7 @@ class StageRuntime:
     # Compute -----------------------------------------------------------------------------
     def _forward_graph(self, weights, entering, labels, training):
         state = [v.value for v in self.non_trainable]
-        sent, new_state, reg = self.stage._call(weights, state, entering, training)
+        sent, new_state, reg = self.stage.stateless_call(weights, state, entering, training)
         for v, value in zip(self.non_trainable, new_state):
             v.assign(value)
         if not self.is_last:

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineExecutor
-from hetpipe_tf.pipeline.schedule import hetpipe_schedule
+from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
 from hetpipe_tf.runtime.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
@@ -54,15 +54,20 @@ class VirtualWorker:
         devices, so this needs every stage on the same device (e.g. devices="cpu,cpu").
       tf_devices: the TensorFlow device of each stage, when not this process's own (e.g.
         "/job:worker/task:1/device:CPU:0" on TensorFlow's distributed runtime).
-      sync: a :class:`hetpipe_tf.pipeline.executor.WorkerSync` when this worker is one of several
-        synchronised by Wave Synchronous Parallel (§5).
+      sync: this worker's binding to the others when it is one of several (for Wave Synchronous
+        Parallel, §5, a :class:`hetpipe_tf.sync.wsp.WorkerSync`); its ``scheme`` is the
+        :class:`hetpipe_tf.pipeline.schedule.SyncScheme` that adds instructions to the schedule
+        and carries them out.
+      schedule: the pipelining schedule, a registered name or a
+        :class:`hetpipe_tf.pipeline.schedule.PipelineSchedule` (default: HetPipe's, §4).
       slowdown: minibatch id -> factor >= 1 by which every emulated device of this worker is
         slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.pipeline.emulation.Pacer`).
     """
 
     def __init__(self, model, devices, num_minibatches=None, boundaries=None, optimizer="sgd",
                  loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
-                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None):
+                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None,
+                 schedule="hetpipe"):
         self.model = model
         self.device_specs = parse_devices(devices)
         if tf_devices is not None and len(tf_devices) != len(self.device_specs):
@@ -70,6 +75,7 @@ class VirtualWorker:
         self.device_names = tuple(tf_devices) if tf_devices is not None else configure_tensorflow_devices(
             self.device_specs)
         self.sync = sync
+        self.pipeline_schedule = get_schedule(schedule)
         self.slowdown = slowdown
         k = len(self.device_specs)
         self.num_in_flight = int(num_minibatches) if num_minibatches is not None else k
@@ -112,6 +118,13 @@ class VirtualWorker:
         report = EmulationReport.combine(p.report() for p in self._pacers if p is not None)
         return report and dataclasses.replace(report, calibration=self.calibration)
 
+    def task_seconds(self, stage, kind):
+        """The time a task of instruction type `kind` (Forward, Backward) takes on `stage` in the
+        current (or last) run: its solo reference time, padded to the emulated device's target."""
+        reference = self.references[stage][kind]
+        pacer = self._pacers[stage] if self._pacers else None
+        return pacer.target(reference) if pacer is not None else reference
+
     def busy_seconds(self):
         """Seconds each stage has spent running tasks in the current (or last) run."""
         return [r.busy_s for r in self._executor.reports] if self._executor else None
@@ -127,10 +140,11 @@ class VirtualWorker:
         return "\n".join(lines)
 
     def schedule(self, num_minibatches, snapshot_after=(), synchronised=True):
-        """The HetPipe schedule this worker runs for `num_minibatches` minibatches."""
-        return hetpipe_schedule(self.num_stages, num_minibatches, self.num_in_flight,
-                                input_stages=self.staged.input_stages(), snapshot_after=snapshot_after,
-                                wsp=synchronised and self.sync is not None)
+        """The schedule this worker runs for `num_minibatches` minibatches."""
+        sync = self.sync.scheme if synchronised and self.sync is not None else NO_SYNC
+        return self.pipeline_schedule.programs(self.num_stages, num_minibatches, self.num_in_flight,
+                                               input_stages=self.staged.input_stages(),
+                                               snapshot_after=snapshot_after, sync=sync)
 
     # Building --------------------------------------------------------------------------
     def _build(self, batch_size):
@@ -145,7 +159,7 @@ class VirtualWorker:
                 stage, name, self.num_in_flight, self.optimizer,
                 loss_head=self.loss_head if s == last else None, memory=memory,
                 activation_bytes=act[s], record_provenance=self.record_provenance,
-                single_threaded=self.single_threaded_stages, wsp=self.sync is not None))
+                single_threaded=self.single_threaded_stages, synchronised=self.sync is not None))
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references."""
@@ -193,7 +207,8 @@ class VirtualWorker:
             self.schedule(num_minibatches, snapshot_after=snapshot_after, synchronised=synchronised),
             self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
             references=self.references, timeout_s=self.timeout_s, trace=recorder,
-            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot, sync=sync,
+            on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot,
+            sync_handlers=sync.scheme.handlers(sync) if sync else None,
             pid=self.sync.worker if self.sync else 0)
         self._executor = executor
         if executor_hook:

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
-from hetpipe_tf.pipeline.executor import WorkerSync
 from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.runtime.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
+from hetpipe_tf.pipeline.schedule import get_sync
+from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class WSPRunner:
       ps_devices: the parameter-server devices.
       placement: "default" (layers round-robin over the servers) or "local" (every layer on the
         server of the node that trains it in worker 0: `stage_servers` of its stage, §8.1).
+      sync: the synchronisation scheme between the workers, a registered name or a
+        :class:`hetpipe_tf.pipeline.schedule.SyncScheme` (default: WSP, §5).
+      schedule: every worker's pipelining schedule (default: HetPipe's, §4).
       optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
         VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe
         runs of every worker at once (they share the host).
@@ -51,7 +55,7 @@ class WSPRunner:
 
     def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
                  optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
-                 record_provenance=False):
+                 record_provenance=False, sync=WSP_SCHEME, schedule="hetpipe"):
         if staleness_bound < 0:
             raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
         self.model = model
@@ -63,7 +67,7 @@ class WSPRunner:
                                           optimizer=optimizer, loss=loss, metrics=metrics,
                                           loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
                                           record_provenance=record_provenance, tf_devices=w.tf_devices,
-                                          slowdown=w.slowdown))
+                                          slowdown=w.slowdown, schedule=schedule))
         layer_devices = None
         if placement == "local":
             if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
@@ -71,10 +75,11 @@ class WSPRunner:
             layer_devices = {layer_of(v.path): server for server, stage in
                              zip(workers[0].stage_servers, self.vws[0].staged.stages)
                              for v in list(stage.trainable_variables) + list(stage.non_trainable_variables)}
+        scheme = get_sync(sync)
         self.servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
                                         layer_devices)
         for i, vw in enumerate(self.vws):
-            vw.sync = WorkerSync(i, self.servers, self.staleness_bound, self.timeout_s)
+            vw.sync = scheme.bind(i, self.servers, self.staleness_bound, self.timeout_s)
         self.optimizer = self.vws[0].optimizer
         self.trace = None
         self.reports = None
@@ -106,6 +111,8 @@ class WSPRunner:
                                              f"D={self.staleness_bound}"}) if trace else None
         reports, errors = [None] * self.num_workers, []
         self._completions = {i: [] for i in range(self.num_workers)}
+        for vw in self.vws:
+            vw.sync.pull_waits.clear()
         self._started = time.perf_counter()
 
         def run(i):
@@ -133,6 +140,12 @@ class WSPRunner:
         self.finish()
         self.reports = reports
         return reports
+
+    def images_per_s(self):
+        """Images per second of the current (or last) run, every worker together: the updates
+        completed so far over the time since the run started."""
+        ends = [t for times in self._completions.values() for t in times]
+        return len(ends) * self.batch_size / (max(ends) - self._started) if ends else 0.0
 
     def abort(self):
         for ex in list(self._executors.values()):
@@ -242,7 +255,7 @@ class WSPRunner:
         out = []
         for w, vw in enumerate(self.vws):
             ex = self._executors.get(w)
-            pulls = [(asked, answered) for s, wave, asked, answered in (ex.pull_waits if ex else [])
+            pulls = [(asked, answered) for s, wave, asked, answered in vw.sync.pull_waits
                      if s == 0 and (since is None or answered > since)]
             waits = wait_and_idle(pulls, ex.first_stage_busy if ex else [])
             done = [t for t in self._completions.get(w, []) if since is None or t > since]

@@ -1,2 +1,5 @@
-"""Synchronisation between virtual workers (HetPipe §5): the staleness rules and the
-parameter servers that hold the global weights."""
+"""Synchronisation between virtual workers (HetPipe §5): the schemes behind the
+synchronisation seam (WSP), the staleness rules and the parameter servers that hold the
+global weights."""
+
+from hetpipe_tf.sync import wsp  # noqa: E402,F401 - registers the "wsp" scheme

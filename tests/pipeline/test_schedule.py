@@ -2,10 +2,9 @@ import random
 
 import pytest
 
-from hetpipe_tf.pipeline.instructions import (ApplyUpdate, Backward, Forward, MergePulled, PullWeights, PushUpdate,
-                                     ReleaseWeights, StashWeights,
-                                     WEIGHTS)
-from hetpipe_tf.pipeline.schedule import fifo_pick, hetpipe_schedule
+from hetpipe_tf.pipeline.hetpipe import hetpipe_schedule
+from hetpipe_tf.pipeline.instructions import WEIGHTS, ApplyUpdate, Backward, Forward, ReleaseWeights, StashWeights
+from hetpipe_tf.pipeline.schedule import fifo_pick
 from hetpipe_tf.pipeline.simulator import simulate
 
 
@@ -131,16 +130,3 @@ def test_pipelining_balanced_stages_approaches_k_times_naive():
     piped = simulate(hetpipe_schedule(4, 200, 4), duration).throughput
     assert piped / naive > 3.8
     assert piped == pytest.approx(1 / 3.0, rel=0.05)  # one minibatch per slowest stage's f + b
-
-
-def test_wsp_pushes_every_wave_including_a_partial_last_one_and_pulls_only_what_is_merged():
-    s = hetpipe_schedule(num_stages=2, num_minibatches=10, num_in_flight=3, wsp=True)
-    for program in s.programs:
-        ins = [i for stream in program.streams for task in stream for i in task.instructions]
-        assert [(i.minibatch, i.wave) for i in ins if isinstance(i, PushUpdate)] == [(3, 0), (6, 1), (9, 2), (10, 3)]
-        # wave c gates minibatch (c + 2) * Nm: only waves 0 and 1 have a minibatch (6, 9) to gate
-        assert [i.wave for i in ins if isinstance(i, PullWeights)] == [0, 1]
-        assert [i.wave for i in ins if isinstance(i, MergePulled)] == [0, 1]
-    for program in s.programs:
-        assert [(i.minibatch, i.merged) for t in program.streams[0] for i in t.instructions
-                if isinstance(i, Forward) and i.merged is not None] == [(6, 0), (9, 1)]

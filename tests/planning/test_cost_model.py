@@ -1,7 +1,8 @@
 import pytest
 
 from hetpipe_tf.planning.cluster import load_cluster
-from hetpipe_tf.planning.cost_model import CostModel, LinkModel, fit_line, in_flight, non_compute_instructions
+from hetpipe_tf.pipeline.hetpipe import HETPIPE
+from hetpipe_tf.planning.cost_model import CostModel, LinkModel, fit_line, non_compute_instructions
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 
 
@@ -14,8 +15,8 @@ def toy_profile(n=4):
 
 
 def test_in_flight_depends_on_stage_position():
-    assert [in_flight(q, 4, 4) for q in range(4)] == [4, 3, 2, 1]
-    assert [in_flight(q, 4, 2) for q in range(4)] == [2, 2, 2, 1]
+    assert [HETPIPE.activations_held(q, 4, 4) for q in range(4)] == [4, 3, 2, 1]
+    assert [HETPIPE.activations_held(q, 4, 2) for q in range(4)] == [2, 2, 2, 1]
 
 
 def test_stage_time_and_memory():

@@ -45,11 +45,13 @@ def test_errors():
 
 import json
 
+from hetpipe_tf.pipeline.schedule import NO_SYNC
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.cost_model import CostModel
 from hetpipe_tf.planning.partitioner import (InfeasiblePartitionError, best_partition, distinct_orders, partition_dp,
                                     partition_milp)
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
+from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 
 def _random_instance(rng):
@@ -71,7 +73,7 @@ def _random_instance(rng):
     k = rng.randint(1, min(4, n))
     devices = rng.sample(cluster.devices(), k)
     model = CostModel(profile, cluster, dilation=rng.choice([1.0, 3.0]), optimizer_slots=rng.randint(0, 2),
-                      wsp=rng.random() < 0.5)
+                      sync=WSP_SCHEME if rng.random() < 0.5 else NO_SYNC)
     return model, devices, rng.randint(1, 4)
 
 

@@ -1,0 +1,118 @@
+"""The HetPipe schedule of one virtual worker (§4), the first registration of the schedule seam.
+
+Pure Python. Minibatch p uses weight version w_p, which holds exactly the local updates of
+minibatches 1..p-Nm: every stage stashes w_1 = ... = w_Nm = w_0 in its prologue, and
+stashes w_{p+Nm} right after applying update p. Forward(p) requires w_p, so minibatch p
+starts only once update p-Nm is applied, and at most Nm versions are live per stage (w_p
+is released before update p). The last stage runs forward and backward of a minibatch as
+one task.
+
+§4 sizes each stage's memory by its position: the first stage holds the activations of the
+most minibatches, the last stage of one. This schedule makes that a rule: stage q holds at
+most min(Nm, k - q) minibatches' activations (Forward(p) also waits for Backward(p - w) on
+that stage), so the planner's memory per stage position is what the stage can ever need.
+
+A synchronisation scheme (:class:`hetpipe_tf.pipeline.schedule.SyncScheme`) adds its
+instructions after each update, the keys a forward pass waits for, and its own streams.
+"""
+from hetpipe_tf.pipeline.instructions import (
+    ApplyUpdate, Backward, Forward, LoadMinibatch, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
+    ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights, Task, TaskStream)
+from hetpipe_tf.pipeline.schedule import (
+    NO_SYNC, PipelineSchedule, Schedule, StageProgram, get_sync, register_schedule)
+
+
+class HetPipeSchedule(PipelineSchedule):
+    """HetPipe's pipelining with weight stashing and Nm minibatches in flight (§4)."""
+
+    name = "hetpipe"
+    instructions = frozenset({LoadMinibatch, RecvInputs, RecvLabels, RecvActivation, SendActivation,
+                              RecvGradient, SendGradient, Forward, Backward, ApplyUpdate, StashWeights,
+                              ReleaseWeights, SnapshotState})
+
+    def activations_held(self, position, num_stages, num_in_flight):
+        """min(Nm, k - q) (§4)."""
+        return max(1, min(num_in_flight, num_stages - position))
+
+    def weight_versions(self, num_in_flight):
+        """Nm: w_p is released before update p, and w_{p+Nm} stashed after it."""
+        return num_in_flight
+
+    def programs(self, num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(),
+                 sync=NO_SYNC):
+        """Args:
+          num_stages: k.
+          num_minibatches: how many minibatches the run trains.
+          num_in_flight: Nm, the number of minibatches in the pipeline (s_local + 1).
+          input_stages: the stages that consume model inputs (stage 0 loads them).
+          snapshot_after: minibatch ids after whose update every stage records its state.
+          sync: the synchronisation scheme between virtual workers (default: none).
+        """
+        k, n, nm = int(num_stages), int(num_minibatches), int(num_in_flight)
+        if k < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        if n < 0:
+            raise ValueError(f"num_minibatches must be >= 0, got {num_minibatches}")
+        if nm < 1:
+            raise ValueError(f"num_in_flight (Nm) must be >= 1, got {num_in_flight}")
+        input_stages = tuple(sorted(set(input_stages)))
+        if 0 not in input_stages or input_stages[-1] >= k:
+            raise ValueError(f"input_stages must include 0 and lie in 0..{k - 1}, got {list(input_stages)}")
+        snapshots = frozenset(snapshot_after)
+        last = k - 1
+
+        def entry(s, p):
+            ins = []
+            if s == 0:
+                ins.append(LoadMinibatch(p, inputs_to=input_stages[1:], labels_to=last))
+            elif s in input_stages:
+                ins.append(RecvInputs(p))
+            if s > 0:
+                ins.append(RecvActivation(p))
+            return ins
+
+        def update(s, p):
+            ins = [SendGradient(p, to=s - 1)] if s > 0 else []
+            ins += [ReleaseWeights(p), ApplyUpdate(p)]
+            if p + nm <= n:
+                ins.append(StashWeights(p + nm))
+            ins += sync.after_update(p, n, nm)
+            if p in snapshots:
+                ins.append(SnapshotState(p))
+            return ins
+
+        programs = []
+        for s in range(k):
+            prologue = tuple(StashWeights(p) for p in range(1, min(nm, n) + 1))
+            if s < last:
+                window = k - s if k - s < nm else 0  # only where it is tighter than Nm itself
+
+                def forward(p, s=s, w=window):
+                    return Task(s, "forward", p, tuple(entry(s, p) + [
+                        Forward(p, window=w, waits=sync.forward_waits(p, nm)), SendActivation(p, to=s + 1)]))
+
+                def backward(p, s=s, w=window):
+                    return Task(s, "backward", p, tuple([RecvGradient(p), Backward(p, window=w)] + update(s, p)))
+
+                streams = (TaskStream("forward", n, forward), TaskStream("backward", n, backward))
+            else:
+                def forward_backward(p, s=s):
+                    return Task(s, "forward_backward", p, tuple(
+                        entry(s, p) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)), Backward(p)]
+                        + update(s, p)))
+
+                streams = (TaskStream("forward_backward", n, forward_backward),)
+            streams += sync.streams(s, n, nm)
+            programs.append(StageProgram(stage=s, prologue=prologue, streams=streams))
+        return Schedule(name=self.name, num_stages=k, num_minibatches=n, num_in_flight=nm,
+                        programs=tuple(programs))
+
+
+HETPIPE = register_schedule(HetPipeSchedule())
+
+
+def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(), sync=None):
+    """HetPipe's :class:`Schedule` (see :meth:`HetPipeSchedule.programs`); `sync` is a
+    :class:`hetpipe_tf.pipeline.schedule.SyncScheme`, its registered name, or None."""
+    return HETPIPE.programs(num_stages, num_minibatches, num_in_flight, input_stages=input_stages,
+                            snapshot_after=snapshot_after, sync=get_sync(sync))

@@ -1,0 +1,200 @@
+"""Wave Synchronous Parallel (HetPipe §5) behind the synchronisation seam.
+
+Pure Python. Everything WSP adds between virtual workers is here, as a
+:class:`hetpipe_tf.pipeline.schedule.SyncScheme`:
+
+* **instructions**: at the end of every wave c (after update (c+1)·Nm) each stage pushes
+  the wave's aggregated update (:class:`PushUpdate`) and asks for the global weights
+  (:class:`PullWeights`); a merge stream takes them in when they arrive
+  (:class:`MergePulled`). A last, partial wave is pushed too (no update is lost); pulls
+  that no later minibatch needs are not made.
+* **what a forward pass waits for**: minibatch (c+2)·Nm, the first whose weight version
+  must hold the global updates of wave c, waits for that merge. For D = 0, Nm = 4 (seed
+  001): minibatch 8 waits for every worker's wave 0 while minibatches 5..7 of wave 1 are
+  already in the pipeline.
+* **how the executor carries them out** (:meth:`WSP.handlers`): a push is one call to the
+  parameter servers; a pull is answered on a pool thread once every worker has pushed wave
+  c - D (the stage goes on meanwhile); a merge makes the live weights and the versions
+  stashed since the push equal to the global weights plus the local updates made since.
+* **how the simulator models them**: :class:`ParameterServerModel`.
+* **what the planner charges**: one more copy of a stage's weights (those at the last
+  push), and the push and pull transfers of each wave.
+"""
+from dataclasses import dataclass, field
+
+from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, Instruction, Task, TaskStream
+from hetpipe_tf.pipeline.schedule import SyncScheme, register_sync
+
+PULLED = "pulled"
+MERGED = "merged"
+#: Where the global weights live (§8.1): "default" puts the layers round-robin over one server
+#: per node; "local" puts each layer on the server of the node whose device trains it (ED).
+PLACEMENTS = ("default", "local")
+
+
+@dataclass(frozen=True, repr=False)
+class WaveInstruction(Instruction):
+    """An instruction about wave c (minibatches c*Nm+1 .. (c+1)*Nm), §5. `minibatch` is the
+    wave's last minibatch, after whose update it runs."""
+    wave: int = field(default=0, kw_only=True)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(wave={self.wave})"
+
+
+@dataclass(frozen=True, repr=False)
+class PushUpdate(WaveInstruction):
+    """Pushes the stage's aggregated update of wave c (the sum of its local updates) to the
+    parameter servers, which apply w_global += u (§5)."""
+
+    def provides(self, stage):
+        return ((PARAMETER_SERVER, ("update", self.wave)),)
+
+
+@dataclass(frozen=True, repr=False)
+class PullWeights(WaveInstruction):
+    """Asks the parameter servers for the global weights at the end of clock c; they answer
+    once every virtual worker has pushed wave c - D (§5). The stage does not wait here."""
+
+    def provides(self, stage):
+        return ((PARAMETER_SERVER, ("pull", self.wave)),)
+
+
+@dataclass(frozen=True, repr=False)
+class MergePulled(WaveInstruction):
+    """Takes the pulled global weights into the stage: w_local becomes w_global plus the local
+    updates made since the push of wave c, and so do the versions stashed since then."""
+
+    def requires(self):
+        return ((PULLED, self.wave),)
+
+    def provides(self, stage):
+        return ((stage, (MERGED, self.wave)),)
+
+
+@dataclass(frozen=True)
+class WorkerSync:
+    """One virtual worker's binding to the parameter servers under WSP: its index, the
+    servers (:class:`hetpipe_tf.sync.parameter_server.ParameterServers`), D and the longest
+    a pull may wait. `pull_waits` records (stage, wave, asked, answered) of every pull."""
+    worker: int
+    servers: object
+    staleness_bound: int
+    timeout_s: float = 300.0
+    pull_waits: list = field(default_factory=list, compare=False)
+
+    @property
+    def scheme(self):
+        return WSP_SCHEME
+
+
+class WSP(SyncScheme):
+    """Wave Synchronous Parallel: one push per wave of Nm minibatches, pulls gated by D (§5)."""
+
+    name = "wsp"
+    instructions = frozenset({PushUpdate, PullWeights, MergePulled})
+    apply_like = frozenset({MergePulled})
+    weight_copies = 1  # the weights at the last push
+
+    # The schedule ---------------------------------------------------------------------------
+    def after_update(self, minibatch, num_minibatches, num_in_flight):
+        p, n, nm = minibatch, num_minibatches, num_in_flight
+        if not (p % nm == 0 or p == n):
+            return ()
+        wave = (p - 1) // nm
+        out = (PushUpdate(p, wave=wave),)
+        if (wave + 2) * nm <= n:  # some later minibatch needs this wave's pull
+            out += (PullWeights(p, wave=wave),)
+        return out
+
+    def forward_waits(self, minibatch, num_in_flight):
+        p, nm = minibatch, num_in_flight
+        return ((MERGED, p // nm - 2),) if p % nm == 0 and p > nm else ()
+
+    def streams(self, stage, num_minibatches, num_in_flight):
+        nm = num_in_flight
+
+        def merge(c):
+            return Task(stage, "merge", (c + 1) * nm, (MergePulled((c + 1) * nm, wave=c),))
+
+        # Only merges that a later minibatch waits for: wave c gates minibatch (c+2)*Nm.
+        return (TaskStream("merge", max(num_minibatches // nm - 1, 0), lambda i: merge(i - 1)),)
+
+    # The executor -----------------------------------------------------------------------------
+    def bind(self, worker, servers, staleness_bound, timeout_s):
+        return WorkerSync(worker, servers, staleness_bound, timeout_s)
+
+    def handlers(self, binding):
+        """Instruction type -> handler(executor, stage, instruction, *taken keys) for a worker
+        bound by `binding` (a :class:`WorkerSync`)."""
+
+        def push(ex, s, ins):
+            paths, deltas = ex.runtimes[s].wave_update()
+            binding.servers.push(binding.worker, s, ins.wave, paths, deltas)
+
+        def pull(ex, s, ins):
+            rt, asked = ex.runtimes[s], ex.clock()
+            wave = ins.wave - binding.staleness_bound
+
+            def answer():
+                values, clocks = binding.servers.pull(rt.paths, wave, binding.timeout_s)
+                answered = ex.clock()
+                binding.pull_waits.append((s, ins.wave, asked, answered))
+                ex.trace_span(100 + s, f"wait for wave {wave} (pull of clock {ins.wave})", asked, answered,
+                              "PullWait")
+                return (values, clocks)
+
+            ex.in_background(s, ins, (PULLED, ins.wave), answer)
+
+        def merge(ex, s, ins, pulled):
+            values, clocks = pulled
+            ex.runtimes[s].merge_pulled(ins.wave, values, clocks,
+                                        first_minibatch=(ins.wave + 2) * ex.schedule.num_in_flight)
+
+        return {PushUpdate: push, PullWeights: pull, MergePulled: merge}
+
+    # The simulator and the planner ------------------------------------------------------------
+    def simulation_model(self, staleness_bound, push_time, pull_time):
+        return ParameterServerModel(staleness_bound, push_time=push_time, pull_time=pull_time)
+
+
+class ParameterServerModel:
+    """Simulated WSP parameter servers: clocks from pushes, pulls answered under bound D.
+
+    A push of wave c arrives after its transfer time; a pull of clock c is answered once
+    every stage of every worker has pushed wave c - D, and arrives after its transfer time."""
+
+    def __init__(self, staleness_bound, push_time=lambda agent, ins: 0.0, pull_time=lambda agent, ins: 0.0):
+        if staleness_bound < 0:
+            raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
+        self.staleness_bound = staleness_bound
+        self.push_time = push_time
+        self.pull_time = pull_time
+        self.pushes = {}  # wave -> {agent: arrival}
+        self.pending = []  # (agent, wave, requested, instruction)
+
+    def receive(self, agent, key, instruction, time):
+        kind, wave = key
+        if kind == "update":
+            self.pushes.setdefault(wave, {})[agent] = time + self.push_time(agent, instruction)
+        elif kind == "pull":
+            self.pending.append((agent, wave, time, instruction))
+        else:
+            raise ValueError(f"the parameter servers got an unknown request {key!r}")
+
+    def answers(self, agents):
+        """Keys that arrive now: (agent, key, requested, arrival) of every pull that can be answered."""
+        ready, still = [], []
+        for agent, wave, asked, ins in self.pending:
+            needed = wave - self.staleness_bound
+            pushed = self.pushes.get(needed, {}) if needed >= 0 else None
+            if needed < 0 or len(pushed) == len(agents):
+                start = max([asked] + (list(pushed.values()) if pushed else []))
+                ready.append((agent, (PULLED, wave), asked, start + self.pull_time(agent, ins)))
+            else:
+                still.append((agent, wave, asked, ins))
+        self.pending = still
+        return ready
+
+
+WSP_SCHEME = register_sync(WSP())

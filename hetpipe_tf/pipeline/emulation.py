@@ -81,19 +81,20 @@ class EmulationReport:
                                calibration=next((r.calibration for r in reports if r.calibration), ()))
 
 
-def calibrate_dilation(probe, candidates=DILATIONS, limit=FAITHFUL_OVERRUN / 2):
+def calibrate_dilation(probe, candidates=DILATIONS, limit=FAITHFUL_OVERRUN / 2, extra_steps=0):
     """Chooses the dilation of an emulated run: the first of `candidates` whose probe overran
     on fewer than `limit` of its tasks (half the faithfulness limit: a margin for slower phases
-    of a shared machine), else the last candidate.
+    of a shared machine), then `extra_steps` candidates further (for work the probes cannot
+    include), else the last candidate.
 
     `probe(dilation)` runs the real pipeline briefly at that dilation, keeps nothing of it, and
     returns its EmulationReport. Returns (dilation, ((dilation, overrun fraction), ...))."""
     tried = []
-    for dilation in candidates:
+    for i, dilation in enumerate(candidates):
         report = probe(dilation)
         tried.append((dilation, report.overrun_fraction))
         if report.overrun_fraction < limit:
-            break
+            return candidates[min(i + extra_steps, len(candidates) - 1)], tuple(tried)
     return tried[-1][0], tuple(tried)
 
 

@@ -136,6 +136,12 @@ class SyncScheme:
         worker bound to the others by `binding`."""
         return {}
 
+    def dry_handlers(self):
+        """Handlers that do the scheme's work on the stages but talk to no server and change
+        nothing that a restored snapshot does not undo, for the emulation's probe runs (None:
+        probes run without the scheme)."""
+        return None
+
     def simulation_model(self, staleness_bound, push_time, pull_time):
         """What answers the schedule's requests to the servers in the simulator (None: none)."""
         return None

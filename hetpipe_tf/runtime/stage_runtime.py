@@ -77,12 +77,14 @@ class NonFiniteError(FloatingPointError):
 class StageState:
     """A stage's state right after some update: what a checkpoint or evaluation needs.
     `applied`: the minibatches whose updates it holds; `used`: the recorded provenance of the
-    versions used so far ({p: local updates}, {p: global pushes}), when recording it."""
+    versions used so far ({p: local updates}, {p: global pushes}), when recording it; `sync`:
+    the synchronisation bookkeeping (the weights at the last push, the pushes held)."""
     trainable: list
     non_trainable: list
     optimizer: list
     applied: tuple = ()
     used: tuple = ({}, {})
+    sync: tuple = (None, frozenset())
 
 
 class StageRuntime:
@@ -332,7 +334,8 @@ class StageRuntime:
                           optimizer=[tf.identity(v.value) for v in self.optimizer.variables],
                           applied=tuple(self.applied),
                           used=(dict(self.used_versions), dict(self.used_globals)) if self.record_provenance
-                          else ({}, {}))
+                          else ({}, {}),
+                          sync=(self.base, self.global_included))
 
     def restore(self, state):
         """Sets the stage's live state back to `state` (a :meth:`snapshot`)."""
@@ -342,6 +345,7 @@ class StageRuntime:
                 v.assign(value)
         self.applied = list(state.applied)
         self.used_versions, self.used_globals = dict(state.used[0]), dict(state.used[1])
+        self.base, self.global_included = state.sync
 
     def write_back(self, state=None):
         """Writes `state` (default: the live state) into the Keras model's own variables."""

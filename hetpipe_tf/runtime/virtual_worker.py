@@ -195,20 +195,21 @@ class VirtualWorker:
         return self.report
 
     def _run(self, iterator, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
-             on_snapshot=None, executor_hook=None, synchronised=True):
+             on_snapshot=None, executor_hook=None, synchronised=True, dry=False):
         self._pacers = [Pacer(d.speed, self.dilation, slowdown=self.slowdown) if d.emulated else None
                         for d in self.device_specs]
         recorder = None
         if trace:
-            recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self._trace_metadata())
+            recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self.trace_metadata())
             self._name_trace(recorder)
         sync = self.sync if synchronised else None
+        handlers = None if sync is None else sync.scheme.dry_handlers() if dry else sync.scheme.handlers(sync)
         executor = PipelineExecutor(
             self.schedule(num_minibatches, snapshot_after=snapshot_after, synchronised=synchronised),
             self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
             references=self.references, timeout_s=self.timeout_s, trace=recorder,
             on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot,
-            sync_handlers=sync.scheme.handlers(sync) if sync else None,
+            sync_handlers=handlers,
             pid=self.sync.worker if self.sync else 0)
         self._executor = executor
         if executor_hook:
@@ -225,13 +226,15 @@ class VirtualWorker:
         return max(3 * self.num_in_flight, -(-120 // (2 * self.num_stages * workers)))
 
     def probe_emulation(self, minibatch, dilation, num_minibatches=None):
-        """Runs the pipeline on copies of `minibatch` at `dilation`, unsynchronised, and keeps
-        nothing of it (every stage's state is restored); returns the run's EmulationReport."""
+        """Runs the pipeline on copies of `minibatch` at `dilation` and keeps nothing of it
+        (every stage's state is restored); returns the run's EmulationReport. A synchronised
+        worker runs its scheme's dry handlers (the same work on the stages, no server)."""
         num_minibatches = num_minibatches or self.probe_minibatches()
         states = [rt.snapshot() for rt in self.runtimes]
         given, self.dilation = self.dilation, dilation
         try:
-            report = self._run(iter([minibatch] * num_minibatches), num_minibatches, synchronised=False)
+            dry = self.sync is not None and self.sync.scheme.dry_handlers() is not None
+            report = self._run(iter([minibatch] * num_minibatches), num_minibatches, synchronised=dry, dry=dry)
         finally:
             self.dilation = given
             for rt, state in zip(self.runtimes, states):
@@ -244,7 +247,8 @@ class VirtualWorker:
         self.dilation, self.calibration = calibrate_dilation(lambda d: self.probe_emulation(minibatch, d))
         return self.dilation
 
-    def _trace_metadata(self):
+    def trace_metadata(self):
+        """What a trace of this worker says about it (devices, Nm, and the emulation's rule when emulated)."""
         meta = {"hetpipe_tf": "virtual worker", "num_in_flight": self.num_in_flight,
                 "devices": [str(d) for d in self.device_specs]}
         if self.emulated:

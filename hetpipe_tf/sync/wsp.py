@@ -153,6 +153,23 @@ class WSP(SyncScheme):
 
         return {PushUpdate: push, PullWeights: pull, MergePulled: merge}
 
+    def dry_handlers(self):
+        """A push computes the wave's update and keeps it; a pull is answered at once with the
+        weights of that push, and merged as a real pull is (the same work, no change)."""
+
+        def push(ex, s, ins):
+            ex.runtimes[s].wave_update()
+
+        def pull(ex, s, ins):
+            rt = ex.runtimes[s]
+            ex.in_background(s, ins, (PULLED, ins.wave), lambda: (rt.base, ()))
+
+        def merge(ex, s, ins, pulled):
+            ex.runtimes[s].merge_pulled(ins.wave, pulled[0], pulled[1],
+                                        first_minibatch=(ins.wave + 2) * ex.schedule.num_in_flight)
+
+        return {PushUpdate: push, PullWeights: pull, MergePulled: merge}
+
     # The simulator and the planner ------------------------------------------------------------
     def simulation_model(self, staleness_bound, push_time, pull_time):
         return ParameterServerModel(staleness_bound, push_time=push_time, pull_time=pull_time)

@@ -1,6 +1,7 @@
 import pytest
 
-from hetpipe_tf.pipeline.emulation import DeviceOutOfMemoryError, EmulationReport, MemoryAccount, Pacer
+from hetpipe_tf.pipeline.emulation import (
+    DeviceOutOfMemoryError, EmulationReport, MemoryAccount, Pacer, calibrate_dilation)
 
 
 class FakeClock:
@@ -63,3 +64,25 @@ def test_slowdown_makes_chosen_minibatches_slower():
     assert pacer.target(0.01) == pytest.approx(0.04)
     with pytest.raises(ValueError, match="slowdown factor must be >= 1, got 0.5 for minibatch 1"):
         Pacer(1.0, slowdown=lambda p: 0.5).target(0.01, minibatch=1)
+
+
+def test_calibration_takes_the_first_dilation_whose_probe_overran_little():
+    overrun = {1.0: 0.6, 1.5: 0.2, 2.0: 0.03, 3.0: 0.01, 4.0: 0.0}
+    probed = []
+
+    def probe(d):
+        probed.append(d)
+        return EmulationReport(d, 100, round(overrun[d] * 100))
+
+    assert calibrate_dilation(probe, candidates=tuple(overrun)) == (3.0, ((1.0, 0.6), (1.5, 0.2), (2.0, 0.03),
+                                                                         (3.0, 0.01)))
+    assert probed == [1.0, 1.5, 2.0, 3.0]  # no probe past the one chosen
+    assert calibrate_dilation(probe, candidates=tuple(overrun), extra_steps=1)[0] == 4.0
+    assert calibrate_dilation(probe, candidates=(1.0, 1.5))[0] == 1.5  # none passed: the largest
+
+
+def test_a_report_above_five_percent_is_not_faithful_and_says_so():
+    assert EmulationReport(3.0, 100, 4).faithful and EmulationReport(3.0, 100, 4).warning() is None
+    bad = EmulationReport(3.0, 100, 9)
+    assert not bad.faithful and bad.as_dict()["emulation_faithful"] is False
+    assert bad.warning().startswith("WARNING: the emulation was not faithful: 9 of 100 paced tasks (9.0%)")

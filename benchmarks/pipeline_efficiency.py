@@ -141,7 +141,8 @@ def main():
                  (1, 2, 3, 4), emu_data)
     # The runners' own calibration (a margin of half the limit for slower phases of a shared machine).
     dilation, tried = calibrate_dilation(lambda d: emu[4].probe_emulation(emu_data[0], d, n),
-                                         candidates=(1.5, 2, 3, 4, 6, 8, 12), limit=args.max_overrun / 2)
+                                         candidates=(1.5, 2, 3, 4, 6, 8, 12), limit=args.max_overrun / 2,
+                                         extra_steps=0)
     for d, overrun in tried:
         _emit(case="emulated_k4", calibrating_dilation=d, overrun_fraction=round(overrun, 4))
     for vw in emu.values():

@@ -3,8 +3,9 @@
 Only the schedule decides the order. Each stage runs its program: the prologue,
 then, repeatedly, the task chosen by :func:`hetpipe_tf.pipeline.schedule.fifo_pick`
 among the heads of its streams whose required keys have arrived (the same rule
-the simulator applies). Every instruction type maps to one method below; a type
-without a method is refused before anything runs.
+the simulator applies). Every instruction type maps to one method below, or to a
+handler of the synchronisation scheme between virtual workers (``sync_handlers``); a
+type without either is refused before anything runs.
 
 Why threads in one process: the stages of a virtual worker are the devices of
 one training process, as TensorFlow itself drives several GPUs of a node. Each

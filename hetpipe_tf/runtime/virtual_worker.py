@@ -6,8 +6,8 @@
     history = vw.fit(train_ds, epochs=5, validation_data=test_ds)
 
 The model is cut into one stage per device (:mod:`hetpipe_tf.runtime.stage_rewrite`), the
-HetPipe schedule (:mod:`hetpipe_tf.pipeline.schedule`) keeps ``num_minibatches`` (Nm)
-minibatches in flight, and the executor (:mod:`hetpipe_tf.pipeline.executor`) runs it.
+schedule (HetPipe's by default, :mod:`hetpipe_tf.pipeline.hetpipe`) keeps ``num_minibatches``
+(Nm) minibatches in flight, and the executor (:mod:`hetpipe_tf.pipeline.executor`) runs it.
 The trained weights are written back into the Keras model at the end, so
 ``model.evaluate``, ``predict`` and ``save`` work as usual.
 """
@@ -243,7 +243,7 @@ class VirtualWorker:
 
     def calibrate_dilation(self, minibatch):
         """Chooses the dilation by probe runs (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`):
-        the smallest at which fewer than 2.5 % of the tasks overran their target."""
+        one step above the smallest at which fewer than 2.5 % of the tasks overran their target."""
         self.dilation, self.calibration = calibrate_dilation(lambda d: self.probe_emulation(minibatch, d))
         return self.dilation
 

@@ -165,10 +165,9 @@ class WSPRunner:
     def calibrate_dilation(self, minibatches):
         """Chooses one dilation for every worker: probe runs of all workers at once (each on
         copies of its minibatch in `minibatches`, nothing kept), as in
-        :meth:`VirtualWorker.calibrate_dilation`, then one candidate further: the probes do the
-        workers' side of the synchronisation but not the servers' (their waits and sums), which
-        share the host's cores in the real run (measured: a probe at 0.8 % overran 5.7 % in the
-        run)."""
+        :meth:`VirtualWorker.calibrate_dilation`. The probes do the workers' side of the
+        synchronisation but not the servers' (their waits and sums), which share the host's
+        cores in the real run: the calibration's step of margin covers them."""
         def probe(dilation):
             reports, errors = [None] * self.num_workers, []
             n = self.vws[0].probe_minibatches(self.num_workers)
@@ -185,7 +184,7 @@ class WSPRunner:
                 raise errors[0]
             return EmulationReport.combine(reports)
 
-        dilation, tried = calibrate_dilation(probe, extra_steps=1)
+        dilation, tried = calibrate_dilation(probe)
         for vw in self.vws:
             vw.dilation, vw.calibration = dilation, tried
         return dilation

@@ -74,10 +74,10 @@ def test_calibration_takes_the_first_dilation_whose_probe_overran_little():
         probed.append(d)
         return EmulationReport(d, 100, round(overrun[d] * 100))
 
-    assert calibrate_dilation(probe, candidates=tuple(overrun)) == (3.0, ((1.0, 0.6), (1.5, 0.2), (2.0, 0.03),
-                                                                         (3.0, 0.01)))
-    assert probed == [1.0, 1.5, 2.0, 3.0]  # no probe past the one chosen
-    assert calibrate_dilation(probe, candidates=tuple(overrun), extra_steps=1)[0] == 4.0
+    tried = ((1.0, 0.6), (1.5, 0.2), (2.0, 0.03), (3.0, 0.01))
+    assert calibrate_dilation(probe, candidates=tuple(overrun), extra_steps=0) == (3.0, tried)
+    assert probed == [1.0, 1.5, 2.0, 3.0]  # no probe past the one that passed
+    assert calibrate_dilation(probe, candidates=tuple(overrun)) == (4.0, tried)  # a step of margin
     assert calibrate_dilation(probe, candidates=(1.0, 1.5))[0] == 1.5  # none passed: the largest
 
 

@@ -107,7 +107,7 @@ def run_fit(model, *, events, launch, epochs, steps_per_epoch, callbacks, verbos
                         raise
                     events.forgive(exc)
                     stopped = True
-                completed += 1
+                completed += 0 if stopped else 1  # the optimizers' iterations count applied updates
                 for k, v in logs.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1

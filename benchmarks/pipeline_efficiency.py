@@ -20,7 +20,7 @@ emulation's fidelity, and the simulator's prediction for the same schedule from 
 measured reference times. Targets (issue #3): ratio_to_ideal >= 0.85 at Nm = k and
 speedup_vs_nm1 >= 3 for emulated_k4; speedup_vs_nm1 >= 1.6 for real_k2.
 
-    python benchmarks/pipeline_efficiency.py [--minibatches=60] [--rounds=5]
+    python benchmarks/pipeline_efficiency.py [--steps=60] [--rounds=5]
 """
 import argparse
 import json
@@ -95,7 +95,7 @@ def _rounds(case, k, vws, data, rounds, dilation=None):
     for nm, rs in runs.items():
         med = {key: statistics.median(r[key] for r in rs)
                for key in ("throughput_mb_per_s", "ideal_mb_per_s", "predicted_mb_per_s")}
-        rows.append({"case": case, "k": k, "nm": nm, "minibatches": len(data), "rounds": rounds,
+        rows.append({"case": case, "k": k, "num_in_flight": nm, "steps": len(data), "rounds": rounds,
                      **{key: round(v, 3) for key, v in med.items()},
                      "ratio_to_ideal": round(med["throughput_mb_per_s"] / med["ideal_mb_per_s"], 3),
                      "throughput_per_round": [round(r["throughput_mb_per_s"], 3) for r in rs],
@@ -113,7 +113,7 @@ def _rounds(case, k, vws, data, rounds, dilation=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minibatches", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max_overrun", type=float, default=0.05)
     args = parser.parse_args()
@@ -131,12 +131,12 @@ def main():
     from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    n = args.minibatches
+    n = args.steps
 
     keras.utils.set_random_seed(0)
     emu_model = _dense_model(keras, 256, 4)
     emu_data = _batches(np, emu_model, n, 64)
-    emu = _build(lambda nm: VirtualWorker(emu_model, "1,1,1,1", num_minibatches=nm, boundaries=(0, 1, 2, 3),
+    emu = _build(lambda nm: VirtualWorker(emu_model, "1,1,1,1", num_in_flight=nm, boundaries=(0, 1, 2, 3),
                                           dilation=1.0, optimizer=keras.optimizers.SGD(0.01), loss=loss),
                  (1, 2, 3, 4), emu_data)
     # The runners' own calibration (a margin of half the limit for slower phases of a shared machine).
@@ -152,7 +152,7 @@ def main():
     keras.utils.set_random_seed(0)
     conv = _conv_model(keras, side=16, filters=64, blocks=4)
     conv_data = _batches(np, conv, n, 32)
-    real = _build(lambda nm: VirtualWorker(conv, "cpu,cpu", num_minibatches=nm, boundaries=(0, 2),
+    real = _build(lambda nm: VirtualWorker(conv, "cpu,cpu", num_in_flight=nm, boundaries=(0, 2),
                                            optimizer=keras.optimizers.SGD(0.001), loss=loss,
                                            single_threaded_stages=True),
                   (1, 2), conv_data)

@@ -53,7 +53,7 @@ def _run_plan(model, plan, data, dilation, loss, optimizer):
 
     worker = plan.workers[0]
     specs = [DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory) for d in worker.devices]
-    vw = VirtualWorker(model, specs, num_minibatches=plan.num_in_flight, boundaries=plan.node_boundaries(0),
+    vw = VirtualWorker(model, specs, num_in_flight=plan.num_in_flight, boundaries=plan.node_boundaries(0),
                        optimizer=optimizer, loss=loss, dilation=dilation)
     done = {}
     vw.train(iter(data[:2]), 2)
@@ -111,7 +111,7 @@ def local_part(rounds):
             report, steady, targets = _run_plan(model, p, data, dilation, loss, optimizer)
             stages = []
             for q, st in enumerate(p.workers[0].partition.stages):
-                n = report.num_minibatches
+                n = report.steps
                 measured = report.stages[q].busy_s / n
                 stages.append({
                     "device": st.device.name, "predicted_ms": round(st.time * 1e3, 3),

@@ -75,7 +75,7 @@ def reference_times(model, names, data):
     return vw.references
 
 
-def run_once(model, names, slow, d, minibatches, dilation, data, references):
+def run_once(model, names, slow, d, steps, dilation, data, references):
     import keras
 
     from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
@@ -90,20 +90,20 @@ def run_once(model, names, slow, d, minibatches, dilation, data, references):
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     for vw in runner.vws:
         vw.references = references
-    runner.train([data] * WORKERS, minibatches)
+    runner.train([data] * WORKERS, steps)
     images_per_s = runner.images_per_s()
     from hetpipe_tf.pipeline.emulation import EmulationReport
     overrun = EmulationReport.combine(vw.emulation_report() for vw in runner.vws).overrun_fraction
     return runner, images_per_s, overrun
 
 
-def predict(runner, slow, d, minibatches, dilation):
+def predict(runner, slow, d, steps, dilation):
     """The simulator's images/s for the same schedules, from the measured stage times."""
     from hetpipe_tf.pipeline.instructions import Backward, Forward
     from hetpipe_tf.pipeline.simulator import simulate_workers
     from hetpipe_tf.sync.wsp import ParameterServerModel
 
-    schedules = [vw.schedule(minibatches) for vw in runner.vws]
+    schedules = [vw.schedule(steps) for vw in runner.vws]
 
     def duration(agent, ins):
         w, s = agent
@@ -113,7 +113,7 @@ def predict(runner, slow, d, minibatches, dilation):
         return 0.0
 
     result = simulate_workers(schedules, duration, parameter_servers=ParameterServerModel(d))
-    return WORKERS * minibatches * BATCH / result.makespan
+    return WORKERS * steps * BATCH / result.makespan
 
 
 def main():
@@ -136,9 +136,9 @@ def main():
     keras.utils.set_random_seed(args.seed)
     model = _model(keras)
     rng = np.random.default_rng(args.seed)
-    minibatches = args.waves * NM
+    steps = args.waves * NM
     data = [(rng.normal(size=(BATCH, 256)).astype("float32"), rng.integers(0, 10, size=BATCH))
-            for _ in range(minibatches)]
+            for _ in range(steps)]
     references = reference_times(model, names, data)
     waits = {}
     for scenario in ("transient", "persistent"):
@@ -146,9 +146,9 @@ def main():
         base = {}
         for d in BOUNDS:
             t0 = time.perf_counter()
-            runner, images_per_s, overrun = run_once(model, names, slow, d, minibatches, args.dilation, data,
+            runner, images_per_s, overrun = run_once(model, names, slow, d, steps, args.dilation, data,
                                                      references)
-            predicted = predict(runner, slow, d, minibatches, args.dilation)
+            predicted = predict(runner, slow, d, steps, args.dilation)
             model_rate = wave_model_throughput(slow, d)
             if d == 0:
                 base = {"measured": images_per_s, "predicted": predicted, "wave_model": model_rate}

@@ -51,7 +51,7 @@ class HetPipeStrategy:
         Cluster (see :mod:`hetpipe_tf.planning.cluster`).
       policy: how devices are grouped into virtual workers: "np", "ed", "hd" (§8.1) or
         "auto" (the best predicted of every allocation).
-      num_minibatches: Nm, minibatches in flight per worker (None: the planner's choice).
+      num_in_flight: Nm, minibatches in flight per worker (None: the planner's choice).
       staleness_bound: D of WSP (§5).
       placement: of the global weights on the servers: "default" (layers round-robin) or
         "local" (each stage's layers on its node's server; ED only). None: local for ED.
@@ -65,7 +65,7 @@ class HetPipeStrategy:
       log_dir: where the local cluster's task logs go (default: a temporary directory).
     """
 
-    def __init__(self, cluster="local", policy="ed", num_minibatches=None, staleness_bound=0, placement=None,
+    def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None):
         from hetpipe_tf.planning.cluster import load_cluster
 
@@ -75,8 +75,8 @@ class HetPipeStrategy:
             raise ValueError(f"unknown launch {launch!r}; allowed: {', '.join(LAUNCHES)}")
         if not isinstance(staleness_bound, int) or isinstance(staleness_bound, bool) or staleness_bound < 0:
             raise ValueError(f"staleness_bound (D) must be an integer >= 0, got {staleness_bound!r}")
-        if num_minibatches is not None and (not isinstance(num_minibatches, int) or num_minibatches < 1):
-            raise ValueError(f"num_minibatches (Nm) must be None or an integer >= 1, got {num_minibatches!r}")
+        if num_in_flight is not None and (not isinstance(num_in_flight, int) or num_in_flight < 1):
+            raise ValueError(f"num_in_flight (Nm) must be None or an integer >= 1, got {num_in_flight!r}")
         if placement not in (None, "default", "local"):
             raise ValueError(f"unknown placement {placement!r}; allowed: None, 'default', 'local'")
         self.cluster = load_cluster(cluster)
@@ -87,7 +87,7 @@ class HetPipeStrategy:
             raise ClusterConfigError(f"cluster '{self.cluster.name}' has real device types {real}: run on those machines "
                              f"with launch='tf_config' (TF_CONFIG); launch={launch!r} only emulates devices")
         self.policy = str(policy).lower()
-        self.num_minibatches = num_minibatches
+        self.num_in_flight = num_in_flight
         self.staleness_bound = staleness_bound
         self.placement = placement or ("local" if self.policy == "ed" else "default")
         self.vw_size = vw_size
@@ -173,7 +173,7 @@ class HetPipeStrategy:
         profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
                                   sample=next(iter(data)))
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
-                         num_in_flight=self.num_minibatches, staleness_bound=self.staleness_bound,
+                         num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
                          optimizer_slots=slots_per_weight(model.optimizer))
         devices = self._devices()
@@ -211,8 +211,10 @@ class HetPipeStrategy:
             flat = [(n, i) for n, node in enumerate(nodes) for i in range(node.count)]
             return {"ps": [names[flat.index((n, 0))] for n in range(len(nodes))],
                     "worker": lambda n, d: names[flat.index((n, d.index))]}
-        return {"ps": [f"/job:ps/task:{n}/device:CPU:0" for n in range(len(nodes))],
-                "worker": lambda n, d: f"/job:worker/task:{n}/device:{'CPU' if d.type.emulated else 'GPU'}:{d.index}"}
+        from hetpipe_tf.distributed.launch import ps_device, worker_device
+
+        return {"ps": [ps_device(n) for n in range(len(nodes))],
+                "worker": lambda n, d: worker_device(n, "CPU" if d.type.emulated else "GPU", d.index)}
 
     def _connect(self):
         """Starts (processes) or joins (tf_config) the cluster, once per process."""

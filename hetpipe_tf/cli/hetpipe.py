@@ -64,15 +64,15 @@ def make_plan():
                                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     else:
         profile = static_profile(describe_model(model).graph, FLAGS.batch_size)
-    return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_minibatches,
+    return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_in_flight,
                 staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
                 optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links)
 
 
-def simulate_plan(p, minibatches):
+def simulate_plan(p, steps):
     """Simulation of a plan: throughput, busy fractions, per-worker wait and idle (§8.4)."""
     from hetpipe_tf.planning.planner import simulate_plan as run
-    return run(p, minibatches)
+    return run(p, steps)
 
 
 def trace_plot(trace_path):
@@ -109,12 +109,12 @@ def main(argv):
             plot_plan(p, FLAGS.png)
             print(f"plan drawn to {FLAGS.png}")
         return
-    report = simulate_plan(p, FLAGS.minibatches)
+    report = simulate_plan(p, FLAGS.steps)
     if FLAGS.json:
         print(json.dumps(report, indent=1))
         return
     print(p.format().split("\n\n")[0])
-    print(f"\nsimulated {FLAGS.minibatches} minibatches per worker, D={p.staleness_bound}: "
+    print(f"\nsimulated {FLAGS.steps} minibatches per worker, D={p.staleness_bound}: "
           f"{report['images_per_s']:.1f} images/s")
     for w in report["virtual_workers"]:
         print(f"  worker {w['index']} ({''.join(w['device_types'])}): busy "

@@ -18,14 +18,14 @@ def define_flags():
                                            "models, else the bundled digits' 8,8,1).")
     flags.DEFINE_integer("num_classes", None, "Classes (default: 1000 for keras.applications models, else 10).",
                          lower_bound=1)
-    flags.DEFINE_integer("num_minibatches", None, "Force Nm (default: chosen by the planner).", lower_bound=1)
+    flags.DEFINE_integer("num_in_flight", None, "Force Nm (default: chosen by the planner).", lower_bound=1)
     flags.DEFINE_integer("staleness_bound", 0, "D of Wave Synchronous Parallel.", lower_bound=0)
     flags.DEFINE_enum("placement", "default", list(PLACEMENTS), "Parameter placement on the servers.")
     flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
     flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
     flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer (its slots take memory).")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).", lower_bound=0.0, upper_bound=1.0)
-    flags.DEFINE_integer("minibatches", 400, "simulate: minibatches per virtual worker.", lower_bound=1)
+    flags.DEFINE_integer("steps", 400, "simulate: minibatches (steps) per virtual worker.", lower_bound=1)
     flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
     flags.DEFINE_string("png", None, "plan: also draw the plan into this PNG file (needs matplotlib).")
     flags.DEFINE_string("output", None, "trace plot: the PNG to write (default: the trace's path ending in .png).",

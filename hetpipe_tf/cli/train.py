@@ -1,7 +1,7 @@
 """hetpipe-train: trains a model pipelined over the devices of one virtual worker, or over
 several virtual workers under Wave Synchronous Parallel.
 
-    hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_minibatches=4
+    hetpipe-train --model=cnn --devices=1@32M,0.5@32M,0.5@32M,0.25@32M --num_in_flight=4
     hetpipe-train --model=cnn --cluster=local --policy=ed --staleness_bound=1
 
 Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
@@ -42,7 +42,7 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     names = configure_tensorflow_devices(devices)
     samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
     links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
-    chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_minibatches,
+    chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_in_flight,
                   dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links)
     print(chosen.format())
     by_type = {}
@@ -92,7 +92,7 @@ def _train_virtual_workers():
         if total % FLAGS.num_vws:
             raise app.UsageError(f"--num_vws={FLAGS.num_vws} must divide the cluster's {total} devices")
         vw_size = total // FLAGS.num_vws
-    strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_minibatches=FLAGS.num_minibatches,
+    strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_in_flight=FLAGS.num_in_flight,
                                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
                                dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s)
     with strategy.scope():
@@ -109,7 +109,7 @@ def _train_virtual_workers():
     runner = strategy.runner
     summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "cluster": strategy.cluster.name,
                "policy": FLAGS.policy, "allocation": strategy.plan.allocation,
-               "staleness_bound": FLAGS.staleness_bound, "num_minibatches": runner.num_in_flight,
+               "staleness_bound": FLAGS.staleness_bound, "num_in_flight": runner.num_in_flight,
                "test_accuracy": final.get("val_accuracy"), "images_per_s": final.get("images_per_s"),
                "virtual_workers": runner.stats()}
     if strategy.cluster.emulated:
@@ -143,11 +143,11 @@ def main(argv):
     optimizer = _optimizer()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     boundaries = [int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None
-    num_minibatches = FLAGS.num_minibatches
+    num_in_flight = FLAGS.num_in_flight
     if FLAGS.plan == "auto":
-        devices, boundaries, num_minibatches = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
+        devices, boundaries, num_in_flight = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
     vw = VirtualWorker(
-        model, devices, num_minibatches=num_minibatches, boundaries=boundaries, optimizer=optimizer, loss=loss,
+        model, devices, num_in_flight=num_in_flight, boundaries=boundaries, optimizer=optimizer, loss=loss,
         metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s)
     print(f"{FLAGS.model} on {FLAGS.dataset} {shape}, {model.count_params():,} parameters")
     print(vw.describe())
@@ -158,7 +158,7 @@ def main(argv):
                      validation_data=test, callbacks=callbacks, trace_path=FLAGS.trace_file)
     final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
     summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "devices": [str(d) for d in vw.device_specs],
-               "num_minibatches": vw.num_in_flight, "test_accuracy": final.get("val_accuracy"),
+               "num_in_flight": vw.num_in_flight, "test_accuracy": final.get("val_accuracy"),
                "images_per_s": final.get("images_per_s"),
                "busy_fraction": [round(b, 3) for b in vw.report.busy_fraction()]}
     if vw.emulated:

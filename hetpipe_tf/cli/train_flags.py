@@ -26,8 +26,8 @@ def define_flags():
     flags.DEFINE_enum("plan", "none", ["none", "auto"],
                       "auto: profile the model on this host and let the planner choose the device order, "
                       "the stage boundaries and Nm (memory per stage position included); none: --boundaries, "
-                      "or a static FLOP balance, and --num_minibatches.")
-    flags.DEFINE_integer("num_minibatches", None, "Nm, minibatches in flight (default: the number of stages).",
+                      "or a static FLOP balance, and --num_in_flight.")
+    flags.DEFINE_integer("num_in_flight", None, "Nm, minibatches in flight (default: the number of stages).",
                          lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Minibatch size.", lower_bound=1)
     flags.DEFINE_integer("epochs", 12, "Epochs.", lower_bound=1)

@@ -40,6 +40,16 @@ def use_parallel_remote_ops():
     os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "0"
 
 
+def ps_device(task):
+    """The TensorFlow device of parameter-server task `task` (its CPU)."""
+    return f"/job:ps/task:{task}/device:CPU:0"
+
+
+def worker_device(task, kind, index):
+    """The TensorFlow device `kind`:`index` ("CPU" or "GPU") of worker task `task` (one per node)."""
+    return f"/job:worker/task:{task}/device:{kind}:{index}"
+
+
 class LocalCluster:
     """Parameter servers and workers as processes here; this process is the chief.
 
@@ -102,10 +112,10 @@ class LocalCluster:
         return self
 
     def ps_devices(self):
-        return [f"/job:ps/task:{i}/device:CPU:0" for i in range(len(self.spec["ps"]))]
+        return [ps_device(i) for i in range(len(self.spec["ps"]))]
 
     def worker_devices(self, worker, kind="CPU"):
-        return [f"/job:worker/task:{worker}/device:{kind}:{j}" for j in range(self.worker_cpus[worker])]
+        return [worker_device(worker, kind, j) for j in range(self.worker_cpus[worker])]
 
     def tf_config(self):
         """TF_CONFIG for the chief (to hand to a program that connects itself)."""

@@ -61,13 +61,13 @@ class StageReport:
 
 @dataclass
 class ExecutionReport:
-    num_minibatches: int
+    steps: int
     wall_s: float
     stages: list = field(default_factory=list)
 
     @property
     def minibatches_per_s(self):
-        return self.num_minibatches / self.wall_s if self.wall_s > 0 else 0.0
+        return self.steps / self.wall_s if self.wall_s > 0 else 0.0
 
     def busy_fraction(self):
         return [s.busy_s / self.wall_s if self.wall_s else 0.0 for s in self.stages]
@@ -131,7 +131,7 @@ class PipelineExecutor:
         self._since = [0.0] * k
         self._progress = clock()
         self._errors = []
-        self._limit = schedule.num_minibatches
+        self._limit = schedule.steps
         self._admitted = 0
         self._snapshots = {}
         self._snapshot_lock = threading.Lock()
@@ -202,7 +202,7 @@ class PipelineExecutor:
             rep.memory_peak = rt.memory.peak
             if self._pacers[s] is not None:
                 rep.emulation = self._pacers[s].report()
-        return ExecutionReport(num_minibatches=min(self._limit, self.schedule.num_minibatches),
+        return ExecutionReport(steps=min(self._limit, self.schedule.steps),
                                wall_s=wall, stages=self.reports)
 
     def abort(self):

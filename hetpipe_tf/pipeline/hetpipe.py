@@ -38,21 +38,21 @@ class HetPipeSchedule(PipelineSchedule):
         """Nm: w_p is released before update p, and w_{p+Nm} stashed after it."""
         return num_in_flight
 
-    def programs(self, num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(),
+    def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
                  sync=NO_SYNC):
         """Args:
           num_stages: k.
-          num_minibatches: how many minibatches the run trains.
+          steps: how many minibatches the run trains.
           num_in_flight: Nm, the number of minibatches in the pipeline (s_local + 1).
           input_stages: the stages that consume model inputs (stage 0 loads them).
           snapshot_after: minibatch ids after whose update every stage records its state.
           sync: the synchronisation scheme between virtual workers (default: none).
         """
-        k, n, nm = int(num_stages), int(num_minibatches), int(num_in_flight)
+        k, n, nm = int(num_stages), int(steps), int(num_in_flight)
         if k < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         if n < 0:
-            raise ValueError(f"num_minibatches must be >= 0, got {num_minibatches}")
+            raise ValueError(f"steps must be >= 0, got {steps}")
         if nm < 1:
             raise ValueError(f"num_in_flight (Nm) must be >= 1, got {num_in_flight}")
         input_stages = tuple(sorted(set(input_stages)))
@@ -104,15 +104,15 @@ class HetPipeSchedule(PipelineSchedule):
                 streams = (TaskStream("forward_backward", n, forward_backward),)
             streams += sync.streams(s, n, nm)
             programs.append(StageProgram(stage=s, prologue=prologue, streams=streams))
-        return Schedule(name=self.name, num_stages=k, num_minibatches=n, num_in_flight=nm,
+        return Schedule(name=self.name, num_stages=k, steps=n, num_in_flight=nm,
                         programs=tuple(programs))
 
 
 HETPIPE = register_schedule(HetPipeSchedule())
 
 
-def hetpipe_schedule(num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(), sync=None):
+def hetpipe_schedule(num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(), sync=None):
     """HetPipe's :class:`Schedule` (see :meth:`HetPipeSchedule.programs`); `sync` is a
     :class:`hetpipe_tf.pipeline.schedule.SyncScheme`, its registered name, or None."""
-    return HETPIPE.programs(num_stages, num_minibatches, num_in_flight, input_stages=input_stages,
+    return HETPIPE.programs(num_stages, steps, num_in_flight, input_stages=input_stages,
                             snapshot_after=snapshot_after, sync=get_sync(sync))

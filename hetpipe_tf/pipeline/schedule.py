@@ -48,15 +48,15 @@ class StageProgram:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage programs for `num_minibatches` minibatches with `num_in_flight` (Nm) in flight."""
+    """Per-stage programs for `steps` minibatches with `num_in_flight` (Nm) in flight."""
     name: str
     num_stages: int
-    num_minibatches: int
+    steps: int
     num_in_flight: int
     programs: tuple
 
     def format(self, max_minibatches=6):
-        head = (f"{self.name} schedule: {self.num_stages} stages, {self.num_minibatches} "
+        head = (f"{self.name} schedule: {self.num_stages} stages, {self.steps} "
                 f"minibatches, Nm={self.num_in_flight}")
         return "\n".join([head] + [p.format(max_minibatches) for p in self.programs])
 
@@ -78,9 +78,9 @@ class PipelineSchedule:
     #: The instruction types its programs contain (the executor must carry out each).
     instructions = frozenset()
 
-    def programs(self, num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(),
+    def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
                  sync=None):
-        """The :class:`Schedule` of a run of `num_minibatches` minibatches with `num_in_flight`
+        """The :class:`Schedule` of a run of `steps` minibatches with `num_in_flight`
         (Nm) in flight; `sync` (a :class:`SyncScheme`, default none) adds its instructions."""
         raise NotImplementedError
 
@@ -99,10 +99,12 @@ class SyncScheme:
     A scheme is a registered object (:func:`register_sync`) that says which instructions
     follow a minibatch's update (:meth:`after_update`), what a minibatch's forward pass
     waits for (:meth:`forward_waits`), which extra task streams a stage runs
-    (:meth:`streams`), how the executor carries its instructions out (:meth:`handlers`),
-    how the simulator models the servers (:meth:`simulation_model`) and how many more
-    copies of a stage's weights it keeps (:attr:`weight_copies`). This base class is the
-    scheme of one virtual worker alone: nothing between workers. WSP
+    (:meth:`streams`), how the executor carries its instructions out (:meth:`handlers`,
+    with what it keeps on each stage, :meth:`stage_state`), how the simulator models the
+    servers (:meth:`simulation_model`) and how many more copies of a stage's weights it
+    keeps (:attr:`weight_copies`). Which variables are synchronised is one rule for every
+    scheme (:func:`hetpipe_tf.sync.parameter_server.synchronised_variables`). This base
+    class is the scheme of one virtual worker alone: nothing between workers. WSP
     (:mod:`hetpipe_tf.sync.wsp`) is the first registration.
     """
 
@@ -113,7 +115,7 @@ class SyncScheme:
     apply_like = frozenset()
     weight_copies = 0
 
-    def after_update(self, minibatch, num_minibatches, num_in_flight):
+    def after_update(self, minibatch, steps, num_in_flight):
         """Instructions a stage runs right after applying `minibatch`'s update."""
         return ()
 
@@ -121,9 +123,15 @@ class SyncScheme:
         """Keys (at the stage itself) that `minibatch`'s forward pass waits for."""
         return ()
 
-    def streams(self, stage, num_minibatches, num_in_flight):
+    def streams(self, stage, steps, num_in_flight):
         """Task streams a stage runs beside its pipeline's own."""
         return ()
+
+    def stage_state(self, runtime):
+        """What the scheme keeps on each stage (`runtime`, a stage runtime of
+        :mod:`hetpipe_tf.runtime.stage_runtime`) for its handlers, or None. It has
+        ``snapshot()`` and ``restore(snapshot)``; the runtime's state carries it."""
+        return None
 
     def bind(self, worker, servers, staleness_bound, timeout_s):
         """The binding of virtual worker `worker` to the parameter servers: what its executor's

@@ -35,7 +35,7 @@ class Span:
 @dataclass
 class SimulationResult:
     agents: list  # stage ids, or (worker, stage) pairs
-    num_minibatches: int  # per virtual worker
+    steps: int  # per virtual worker
     spans: list = field(default_factory=list)
     task_order: dict = field(default_factory=dict)  # agent -> [(kind, minibatch), ...]
     pulls: list = field(default_factory=list)  # (worker, stage, key, requested, answered) of server answers
@@ -52,7 +52,7 @@ class SimulationResult:
     def throughput(self):
         """Minibatches per second over the whole run, all virtual workers together."""
         workers = {a[0] for a in self.agents} if isinstance(self.agents[0], tuple) else {0}
-        return len(workers) * self.num_minibatches / self.makespan if self.makespan > 0 else 0.0
+        return len(workers) * self.steps / self.makespan if self.makespan > 0 else 0.0
 
     def busy_time(self, agent):
         return sum(s.end - s.start for s in self.spans if s.stage == agent)
@@ -99,7 +99,7 @@ def simulate(schedule, duration, transfer=None):
     result = simulate_workers([schedule], lambda agent, ins: duration(agent[1], ins),
                               None if transfer is None else (lambda a, b, ins: transfer(a[1], b[1], ins)))
     stages = list(range(schedule.num_stages))
-    plain = SimulationResult(agents=stages, num_minibatches=schedule.num_minibatches,
+    plain = SimulationResult(agents=stages, steps=schedule.steps,
                              task_order={a[1]: order for a, order in result.task_order.items()})
     plain.spans = [Span(s.stage[1], s.instruction, s.start, s.end) for s in result.spans]
     return plain
@@ -126,7 +126,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None)
     avail = {a: {} for a in agents}
     free = {a: 0.0 for a in agents}
     pos = {a: [0] * len(programs[a].streams) for a in agents}
-    result = SimulationResult(agents=agents, num_minibatches=schedules[0].num_minibatches,
+    result = SimulationResult(agents=agents, steps=schedules[0].steps,
                               task_order={a: [] for a in agents})
     ps = parameter_servers
 

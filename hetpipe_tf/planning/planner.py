@@ -235,14 +235,14 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
     return simulate_workers(schedules, duration, parameter_servers=servers)
 
 
-def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", minibatches=None):
+def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None):
     """Predicted minibatches/s of the cluster and of each worker, by simulation.
 
     `workers` are Partitions; with several, they synchronise by WSP (§5), and in the
     long run every worker goes at the pace of the slowest (a finite staleness bound
     only lets the others run ahead by D waves), which is what each worker is given.
     """
-    n = minibatches or max(6 * num_in_flight, 32)
+    n = steps or max(6 * num_in_flight, 32)
     result = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
     alone = [result.steady_throughput((w, 0)) for w in range(len(workers))]
     # With any finite staleness bound, the slowest worker sets everyone's pace in the long run.
@@ -359,13 +359,13 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     return best
 
 
-def simulate_plan(p, minibatches=400):
+def simulate_plan(p, steps=400):
     """A plan's schedules in the simulator, longer than the planner runs them: a report dict
     with images/s, and per worker its devices' busy fractions and its average wait for pulled
     weights and idle time of its first stage during those waits (§8.4)."""
     model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic)
     parts = [w.partition for w in p.workers]
-    result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, minibatches)
+    result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps)
     alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]
     busy = result.busy_fraction()
     workers = []
@@ -378,4 +378,4 @@ def simulate_plan(p, minibatches=400):
             "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
             "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0})
     return {"images_per_s": len(parts) * min(alone) * p.profile.batch_size, "staleness_bound": p.staleness_bound,
-            "minibatches_per_worker": minibatches, "virtual_workers": workers}
+            "steps_per_worker": steps, "virtual_workers": workers}

@@ -70,26 +70,44 @@ class Events:
             raise self.errors[0]
 
 
-def run_fit(model, *, events, launch, epochs, steps_per_epoch, callbacks, verbose, batch_size, epoch_end,
-            sync_optimizer, request_stop, abort, timeout_s, workers=1):
-    """Runs Keras's fit protocol over training threads; returns the History.
+def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_size, epoch_end,
+            optimizer, stage_optimizers, request_stop, abort, timeout_s, workers=1):
+    """Runs Keras's fit protocol over training that runs in another thread; returns the History.
 
     Args:
-      events: the Events the training threads report to.
-      launch: starts the training threads (called after on_train_begin).
-      epoch_end: epoch_end(epoch, stopped) -> extra epoch logs; it puts the weights the
-        epoch ended with into the Keras model (validation and callbacks see them).
-      sync_optimizer: sync_optimizer(completed minibatches) after callbacks may have run.
-      request_stop: asks the training threads to stop admitting minibatches.
-      abort: stops the training threads now.
-      workers: how many threads report `started`.
+      train: train(events) trains for the whole fit, reporting to `events` (an
+        :class:`Events`); it runs on a thread of its own, started after on_train_begin.
+      epoch_end: epoch_end(epoch, stopped, events) -> extra epoch logs; it puts the weights
+        the epoch ended with into the Keras model (validation and callbacks see them).
+      optimizer: the user's optimizer: ``model.optimizer`` (what callbacks read and set)
+        unless the model has one.
+      stage_optimizers: () -> the stages' copies of the optimizer, which follow it
+        (:func:`sync_learning_rate`).
+      request_stop: asks the training to stop admitting minibatches.
+      abort: stops the training now.
+      workers: how many `started` events the training reports.
     """
+    if getattr(model, "optimizer", None) is None:
+        model.optimizer = optimizer  # callbacks read and set its learning rate
+    events = Events()
+
+    def run():
+        error = None
+        try:
+            train(events)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, on the caller's thread
+            error = exc
+        events.finished(error)
+
+    def sync_optimizer(completed):
+        sync_learning_rate(model, optimizer, stage_optimizers(), completed)
+
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=model,
                                        verbose=verbose, epochs=epochs, steps=steps_per_epoch)
     model.stop_training = False
     cbs.on_train_begin()
-    launch()
+    start_thread(run, "hetpipe-fit")
     history_logs, stopped, completed = {}, False, 0
     try:
         t_epoch = min(events.get("started") for _ in range(workers))
@@ -122,7 +140,7 @@ def run_fit(model, *, events, launch, epochs, steps_per_epoch, callbacks, verbos
             if t_done > t_epoch:
                 epoch_logs["images_per_s"] = count * batch_size / (t_done - t_epoch)
             t_epoch = t_done
-            epoch_logs.update(epoch_end(epoch, stopped))
+            epoch_logs.update(epoch_end(epoch, stopped, events))
             cbs.on_epoch_end(epoch, epoch_logs)
             sync_optimizer(completed)
             history_logs = epoch_logs

@@ -118,7 +118,7 @@ def _apply_seconds(optimizer, device, shared, sizes=(2 ** 14, 2 ** 22), repeats=
     return max(t0 - per_byte * b0, 0.0), per_byte
 
 
-def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_per_byte, minibatches=24):
+def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_per_byte, steps=24):
     """What the executor adds around compute, measured by running `model` for real as a two-stage
     pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
     instruction, how much slower an apply is there than alone, the mean time a paced task
@@ -129,11 +129,11 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     cuts = describe_model(model).graph.allowed_cuts()
-    vw = VirtualWorker(model, "1,1", num_minibatches=2, boundaries=(0, cuts[len(cuts) // 2]),
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, boundaries=(0, cuts[len(cuts) // 2]),
                        optimizer=optimizer, loss=loss, dilation=2.0)
-    data = [sample] * minibatches
+    data = [sample] * steps
     vw.train(iter(data[:2]), 2)
-    vw.train(iter(data), minibatches, trace=True)
+    vw.train(iter(data), steps, trace=True)
     events = [e for e in vw.trace.events() if e.get("ph") == "X"]
     compute = {Forward.__name__, Backward.__name__, ApplyUpdate.__name__}
     instruction = float(np.median([e["dur"] for e in events if e["cat"] not in compute])) * 1e-6

@@ -55,7 +55,8 @@ def _functional(model):
     return model
 
 
-def _weight_bytes(variables):
+def variable_bytes(variables):
+    """The bytes that `variables` hold (each element's size from its dtype)."""
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
 
 
@@ -125,8 +126,8 @@ def describe_model(model):
         flops = int(2 * params * max(out_elems // max(last_dim, 1), 1) + out_elems)
         nodes.append(LayerNode(
             index=index, layer=op.name, kind=type(op).__name__, inputs=inputs, outputs=outputs,
-            trainable_bytes=_weight_bytes(trainable),
-            non_trainable_bytes=_weight_bytes(getattr(op, "non_trainable_weights", [])),
+            trainable_bytes=variable_bytes(trainable),
+            non_trainable_bytes=variable_bytes(getattr(op, "non_trainable_weights", [])),
             flops_per_example=flops))
     graph = ModelGraph(name=model.name, nodes=tuple(nodes), tensors=tensors,
                        inputs=tuple(tensor_ids[id(t)] for t in fn.inputs),

@@ -21,7 +21,7 @@ can be pushed to the parameter servers.
 import contextlib
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import keras
 import numpy as np
@@ -31,11 +31,10 @@ from tensorflow.python.eager import context
 from hetpipe_tf.ops.weight_stash import WeightStash
 from hetpipe_tf.pipeline.emulation import MemoryAccount
 from hetpipe_tf.pipeline.instructions import Backward, Forward
+from hetpipe_tf.pipeline.schedule import NO_SYNC
 from hetpipe_tf.runtime.optimizers import stage_optimizer
-
-
-def _nbytes(variables):
-    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+from hetpipe_tf.runtime.stage_rewrite import variable_bytes
+from hetpipe_tf.sync.parameter_server import synchronised_variables
 
 
 def _is_remote(device):
@@ -45,7 +44,7 @@ def _is_remote(device):
 
 
 def _is_float(t):
-    """Whether a tensor or a (Keras) variable holds floating-point values."""
+    """Whether a tensor holds floating-point values."""
     return tf.as_dtype(t.dtype).is_floating
 
 
@@ -57,7 +56,6 @@ class _InFlight:
     num_entering: int  # how many of `sources` are received tensors
     received_float: list  # for each received tensor: its position in sources, or None
     targets: list  # what the backward pass differentiates
-    weight_version: list = field(default_factory=list)
 
 
 class NonFiniteError(FloatingPointError):
@@ -78,7 +76,7 @@ class StageState:
     """A stage's state right after some update: what a checkpoint or evaluation needs.
     `applied`: the minibatches whose updates it holds; `used`: the recorded provenance of the
     versions used so far ({p: local updates}, {p: global pushes}), when recording it; `sync`:
-    the synchronisation bookkeeping (the weights at the last push, the pushes held)."""
+    (the synchronisation scheme's snapshot of its stage state, the global pushes held)."""
     trainable: list
     non_trainable: list
     optimizer: list
@@ -89,7 +87,7 @@ class StageState:
 
 class StageRuntime:
     def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
-                 activation_bytes=0, record_provenance=False, single_threaded=False, synchronised=False):
+                 activation_bytes=0, record_provenance=False, single_threaded=False, sync=NO_SYNC):
         self.stage = stage
         self.index = stage.index
         self.device = device
@@ -108,22 +106,17 @@ class StageRuntime:
             self.optimizer.build(self.trainable)
         self.stash = WeightStash(num_in_flight, device=device, name=f"stage{self.index}")
         self._dtypes = [v.dtype for v in self.trainable]
-        self.version_bytes = _nbytes(self.trainable)
-        self.memory.allocate("weights", self.version_bytes + _nbytes(self.non_trainable))
-        self.memory.allocate("optimizer slots", _nbytes(self.optimizer.variables))
-        # WSP (§5): the weights at the last push, plus the global updates merged since; the next
-        # push sends the difference, which is exactly the local updates made since. Floating-point
-        # state (BatchNorm's moving statistics) is synchronised the same way, so that its
-        # moving averages take every worker's minibatches, not only this worker's 1/k of them.
-        synced_state = [i for i, v in enumerate(stage.non_trainable_variables) if _is_float(v)]
-        self.synced = self.trainable + [self.non_trainable[i] for i in synced_state]
-        self.paths = ([v.path for v in stage.trainable_variables]
-                      + [stage.non_trainable_variables[i].path for i in synced_state])
-        self.base = None
-        if synchronised:
-            self.memory.allocate("weights at last push", _nbytes(self.synced))
-            with tf.device(device):
-                self.base = [tf.identity(v.value) for v in self.synced]
+        self.version_bytes = variable_bytes(self.trainable)
+        self.memory.allocate("weights", self.version_bytes + variable_bytes(self.non_trainable))
+        self.memory.allocate("optimizer slots", variable_bytes(self.optimizer.variables))
+        # What the synchronisation scheme exchanges with the other virtual workers, in the same
+        # order as their paths (the keys of the parameter servers).
+        self.synchronised = synchronised_variables(self.trainable, self.non_trainable)
+        self.synchronised_paths = [v.path for v in synchronised_variables(stage.trainable_variables,
+                                                                          stage.non_trainable_variables)]
+        if sync.weight_copies:
+            self.memory.allocate("synchronisation copies", sync.weight_copies * variable_bytes(self.synchronised))
+        self.sync_state = sync.stage_state(self)
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
         self._inflight = {}
@@ -132,7 +125,7 @@ class StageRuntime:
         self.applied = []  # minibatch ids whose updates w_local holds, in order
         self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
         self.used_versions = {}  # p -> updates the version p's forward pass used
-        self.global_included = frozenset()  # (worker, wave) pushes the live weights hold (WSP)
+        self.global_included = frozenset()  # (worker, clock) pushes the live weights hold
         self.version_globals = {}  # p -> (worker, wave) pushes w_p holds
         self.used_globals = {}  # p -> (worker, wave) pushes the version p's forward pass used
         self.logs = {}  # p -> loss and metrics (last stage)
@@ -219,8 +212,7 @@ class StageRuntime:
         n_received = len(self.stage.io.received)
         record = _InFlight(tape=tape, sources=sources, num_entering=len(float_pos),
                            received_float=[position.get(i) for i in range(n_received)],
-                           targets=list(targets) + ([] if self.is_last else [reg]),
-                           weight_version=weights)
+                           targets=list(targets) + ([] if self.is_last else [reg]))
         self._inflight[p] = record
         if self.is_last:
             loss = float(logs["loss"])
@@ -281,38 +273,32 @@ class StageRuntime:
                     f"clip gradients (the optimizer's clipnorm)", p, self.index)
         self.applied.append(p)
 
-    # WSP ---------------------------------------------------------------------------------
-    def wave_update(self):
-        """(variable paths, the aggregated update of the wave): w_local - base; base := w_local
-        (weights, then the synchronised state)."""
-        with tf.device(self.device):
-            now = [tf.identity(v.value) for v in self.synced]
-            deltas = [n - b for n, b in zip(now, self.base)]
-        self.base = now
-        return self.paths, deltas
+    # Synchronisation ---------------------------------------------------------------------
+    def on_device(self):
+        """A context placing the ops created in it on the stage's device."""
+        return tf.device(self.device)
 
-    def merge_pulled(self, wave, pulled, clocks, first_minibatch):
-        """Takes global weights pulled after wave `wave` in (§5).
-
-        w_local becomes the pulled weights plus the local updates made since the last push;
-        so do the versions stashed since it (those of minibatches >= `first_minibatch`).
-        `clocks` are the workers' clocks read before the pulled values.
-        """
+    def synchronised_values(self):
+        """Copies of the synchronised variables' values now (weights, then floating-point state)."""
         with tf.device(self.device):
-            delta = [tf.identity(g) - b for g, b in zip(pulled, self.base)]
-            for v, d in zip(self.synced, delta):
+            return [tf.identity(v.value) for v in self.synchronised]
+
+    def add_to_weights(self, deltas, first_minibatch, included):
+        """Adds `deltas` (one per synchronised variable) to the live variables and to the versions
+        stashed for minibatches >= `first_minibatch`, which thereby hold the global updates
+        `included` ((worker, clock) pushes), as the live weights now do."""
+        with tf.device(self.device):
+            for v, d in zip(self.synchronised, deltas):
                 v.assign_add(d)
-            self.base = [b + d for b, d in zip(self.base, delta)]
             stashed = [p for p in self.stash.stats().minibatches if p >= first_minibatch]
             for p in stashed:  # versions hold the trainable weights only
                 version = self.stash.get(p, self._dtypes)
                 self.stash.release(p)
-                self.stash.put(p, [w + d for w, d in zip(version, delta)])
-        included = frozenset((w, c) for w, clock in enumerate(clocks) for c in range(clock))
-        self.global_included = included
+                self.stash.put(p, [w + d for w, d in zip(version, deltas)])
+        self.global_included = frozenset(included)
         if self.record_provenance:
             for p in stashed:
-                self.version_globals[p] = included
+                self.version_globals[p] = self.global_included
 
     def end_run(self):
         """Drops what a stopped or failed run left behind: versions stashed for minibatches
@@ -335,7 +321,7 @@ class StageRuntime:
                           applied=tuple(self.applied),
                           used=(dict(self.used_versions), dict(self.used_globals)) if self.record_provenance
                           else ({}, {}),
-                          sync=(self.base, self.global_included))
+                          sync=(self.sync_state.snapshot() if self.sync_state else None, self.global_included))
 
     def restore(self, state):
         """Sets the stage's live state back to `state` (a :meth:`snapshot`)."""
@@ -345,7 +331,9 @@ class StageRuntime:
                 v.assign(value)
         self.applied = list(state.applied)
         self.used_versions, self.used_globals = dict(state.used[0]), dict(state.used[1])
-        self.base, self.global_included = state.sync
+        sync_state, self.global_included = state.sync
+        if self.sync_state:
+            self.sync_state.restore(sync_state)
 
     def write_back(self, state=None):
         """Writes `state` (default: the live state) into the Keras model's own variables."""

@@ -1,12 +1,12 @@
 """A virtual worker (HetPipe §3): one Keras model on k devices, trained as a pipeline (§4).
 
-    vw = hetpipe_tf.VirtualWorker(model, devices="1@512M,0.5@256M", num_minibatches=2,
+    vw = hetpipe_tf.VirtualWorker(model, devices="1@512M,0.5@256M", num_in_flight=2,
                                   optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     history = vw.fit(train_ds, epochs=5, validation_data=test_ds)
 
 The model is cut into one stage per device (:mod:`hetpipe_tf.runtime.stage_rewrite`), the
-schedule (HetPipe's by default, :mod:`hetpipe_tf.pipeline.hetpipe`) keeps ``num_minibatches``
+schedule (HetPipe's by default, :mod:`hetpipe_tf.pipeline.hetpipe`) keeps ``num_in_flight``
 (Nm) minibatches in flight, and the executor (:mod:`hetpipe_tf.pipeline.executor`) runs it.
 The trained weights are written back into the Keras model at the end, so
 ``model.evaluate``, ``predict`` and ``save`` work as usual.
@@ -24,7 +24,7 @@ from hetpipe_tf.pipeline.executor import PipelineExecutor
 from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
-from hetpipe_tf.runtime.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit
 from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer
@@ -39,7 +39,7 @@ class VirtualWorker:
       model: a built Sequential or functional Keras model.
       devices: one device per stage: DeviceSpecs or a string such as "1@512M,0.5@256M"
         (see :mod:`hetpipe_tf.planning.devices`).
-      num_minibatches: Nm, minibatches in flight (default: the number of stages). Nm = 1 is
+      num_in_flight: Nm, minibatches in flight (default: the number of stages). Nm = 1 is
         naive model parallelism.
       boundaries: the first layer call of each stage (default: balance a FLOP estimate over
         the devices' speeds).
@@ -64,7 +64,7 @@ class VirtualWorker:
         slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.pipeline.emulation.Pacer`).
     """
 
-    def __init__(self, model, devices, num_minibatches=None, boundaries=None, optimizer="sgd",
+    def __init__(self, model, devices, num_in_flight=None, boundaries=None, optimizer="sgd",
                  loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
                  record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None,
                  schedule="hetpipe"):
@@ -78,9 +78,9 @@ class VirtualWorker:
         self.pipeline_schedule = get_schedule(schedule)
         self.slowdown = slowdown
         k = len(self.device_specs)
-        self.num_in_flight = int(num_minibatches) if num_minibatches is not None else k
+        self.num_in_flight = int(num_in_flight) if num_in_flight is not None else k
         if self.num_in_flight < 1:
-            raise ValueError(f"num_minibatches (Nm) must be >= 1, got {num_minibatches}")
+            raise ValueError(f"num_in_flight (Nm) must be >= 1, got {num_in_flight}")
         self.optimizer = check_optimizer(optimizer)
         self.staged = split_model(model, boundaries=boundaries, num_stages=k,
                                   devices=self.device_names,
@@ -139,10 +139,10 @@ class VirtualWorker:
                          f"memory is accounted; see hetpipe_tf.pipeline.emulation")
         return "\n".join(lines)
 
-    def schedule(self, num_minibatches, snapshot_after=(), synchronised=True):
-        """The schedule this worker runs for `num_minibatches` minibatches."""
+    def schedule(self, steps, snapshot_after=(), synchronised=True):
+        """The schedule this worker runs for `steps` minibatches."""
         sync = self.sync.scheme if synchronised and self.sync is not None else NO_SYNC
-        return self.pipeline_schedule.programs(self.num_stages, num_minibatches, self.num_in_flight,
+        return self.pipeline_schedule.programs(self.num_stages, steps, self.num_in_flight,
                                                input_stages=self.staged.input_stages(),
                                                snapshot_after=snapshot_after, sync=sync)
 
@@ -159,7 +159,8 @@ class VirtualWorker:
                 stage, name, self.num_in_flight, self.optimizer,
                 loss_head=self.loss_head if s == last else None, memory=memory,
                 activation_bytes=act[s], record_provenance=self.record_provenance,
-                single_threaded=self.single_threaded_stages, synchronised=self.sync is not None))
+                single_threaded=self.single_threaded_stages,
+                sync=self.sync.scheme if self.sync is not None else NO_SYNC))
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references."""
@@ -175,9 +176,9 @@ class VirtualWorker:
         return batch_size
 
     # Training --------------------------------------------------------------------------
-    def train(self, data, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
+    def train(self, data, steps, trace=False, on_minibatch_done=None, snapshot_after=(),
               on_snapshot=None, executor_hook=None):
-        """Trains on `num_minibatches` minibatches from `data` (a tf.data.Dataset or an iterator
+        """Trains on `steps` minibatches from `data` (a tf.data.Dataset or an iterator
         of (inputs, labels)); returns the :class:`ExecutionReport`. Weights are written back into
         the Keras model at the end. `trace` is True or a TraceRecorder to add to."""
         iterator = iter(data)
@@ -185,7 +186,7 @@ class VirtualWorker:
         batch_size = self.prepare(*first)
         if self.emulated and self.dilation is None:
             self.calibrate_dilation(first)
-        self.report = self._run(_chain(first, iterator), num_minibatches, trace=trace,
+        self.report = self._run(_chain(first, iterator), steps, trace=trace,
                                 on_minibatch_done=on_minibatch_done, snapshot_after=snapshot_after,
                                 on_snapshot=on_snapshot, executor_hook=executor_hook)
         self.report.batch_size = batch_size
@@ -194,7 +195,7 @@ class VirtualWorker:
                 rt.write_back()
         return self.report
 
-    def _run(self, iterator, num_minibatches, trace=False, on_minibatch_done=None, snapshot_after=(),
+    def _run(self, iterator, steps, trace=False, on_minibatch_done=None, snapshot_after=(),
              on_snapshot=None, executor_hook=None, synchronised=True, dry=False):
         self._pacers = [Pacer(d.speed, self.dilation, slowdown=self.slowdown) if d.emulated else None
                         for d in self.device_specs]
@@ -205,7 +206,7 @@ class VirtualWorker:
         sync = self.sync if synchronised else None
         handlers = None if sync is None else sync.scheme.dry_handlers() if dry else sync.scheme.handlers(sync)
         executor = PipelineExecutor(
-            self.schedule(num_minibatches, snapshot_after=snapshot_after, synchronised=synchronised),
+            self.schedule(steps, snapshot_after=snapshot_after, synchronised=synchronised),
             self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
             references=self.references, timeout_s=self.timeout_s, trace=recorder,
             on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot,
@@ -225,16 +226,16 @@ class VirtualWorker:
         tasks over `workers` such workers running together."""
         return max(3 * self.num_in_flight, -(-120 // (2 * self.num_stages * workers)))
 
-    def probe_emulation(self, minibatch, dilation, num_minibatches=None):
+    def probe_emulation(self, minibatch, dilation, steps=None):
         """Runs the pipeline on copies of `minibatch` at `dilation` and keeps nothing of it
         (every stage's state is restored); returns the run's EmulationReport. A synchronised
         worker runs its scheme's dry handlers (the same work on the stages, no server)."""
-        num_minibatches = num_minibatches or self.probe_minibatches()
+        steps = steps or self.probe_minibatches()
         states = [rt.snapshot() for rt in self.runtimes]
         given, self.dilation = self.dilation, dilation
         try:
             dry = self.sync is not None and self.sync.scheme.dry_handlers() is not None
-            report = self._run(iter([minibatch] * num_minibatches), num_minibatches, synchronised=dry, dry=dry)
+            report = self._run(iter([minibatch] * steps), steps, synchronised=dry, dry=dry)
         finally:
             self.dilation = given
             for rt, state in zip(self.runtimes, states):
@@ -274,29 +275,20 @@ class VirtualWorker:
         consistent state is written into the Keras model before validation and
         ``on_epoch_end`` (so ModelCheckpoint and friends see it).
         """
-        dataset = x
-        steps_per_epoch = steps_per_epoch or epoch_steps(dataset)
-        events = Events()
+        steps_per_epoch = steps_per_epoch or epoch_steps(x)
         holder = {}
-        if getattr(self.model, "optimizer", None) is None:
-            self.model.optimizer = self.optimizer  # callbacks read and set its learning rate
 
-        def run():
+        def train(events):
             def keep(executor):
                 holder["executor"] = executor
                 events.put("started", time.perf_counter())
 
-            error = None
-            try:
-                self.train(dataset.repeat(), epochs * steps_per_epoch, trace=trace_path is not None,
-                           on_minibatch_done=lambda p, logs: events.put("done", (logs, time.perf_counter())),
-                           snapshot_after=[e * steps_per_epoch for e in range(1, epochs + 1)],
-                           on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=keep)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by run_fit
-                error = exc
-            events.finished(error)
+            self.train(x.repeat(), epochs * steps_per_epoch, trace=trace_path is not None,
+                       on_minibatch_done=lambda p, logs: events.put("done", (logs, time.perf_counter())),
+                       snapshot_after=[e * steps_per_epoch for e in range(1, epochs + 1)],
+                       on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=keep)
 
-        def epoch_end(epoch, stopped):
+        def epoch_end(epoch, stopped, events):
             if not stopped:
                 for rt, state in zip(self.runtimes, events.get("snapshot")):
                     rt.write_back(state)
@@ -308,11 +300,9 @@ class VirtualWorker:
             return logs
 
         history = run_fit(
-            self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
-            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
-            batch_size=batch_size_of(dataset), epoch_end=epoch_end,
-            sync_optimizer=lambda done: sync_learning_rate(self.model, self.optimizer,
-                                                           [rt.optimizer for rt in self.runtimes or []], done),
+            self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+            verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, optimizer=self.optimizer,
+            stage_optimizers=lambda: [rt.optimizer for rt in self.runtimes or []],
             request_stop=lambda: holder["executor"].request_stop(),
             abort=lambda: holder["executor"].abort() if "executor" in holder else None,
             timeout_s=self.timeout_s)

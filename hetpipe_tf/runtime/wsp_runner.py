@@ -14,7 +14,7 @@ import tensorflow as tf
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
-from hetpipe_tf.runtime.fit_loop import Events, batch_size_of, epoch_steps, run_fit, start_thread, sync_learning_rate
+from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit, start_thread
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
 from hetpipe_tf.pipeline.schedule import get_sync
@@ -63,7 +63,7 @@ class WSPRunner:
         self.timeout_s = float(timeout_s)
         self.vws = []
         for w in workers:
-            self.vws.append(VirtualWorker(model, w.devices, num_minibatches=num_in_flight, boundaries=w.boundaries,
+            self.vws.append(VirtualWorker(model, w.devices, num_in_flight=num_in_flight, boundaries=w.boundaries,
                                           optimizer=optimizer, loss=loss, metrics=metrics,
                                           loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
                                           record_provenance=record_provenance, tf_devices=w.tf_devices,
@@ -96,7 +96,7 @@ class WSPRunner:
     def num_in_flight(self):
         return self.vws[0].num_in_flight
 
-    def train(self, data, minibatches, trace=False, on_minibatch_done=None, on_started=None):
+    def train(self, data, steps, trace=False, on_minibatch_done=None, on_started=None):
         """Trains every worker on `minibatches` minibatches of its own data (a list, one
         iterable per worker); returns their ExecutionReports. on_minibatch_done(worker, p, logs);
         on_started(time) once the workers are built and the emulation calibrated."""
@@ -133,7 +133,7 @@ class WSPRunner:
                     on_minibatch_done(i, p, logs)
 
             try:
-                reports[i] = self.vws[i].train(chain(), minibatches, trace=self.trace or False, on_minibatch_done=done,
+                reports[i] = self.vws[i].train(chain(), steps, trace=self.trace or False, on_minibatch_done=done,
                                                executor_hook=lambda ex: self._executors.__setitem__(i, ex))
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
@@ -207,21 +207,13 @@ class WSPRunner:
         k = self.num_workers
         per_worker = -(-epochs * steps_per_epoch // k)
         shards = [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()]
-        events = Events(producers=1)
-        if getattr(self.model, "optimizer", None) is None:
-            self.model.optimizer = self.optimizer
 
-        def run():
-            error = None
-            try:
-                self.train(shards, per_worker, trace=trace_path is not None,
-                           on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())),
-                           on_started=lambda t: [events.put("started", t) for _ in range(k)])
-            except BaseException as exc:  # noqa: BLE001 - re-raised by run_fit
-                error = exc
-            events.finished(error)
+        def train(events):
+            self.train(shards, per_worker, trace=trace_path is not None,
+                       on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())),
+                       on_started=lambda t: [events.put("started", t) for _ in range(k)])
 
-        def epoch_end(epoch, stopped):
+        def epoch_end(epoch, stopped, events):
             self.finish()
             logs = {f"val_{k}": v for k, v in self.vws[0].evaluate(validation_data).items()} if validation_data else {}
             clocks, global_clock = self.servers.clock.clocks()
@@ -231,11 +223,9 @@ class WSPRunner:
             return logs
 
         history = run_fit(
-            self.model, events=events, launch=lambda: start_thread(run, "hetpipe-fit"), epochs=epochs,
-            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose, batch_size=batch_size_of(x),
-            epoch_end=epoch_end, workers=k,
-            sync_optimizer=lambda done: sync_learning_rate(
-                self.model, self.optimizer, [rt.optimizer for vw in self.vws for rt in vw.runtimes or []], done),
+            self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+            verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
+            stage_optimizers=lambda: [rt.optimizer for vw in self.vws for rt in vw.runtimes or []],
             request_stop=lambda: [ex.request_stop() for ex in self._executors.values()],
             abort=self.abort, timeout_s=self.timeout_s)
         if trace_path and self.trace:

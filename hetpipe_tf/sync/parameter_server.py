@@ -26,7 +26,6 @@ from hetpipe_tf.ops.wsp_clock import WspClock
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 
-
 class ParameterServers:
     """Global weights and the WSP clock.
 
@@ -48,7 +47,7 @@ class ParameterServers:
         self.variables = {}
         self.device_of = {}
         layers = []
-        for v in synchronised_variables(model):
+        for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
             layer = layer_of(v.path)
             if layer not in layers:
                 layers.append(layer)
@@ -111,15 +110,16 @@ class ParameterServers:
 
     def write_to(self, model):
         """Puts the global weights (and synchronised state) into the Keras model."""
-        for v in synchronised_variables(model):
+        for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
             v.assign(self.variables[v.path].read_value())
 
 
-def synchronised_variables(model):
-    """What the servers keep: the trainable weights and the floating-point state (BatchNorm's
-    moving statistics, frozen weights), but not integer state such as random seeds."""
-    return list(model.trainable_variables) + [v for v in model.non_trainable_variables
-                                              if tf.as_dtype(v.dtype).is_floating]
+def synchronised_variables(trainable, non_trainable):
+    """What virtual workers synchronise, of a model's or a stage's variables: the trainable
+    weights and the floating-point state (BatchNorm's moving statistics, frozen weights), so
+    that moving averages take every worker's minibatches; not integer state such as random
+    seeds. In this order: the parameter servers' keys and a stage's exchanges follow it."""
+    return list(trainable) + [v for v in non_trainable if tf.as_dtype(v.dtype).is_floating]
 
 
 def layer_of(path):

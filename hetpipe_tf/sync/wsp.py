@@ -16,6 +16,7 @@ Pure Python. Everything WSP adds between virtual workers is here, as a
   parameter servers; a pull is answered on a pool thread once every worker has pushed wave
   c - D (the stage goes on meanwhile); a merge makes the live weights and the versions
   stashed since the push equal to the global weights plus the local updates made since.
+  What a stage keeps for this is a :class:`PushBase`.
 * **how the simulator models them**: :class:`ParameterServerModel`.
 * **what the planner charges**: one more copy of a stage's weights (those at the last
   push), and the push and pull transfers of each wave.
@@ -72,6 +73,48 @@ class MergePulled(WaveInstruction):
         return ((stage, (MERGED, self.wave)),)
 
 
+class PushBase:
+    """A stage's weights at its last push plus the global updates merged since (§5).
+
+    The next push sends ``w_local - base``, which is exactly the local updates made since the
+    last push; a merge of pulled global weights adds ``pulled - base`` to the live weights and
+    to the versions stashed since the push. Works on the synchronised variables of `runtime`
+    (a stage runtime: ``synchronised_values()``, ``synchronised_paths``, ``on_device()``,
+    ``add_to_weights()``).
+    """
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.values = runtime.synchronised_values()
+
+    @property
+    def paths(self):
+        return self.runtime.synchronised_paths
+
+    def wave_update(self):
+        """The aggregated update of the wave, w_local - base; base := w_local."""
+        now = self.runtime.synchronised_values()
+        with self.runtime.on_device():
+            deltas = [n - b for n, b in zip(now, self.values)]
+        self.values = now
+        return deltas
+
+    def merge(self, pulled, clocks, first_minibatch):
+        """Takes global weights pulled after the workers' `clocks` in: w_local and the versions
+        stashed for minibatches >= `first_minibatch` become them plus the local updates since."""
+        with self.runtime.on_device():
+            deltas = [g - b for g, b in zip(pulled, self.values)]
+            self.values = [b + d for b, d in zip(self.values, deltas)]
+        included = frozenset((w, c) for w, clock in enumerate(clocks) for c in range(clock))
+        self.runtime.add_to_weights(deltas, first_minibatch, included)
+
+    def snapshot(self):
+        return self.values
+
+    def restore(self, snapshot):
+        self.values = snapshot
+
+
 @dataclass(frozen=True)
 class WorkerSync:
     """One virtual worker's binding to the parameter servers under WSP: its index, the
@@ -97,8 +140,8 @@ class WSP(SyncScheme):
     weight_copies = 1  # the weights at the last push
 
     # The schedule ---------------------------------------------------------------------------
-    def after_update(self, minibatch, num_minibatches, num_in_flight):
-        p, n, nm = minibatch, num_minibatches, num_in_flight
+    def after_update(self, minibatch, steps, num_in_flight):
+        p, n, nm = minibatch, steps, num_in_flight
         if not (p % nm == 0 or p == n):
             return ()
         wave = (p - 1) // nm
@@ -111,16 +154,19 @@ class WSP(SyncScheme):
         p, nm = minibatch, num_in_flight
         return ((MERGED, p // nm - 2),) if p % nm == 0 and p > nm else ()
 
-    def streams(self, stage, num_minibatches, num_in_flight):
+    def streams(self, stage, steps, num_in_flight):
         nm = num_in_flight
 
         def merge(c):
             return Task(stage, "merge", (c + 1) * nm, (MergePulled((c + 1) * nm, wave=c),))
 
         # Only merges that a later minibatch waits for: wave c gates minibatch (c+2)*Nm.
-        return (TaskStream("merge", max(num_minibatches // nm - 1, 0), lambda i: merge(i - 1)),)
+        return (TaskStream("merge", max(steps // nm - 1, 0), lambda i: merge(i - 1)),)
 
     # The executor -----------------------------------------------------------------------------
+    def stage_state(self, runtime):
+        return PushBase(runtime)
+
     def bind(self, worker, servers, staleness_bound, timeout_s):
         return WorkerSync(worker, servers, staleness_bound, timeout_s)
 
@@ -129,15 +175,15 @@ class WSP(SyncScheme):
         bound by `binding` (a :class:`WorkerSync`)."""
 
         def push(ex, s, ins):
-            paths, deltas = ex.runtimes[s].wave_update()
-            binding.servers.push(binding.worker, s, ins.wave, paths, deltas)
+            base = ex.runtimes[s].sync_state
+            binding.servers.push(binding.worker, s, ins.wave, base.paths, base.wave_update())
 
         def pull(ex, s, ins):
-            rt, asked = ex.runtimes[s], ex.clock()
+            base, asked = ex.runtimes[s].sync_state, ex.clock()
             wave = ins.wave - binding.staleness_bound
 
             def answer():
-                values, clocks = binding.servers.pull(rt.paths, wave, binding.timeout_s)
+                values, clocks = binding.servers.pull(base.paths, wave, binding.timeout_s)
                 answered = ex.clock()
                 binding.pull_waits.append((s, ins.wave, asked, answered))
                 ex.trace_span(100 + s, f"wait for wave {wave} (pull of clock {ins.wave})", asked, answered,
@@ -146,33 +192,30 @@ class WSP(SyncScheme):
 
             ex.in_background(s, ins, (PULLED, ins.wave), answer)
 
-        def merge(ex, s, ins, pulled):
-            values, clocks = pulled
-            ex.runtimes[s].merge_pulled(ins.wave, values, clocks,
-                                        first_minibatch=(ins.wave + 2) * ex.schedule.num_in_flight)
-
-        return {PushUpdate: push, PullWeights: pull, MergePulled: merge}
+        return {PushUpdate: push, PullWeights: pull, MergePulled: _merge}
 
     def dry_handlers(self):
         """A push computes the wave's update and keeps it; a pull is answered at once with the
         weights of that push, and merged as a real pull is (the same work, no change)."""
 
         def push(ex, s, ins):
-            ex.runtimes[s].wave_update()
+            ex.runtimes[s].sync_state.wave_update()
 
         def pull(ex, s, ins):
-            rt = ex.runtimes[s]
-            ex.in_background(s, ins, (PULLED, ins.wave), lambda: (rt.base, ()))
+            base = ex.runtimes[s].sync_state
+            ex.in_background(s, ins, (PULLED, ins.wave), lambda: (base.values, ()))
 
-        def merge(ex, s, ins, pulled):
-            ex.runtimes[s].merge_pulled(ins.wave, pulled[0], pulled[1],
-                                        first_minibatch=(ins.wave + 2) * ex.schedule.num_in_flight)
-
-        return {PushUpdate: push, PullWeights: pull, MergePulled: merge}
+        return {PushUpdate: push, PullWeights: pull, MergePulled: _merge}
 
     # The simulator and the planner ------------------------------------------------------------
     def simulation_model(self, staleness_bound, push_time, pull_time):
         return ParameterServerModel(staleness_bound, push_time=push_time, pull_time=pull_time)
+
+
+def _merge(ex, s, ins, pulled):
+    """MergePulled(c): the first minibatch whose version must hold wave c is (c + 2)·Nm."""
+    values, clocks = pulled
+    ex.runtimes[s].sync_state.merge(values, clocks, first_minibatch=(ins.wave + 2) * ex.schedule.num_in_flight)
 
 
 class ParameterServerModel:

@@ -72,7 +72,7 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
     ({"policy": "zz"}, "unknown policy 'zz'; allowed: np, ed, hd, auto"),
     ({"launch": "ssh"}, "unknown launch 'ssh'; allowed: processes, tf_config, in_process"),
     ({"staleness_bound": -1}, r"staleness_bound \(D\) must be an integer >= 0, got -1"),
-    ({"num_minibatches": 0}, r"num_minibatches \(Nm\) must be None or an integer >= 1, got 0"),
+    ({"num_in_flight": 0}, r"num_in_flight \(Nm\) must be None or an integer >= 1, got 0"),
     ({"placement": "near"}, "unknown placement 'near'"),
     ({"cluster": "paper"}, "has real device types .*launch='tf_config'"),
     ({"cluster": "nowhere.json"}, "no cluster preset or file named 'nowhere.json'"),

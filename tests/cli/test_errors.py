@@ -37,7 +37,7 @@ def bad_cluster(tmp_path_factory):
 
 USAGE_ERRORS = [
     ("train", ["--devices=0@1M"], "device '0@1M': speed must be > 0, got 0.0"),
-    ("train", ["--num_minibatches=0"], "flag --num_minibatches=0: 0 is not a positive integer"),
+    ("train", ["--num_in_flight=0"], "flag --num_in_flight=0: 0 is not a positive integer"),
     ("train", ["--cluster={cluster}"], "{cluster}: not valid JSON"),
     ("train", ["--dataset=mnist", "--data_dir={tmp}"], "Dataset 'mnist' is not prepared in data_dir"),
     ("train", ["--boundaries=0,99"], "--boundaries gives 2 stages but the default --devices="),

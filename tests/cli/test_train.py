@@ -14,11 +14,11 @@ def _train(tmp_path, *flags):
 
 def test_main_job_trains_on_bundled_data_and_labels_emulation(tmp_path):
     trace, tb = tmp_path / "trace.json", tmp_path / "tb"
-    run = _train(tmp_path, "--epochs=2", "--steps_per_epoch=12", "--devices=1@64M,0.5@64M", "--num_minibatches=2",
+    run = _train(tmp_path, "--epochs=2", "--steps_per_epoch=12", "--devices=1@64M,0.5@64M", "--num_in_flight=2",
                  "--dilation=2", f"--trace_file={trace}", f"--tensorboard_dir={tb}")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
-    assert summary["num_minibatches"] == 2 and 0.0 <= summary["test_accuracy"] <= 1.0
+    assert summary["num_in_flight"] == 2 and 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["emulation"]["emulated"] is True and summary["emulation"]["paced_tasks"] > 0
     assert "EMULATED devices" in run.stdout
     assert "EMULATED" in json.loads(trace.read_text())["otherData"]["emulation"]
@@ -40,7 +40,7 @@ def test_plan_auto_profiles_plans_and_trains(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "policy GIVEN" in run.stdout and "predicted" in run.stdout and "Max_m=" in run.stdout
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
-    assert summary["num_minibatches"] >= 1 and len(summary["devices"]) == 3
+    assert summary["num_in_flight"] >= 1 and len(summary["devices"]) == 3
 
 
 def _tensorboard_tags(directory):
@@ -65,7 +65,7 @@ def _processes_with(text):
     return found
 
 
-CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoch=8", "--dilation=2", "--num_minibatches=2",
+CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoch=8", "--dilation=2", "--num_in_flight=2",
                "--momentum=0", "--learning_rate=0.1"]
 
 

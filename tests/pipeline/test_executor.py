@@ -54,7 +54,7 @@ def test_nm1_equals_plain_keras_training_after_20_steps(build, devices, opt):
     batches = _batches(model, 20)
     for x, y in batches:
         ref.train_on_batch(x, y)
-    vw = VirtualWorker(model, devices, num_minibatches=1, optimizer=_optimizer(opt), loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, devices, num_in_flight=1, optimizer=_optimizer(opt), loss=LOSS, timeout_s=60)
     vw.train(iter(batches), 20)
     for got, want, v in zip(model.weights, ref.weights, model.weights):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, err_msg=v.path)
@@ -87,7 +87,7 @@ def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, n
     batches = _batches(model, 24)
     want_weights, want_losses = _stale_sgd_reference(model, batches, nm, keras.optimizers.SGD(0.1, momentum=0.5))
     logs = {}
-    vw = VirtualWorker(model, devices, num_minibatches=nm, optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
+    vw = VirtualWorker(model, devices, num_in_flight=nm, optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
                        loss=LOSS, timeout_s=60)
     vw.train(iter(batches), 24, on_minibatch_done=lambda p, l: logs.__setitem__(p, float(l["loss"])))
     assert sorted(logs) == list(range(1, 25))
@@ -100,7 +100,7 @@ def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, n
 @pytest.mark.parametrize("nm", [1, 2, 3, 5])
 def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm):
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,0.5,1", num_minibatches=nm, optimizer="sgd", loss=LOSS,
+    vw = VirtualWorker(model, "1,0.5,1", num_in_flight=nm, optimizer="sgd", loss=LOSS,
                        record_provenance=True, timeout_s=60)
     report = vw.train(iter(_batches(model, 16)), 16)
     for rt in vw.runtimes:
@@ -117,7 +117,7 @@ def test_a_stage_without_weights_trains():
                               keras.layers.Dense(5)])
     batches = _batches(model, 6)
     want, _ = _stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
-    vw = VirtualWorker(model, "1,1,1", num_minibatches=2, boundaries=(0, 1, 2), optimizer=keras.optimizers.SGD(0.1),
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=2, boundaries=(0, 1, 2), optimizer=keras.optimizers.SGD(0.1),
                        loss=LOSS, timeout_s=60)
     vw.train(iter(batches), 6)
     assert vw.runtimes[1].trainable == []
@@ -127,7 +127,7 @@ def test_a_stage_without_weights_trains():
 
 def test_stash_reports_bytes_of_nm_versions():
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1", num_minibatches=3, optimizer="sgd", loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=60)
     report = vw.train(iter(_batches(model, 8)), 8)
     for rt, stage in zip(vw.runtimes, report.stages):
         assert stage.stash_bytes_peak == 3 * rt.version_bytes > 0
@@ -135,7 +135,7 @@ def test_stash_reports_bytes_of_nm_versions():
 
 def test_stalled_stage_times_out_naming_what_it_waits_for():
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1", num_minibatches=2, optimizer="sgd", loss=LOSS, timeout_s=1.5)
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=1.5)
     batches = _batches(model, 6)
     vw.train(iter(batches[:1]), 1)  # builds and calibrates
     good = vw.schedule(6)
@@ -160,7 +160,7 @@ def test_stalled_stage_times_out_naming_what_it_waits_for():
 
 def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1,1", num_minibatches=3, optimizer="sgd", loss=LOSS, timeout_s=30)
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=30)
     batches = _batches(model, 10)
 
     def data():
@@ -175,15 +175,15 @@ def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():
 def test_emulated_memory_capacity_fails_like_an_out_of_memory():
     model = test_models.cnn()
     with pytest.raises(DeviceOutOfMemoryError, match=r"out of memory on stage 0 .*capacity 1.0 KiB"):
-        VirtualWorker(model, "1@1K,1", num_minibatches=2, optimizer="sgd", loss=LOSS).train(
+        VirtualWorker(model, "1@1K,1", num_in_flight=2, optimizer="sgd", loss=LOSS).train(
             iter(_batches(model, 2)), 2)
     # Enough for weights, slots and Nm versions, but not for Nm minibatches' activations.
-    probe = VirtualWorker(model, "1,1", num_minibatches=3, optimizer="sgd", loss=LOSS)
+    probe = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS)
     probe.train(iter(_batches(model, 3)), 3)
     held = probe.runtimes[0].memory
     fixed = held.peak - 3 * probe.runtimes[0].activation_bytes
     capacity = fixed + 2 * probe.runtimes[0].activation_bytes
-    vw = VirtualWorker(model, f"1@{capacity},1", num_minibatches=3, optimizer="sgd", loss=LOSS, timeout_s=30)
+    vw = VirtualWorker(model, f"1@{capacity},1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=30)
     with pytest.raises(PipelineError, match=r"DeviceOutOfMemoryError: out of memory on stage 0.*activations"):
         vw.train(iter(_batches(model, 6)), 6)
 
@@ -193,7 +193,7 @@ def test_unknown_instruction_is_refused_before_running():
         pass
 
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1", num_minibatches=1, optimizer="sgd", loss=LOSS)
+    vw = VirtualWorker(model, "1", num_in_flight=1, optimizer="sgd", loss=LOSS)
     vw.train(iter(_batches(model, 1)), 1)
     bad = Schedule("bad", 1, 1, 1, (StageProgram(0, (Teleport(1),), ()),))
     with pytest.raises(UnknownInstructionError, match=r"Teleport\(1\).*it knows: ApplyUpdate"):
@@ -202,7 +202,7 @@ def test_unknown_instruction_is_refused_before_running():
 
 def test_emulated_tasks_take_their_target_time_and_trace_says_emulated(tmp_path):
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,0.2", num_minibatches=2, optimizer="sgd", loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, "1,0.2", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=60)
     vw.train(iter(_batches(model, 10)), 10, trace=True)
     path = tmp_path / "trace.json"
     vw.trace.write(str(path))
@@ -222,7 +222,7 @@ def test_emulated_tasks_take_their_target_time_and_trace_says_emulated(tmp_path)
 def test_stage_state_lives_on_its_device_apart_from_the_keras_model():
     model = test_models.cnn()
     before = [v.numpy() for v in model.weights]
-    vw = VirtualWorker(model, "1,1,1", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                        loss=LOSS)
     vw._build(batch_size=4)
     for rt, device in zip(vw.runtimes, vw.device_names):
@@ -240,7 +240,7 @@ def test_single_threaded_stages_train_the_same_and_need_one_device():
     model = test_models.mlp()
     batches = _batches(model, 12)
     want, _ = _stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
-    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        single_threaded_stages=True, timeout_s=60)
     vw.train(iter(batches), 12)
     for got, w in zip(model.trainable_variables, want):

@@ -23,7 +23,7 @@ def _durations(k, seed):
 
 
 def test_programs_follow_section_4():
-    s = hetpipe_schedule(num_stages=3, num_minibatches=10, num_in_flight=4)
+    s = hetpipe_schedule(num_stages=3, steps=10, num_in_flight=4)
     assert [len(p.streams) for p in s.programs] == [2, 2, 1]
     assert all(p.prologue == tuple(StashWeights(i) for i in (1, 2, 3, 4)) for p in s.programs)
     last = s.programs[2].streams[0]
@@ -49,15 +49,15 @@ def test_model_inputs_of_later_stages_are_routed_by_minibatch_id():
 
 def test_bad_arguments_are_refused():
     for kwargs, match in [(dict(num_stages=0), "num_stages"), (dict(num_in_flight=0), "Nm"),
-                          (dict(num_minibatches=-1), "num_minibatches"),
+                          (dict(steps=-1), "steps"),
                           (dict(input_stages=(1,)), "input_stages")]:
-        args = dict(num_stages=2, num_minibatches=4, num_in_flight=2) | kwargs
+        args = dict(num_stages=2, steps=4, num_in_flight=2) | kwargs
         with pytest.raises(ValueError, match=match):
             hetpipe_schedule(**args)
 
 
 def test_activation_window_follows_stage_position():
-    s = hetpipe_schedule(num_stages=4, num_minibatches=8, num_in_flight=3)
+    s = hetpipe_schedule(num_stages=4, steps=8, num_in_flight=3)
     # k - q = 4, 3, 2 against Nm = 3: only stage 2 needs a window tighter than Nm.
     windows = [s.programs[q].streams[0][4].instructions[-2].window for q in range(3)]
     assert windows == [0, 0, 2]

@@ -20,6 +20,7 @@ from hetpipe_tf.pipeline.schedule import (
     register_sync)
 from hetpipe_tf.pipeline.simulator import simulate
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+from hetpipe_tf.sync.wsp import PushBase
 from tests.cli import test_models
 from tests.pipeline.test_executor import LOSS, _batches, _clone
 from tests.runtime.test_wsp_runner import _runner, constant_gradient_model, exact_sgd_case, mean_output
@@ -38,9 +39,9 @@ class OneAtATime(PipelineSchedule):
     def weight_versions(self, num_in_flight):
         return 1
 
-    def programs(self, num_stages, num_minibatches, num_in_flight, input_stages=(0,), snapshot_after=(),
+    def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
                  sync=NO_SYNC):
-        k, n, last = num_stages, num_minibatches, num_stages - 1
+        k, n, last = num_stages, steps, num_stages - 1
 
         def update(s, p):
             return ([SendGradient(p, to=s - 1)] if s else []) + [ReleaseWeights(p), ApplyUpdate(p)] + (
@@ -89,22 +90,24 @@ class EveryWave(SyncScheme):
     instructions = frozenset({PushPullMerge})
     weight_copies = 1
 
-    def after_update(self, minibatch, num_minibatches, num_in_flight):
+    def after_update(self, minibatch, steps, num_in_flight):
         return (PushPullMerge(minibatch),)  # one minibatch per wave in this toy
 
     def forward_waits(self, minibatch, num_in_flight):
         return (("averaged", minibatch - 1),) if minibatch > 1 else ()
+
+    def stage_state(self, runtime):
+        return PushBase(runtime)  # the weights at the last push, as WSP keeps them
 
     def bind(self, worker, servers, staleness_bound, timeout_s):
         return Binding(self, worker, servers, timeout_s)
 
     def handlers(self, binding):
         def push_pull_merge(ex, s, ins):
-            rt, wave = ex.runtimes[s], ins.minibatch - 1
-            paths, deltas = rt.wave_update()
-            binding.servers.push(binding.worker, s, wave, paths, deltas)
-            values, clocks = binding.servers.pull(rt.paths, wave, binding.timeout_s)
-            rt.merge_pulled(wave, values, clocks, first_minibatch=ins.minibatch + 1)
+            base, wave = ex.runtimes[s].sync_state, ins.minibatch - 1
+            binding.servers.push(binding.worker, s, wave, base.paths, base.wave_update())
+            values, clocks = binding.servers.pull(base.paths, wave, binding.timeout_s)
+            base.merge(values, clocks, first_minibatch=ins.minibatch + 1)
 
         return {PushPullMerge: push_pull_merge}
 
@@ -132,7 +135,7 @@ def test_a_virtual_worker_trains_with_the_toy_schedule_like_keras():
     batches = _batches(model, 10)
     for x, y in batches:
         ref.train_on_batch(x, y)
-    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=60, schedule="toy-one-at-a-time")
     assert "toy-one-at-a-time schedule" in vw.schedule(10).format()
     vw.train(iter(batches), 10)

@@ -92,7 +92,7 @@ def test_virtual_worker_trains_and_logs_like_keras(structure):
     model, twin = _twins()
     x, y = _data(labels)
     want, keras_logs = _keras_train(model, compiled, _batches(x, y))
-    vw = VirtualWorker(twin, "cpu,cpu", num_minibatches=1, optimizer=keras.optimizers.SGD(0.1),
+    vw = VirtualWorker(twin, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1),
                        timeout_s=60, **compiled)
     history = vw.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True),
                        epochs=1, verbose=0)
@@ -114,7 +114,7 @@ def test_strategy_trains_and_logs_like_keras(structure):
     cluster = {"name": "one", "device_types": {"F": {"label": "emulated", "emulated_speed": 1.0, "memory": "64M"}},
                "nodes": [{"name": "host", "device_type": "F", "count": 2}],
                "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0}}
-    strategy = HetPipeStrategy(cluster=cluster, policy="np", num_minibatches=1, launch="in_process", dilation=1)
+    strategy = HetPipeStrategy(cluster=cluster, policy="np", num_in_flight=1, launch="in_process", dilation=1)
     with strategy.scope():
         twin.compile(optimizer=keras.optimizers.SGD(0.1), **compiled)
     history = twin.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True),
@@ -163,7 +163,7 @@ def test_metrics_that_are_not_means_are_rejected(metric):
 def test_a_rejected_metric_stops_the_virtual_worker_before_training():
     model = _model()
     x, y = _data("one-hot")
-    vw = VirtualWorker(model, "cpu", num_minibatches=1, loss="mse", metrics={"bin": ["auc"]}, timeout_s=60)
+    vw = VirtualWorker(model, "cpu", num_in_flight=1, loss="mse", metrics={"bin": ["auc"]}, timeout_s=60)
     with pytest.raises(ValueError, match="metrics: 'auc' .* is not a mean over samples"):
         vw.train(iter(_batches(x, y)), STEPS)
 

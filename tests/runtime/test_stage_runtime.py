@@ -29,7 +29,7 @@ def _weights(vw):
 def test_a_nan_loss_stops_the_run_naming_minibatch_worker_and_stage_and_applies_nothing_of_it():
     keras.utils.set_random_seed(0)
     model = test_models.mlp()
-    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=30)
     vw.train(iter(_batches(model, 4)), 4)
     before = _weights(vw)
@@ -52,7 +52,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_refused_by_the_apply():
     def finite_loss_nan_gradient(y_true, y_pred):  # sqrt at 0: value 0, gradient inf * 0 = NaN
         return LOSS(y_true, y_pred) + tf.reduce_mean(tf.sqrt(tf.square(y_pred) * 0.0))
 
-    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=1, optimizer=keras.optimizers.SGD(0.1),
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1),
                        loss=finite_loss_nan_gradient, timeout_s=30)
     with pytest.raises(PipelineError, match=r"stage (\d) failed at ApplyUpdate\(1\).*minibatch 1: the gradient of "
                                             r"stage \1 is not finite \(NaN or Inf in .*kernel"):
@@ -81,7 +81,7 @@ def test_terminate_on_nan_stops_fit_as_in_keras_and_the_model_keeps_finite_weigh
     batches = _poisoned(model, 12, bad=9)
     data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
         tf.TensorSpec(batches[0][0].shape, tf.float32), tf.TensorSpec(batches[0][1].shape, tf.int64)))
-    vw = VirtualWorker(model, "cpu,cpu", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=30)
     history = vw.fit(data, epochs=3, steps_per_epoch=4, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0)
     assert model.stop_training

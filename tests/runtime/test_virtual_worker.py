@@ -41,7 +41,7 @@ class Recorder(keras.callbacks.Callback):
 def test_fit_behaves_like_keras_fit():
     keras.utils.set_random_seed(1)
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,0.5", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1),
+    vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1),
                        loss=LOSS, metrics=["accuracy"], timeout_s=60)
     recorder = Recorder()
     history = vw.fit(_dataset(5), epochs=3, validation_data=_dataset(2, seed=1), callbacks=[recorder], verbose=0)
@@ -63,7 +63,7 @@ def test_epoch_end_weights_are_the_state_right_after_the_epochs_last_update():
     batches = [(x.numpy(), y.numpy()) for x, y in data]
     # Epoch 1 ends after update 6; the pipeline has already started minibatches 7 and 8.
     want, _ = _stale_sgd_reference(model, batches, 3, keras.optimizers.SGD(0.1))
-    vw = VirtualWorker(model, "1,1,1", num_minibatches=3, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=60)
     recorder = Recorder()
     vw.fit(data, epochs=2, callbacks=[recorder], verbose=0)
@@ -78,10 +78,10 @@ def test_stop_training_stops_the_pipeline_early():
                 self.model.stop_training = True
 
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1", num_minibatches=2, optimizer="sgd", loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=60)
     history = vw.fit(_dataset(20), epochs=5, callbacks=[StopAt()], verbose=0)
     assert len(history.history["loss"]) == 1
-    assert vw.report.num_minibatches < 10
+    assert vw.report.steps < 10
     assert all(rt.stash.stats().num_versions == 0 for rt in vw.runtimes)
     vw.fit(_dataset(4), epochs=1, verbose=0)  # the next run starts clean
 
@@ -93,7 +93,7 @@ def test_failing_callback_stops_every_stage():
                 raise RuntimeError("callback failed")
 
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1", num_minibatches=2, optimizer="sgd", loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=60)
     with pytest.raises(RuntimeError, match="callback failed"):
         vw.fit(_dataset(50), epochs=4, callbacks=[Boom()], verbose=0)
     assert not [t for t in threading.enumerate() if t.name.startswith("hetpipe-")]
@@ -102,7 +102,7 @@ def test_failing_callback_stops_every_stage():
 
 def test_keras_and_pipeline_tensorboard_callbacks_write_scalars(tmp_path):
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,0.5", num_minibatches=2, optimizer="sgd", loss=LOSS, metrics=["accuracy"],
+    vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer="sgd", loss=LOSS, metrics=["accuracy"],
                        timeout_s=60)
     vw.fit(_dataset(4), epochs=2, verbose=0,
            callbacks=[PipelineTensorBoard(str(tmp_path / "hetpipe"), vw),
@@ -119,7 +119,7 @@ def test_keras_and_pipeline_tensorboard_callbacks_write_scalars(tmp_path):
 def test_bad_inputs_get_clear_errors():
     model = test_models.mlp()
     with pytest.raises(ValueError, match="Nm\\) must be >= 1, got 0"):
-        VirtualWorker(model, "1,1", num_minibatches=0, optimizer="sgd", loss=LOSS)
+        VirtualWorker(model, "1,1", num_in_flight=0, optimizer="sgd", loss=LOSS)
     with pytest.raises(ValueError, match="a loss is needed"):
         VirtualWorker(model, "1,1", optimizer="sgd")
     vw = VirtualWorker(model, "1,1", optimizer="sgd", loss=LOSS)
@@ -129,7 +129,7 @@ def test_bad_inputs_get_clear_errors():
 
 def test_learning_rate_callbacks_reach_every_stage():
     model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1,1", num_minibatches=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=60)
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))
     vw.fit(_dataset(4), epochs=3, callbacks=[schedule], verbose=0)

@@ -11,7 +11,7 @@ from hetpipe_tf.sync.wsp import (MERGED, PULLED, WSP_SCHEME, MergePulled, Parame
 
 
 def test_wsp_pushes_every_wave_including_a_partial_last_one_and_pulls_only_what_is_merged():
-    s = hetpipe_schedule(num_stages=2, num_minibatches=10, num_in_flight=3, sync=WSP_SCHEME)
+    s = hetpipe_schedule(num_stages=2, steps=10, num_in_flight=3, sync=WSP_SCHEME)
     for program in s.programs:
         ins = [i for stream in program.streams for task in stream for i in task.instructions]
         assert [(i.minibatch, i.wave) for i in ins if isinstance(i, PushUpdate)] == [(3, 0), (6, 1), (9, 2), (10, 3)]

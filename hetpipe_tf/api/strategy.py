@@ -38,6 +38,8 @@ from hetpipe_tf.planning.allocation import POLICIES
 from hetpipe_tf.runtime.fit_loop import batch_size_of
 
 LAUNCHES = ("processes", "tf_config", "in_process")
+#: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
+START_TIMEOUT_S = 120.0
 _FIT_ARGS = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
              "steps_per_epoch", "trace_path")
 _connected = {}  # the cluster this process is the chief of: TensorFlow connects a process once
@@ -61,7 +63,8 @@ class HetPipeStrategy:
         emulation stays faithful. The planner plans with the devices' speeds alone (dilation 1
         unless given): a dilation slows every emulated device alike.
       launch: "processes", "tf_config" or "in_process" (see the module docstring).
-      timeout_s: a worker, a pull or a task start that takes longer fails with an error.
+      timeout_s: a worker or a pull that takes longer, or a task that leaves heartbeats unanswered
+        this long, fails training with an error; a task start gets at least START_TIMEOUT_S.
       log_dir: where the local cluster's task logs go (default: a temporary directory).
     """
 
@@ -150,8 +153,16 @@ class HetPipeStrategy:
         if validation_data is not None and not _is_dataset(validation_data):
             validation_data = _as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
         runner = self._runner(model, data)
-        return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-                          verbose=verbose, validation_data=validation_data, trace_path=trace_path)
+        try:
+            return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+                              verbose=verbose, validation_data=validation_data, trace_path=trace_path)
+        except Exception as exc:
+            lost = getattr(_connected.get("cluster"), "lost", None)
+            if lost is None:
+                raise
+            from hetpipe_tf.distributed.heartbeat import TaskLostError
+
+            raise TaskLostError(lost) from exc
 
     def stats(self):
         """Per virtual worker: clock, distance to the slowest, average wait, throughput."""
@@ -234,15 +245,19 @@ class HetPipeStrategy:
                                    f"{_connected['shape']} (ps tasks, devices per worker task); TensorFlow "
                                    f"connects a process to one cluster only, so this strategy "
                                    f"({self.launch}, {want}) needs a new process")
+            _connected["strategy"] = self  # the one whose runner a lost task stops
             return
         from hetpipe_tf.distributed.launch import LocalCluster, connect_tf_config
 
         if self.launch == "processes":
             cluster = LocalCluster(num_ps=want[0], worker_cpus=want[1], log_dir=self.log_dir,
-                                   start_timeout=self.timeout_s).start().connect()
+                                   start_timeout=max(self.timeout_s, START_TIMEOUT_S), timeout_s=self.timeout_s).start().connect()
+            # A lost task stops training at once (the heartbeat monitor found it).
+            cluster.on_lost(lambda lost: _connected["strategy"].runner.abort()
+                            if _connected["strategy"].runner else None)
         else:
             cluster = connect_tf_config(num_ps=want[0], num_workers=want[0])
-        _connected.update(shape=want, launch=self.launch, cluster=cluster)
+        _connected.update(shape=want, launch=self.launch, cluster=cluster, strategy=self)
 
     def describe(self):
         """The chosen plan and where its tasks run, as text."""

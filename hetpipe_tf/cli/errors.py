@@ -51,6 +51,7 @@ FAILED_RUNS = {
     "hetpipe_tf.pipeline.emulation": ("DeviceOutOfMemoryError",),
     "hetpipe_tf.runtime.stage_runtime": ("NonFiniteError",),
     "hetpipe_tf.distributed.launch": ("ClusterStartError",),
+    "hetpipe_tf.distributed.heartbeat": ("TaskLostError",),
     "hetpipe_tf.ops.loader": ("OpsLibraryError",),
     "hetpipe_tf.cli.plots": ("PlottingUnavailableError",),
     "builtins": ("TimeoutError",),

@@ -6,15 +6,21 @@ this process the cluster's chief: the client that drives every virtual worker's 
 on the worker tasks and keeps the global weights on the parameter-server tasks. Hosts
 and ports are configurable per task (loopback is only the default). Every task's output
 goes to a log file; a task that fails to start is reported with its log. Tasks end with
-the process that started them, whether it exits, fails or is killed.
+the process that started them, whether it exits, fails or is killed. Once connected, the
+chief watches every task's heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`): a task
+that dies or stops answering for ``timeout_s`` is named in one line, ended, and training
+stopped (:meth:`LocalCluster.on_lost`).
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched
 
 
 class ClusterStartError(RuntimeError):
@@ -58,9 +64,12 @@ class LocalCluster:
       worker_cpus: for every worker task (one per virtual worker), its logical CPU devices.
       host: the address every task binds (a string, or a list per job: {"ps": [...], ...}).
       log_dir: where task logs go (default: a temporary directory).
+      start_timeout: the longest a task may take to start.
+      timeout_s: the longest a task may leave a heartbeat unanswered before it is lost
+        (:mod:`hetpipe_tf.distributed.heartbeat`), and a task the chief's.
     """
 
-    def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0):
+    def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0, timeout_s=300.0):
         self.worker_cpus = list(worker_cpus)
         hosts = host if isinstance(host, dict) else {"ps": [host] * num_ps,
                                                      "worker": [host] * len(self.worker_cpus),
@@ -69,8 +78,28 @@ class LocalCluster:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hetpipe_cluster_")
         os.makedirs(self.log_dir, exist_ok=True)
         self.start_timeout = start_timeout
+        self.timeout_s = float(timeout_s)
         self._procs = {}
+        self._heartbeats = {}
         self._connected = False
+        self.monitor = None
+        self._on_lost = []
+
+    @property
+    def tasks(self):
+        """(job, index) of every task, ps tasks first."""
+        return list(self._procs)
+
+    def pid(self, job, index):
+        return self._procs[(job, index)][0].pid
+
+    def exit_status(self, job, index):
+        """How task (job, index) ended ("exited with status 1", "killed by signal 9"), or None
+        while it runs."""
+        code = self._procs[(job, index)][0].poll()
+        if code is None:
+            return None
+        return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
     def task_log(self, job, index):
         return os.path.join(self.log_dir, f"{job}-{index}.log")
@@ -83,19 +112,21 @@ class LocalCluster:
                 log = open(self.task_log(job, i), "w")
                 cmd = [sys.executable, "-m", "hetpipe_tf.distributed.server", f"--cluster_spec={json.dumps(self.spec)}",
                        f"--job_name={job}", f"--task_index={i}", f"--logical_cpus={n}",
-                       f"--parent_pid={os.getpid()}"]
+                       f"--parent_pid={os.getpid()}", f"--chief_timeout_s={self.timeout_s}"]
                 self._procs[(job, i)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
         deadline = time.monotonic() + self.start_timeout
         for (job, i), (proc, _) in self._procs.items():
             while True:
                 with open(self.task_log(job, i)) as f:
-                    if "ready at" in f.read():
-                        break
+                    ready = re.search(r"ready at .*; heartbeat at (\S+)", f.read())
+                if ready:
+                    self._heartbeats[(job, i)] = ready.group(1)
+                    break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     tail = open(self.task_log(job, i)).read()[-2000:]
-                    self.stop()
                     why = f"exited with {proc.returncode}" if proc.returncode is not None else \
                         f"was not ready after {self.start_timeout:g} s"
+                    self.stop()
                     raise ClusterStartError(f"task {job}:{i} {why}; its log ({self.task_log(job, i)}):\n{tail}")
                 time.sleep(0.1)
         return self
@@ -109,7 +140,39 @@ class LocalCluster:
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief",
                                                       task_index=0, make_master_device_default=False)
             self._connected = True
+            self.monitor = HeartbeatMonitor(
+                [Watched(job, i, self.spec[job][i], self._heartbeats[(job, i)]) for job, i in self._procs],
+                self.timeout_s, self._lost, exit_status=self.exit_status).start()
         return self
+
+    def on_lost(self, callback):
+        """Calls callback(LostTask) when a task is lost (see :meth:`lost`)."""
+        self._on_lost.append(callback)
+
+    @property
+    def lost(self):
+        """The first task found lost (a :class:`hetpipe_tf.distributed.heartbeat.LostTask`), or
+        None. A task that exited counts even before its heartbeat connection says so: a call
+        to it may fail first."""
+        if self.monitor and self.monitor.lost:
+            return self.monitor.lost
+        for job, i in self._procs:
+            status = self.exit_status(job, i)
+            if status:
+                return LostTask(job, i, self.spec[job][i], status)
+        return None
+
+    def _lost(self, lost):
+        """A task is lost: says so in one line, ends it (gRPC calls waiting on a stopped task
+        then fail instead of hanging), tells the other tasks, and calls the callbacks (which
+        stop training)."""
+        print(f"hetpipe: {lost}", file=sys.stderr, flush=True)
+        proc = self._procs[(lost.job, lost.index)][0]
+        if proc.poll() is None:
+            proc.kill()
+        self.monitor.tell_lost(lost)
+        for callback in self._on_lost:
+            callback(lost)
 
     def ps_devices(self):
         return [ps_device(i) for i in range(len(self.spec["ps"]))]

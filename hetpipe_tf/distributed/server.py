@@ -5,8 +5,11 @@
 
 A ``tf.distribute.Server`` (gRPC) with hetpipe_tf's custom ops loaded, so that the chief
 can run stages, weight stashes and the WSP clock on it. A worker task gets one logical
-CPU device per emulated device of its virtual worker. The task ends with its parent
-(the launcher or the chief): no server is left behind when they die.
+CPU device per emulated device of its virtual worker. The task answers the chief's
+heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`), logs the task the chief reports
+lost, and ends, with one line saying why, when the chief ends or goes silent for
+``--chief_timeout_s``; it also ends with its parent (the launcher or the chief): no
+server is left behind.
 """
 import ctypes
 import json
@@ -18,12 +21,16 @@ import time
 
 from absl import app, flags
 
+from hetpipe_tf.distributed.heartbeat import HeartbeatResponder
+
 flags.DEFINE_string("cluster_spec", None, "The cluster as JSON: {job: [host:port, ...]}.")
 flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
 flags.DEFINE_integer("task_index", 0, "This task's index in its job.")
 flags.DEFINE_integer("logical_cpus", 1, "Logical CPU devices of this task (one per emulated device).")
 flags.DEFINE_integer("intra_op_threads", 1, "TensorFlow intra-op threads.")
 flags.DEFINE_integer("parent_pid", 0, "End when this process ends (default: the parent).")
+flags.DEFINE_integer("heartbeat_port", 0, "The port of this task's heartbeats (0: a free one; the ready line says).")
+flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbeat for this long (0: never).")
 FLAGS = flags.FLAGS
 
 
@@ -57,9 +64,21 @@ def main(argv):
     config = tf.compat.v1.ConfigProto(device_count={"CPU": FLAGS.logical_cpus},
                                       intra_op_parallelism_threads=FLAGS.intra_op_threads,
                                       inter_op_parallelism_threads=max(2, FLAGS.logical_cpus + 1))
-    server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(FLAGS.cluster_spec)), job_name=FLAGS.job_name,
+    spec = json.loads(FLAGS.cluster_spec)
+    name = f"{FLAGS.job_name}:{FLAGS.task_index}"
+
+    def end(message, failed):
+        print(f"hetpipe_tf server {name}: ending: {message}", flush=True)
+        os._exit(1 if failed else 0)  # the TensorFlow server has no clean stop
+
+    host = spec[FLAGS.job_name][FLAGS.task_index].rsplit(":", 1)[0]
+    heartbeat = HeartbeatResponder(host, FLAGS.heartbeat_port, chief_timeout_s=FLAGS.chief_timeout_s or None,
+                                   on_end=end, on_lost_task=lambda m: print(f"hetpipe_tf server {name}: {m}",
+                                                                            flush=True)).start()
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job_name,
                                   task_index=FLAGS.task_index, protocol="grpc", config=config, start=True)
-    print(f"hetpipe_tf server {FLAGS.job_name}:{FLAGS.task_index} ready at {server.target}", flush=True)
+    print(f"hetpipe_tf server {name} (pid {os.getpid()}) ready at {server.target}; heartbeat at "
+          f"{heartbeat.address}", flush=True)
     sys.stdout.flush()
     server.join()
 

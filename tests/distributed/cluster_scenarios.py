@@ -8,6 +8,7 @@ line it prints last.
 """
 import json
 import os
+import signal
 import sys
 import time
 
@@ -51,7 +52,7 @@ def wsp_exact():
     return {"max_error": error, "checked": checked, "clocks": list(runner.servers.clock.clocks()[0]),
             "ps_devices": sorted({v.device for v in runner.servers.variables.values()}),
             "stage_devices": [rt.trainable[0].value.device for vw in runner.vws for rt in vw.runtimes],
-            "task_pids": [p.pid for p, _ in cluster._procs.values()]}
+            "task_pids": [cluster.pid(*t) for t in cluster.tasks]}
 
 
 def seed_001():
@@ -84,12 +85,12 @@ def killed_worker():
     keras.utils.set_random_seed(0)
     model = test_models.mlp()
     runner = _two_workers(cluster, model, ("1,1", "1,1"), 2, 0, LOSS, timeout_s=15, record_provenance=False)
-    victim = cluster._procs[("worker", 1)][0]
+    victim = cluster.pid("worker", 1)
     killed = {}
 
     def kill(worker, p, logs):
         if worker == 0 and p == 10 and not killed:
-            victim.kill()
+            os.kill(victim, signal.SIGKILL)
             killed["t"] = time.monotonic()
 
     t0 = time.monotonic()
@@ -99,7 +100,7 @@ def killed_worker():
     except Exception as exc:  # noqa: BLE001 - what the test inspects
         outcome = {"error": type(exc).__name__, "message": str(exc)[:2000]}
     outcome.update(seconds_after_kill=time.monotonic() - killed.get("t", t0), killed=bool(killed),
-                   task_pids=[p.pid for p, _ in cluster._procs.values()])
+                   task_pids=[cluster.pid(*t) for t in cluster.tasks])
     return outcome
 
 

@@ -1,0 +1,184 @@
+"""Heartbeats between the chief and every task: a dead or stopped task is found in time.
+
+A gRPC call to a task that was stopped (SIGSTOP) or whose machine vanished can wait
+forever, and TensorFlow's eager client has no deadline per op. So every task also
+answers heartbeats on a TCP port of its own (:class:`HeartbeatResponder`, started by
+:mod:`hetpipe_tf.distributed.server` before its TensorFlow server), and the chief's
+:class:`HeartbeatMonitor` pings each task every ``timeout_s / 10`` seconds:
+
+* no answer within ``timeout_s`` (the task is stopped, hung or unreachable), or the
+  connection closes (the task exited): the task is **lost**. The monitor calls its
+  ``on_lost`` once, with a :class:`LostTask` naming the job, index and address; the chief
+  then stops training and every task (:class:`hetpipe_tf.distributed.launch.LocalCluster`).
+* the other way round, a task that hears no ping for ``timeout_s`` has lost its chief and
+  ends itself, so no task is left behind a chief that vanished on another machine.
+
+The protocol is one line each way: ``ping`` -> ``pong``; ``lost JOB:INDEX ADDRESS WHY``
+tells a task which task was lost, so that every task's log names it.
+"""
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LostTask:
+    """A task that stopped answering: its job, index, TensorFlow address and why."""
+    job: str
+    index: int
+    address: str
+    reason: str
+
+    def __str__(self):
+        return f"lost task {self.job}:{self.index} at {self.address}: {self.reason}"
+
+
+class TaskLostError(RuntimeError):
+    """Training ended because a task of the cluster was lost (dead, stopped or unreachable)."""
+
+    def __init__(self, lost):
+        super().__init__(str(lost))
+        self.lost = lost
+
+
+def _read_line(conn, buffer):
+    """One line from `conn` (bytes until a newline; b"" at the end of the stream)."""
+    while b"\n" not in buffer[0]:
+        chunk = conn.recv(256)
+        if not chunk:
+            return b""
+        buffer[0] += chunk
+    line, buffer[0] = buffer[0].split(b"\n", 1)
+    return line
+
+
+class HeartbeatResponder:
+    """A task's side: answers pings. Calls `on_end(message, failed)` when the chief ends its
+    connection (failed False) or sends no ping for `chief_timeout_s` (failed True; None:
+    never), and `on_lost_task(message)` when the chief says which task it lost."""
+
+    def __init__(self, host="127.0.0.1", port=0, chief_timeout_s=None, on_end=None, on_lost_task=None):
+        self._listener = socket.create_server((host, port))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self.chief_timeout_s = chief_timeout_s
+        self.on_end = on_end
+        self.on_lost_task = on_lost_task
+
+    def start(self):
+        threading.Thread(target=self._accept, name="hetpipe-heartbeat", daemon=True).start()
+        return self
+
+    def _accept(self):
+        while True:
+            conn, _ = self._listener.accept()
+            threading.Thread(target=self._serve, args=(conn,), name="hetpipe-heartbeat-conn", daemon=True).start()
+
+    def _serve(self, conn):
+        conn.settimeout(self.chief_timeout_s)
+        buffer = [b""]
+        try:
+            while True:
+                line = _read_line(conn, buffer)
+                if line == b"ping":
+                    conn.sendall(b"pong\n")
+                elif line.startswith(b"lost "):
+                    if self.on_lost_task is not None:
+                        self.on_lost_task(f"the chief lost task {line[5:].decode()}")
+                elif not line:
+                    self._end("the chief closed its heartbeat connection (it ended)", False)
+                    return
+        except ConnectionResetError:  # closed with a pong unread: ended all the same
+            self._end("the chief closed its heartbeat connection (it ended)", False)
+        except socket.timeout:
+            self._end(f"no heartbeat from the chief for {self.chief_timeout_s:g} s", True)
+        except OSError as e:
+            self._end(f"the chief's heartbeat connection failed ({e})", True)
+        finally:
+            conn.close()
+
+    def _end(self, message, failed):
+        if self.chief_timeout_s is not None and self.on_end is not None:
+            self.on_end(message, failed)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A task the monitor watches: job, index, TensorFlow address, heartbeat address."""
+    job: str
+    index: int
+    address: str
+    heartbeat: str
+
+
+class HeartbeatMonitor:
+    """The chief's side: pings every task; calls `on_lost(LostTask)` once, for the first task
+    lost. `exit_status(job, index)` (optional) says how a task this machine started ended."""
+
+    def __init__(self, tasks, timeout_s, on_lost, exit_status=None):
+        self.tasks = tuple(tasks)
+        self.timeout_s = float(timeout_s)
+        self.interval_s = min(1.0, self.timeout_s / 10)
+        self.on_lost = on_lost
+        self.exit_status = exit_status
+        self.lost = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._conns = {}
+
+    def start(self):
+        for task in self.tasks:
+            host, port = task.heartbeat.rsplit(":", 1)
+            conn = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+            self._conns[task] = conn
+            threading.Thread(target=self._watch, args=(task, conn), name=f"hetpipe-monitor-{task.job}-{task.index}",
+                             daemon=True).start()
+        return self
+
+    def _watch(self, task, conn):
+        buffer = [b""]
+        while not self._stopped.is_set():
+            sent = time.monotonic()
+            try:
+                conn.sendall(b"ping\n")
+                line = _read_line(conn, buffer)
+                reason = None if line == b"pong" else "its heartbeat connection closed"
+            except socket.timeout:
+                reason = (f"no heartbeat for {time.monotonic() - sent:.1f} s "
+                          f"(timeout_s={self.timeout_s:g}): the task is stopped, hung or unreachable")
+            except OSError as e:
+                reason = f"its heartbeat connection failed ({e})"
+            if reason is not None:
+                if not self._stopped.is_set():
+                    status = self.exit_status(task.job, task.index) if self.exit_status else None
+                    self._report(LostTask(task.job, task.index, task.address,
+                                          f"{status}" if status else reason))
+                return
+            self._stopped.wait(self.interval_s)
+
+    def _report(self, lost):
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = lost
+        self.on_lost(lost)
+
+    def tell_lost(self, lost):
+        """Tells every task still connected that `lost` (a :class:`LostTask`) was lost; each
+        logs it (and ends with the chief)."""
+        line = f"lost {lost.job}:{lost.index} {lost.address} {lost.reason}\n".encode()
+        for conn in self._conns.values():
+            try:
+                conn.settimeout(1.0)
+                conn.sendall(line)
+            except OSError:
+                pass
+
+    def stop(self):
+        self._stopped.set()
+        for conn in self._conns.values():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+            except OSError:
+                pass

@@ -1,0 +1,154 @@
+"""Heartbeats: a dead or stopped task is found within timeout_s, and nothing hangs.
+
+The end-to-end cases run `hetpipe-train --cluster=local --launch=processes` and send
+SIGKILL or SIGSTOP to one of its parameter-server or worker tasks mid-training: the chief
+must name the lost task in one line and exit, and every task must end, within
+timeout_s + 10 s of the signal.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched
+
+TIMEOUT_S = 10.0
+
+
+def _responder_process():
+    """A task's heartbeat side alone, in a process of its own (so that it can be stopped)."""
+    code = ("import os, time\n"
+            "from hetpipe_tf.distributed.heartbeat import HeartbeatResponder\n"
+            "r = HeartbeatResponder(chief_timeout_s=3.0, on_end=lambda m, f: (print('END', m, flush=True), "
+            "os._exit(0)), on_lost_task=lambda m: print('NOTE', m, flush=True)).start()\n"
+            "print(r.address, flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def _watch(address, timeout_s):
+    lost = []
+    monitor = HeartbeatMonitor([Watched("ps", 0, "tf-address", address)], timeout_s, lost.append).start()
+    return monitor, lost
+
+
+def _wait_for(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_stopped_task_is_lost_after_timeout_and_a_killed_one_at_once():
+    proc, address = _responder_process()
+    try:
+        monitor, lost = _watch(address, 2.0)
+        time.sleep(1.0)
+        assert not lost  # answering tasks are not lost
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert _wait_for(lambda: lost, 5.0)
+        assert 1.5 < time.monotonic() - t0 < 4.0
+        assert str(lost[0]).startswith("lost task ps:0 at tf-address: no heartbeat for")
+        monitor.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    proc, address = _responder_process()
+    monitor, lost = _watch(address, 30.0)
+    t0 = time.monotonic()
+    proc.kill()
+    assert _wait_for(lambda: lost, 5.0) and time.monotonic() - t0 < 3.0
+    assert "connection" in lost[0].reason
+    monitor.stop()
+
+
+def test_a_task_ends_when_the_chief_goes_silent_or_ends_and_logs_the_task_it_lost():
+    proc, address = _responder_process()
+    host, port = address.split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(b"ping\n")
+    assert conn.recv(5) == b"pong\n"
+    t0 = time.monotonic()  # no more pings: the task ends after its chief_timeout_s (3 s)
+    out, _ = proc.communicate(timeout=10)
+    assert "END no heartbeat from the chief for 3 s" in out and 2.5 < time.monotonic() - t0 < 6
+    conn.close()
+
+    proc, address = _responder_process()
+    monitor, lost = _watch(address, 30.0)
+    threading.Timer(0.5, monitor.tell_lost, [LostTask("worker", 1, "127.0.0.1:5", "killed by signal 9")]).start()
+    threading.Timer(1.0, monitor.stop).start()
+    out, _ = proc.communicate(timeout=10)
+    assert "NOTE the chief lost task worker:1 127.0.0.1:5 killed by signal 9\nEND the chief closed" in out
+
+
+def _tasks_of(pid):
+    """{(job, index): pid} of the cluster tasks that process `pid` started."""
+    tasks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+        except OSError:
+            continue
+        if ppid == pid and "hetpipe_tf.distributed.server" in args:
+            flag = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+            tasks[(flag["job_name"], int(flag["task_index"]))] = int(entry)
+    return tasks
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("job,sig", [("ps", signal.SIGKILL), ("ps", signal.SIGSTOP),
+                                     ("worker", signal.SIGKILL), ("worker", signal.SIGSTOP)])
+def test_a_lost_task_ends_every_process_with_one_line_naming_it(tmp_path, job, sig):
+    cmd = [sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--show_schedule=false",
+           "--cluster=local", "--launch=processes", "--model=mlp", "--epochs=1000", "--steps_per_epoch=8",
+           "--dilation=2", "--num_in_flight=2", f"--timeout_s={TIMEOUT_S:g}"]
+    chief = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(chief.stdout), daemon=True)
+    reader.start()
+    try:
+        assert _wait_for(lambda: sum("Epoch" in line for line in out) >= 3 or chief.poll() is not None, 300), \
+            "training did not start"
+        assert chief.poll() is None, "".join(out)[-3000:] + chief.stderr.read()[-3000:]
+        tasks = _tasks_of(chief.pid)
+        assert sorted(tasks) == [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
+        os.kill(tasks[(job, 1)], sig)
+        t0 = time.monotonic()
+        err = chief.stderr.read()
+        chief.wait(timeout=TIMEOUT_S + 60)
+        chief_s = time.monotonic() - t0
+        _wait_for(lambda: not any(_alive(p) for p in tasks.values()), 10)
+        all_s = time.monotonic() - t0
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+    print(f"{job}:1 {sig.name}: the chief ended {chief_s:.1f} s after the signal, every task {all_s:.1f} s")
+    left = [t for t, p in tasks.items() if _alive(p)]
+    assert not left, f"tasks {left} outlived the chief"
+    assert chief.returncode == 1, err[-3000:]
+    why = "killed by signal 9" if sig == signal.SIGKILL else "no heartbeat for"
+    lines = [line for line in err.splitlines() if re.search(rf"lost task {job}:1 at 127\.0\.0\.1:\d+: {why}", line)]
+    assert lines, err[-3000:]
+    assert any(line.startswith(f"hetpipe-train: failed: lost task {job}:1 at ") for line in err.splitlines()), \
+        err[-3000:]
+    assert chief_s < TIMEOUT_S + 10 and all_s < TIMEOUT_S + 10, (chief_s, all_s)

@@ -157,10 +157,13 @@ class HetPipeStrategy:
             return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
                               verbose=verbose, validation_data=validation_data, trace_path=trace_path)
         except Exception as exc:
-            lost = getattr(_connected.get("cluster"), "lost", None)
+            from hetpipe_tf.distributed.heartbeat import TaskLostError
+            from hetpipe_tf.distributed.launch import reported_lost
+
+            cluster = _connected.get("cluster")
+            lost = cluster.lost if hasattr(cluster, "lost") else reported_lost()
             if lost is None:
                 raise
-            from hetpipe_tf.distributed.heartbeat import TaskLostError
 
             raise TaskLostError(lost) from exc
 

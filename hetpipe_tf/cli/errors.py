@@ -110,5 +110,10 @@ def _reporting(main, program):
                 traceback.print_exception(exc)
             word = "error" if status == USAGE_STATUS else "failed"
             sys.stderr.write(f"{program}: {word}: {reason}\n")
+            if type(reason).__name__ == "TaskLostError":
+                # Threads may still sit in calls to the cluster until their timeouts, and
+                # TensorFlow's teardown would wait for them: end now, the reason is out.
+                sys.stderr.flush()
+                os._exit(status)
             sys.exit(status)
     return reporting_main

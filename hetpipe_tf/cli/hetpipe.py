@@ -91,7 +91,8 @@ def main(argv):
             raise app.UsageError("launch needs the command to run after --: hetpipe launch --cluster=... -- "
                                  "COMMAND [ARGS...]")
         from hetpipe_tf.distributed.launch import launch
-        sys.exit(launch(FLAGS.cluster, command[1:], log_dir=FLAGS.task_log_dir, host=FLAGS.host))
+        sys.exit(launch(FLAGS.cluster, command[1:], log_dir=FLAGS.task_log_dir, host=FLAGS.host,
+                        timeout_s=FLAGS.timeout_s))
     if command[:2] == ["trace", "plot"]:
         if len(command) != 3:
             raise app.UsageError(f"trace plot takes one trace file, got {command[2:]}: "

@@ -32,6 +32,8 @@ def define_flags():
                         short_name="o")
     flags.DEFINE_string("task_log_dir", None, "launch: where the tasks' logs go (default: a temporary directory).")
     flags.DEFINE_string("host", "127.0.0.1", "launch: the address the tasks bind.")
+    flags.DEFINE_float("timeout_s", 300.0, "launch: a task silent this long (or dead) is lost; the run then ends.",
+                       lower_bound=0.1)
     flags.register_validator("input_shape", _image_shape,
                              message="--input_shape must be three positive integers H,W,C, e.g. 224,224,3")
 

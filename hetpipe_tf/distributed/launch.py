@@ -140,6 +140,12 @@ class LocalCluster:
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief",
                                                       task_index=0, make_master_device_default=False)
             self._connected = True
+            self.watch()
+        return self
+
+    def watch(self):
+        """Starts watching every task's heartbeats (once; the chief's connect does it)."""
+        if self.monitor is None:
             self.monitor = HeartbeatMonitor(
                 [Watched(job, i, self.spec[job][i], self._heartbeats[(job, i)]) for job, i in self._procs],
                 self.timeout_s, self._lost, exit_status=self.exit_status).start()
@@ -243,28 +249,71 @@ def connect_tf_config(num_ps, num_workers, environ=None):
     return spec
 
 
-def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0, out=sys.stdout):
+#: The environment variable naming the file where `hetpipe launch` writes the task it lost.
+LOST_TASK_FILE_ENV = "HETPIPE_LOST_TASK_FILE"
+
+
+def reported_lost(environ=None, wait_s=2.0):
+    """The task that `hetpipe launch` found lost (a LostTask), or None: read from the file
+    named by HETPIPE_LOST_TASK_FILE, waiting up to `wait_s` for it (a call to a dead task may
+    fail before the launcher's heartbeat says so)."""
+    path = (environ if environ is not None else os.environ).get(LOST_TASK_FILE_ENV)
+    if not path:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path) as f:
+                return LostTask(**json.load(f))
+        except (OSError, ValueError):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+
+
+def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0, timeout_s=300.0,
+           out=sys.stdout):
     """Runs `command` as the chief of a cluster started here for `cluster` (a description).
 
     Starts one ps and one worker task per node of the description (the worker with a
     logical CPU per device), runs `command` with TF_CONFIG naming it the chief, reports a
     task that ends early with its log, and stops every task when the command ends, fails
-    or is interrupted (Ctrl-C). Returns the command's exit status.
+    or is interrupted (Ctrl-C). It watches the tasks' heartbeats: a task lost (dead, or
+    silent for `timeout_s`) is named in one line, ended, and written to the file in the
+    chief's HETPIPE_LOST_TASK_FILE (its error then names the task); a chief still running
+    10 s later is ended. Returns the command's exit status.
     """
     from hetpipe_tf.planning.cluster import load_cluster
 
     description = load_cluster(cluster)
     nodes = description.nodes
     local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
-                         start_timeout=start_timeout)
+                         start_timeout=start_timeout, timeout_s=timeout_s)
     local.start()
+    lost_file = os.path.join(local.log_dir, "lost-task.json")
+    lost_at = []
+
+    def report(lost):
+        with open(lost_file + ".tmp", "w") as f:
+            json.dump({"job": lost.job, "index": lost.index, "address": lost.address, "reason": lost.reason}, f)
+        os.replace(lost_file + ".tmp", lost_file)
+        lost_at.append(time.monotonic())
+
+    local.on_lost(report)
+    local.watch()
     print(f"hetpipe launch: {len(nodes)} ps and {len(nodes)} worker tasks for cluster '{description.name}' "
           f"({', '.join(f'{n.name}: {n.count} devices' for n in nodes)}); task logs in {local.log_dir}",
           file=out, flush=True)
-    chief = subprocess.Popen(command, env=dict(os.environ, TF_CONFIG=local.tf_config()))
+    chief = subprocess.Popen(command, env=dict(os.environ, TF_CONFIG=local.tf_config(),
+                                               **{LOST_TASK_FILE_ENV: lost_file}))
     reported = set()
     try:
         while chief.poll() is None:
+            if lost_at and time.monotonic() - lost_at[0] > 10.0:
+                print("hetpipe launch: the chief did not end within 10 s of losing a task; ending it",
+                      file=out, flush=True)
+                _end(chief)
+                break
             for (job, i), (proc, _) in local._procs.items():
                 if proc.poll() is not None and (job, i) not in reported:
                     reported.add((job, i))
@@ -273,15 +322,21 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
                     print(f"hetpipe launch: task {job}:{i} ended with status {proc.returncode}; its log "
                           f"({local.task_log(job, i)}):\n{tail}", file=out, flush=True)
             time.sleep(0.5)
-        return chief.returncode
+        return chief.returncode if chief.returncode >= 0 else 1  # ended by a signal
     except KeyboardInterrupt:
-        chief.terminate()
-        try:
-            chief.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            chief.kill()
-            chief.wait()
+        _end(chief)
         print("hetpipe launch: interrupted; every task stopped", file=out, flush=True)
         return 130
     finally:
+        local.monitor.stop()
         local.stop()
+
+
+def _end(proc):
+    """SIGTERM, then SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -20,6 +20,10 @@ import keras
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
 
 
+#: The longest fit waits for its training threads after stopping them on an error.
+ABORT_GRACE_S = 5.0
+
+
 class Events:
     """Events from training threads, taken by kind; other kinds wait their turn."""
 
@@ -152,10 +156,11 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
         events.wait_finished(timeout_s)
     except BaseException:
         # A callback failed, training failed, or the user interrupted: stop every stage and
-        # let the training threads end before leaving.
+        # let the training threads end before leaving, but not for longer than ABORT_GRACE_S:
+        # a thread can be in a call to a lost task or in a server's wait until its timeout.
         abort()
         try:
-            events.wait_finished(timeout_s)
+            events.wait_finished(min(timeout_s, ABORT_GRACE_S))
         except BaseException:  # noqa: BLE001 - their errors follow from the abort
             pass
         raise

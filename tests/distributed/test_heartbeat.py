@@ -116,39 +116,58 @@ def _alive(pid):
         return False
 
 
-@pytest.mark.parametrize("job,sig", [("ps", signal.SIGKILL), ("ps", signal.SIGSTOP),
-                                     ("worker", signal.SIGKILL), ("worker", signal.SIGSTOP)])
-def test_a_lost_task_ends_every_process_with_one_line_naming_it(tmp_path, job, sig):
-    cmd = [sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--show_schedule=false",
-           "--cluster=local", "--launch=processes", "--model=mlp", "--epochs=1000", "--steps_per_epoch=8",
-           "--dilation=2", "--num_in_flight=2", f"--timeout_s={TIMEOUT_S:g}"]
-    chief = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _signal_mid_training(cmd, job, sig):
+    """Runs `cmd` (it starts the cluster's tasks as its children), sends `sig` to task
+    (job, 1) after three epochs; returns (stderr, exit status, seconds until it ended,
+    seconds until every task had, tasks still alive)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = []
-    reader = threading.Thread(target=lambda: out.extend(chief.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
     try:
-        assert _wait_for(lambda: sum("Epoch" in line for line in out) >= 3 or chief.poll() is not None, 300), \
+        assert _wait_for(lambda: sum("Epoch" in line for line in out) >= 3 or proc.poll() is not None, 300), \
             "training did not start"
-        assert chief.poll() is None, "".join(out)[-3000:] + chief.stderr.read()[-3000:]
-        tasks = _tasks_of(chief.pid)
+        assert proc.poll() is None, "".join(out)[-3000:] + proc.stderr.read()[-3000:]
+        tasks = _tasks_of(proc.pid)
         assert sorted(tasks) == [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
         os.kill(tasks[(job, 1)], sig)
         t0 = time.monotonic()
-        err = chief.stderr.read()
-        chief.wait(timeout=TIMEOUT_S + 60)
-        chief_s = time.monotonic() - t0
+        err = proc.stderr.read()
+        proc.wait(timeout=TIMEOUT_S + 60)
+        ended_s = time.monotonic() - t0
         _wait_for(lambda: not any(_alive(p) for p in tasks.values()), 10)
         all_s = time.monotonic() - t0
     finally:
-        if chief.poll() is None:
-            chief.kill()
-    print(f"{job}:1 {sig.name}: the chief ended {chief_s:.1f} s after the signal, every task {all_s:.1f} s")
-    left = [t for t, p in tasks.items() if _alive(p)]
+        if proc.poll() is None:
+            proc.kill()
+    print(f"{cmd[2]} {job}:1 {sig.name}: it ended {ended_s:.1f} s after the signal, every task {all_s:.1f} s")
+    return err, proc.returncode, ended_s, all_s, [t for t, p in tasks.items() if _alive(p)]
+
+
+def _train_command(tmp_path, *flags):
+    return [sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--show_schedule=false",
+            "--cluster=local", "--model=mlp", "--epochs=1000", "--steps_per_epoch=8", "--dilation=2",
+            "--num_in_flight=2", f"--timeout_s={TIMEOUT_S:g}", *flags]
+
+
+@pytest.mark.parametrize("job,sig", [("ps", signal.SIGKILL), ("ps", signal.SIGSTOP),
+                                     ("worker", signal.SIGKILL), ("worker", signal.SIGSTOP)])
+def test_a_lost_task_ends_every_process_with_one_line_naming_it(tmp_path, job, sig):
+    err, status, chief_s, all_s, left = _signal_mid_training(_train_command(tmp_path, "--launch=processes"), job, sig)
     assert not left, f"tasks {left} outlived the chief"
-    assert chief.returncode == 1, err[-3000:]
+    assert status == 1, err[-3000:]
     why = "killed by signal 9" if sig == signal.SIGKILL else "no heartbeat for"
-    lines = [line for line in err.splitlines() if re.search(rf"lost task {job}:1 at 127\.0\.0\.1:\d+: {why}", line)]
-    assert lines, err[-3000:]
-    assert any(line.startswith(f"hetpipe-train: failed: lost task {job}:1 at ") for line in err.splitlines()), \
-        err[-3000:]
+    # The monitor's line or the failure's, whichever comes first, says why.
+    assert re.search(rf"lost task {job}:1 at 127\.0\.0\.1:\d+: {why}", err), err[-3000:]
+    assert re.search(rf"hetpipe-train: failed: lost task {job}:1 at 127\.0\.0\.1:\d+: ", err), err[-3000:]
     assert chief_s < TIMEOUT_S + 10 and all_s < TIMEOUT_S + 10, (chief_s, all_s)
+
+
+def test_hetpipe_launch_finds_a_stopped_task_and_ends_the_chief_and_every_task(tmp_path):
+    cmd = [sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "launch", "--cluster=local", f"--timeout_s={TIMEOUT_S:g}",
+           "--", *_train_command(tmp_path, "--launch=tf_config", "--policy=np")]
+    err, status, _, all_s, left = _signal_mid_training(cmd, "ps", signal.SIGSTOP)
+    assert not left, f"tasks {left} outlived hetpipe launch"
+    assert status == 1, err[-3000:]
+    assert re.search(r"hetpipe: lost task ps:1 at 127\.0\.0\.1:\d+: no heartbeat for", err), err[-3000:]
+    assert re.search(r"hetpipe-train: failed: lost task ps:1 at 127\.0\.0\.1:\d+: no heartbeat for", err), err[-3000:]
+    assert all_s < TIMEOUT_S + 10, all_s

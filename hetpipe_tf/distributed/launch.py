@@ -314,12 +314,13 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
                       file=out, flush=True)
                 _end(chief)
                 break
-            for (job, i), (proc, _) in local._procs.items():
-                if proc.poll() is not None and (job, i) not in reported:
+            for job, i in local.tasks:
+                status = local.exit_status(job, i)
+                if status and (job, i) not in reported:
                     reported.add((job, i))
                     with open(local.task_log(job, i)) as f:
                         tail = f.read()[-2000:]
-                    print(f"hetpipe launch: task {job}:{i} ended with status {proc.returncode}; its log "
+                    print(f"hetpipe launch: task {job}:{i} ended ({status}); its log "
                           f"({local.task_log(job, i)}):\n{tail}", file=out, flush=True)
             time.sleep(0.5)
         return chief.returncode if chief.returncode >= 0 else 1  # ended by a signal

@@ -76,9 +76,8 @@ class WSPTensorBoard(keras.callbacks.Callback):
         with self._writer.as_default():
             if describe is not None:
                 tf.summary.text("plan", describe(), step=0)
-            if any(vw.emulated for vw in self._runner().vws):
-                tf.summary.text("emulation", "EMULATED devices: " + "; ".join(
-                    vw.describe() for vw in self._runner().vws), step=0)
+            if self._runner().emulated:
+                tf.summary.text("emulation", "EMULATED devices: " + "; ".join(self._runner().descriptions), step=0)
 
     def on_epoch_end(self, epoch, logs=None):
         runner = self._runner()

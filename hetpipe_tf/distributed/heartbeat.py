@@ -16,6 +16,9 @@ answers heartbeats on a TCP port of its own (:class:`HeartbeatResponder`, starte
 The protocol is one line each way: ``ping`` -> ``pong``; ``lost JOB:INDEX ADDRESS WHY``
 tells a task which task was lost, so that every task's log names it.
 """
+import ctypes
+import os
+import signal
 import socket
 import threading
 import time
@@ -128,12 +131,20 @@ class HeartbeatMonitor:
 
     def start(self):
         for task in self.tasks:
-            host, port = task.heartbeat.rsplit(":", 1)
-            conn = socket.create_connection((host, int(port)), timeout=self.timeout_s)
-            self._conns[task] = conn
-            threading.Thread(target=self._watch, args=(task, conn), name=f"hetpipe-monitor-{task.job}-{task.index}",
-                             daemon=True).start()
+            self._connect(task)
         return self
+
+    def add(self, task):
+        """Watches one more task (a :class:`Watched`) from now on."""
+        self.tasks += (task,)
+        self._connect(task)
+
+    def _connect(self, task):
+        host, port = task.heartbeat.rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        self._conns[task] = conn
+        threading.Thread(target=self._watch, args=(task, conn), name=f"hetpipe-monitor-{task.job}-{task.index}",
+                         daemon=True).start()
 
     def _watch(self, task, conn):
         buffer = [b""]
@@ -182,3 +193,21 @@ class HeartbeatMonitor:
                 conn.close()
             except OSError:
                 pass
+
+
+def end_with_parent(parent):
+    """Ends this process (exit status 0) when process `parent` ends."""
+    try:  # Linux: the kernel sends SIGTERM when the parent dies
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():
+        while True:
+            try:
+                os.kill(parent, 0)
+            except OSError:
+                os._exit(0)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()

@@ -81,6 +81,7 @@ class LocalCluster:
         self.timeout_s = float(timeout_s)
         self._procs = {}
         self._heartbeats = {}
+        self._addresses = {}  # of tasks started by start_task
         self._connected = False
         self.monitor = None
         self._on_lost = []
@@ -106,30 +107,52 @@ class LocalCluster:
 
     def start(self):
         """Starts every ps and worker task and waits until each says it is ready."""
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         for job, cpus in [("ps", [1] * len(self.spec["ps"])), ("worker", self.worker_cpus)]:
             for i, n in enumerate(cpus):
-                log = open(self.task_log(job, i), "w")
-                cmd = [sys.executable, "-m", "hetpipe_tf.distributed.server", f"--cluster_spec={json.dumps(self.spec)}",
-                       f"--job_name={job}", f"--task_index={i}", f"--logical_cpus={n}",
-                       f"--parent_pid={os.getpid()}", f"--chief_timeout_s={self.timeout_s}"]
-                self._procs[(job, i)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-        deadline = time.monotonic() + self.start_timeout
-        for (job, i), (proc, _) in self._procs.items():
-            while True:
-                with open(self.task_log(job, i)) as f:
-                    ready = re.search(r"ready at .*; heartbeat at (\S+)", f.read())
-                if ready:
-                    self._heartbeats[(job, i)] = ready.group(1)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = open(self.task_log(job, i)).read()[-2000:]
-                    why = f"exited with {proc.returncode}" if proc.returncode is not None else \
-                        f"was not ready after {self.start_timeout:g} s"
-                    self.stop()
-                    raise ClusterStartError(f"task {job}:{i} {why}; its log ({self.task_log(job, i)}):\n{tail}")
-                time.sleep(0.1)
+                self._spawn(job, i, "hetpipe_tf.distributed.server",
+                            [f"--cluster_spec={json.dumps(self.spec)}", f"--job_name={job}", f"--task_index={i}",
+                             f"--logical_cpus={n}"])
+        for job, i in list(self._procs):
+            self._wait_ready(job, i)
         return self
+
+    def start_tasks(self, tasks, env=None):
+        """Starts more tasks, each (job, index, TensorFlow address, module, args): ``python -m
+        module args`` (it takes --parent_pid and --chief_timeout_s and prints the ready line of
+        :mod:`hetpipe_tf.distributed.server`); waits until every one is ready and watches their
+        heartbeats if the others' are watched. Returns their pids."""
+        for job, index, address, module, args in tasks:
+            self._addresses[(job, index)] = address
+            self._spawn(job, index, module, list(args), env)
+        for job, index, *_ in tasks:
+            self._wait_ready(job, index)
+            if self.monitor is not None:
+                self.monitor.add(self._watched(job, index))
+        return [self.pid(job, index) for job, index, *_ in tasks]
+
+    def _spawn(self, job, index, module, args, env=None):
+        log = open(self.task_log(job, index), "w")
+        cmd = [sys.executable, "-m", module, *args, f"--parent_pid={os.getpid()}",
+               f"--chief_timeout_s={self.timeout_s}"]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+        self._procs[(job, index)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+
+    def _wait_ready(self, job, i):
+        proc = self._procs[(job, i)][0]
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            with open(self.task_log(job, i)) as f:
+                ready = re.search(r"ready at .*; heartbeat at (\S+)", f.read())
+            if ready:
+                self._heartbeats[(job, i)] = ready.group(1)
+                return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = open(self.task_log(job, i)).read()[-2000:]
+                why = f"exited with {proc.returncode}" if proc.returncode is not None else \
+                    f"was not ready after {self.start_timeout:g} s"
+                self.stop()
+                raise ClusterStartError(f"task {job}:{i} {why}; its log ({self.task_log(job, i)}):\n{tail}")
+            time.sleep(0.1)
 
     def connect(self):
         """Makes this process the chief of the cluster (once per process)."""
@@ -146,10 +169,16 @@ class LocalCluster:
     def watch(self):
         """Starts watching every task's heartbeats (once; the chief's connect does it)."""
         if self.monitor is None:
-            self.monitor = HeartbeatMonitor(
-                [Watched(job, i, self.spec[job][i], self._heartbeats[(job, i)]) for job, i in self._procs],
-                self.timeout_s, self._lost, exit_status=self.exit_status).start()
+            self.monitor = HeartbeatMonitor([self._watched(job, i) for job, i in self._procs], self.timeout_s,
+                                            self._lost, exit_status=self.exit_status).start()
         return self
+
+    def _watched(self, job, i):
+        return Watched(job, i, self.address(job, i), self._heartbeats[(job, i)])
+
+    def address(self, job, index):
+        """The TensorFlow address of task (job, index)."""
+        return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
 
     def on_lost(self, callback):
         """Calls callback(LostTask) when a task is lost (see :meth:`lost`)."""
@@ -165,7 +194,7 @@ class LocalCluster:
         for job, i in self._procs:
             status = self.exit_status(job, i)
             if status:
-                return LostTask(job, i, self.spec[job][i], status)
+                return LostTask(job, i, self.address(job, i), status)
         return None
 
     def _lost(self, lost):

@@ -11,17 +11,13 @@ lost, and ends, with one line saying why, when the chief ends or goes silent for
 ``--chief_timeout_s``; it also ends with its parent (the launcher or the chief): no
 server is left behind.
 """
-import ctypes
 import json
 import os
-import signal
 import sys
-import threading
-import time
 
 from absl import app, flags
 
-from hetpipe_tf.distributed.heartbeat import HeartbeatResponder
+from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
 
 flags.DEFINE_string("cluster_spec", None, "The cluster as JSON: {job: [host:port, ...]}.")
 flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
@@ -34,27 +30,10 @@ flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbea
 FLAGS = flags.FLAGS
 
 
-def _end_with_parent(parent):
-    try:  # Linux: the kernel sends SIGTERM when the parent dies
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-    def watch():
-        while True:
-            try:
-                os.kill(parent, 0)
-            except OSError:
-                os._exit(0)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def main(argv):
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    _end_with_parent(FLAGS.parent_pid or os.getppid())
+    end_with_parent(FLAGS.parent_pid or os.getppid())
     import tensorflow as tf
 
     from hetpipe_tf.ops.loader import load_ops

@@ -25,16 +25,20 @@ class WspClock:
     Args:
       stages_per_worker: the number of stages of each virtual worker.
       device: the parameter server device that holds the clock.
+      shared_name: the clock's name on its device; processes that give the same name use the
+        same clock (default: a name of this process's own).
+      create: False to use a clock that another process created under `shared_name`.
     """
 
-    def __init__(self, stages_per_worker, device=None, name="wsp_clock"):
+    def __init__(self, stages_per_worker, device=None, shared_name=None, create=True):
         self._ops = load_ops()
         self.device = device
         self.stages_per_worker = tuple(int(n) for n in stages_per_worker)
-        self.name = f"{name}_{next(_ids)}"
+        self.name = shared_name or f"wsp_clock_{next(_ids)}"
         with tf.device(device):
             self._handle = self._ops.hetpipe_wsp_clock_handle(shared_name=self.name)
-            self._ops.hetpipe_wsp_clock_create(self._handle, tf.constant(self.stages_per_worker, tf.int64))
+            if create:
+                self._ops.hetpipe_wsp_clock_create(self._handle, tf.constant(self.stages_per_worker, tf.int64))
         self._wait_fn = tf.function(self.wait_graph)
 
     def wait_graph(self, wave, timeout):

@@ -22,6 +22,19 @@ class TraceRecorder:
         if self._origin is None:
             self._origin = t
 
+    @property
+    def origin(self):
+        """The time shown as 0 (None before the first span or set_origin)."""
+        return self._origin
+
+    def add_events(self, events, origin):
+        """Adds the events of another recorder whose origin was `origin` (same clock), shifted to
+        this recorder's origin: several processes' traces in one."""
+        self.set_origin(origin)
+        shift = round((origin - self._origin) * 1e6, 1)
+        for event in events:
+            self._add(dict(event, ts=event["ts"] + shift) if "ts" in event else dict(event))
+
     def name_process(self, pid, name):
         self._add({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
 

@@ -96,6 +96,22 @@ class LossHead:
             logs.update((m.name, m.result()) for m in self._compile_loss.metrics)
         return logs
 
+    def evaluate(self, model, dataset):
+        """Loss and metrics of `model` (the whole Keras model, its current weights) on `dataset`,
+        in inference mode, averaged over samples as Keras's ``evaluate``."""
+        sums, n = {}, 0
+        for x, y in dataset:
+            outputs = model(x, training=False)
+            outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            values = self.metrics(self.split_labels(y), outputs)
+            if model.losses:  # as Keras's evaluate: the model's own losses (regularization) count
+                values["loss"] = values["loss"] + tf.add_n(model.losses)
+            b = int(tf.nest.flatten(x)[0].shape[0])
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * b
+            n += b
+        return {k: v / n for k, v in sums.items()}
+
     def _build(self, labels, outputs):
         """Builds Keras's objects for labels and outputs like these (once); returns the outputs
         as the model returns them."""

@@ -15,8 +15,6 @@ import dataclasses
 import sys
 import time
 
-import keras
-import numpy as np
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
@@ -313,19 +311,7 @@ class VirtualWorker:
 
     def evaluate(self, dataset):
         """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
-        sums, n = {}, 0
-        for x, y in dataset:
-            outputs = self.model(x, training=False)
-            outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-            labels = self.loss_head.split_labels(y)
-            values = self.loss_head.metrics(labels, outputs)
-            if self.model.losses:  # as Keras's evaluate: the model's own losses (regularization) count
-                values["loss"] = values["loss"] + tf.add_n(self.model.losses)
-            b = int(tf.nest.flatten(x)[0].shape[0])
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * b
-            n += b
-        return {k: v / n for k, v in sums.items()}
+        return self.loss_head.evaluate(self.model, dataset)
 
 
 def warn_if_not_faithful(report):

@@ -9,8 +9,6 @@ and the global weights end in the Keras model.
 import time
 from dataclasses import dataclass
 
-import tensorflow as tf
-
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
@@ -51,11 +49,16 @@ class WSPRunner:
       optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
         VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe
         runs of every worker at once (they share the host).
+      servers: parameter servers another process created (:class:`ParameterServers` with
+        ``create=False``), when this runner drives some of a run's workers only; None: this
+        runner creates them for `model`.
+      worker_ids: the run's index of each worker in `workers` (default 0, 1, ...): a process
+        that drives worker 3 of a run gives [3].
     """
 
     def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
                  optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
-                 record_provenance=False, sync=WSP_SCHEME, schedule="hetpipe"):
+                 record_provenance=False, sync=WSP_SCHEME, schedule="hetpipe", servers=None, worker_ids=None):
         if staleness_bound < 0:
             raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
         self.model = model
@@ -68,18 +71,21 @@ class WSPRunner:
                                           loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
                                           record_provenance=record_provenance, tf_devices=w.tf_devices,
                                           slowdown=w.slowdown, schedule=schedule))
-        layer_devices = None
-        if placement == "local":
-            if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
-                raise ValueError("local placement needs worker 0's stage_servers, one per stage")
-            layer_devices = {layer_of(v.path): server for server, stage in
-                             zip(workers[0].stage_servers, self.vws[0].staged.stages)
-                             for v in list(stage.trainable_variables) + list(stage.non_trainable_variables)}
+        self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
+        if len(self.worker_ids) != len(self.vws):
+            raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
         scheme = get_sync(sync)
-        self.servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
-                                        layer_devices)
-        for i, vw in enumerate(self.vws):
-            vw.sync = scheme.bind(i, self.servers, self.staleness_bound, self.timeout_s)
+        if servers is None:
+            layer_devices = None
+            if placement == "local":
+                if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
+                    raise ValueError("local placement needs worker 0's stage_servers, one per stage")
+                layer_devices = stage_layer_servers(self.vws[0].staged, workers[0].stage_servers)
+            servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
+                                       layer_devices)
+        self.servers = servers
+        for w, vw in zip(self.worker_ids, self.vws):
+            vw.sync = scheme.bind(w, self.servers, self.staleness_bound, self.timeout_s)
         self.optimizer = self.vws[0].optimizer
         self.trace = None
         self.reports = None
@@ -91,6 +97,15 @@ class WSPRunner:
     @property
     def num_workers(self):
         return len(self.vws)
+
+    @property
+    def emulated(self):
+        return any(vw.emulated for vw in self.vws)
+
+    @property
+    def descriptions(self):
+        """Each worker's description (its stages and devices)."""
+        return [vw.describe() for vw in self.vws]
 
     @property
     def num_in_flight(self):
@@ -155,8 +170,14 @@ class WSPRunner:
         return len(ends) * self.batch_size / (max(ends) - self._started) if ends else 0.0
 
     def abort(self):
+        """Stops every worker now."""
         for ex in list(self._executors.values()):
             ex.abort()
+
+    def request_stop(self):
+        """Asks every worker to admit no more minibatches (those in flight complete)."""
+        for ex in list(self._executors.values()):
+            ex.request_stop()
 
     def emulation_report(self):
         """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
@@ -168,26 +189,35 @@ class WSPRunner:
         :meth:`VirtualWorker.calibrate_dilation`. The probes do the workers' side of the
         synchronisation but not the servers' (their waits and sums), which share the host's
         cores in the real run: the calibration's step of margin covers them."""
-        def probe(dilation):
-            reports, errors = [None] * self.num_workers, []
-            n = self.vws[0].probe_minibatches(self.num_workers)
-
-            def run(i):
-                try:
-                    reports[i] = self.vws[i].probe_emulation(minibatches[i], dilation, n)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    errors.append(exc)
-
-            for t in [start_thread(lambda i=i: run(i), f"hetpipe-probe-{i}") for i in range(self.num_workers)]:
-                t.join()
-            if errors:
-                raise errors[0]
-            return EmulationReport.combine(reports)
-
-        dilation, tried = calibrate_dilation(probe)
-        for vw in self.vws:
-            vw.dilation, vw.calibration = dilation, tried
+        dilation, tried = calibrate_dilation(lambda d: self.probe(d, minibatches))
+        self.set_dilation(dilation, tried)
         return dilation
+
+    def probe(self, dilation, minibatches, workers=None):
+        """One probe run of every worker at once at `dilation` (each on copies of its minibatch
+        in `minibatches`, nothing kept); their EmulationReport together. `workers`: how many
+        workers of the run probe at the same time, here and in other processes (default: this
+        runner's), which sets the probe's length."""
+        reports, errors = [None] * self.num_workers, []
+        n = self.vws[0].probe_minibatches(workers or self.num_workers)
+
+        def run(i):
+            try:
+                reports[i] = self.vws[i].probe_emulation(minibatches[i], dilation, n)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        for t in [start_thread(lambda i=i: run(i), f"hetpipe-probe-{i}") for i in range(self.num_workers)]:
+            t.join()
+        if errors:
+            raise errors[0]
+        return EmulationReport.combine(reports)
+
+    def set_dilation(self, dilation, calibration=()):
+        """Every worker's emulated devices run at `dilation` (`calibration`: the probes' (dilation,
+        overrun fraction), when calibrated)."""
+        for vw in self.vws:
+            vw.dilation, vw.calibration = dilation, tuple(calibration)
 
     def finish(self):
         """Puts the global weights and state into the Keras model, and worker 0's state that the
@@ -226,7 +256,7 @@ class WSPRunner:
             self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
             verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
             stage_optimizers=lambda: [rt.optimizer for vw in self.vws for rt in vw.runtimes or []],
-            request_stop=lambda: [ex.request_stop() for ex in self._executors.values()],
+            request_stop=self.request_stop,
             abort=self.abort, timeout_s=self.timeout_s)
         if trace_path and self.trace:
             self.trace.write(trace_path)
@@ -251,12 +281,12 @@ class WSPRunner:
         clocks, global_clock = self.servers.clock.clocks()
         now = time.perf_counter()
         out = []
-        for w, vw in enumerate(self.vws):
-            ex = self._executors.get(w)
+        for i, (w, vw) in enumerate(zip(self.worker_ids, self.vws)):
+            ex = self._executors.get(i)
             pulls = [(asked, answered) for s, wave, asked, answered in vw.sync.pull_waits
                      if s == 0 and (since is None or answered > since)]
             waits = wait_and_idle(pulls, ex.first_stage_busy if ex else [])
-            done = [t for t in self._completions.get(w, []) if since is None or t > since]
+            done = [t for t in self._completions.get(i, []) if since is None or t > since]
             start = since if since is not None else self._started
             rate = len(done) / ((done[-1] if since is None else now) - start) if done and start else 0.0
             out.append({"worker": w, "clock": clocks[w], "clock_distance": clocks[w] - global_clock,
@@ -264,3 +294,10 @@ class WSPRunner:
                         "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0,
                         "minibatches_per_s": rate, "images_per_s": rate * (self.batch_size or 0)})
         return out
+
+
+def stage_layer_servers(staged, stage_servers):
+    """{layer name: the server of the stage that holds it}, for ``local`` placement (§8.1): each
+    stage's layers on the server of its node."""
+    return {layer_of(v.path): server for server, stage in zip(stage_servers, staged.stages)
+            for v in list(stage.trainable_variables) + list(stage.non_trainable_variables)}

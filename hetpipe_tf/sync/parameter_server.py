@@ -7,7 +7,10 @@ one per trainable variable of the model and per floating-point state variable
 sharded by layer: ``default`` placement puts
 the layers round-robin over the servers, ``local`` puts each layer on a server chosen
 by the caller (for ED, the server on the node of the device that trains the layer).
-The WSP clock (:mod:`hetpipe_tf.ops.wsp_clock`) lives on the first server.
+The WSP clock (:mod:`hetpipe_tf.ops.wsp_clock`) lives on the first server. Every variable
+and the clock is a resource with a name of its run (``hetpipe/<run>/<path>``): the chief
+creates them, and the process that drives a virtual worker attaches to them by name
+(``create=False``), so that every process reads and updates the same global weights.
 
 A stage pushes the aggregated update of a wave, ``w_global += u`` for its layers, then
 records the push on the clock. A pull waits on the clock until every worker has pushed
@@ -19,11 +22,15 @@ chief per stage and wave, however many variables the stage has, and the pull's w
 runs in the servers' graph executor, which holds no thread while it waits.
 """
 import functools
+import itertools
+import os
 
 import tensorflow as tf
 
 from hetpipe_tf.ops.wsp_clock import WspClock
 from hetpipe_tf.sync.wsp import PLACEMENTS
+
+_runs = itertools.count()
 
 
 class ParameterServers:
@@ -35,32 +42,46 @@ class ParameterServers:
       stages_per_worker: the number of stages of every virtual worker.
       placement: "default" (layers round-robin) or "local" (`layer_devices` says where).
       layer_devices: for "local", {layer name: server device}.
+      run: the name of the run the resources carry (default: one of this object's own).
+      variable_devices: to attach to the resources another process created for `run`, its
+        :meth:`variable_devices` (then `placement` and `layer_devices` are not used). Variables
+        are named by their position in the model, so a copy of the model rebuilt in another
+        process, whose paths may differ, finds them.
     """
 
-    def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None):
+    def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None, run=None,
+                 variable_devices=None):
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if not devices:
             raise ValueError("at least one parameter-server device is needed")
         self.devices = tuple(devices)
         self.placement = placement
+        self.run = run or f"run{next(_runs)}_{os.getpid()}"
         self.variables = {}
         self.device_of = {}
         layers = []
-        for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
+        variables = synchronised_variables(model.trainable_variables, model.non_trainable_variables)
+        if variable_devices is not None and len(variable_devices) != len(variables):
+            raise ValueError(f"run {self.run!r} has {len(variable_devices)} global variables, this model "
+                             f"{len(variables)}: it is not the model the run was created for")
+        for n, v in enumerate(variables):
             layer = layer_of(v.path)
             if layer not in layers:
                 layers.append(layer)
-            if placement == "local":
+            if variable_devices is not None:
+                device = variable_devices[n]
+            elif placement == "local":
                 if not layer_devices or layer not in layer_devices:
                     raise ValueError(f"local placement needs the server of layer '{layer}'")
                 device = layer_devices[layer]
             else:
                 device = self.devices[layers.index(layer) % len(self.devices)]
-            with tf.device(device):
-                self.variables[v.path] = tf.Variable(v.numpy(), name=v.name, trainable=False)
+            self.variables[v.path] = GlobalVariable(f"hetpipe/{self.run}/{n}", v, device,
+                                                    create=variable_devices is None)
             self.device_of[v.path] = device
-        self.clock = WspClock(stages_per_worker, device=self.devices[0])
+        self.clock = WspClock(stages_per_worker, device=self.devices[0], shared_name=f"hetpipe/{self.run}/wsp_clock",
+                              create=variable_devices is None)
         self._push_fns = {}
         self._pull_fns = {}
 
@@ -68,7 +89,7 @@ class ParameterServers:
         updates = []
         for path, delta in zip(paths, deltas):
             with tf.device(self.device_of[path]):
-                updates.append(self.variables[path].assign_add(delta, read_value=False))
+                updates.append(self.variables[path].assign_add(delta))
         with tf.control_dependencies(updates):
             self.clock.push_graph(worker, stage, wave)
 
@@ -104,6 +125,11 @@ class ParameterServers:
         values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 
+    def variable_devices(self):
+        """Each global variable's server, in the model's order: what another process needs to
+        attach (see the `variable_devices` argument)."""
+        return list(self.device_of.values())
+
     def values(self):
         """The global weights, by variable path."""
         return {p: v.read_value() for p, v in self.variables.items()}
@@ -112,6 +138,33 @@ class ParameterServers:
         """Puts the global weights (and synchronised state) into the Keras model."""
         for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
             v.assign(self.variables[v.path].read_value())
+
+
+class GlobalVariable:
+    """One global weight: a resource variable on a server device, named so that every process
+    of the run finds it (``tf.Variable`` names its resource for its own process only)."""
+
+    def __init__(self, shared_name, like, device, create=True):
+        self.dtype = tf.as_dtype(like.dtype)
+        self.shape = tf.TensorShape(like.shape)
+        with tf.device(device):
+            self.handle = tf.raw_ops.VarHandleOp(dtype=self.dtype, shape=self.shape, shared_name=shared_name,
+                                                 container="")
+        self.device = self.handle.device  # the full name
+        if create:
+            with tf.device(self.device):
+                tf.raw_ops.AssignVariableOp(resource=self.handle, value=tf.convert_to_tensor(like.numpy(), self.dtype))
+
+    def read_value(self):
+        with tf.device(self.device):
+            return tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
+
+    def assign_add(self, delta):
+        with tf.device(self.device):
+            return tf.raw_ops.AssignAddVariableOp(resource=self.handle, value=delta)
+
+    def numpy(self):
+        return self.read_value().numpy()
 
 
 def synchronised_variables(trainable, non_trainable):

@@ -192,6 +192,18 @@ class HetPipeStrategy:
                          optimizer_slots=slots_per_weight(model.optimizer))
         devices = self._devices()
         workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
+        if self.launch == "processes":
+            from hetpipe_tf.distributed.process_runner import ProcessRunner
+
+            self.runner = ProcessRunner(
+                model, _connected["cluster"], [spec for spec, _ in workers], [n for _, n in workers],
+                num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
+                ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
+                loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
+                dilation=self.dilation, timeout_s=self.timeout_s)
+            self._runner_key = key
+            return self.runner
+        workers = [spec for spec, _ in workers]
         self.runner = WSPRunner(
             model, workers, num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
             ps_devices=devices["ps"], placement=self.plan.placement,
@@ -201,21 +213,29 @@ class HetPipeStrategy:
         return self.runner
 
     def _worker_spec(self, w, devices):
+        """Worker w's WorkerSpec, and how many of its devices its own process holds (launch
+        'processes': those on its home node, the node of its first stage; otherwise none)."""
+        from hetpipe_tf.distributed.worker_process import local_device
         from hetpipe_tf.planning.devices import DeviceSpec
         from hetpipe_tf.runtime.wsp_runner import WorkerSpec
 
         nodes = [n.name for n in self.cluster.nodes]
-        specs, names, servers = [], [], []
+        home = self.plan.workers[w].devices[0].node
+        specs, names, servers, local = [], [], [], 0
         for d in self.plan.workers[w].devices:
             node = nodes.index(d.node)
             if d.type.emulated:
                 specs.append(DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory))
             else:
                 specs.append(DeviceSpec("gpu", index=d.index))
-            names.append(devices["worker"](node, d))
+            if self.launch == "processes" and d.node == home:
+                names.append(local_device(w, local))
+                local += 1
+            else:
+                names.append(devices["worker"](node, d))
             servers.append(devices["ps"][node % len(devices["ps"])])
         return WorkerSpec(tuple(specs), tuple(names), boundaries=self.plan.node_boundaries(w),
-                          stage_servers=tuple(servers))
+                          stage_servers=tuple(servers)), local
 
     def _devices(self):
         """Parameter-server devices (one per node) and the TensorFlow device of a cluster device."""

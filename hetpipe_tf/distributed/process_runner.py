@@ -1,0 +1,333 @@
+"""Virtual workers each driven by a process of its own, under Wave Synchronous Parallel (HetPipe §3, §5, §8).
+
+The paper's TensorFlow implementation runs every virtual worker as a worker process
+and the parameter servers as separate tasks. :class:`ProcessRunner` does the same: this
+process, the chief, creates the global weights and the WSP clock on the parameter-server
+tasks, starts one :mod:`hetpipe_tf.distributed.worker_process` per virtual worker (a task
+of the :class:`hetpipe_tf.distributed.launch.LocalCluster`, watched by heartbeats like the
+others), and sends each its model, plan and shard of the data. Each worker process
+pipelines its minibatches and pushes and pulls at the servers itself; the chief only
+gathers their per-minibatch logs, runs validation and the callbacks on the global weights,
+forwards learning-rate changes and stops everything. So the chief does no work per
+minibatch but read one small message per worker.
+
+Calls per minibatch and stage in a worker process (its pipeline is
+:class:`hetpipe_tf.runtime.stage_runtime.StageRuntime`'s): three ``tf.function`` calls
+(forward, backward, apply), the weight stash's put, get and release (custom ops), and a
+few eager ops (the backward pass's seed, reading back the loss and whether the gradients
+were finite); per stage and wave, a push and a pull function at the servers and an eager
+op per synchronised variable (the wave's update). A stage on the worker's own node makes
+no RPC but the push and pull; a stage on another node's worker task makes one RPC per
+call or op.
+"""
+import json
+import multiprocessing.connection
+import os
+import pickle
+import queue
+import threading
+
+from hetpipe_tf.distributed.launch import free_port
+from hetpipe_tf.distributed.worker_process import AUTHKEY_ENV, job_name
+from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
+from hetpipe_tf.pipeline.executor import PipelineError
+from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit
+from hetpipe_tf.runtime.loss_head import LossHead
+from hetpipe_tf.runtime.stage_rewrite import split_model
+from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.virtual_worker import warn_if_not_faithful
+from hetpipe_tf.runtime.wsp_runner import stage_layer_servers
+from hetpipe_tf.sync.parameter_server import ParameterServers
+
+
+class WorkerProcessError(PipelineError):
+    """A virtual worker's process failed or ended; the message names it and says why."""
+
+
+class _Connection:
+    """The chief's side of one worker process's order connection: orders out; a reader thread
+    hands training's messages (started, done, finished, failed) to `on_training` and keeps
+    the answers to orders for :meth:`answer`."""
+
+    def __init__(self, worker, conn, on_training):
+        self.worker = worker
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.answers = queue.Queue()
+        self.on_training = on_training
+        threading.Thread(target=self._read, name=f"hetpipe-vw{worker}-reader", daemon=True).start()
+
+    def send(self, *order):
+        """Sends an order; False if the process is gone (its loss is reported by the reader)."""
+        try:
+            with self.lock:
+                self.conn.send(order)
+            return True
+        except OSError:
+            return False
+
+    def _read(self):
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError) as e:
+                ended = ("error", "ConnectionError", f"its order connection ended ({type(e).__name__})", None)
+                self.answers.put(ended)
+                self.on_training(self.worker, ("failed",) + ended[1:])
+                return
+            if message[0] in ("started", "done", "finished", "failed"):
+                self.on_training(self.worker, message)
+            else:
+                self.answers.put(message)
+
+    def answer(self, timeout_s, kind):
+        """The payload of the answer to the last order (of `kind`); raises the process's error."""
+        try:
+            message = self.answers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise WorkerProcessError(f"virtual worker {self.worker}'s process gave no {kind!r} answer within "
+                                     f"{timeout_s:g} s") from None
+        if message[0] == "error":
+            raise _error(self.worker, *message[1:])
+        return message[1:]
+
+    def ask(self, timeout_s, kind, *order):
+        self.send(*order)
+        return self.answer(timeout_s, kind)
+
+
+def _error(worker, kind, message, logs):
+    """The chief's exception for a worker process's failure (a non-finite loss keeps its cause,
+    whose logs TerminateOnNaN reads)."""
+    error = WorkerProcessError(f"virtual worker {worker}'s process failed: {kind}: {message}")
+    if kind == "NonFiniteError":
+        error.__cause__ = NonFiniteError(message, None, None, logs)
+    return error
+
+
+class ProcessRunner:
+    """Virtual workers under WSP, each in a process of its own, with this process as the chief.
+
+    Args:
+      model: the built, compiled Keras model (the chief's copy holds the global weights
+        between epochs, for validation and callbacks).
+      cluster: the started and connected :class:`hetpipe_tf.distributed.launch.LocalCluster`.
+      workers: a :class:`hetpipe_tf.runtime.wsp_runner.WorkerSpec` per virtual worker, its
+        TensorFlow devices as its process names them
+        (:func:`hetpipe_tf.distributed.worker_process.local_device` for its own node's).
+      local_devices: for each worker, how many devices its own process holds.
+      num_in_flight, staleness_bound, ps_devices, placement, dilation, timeout_s: as for
+        :class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`.
+      optimizer, loss, metrics, loss_weights: as given to ``compile``.
+    """
+
+    def __init__(self, model, cluster, workers, local_devices, num_in_flight, staleness_bound, ps_devices,
+                 placement="default", optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None,
+                 timeout_s=300.0):
+        import keras
+
+        self.model = model
+        self.cluster = cluster
+        self.workers = list(workers)
+        self.local_devices = list(local_devices)
+        self.num_in_flight = num_in_flight
+        self.staleness_bound = int(staleness_bound)
+        self.ps_devices = list(ps_devices)
+        self.placement = placement
+        self.optimizer = keras.optimizers.get(optimizer)
+        self.compiled = {"loss": loss, "metrics": metrics, "loss_weights": loss_weights}
+        self.dilation = dilation
+        self.calibration = ()
+        self.timeout_s = float(timeout_s)
+        stages = [len(w.devices) for w in self.workers]
+        staged = split_model(model, boundaries=self.workers[0].boundaries, num_stages=stages[0])
+        self.loss_head = LossHead(loss, staged.keras_graph.model.output_names, loss_weights=loss_weights,
+                                  metrics=metrics)
+        layer_devices = None
+        if placement == "local":
+            layer_devices = stage_layer_servers(staged, self.workers[0].stage_servers)
+        self.servers = ParameterServers(model, self.ps_devices, stages, placement, layer_devices)
+        self.trace = None
+        self.batch_size = None
+        self.descriptions = []
+        self._conns = []
+        self._events = None
+        self._finished = queue.Queue()
+        self._learning_rate = _LearningRate(self, float(self.optimizer.learning_rate))
+
+    @property
+    def num_workers(self):
+        return len(self.workers)
+
+    @property
+    def emulated(self):
+        return any(d.emulated for w in self.workers for d in w.devices)
+
+    # Starting --------------------------------------------------------------------------
+    def _start(self, shards):
+        """Starts every worker's process, sends it its job and waits until it is built."""
+        import keras
+
+        authkey = os.urandom(16)
+        host = self.cluster.address("chief", 0).rsplit(":", 1)[0]
+        servers = json.dumps({"ps": self.cluster.spec["ps"], "worker": self.cluster.spec["worker"]})
+        with multiprocessing.connection.Listener((host, 0), authkey=authkey) as listener:
+            tasks = []
+            for w, n in enumerate(self.local_devices):
+                address = f"{host}:{free_port(host)}"
+                tasks.append((job_name(w), 0, address, "hetpipe_tf.distributed.worker_process",
+                              [f"--chief={host}:{listener.address[1]}", f"--worker={w}", f"--address={address}",
+                               f"--cluster_spec={servers}", f"--local_devices={n}"]))
+            self.cluster.start_tasks(tasks, env={AUTHKEY_ENV: authkey.hex()})
+            conns = {}
+            for _ in self.workers:  # each process connected right after its ready line
+                conn = listener.accept()
+                _, w = conn.recv()
+                conns[w] = _Connection(w, conn, self._on_training)
+        self._conns = [conns[w] for w in range(self.num_workers)]
+        job = {"model": self.model.to_json(), "weights": self.model.get_weights(),
+               "compiled": _pickled(self.compiled),
+               "optimizer": keras.optimizers.serialize(self.optimizer), "num_in_flight": self.num_in_flight,
+               "staleness_bound": self.staleness_bound, "ps_devices": self.ps_devices,
+               "stages_per_worker": self.servers.clock.stages_per_worker, "placement": self.placement,
+               "variable_devices": self.servers.variable_devices(), "run": self.servers.run, "dilation": self.dilation,
+               "timeout_s": self.timeout_s}
+        for c, spec, shard in zip(self._conns, self.workers, shards):
+            c.send("job", dict(job, spec=spec, data=shard))
+        self.descriptions = []
+        for c in self._conns:  # they build at once
+            self.batch_size, description = c.answer(self.timeout_s, "ready")
+            self.descriptions.append(description)
+
+    def calibrate_dilation(self):
+        """One dilation for every worker, by probe runs of all of them at once, each in its own
+        process (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`): the dilation is
+        calibrated for the multi-process runtime that then runs."""
+        def probe(dilation):
+            for c in self._conns:
+                c.send("probe", dilation, self.num_workers)
+            return EmulationReport.combine(c.answer(self.timeout_s, "probed")[0] for c in self._conns)
+
+        self.dilation, self.calibration = calibrate_dilation(probe)
+        return self.dilation
+
+    # Training --------------------------------------------------------------------------
+    def _on_training(self, worker, message):
+        kind = message[0]
+        if kind == "started":
+            self._events.put("started", message[1])
+        elif kind == "done":
+            self._events.put("done", message[1])
+        else:
+            self._finished.put((worker, message))
+
+    def broadcast(self, *order):
+        """Sends an order to every worker's process."""
+        for c in self._conns:
+            c.send(*order)
+
+    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
+            trace_path=None):
+        """Trains like ``keras.Model.fit`` (see :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.fit`):
+        each worker's process takes its shard of `x`; at every epoch's end the global weights go
+        into the Keras model for validation and callbacks."""
+        from hetpipe_tf.distributed.dataset_transfer import dataset_to_bytes
+
+        steps_per_epoch = steps_per_epoch or epoch_steps(x)
+        k = self.num_workers
+        per_worker = -(-epochs * steps_per_epoch // k)
+        shards = [dataset_to_bytes(x.shard(k, i).repeat() if k > 1 else x.repeat()) for i in range(k)]
+        if not self._conns:
+            self._start(shards)
+        if self.emulated and self.dilation is None:
+            self.calibrate_dilation()
+
+        def train(events):
+            self._events = events
+            for c, shard in zip(self._conns, shards):
+                c.send("train", shard, per_worker, self.dilation, self.calibration, trace_path is not None)
+            self._collect(trace_path is not None)
+
+        def epoch_end(epoch, stopped, events):
+            self.servers.write_to(self.model)
+            logs = {f"val_{k}": v for k, v in self.loss_head.evaluate(self.model, validation_data).items()} \
+                if validation_data else {}
+            logs["global_clock"] = self.servers.clock.clocks()[1]
+            if self.emulated:
+                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
+            return logs
+
+        history = run_fit(
+            self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+            verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
+            stage_optimizers=lambda: [self._learning_rate], request_stop=lambda: self.broadcast("stop"),
+            abort=self.abort, timeout_s=self.timeout_s)
+        self.servers.write_to(self.model)
+        if trace_path and self.trace:
+            self.trace.write(trace_path)
+        warn_if_not_faithful(self.emulation_report())
+        return history
+
+    def _collect(self, traced):
+        """Waits until every worker's process finished training, gathers their traces into one,
+        and raises the first failure."""
+        self.trace = TraceRecorder(metadata={
+            "hetpipe_tf": f"{self.num_workers} virtual workers, one process each, WSP D={self.staleness_bound}"}) \
+            if traced else None
+        finished = set()
+        while len(finished) < self.num_workers:
+            worker, message = self._finished.get()
+            if message[0] == "failed":
+                self.abort()
+                raise _error(worker, *message[1:])
+            finished.add(worker)
+            if traced and message[1]:
+                origin, events = message[1]
+                self.trace.add_events(events, origin)
+
+    def abort(self):
+        """Stops every worker now."""
+        self.broadcast("abort")
+
+    def stats(self, since=None):
+        """Per worker, as :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.stats` (asked of each
+        worker's process; `since` is a time.perf_counter() value of this host)."""
+        if not self._conns:
+            return []
+        return [st for c in self._conns for st in c.ask(self.timeout_s, "stats", "stats", since)[0]]
+
+    def emulation_report(self):
+        """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
+        if not self._conns:
+            return None
+        return EmulationReport.combine(c.ask(self.timeout_s, "report", "report")[0] for c in self._conns)
+
+
+class _LearningRate:
+    """The stages' learning rate as fit's learning-rate sync sees it
+    (:func:`hetpipe_tf.runtime.fit_loop.sync_learning_rate`): a value set is sent to every
+    worker's process, whose stages take it."""
+
+    def __init__(self, runner, value):
+        self.runner = runner
+        self.value = value
+
+    @property
+    def learning_rate(self):
+        return self.value
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self.value = float(value)
+        self.runner.broadcast("learning_rate", self.value)
+
+
+def _pickled(compiled):
+    """The compile arguments as bytes for the worker processes, or a clear error."""
+    try:
+        return pickle.dumps(compiled)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(f"the loss, metrics and loss_weights given to compile must be sendable to the virtual "
+                         f"workers' processes (picklable: names, Keras objects, functions defined in a module), "
+                         f"got {compiled} ({e}); or train with launch='in_process'") from None

@@ -1,0 +1,68 @@
+"""One process per virtual worker (launch='processes'): the same training as in one process,
+the stages on the worker's own node in its own process, the others on their node's task."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TRAIN = """
+import json, sys
+import numpy as np, keras, tensorflow as tf
+from hetpipe_tf import HetPipeStrategy
+
+launch, out = sys.argv[1], sys.argv[2]
+strategy = HetPipeStrategy(cluster="local", policy="ed", vw_size=4, num_in_flight=2, staleness_bound=0,
+                           dilation=1.0, launch=launch, timeout_s=60)
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 16)).astype("float32")
+y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+history = model.fit(data, epochs=2, validation_data=data, verbose=0)
+np.savez(out, *[v.numpy() for v in model.weights])
+runner = strategy.runner
+print("RESULT " + json.dumps({
+    "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+    "tasks": [list(t) for t in getattr(getattr(runner, "cluster", None), "tasks", [])],
+    "descriptions": getattr(runner, "descriptions", []),
+    "clocks": list(runner.servers.clock.clocks()[0])}))
+"""
+
+
+def _train(tmp_path, launch):
+    out = tmp_path / f"{launch}.npz"
+    proc = subprocess.run([sys.executable, "-c", TRAIN, launch, str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    weights = np.load(out)
+    return json.loads(lines[-1][len("RESULT "):]), [weights[k] for k in sorted(weights.files, key=lambda k: int(k[4:]))]
+
+
+def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tmp_path):
+    alone, expected = _train(tmp_path, "in_process")
+    apart, got = _train(tmp_path, "processes")
+    # The virtual worker has a process of its own beside the ps and worker tasks.
+    assert ["vw0", 0] in apart["tasks"] and ["ps", 0] in apart["tasks"], apart["tasks"]
+    # Its home node's stages run on its own devices, the other node's on that node's worker task.
+    lines = apart["descriptions"][0]
+    assert "/job:vw0/replica:0/task:0/device:CPU:0" in lines and "/job:worker/task:1/device:CPU:" in lines, lines
+    assert apart["clocks"] == alone["clocks"] == [16]  # 32 minibatches, waves of Nm = 2
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(apart["history"][key], alone["history"][key], atol=1e-5)
+    # Validation reads the global weights when the chief reaches the epoch's end, while the
+    # workers go on (as in one process), so it is only checked to be there.
+    assert len(apart["history"]["val_loss"]) == 2

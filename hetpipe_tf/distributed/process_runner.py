@@ -181,8 +181,8 @@ class ProcessRunner:
                                f"--cluster_spec={servers}", f"--local_devices={n}"]))
             self.cluster.start_tasks(tasks, env={AUTHKEY_ENV: authkey.hex()})
             conns = {}
-            for _ in self.workers:  # each process connected right after its ready line
-                conn = listener.accept()
+            for _ in self.workers:  # each process connects right after its ready line
+                conn = _accept(listener, self.timeout_s)
                 _, w = conn.recv()
                 conns[w] = _Connection(w, conn, self._on_training)
         self._conns = [conns[w] for w in range(self.num_workers)]
@@ -321,6 +321,18 @@ class _LearningRate:
     def learning_rate(self, value):
         self.value = float(value)
         self.runner.broadcast("learning_rate", self.value)
+
+
+def _accept(listener, timeout_s):
+    """The next connection to `listener`, or WorkerProcessError after `timeout_s` (a worker's
+    process that ended before connecting)."""
+    accepted = queue.Queue()
+    threading.Thread(target=lambda: accepted.put(listener.accept()), name="hetpipe-accept", daemon=True).start()
+    try:
+        return accepted.get(timeout=timeout_s)
+    except queue.Empty:
+        raise WorkerProcessError(f"a virtual worker's process said it was ready but did not connect within "
+                                 f"{timeout_s:g} s") from None
 
 
 def _pickled(compiled):

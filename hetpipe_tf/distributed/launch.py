@@ -120,7 +120,7 @@ class LocalCluster:
         """Starts more tasks, each (job, index, TensorFlow address, module, args): ``python -m
         module args`` (it takes --parent_pid and --chief_timeout_s and prints the ready line of
         :mod:`hetpipe_tf.distributed.server`); waits until every one is ready and watches their
-        heartbeats if the others' are watched. Returns their pids."""
+        heartbeats if the others' are watched."""
         for job, index, address, module, args in tasks:
             self._addresses[(job, index)] = address
             self._spawn(job, index, module, list(args), env)
@@ -128,7 +128,6 @@ class LocalCluster:
             self._wait_ready(job, index)
             if self.monitor is not None:
                 self.monitor.add(self._watched(job, index))
-        return [self.pid(job, index) for job, index, *_ in tasks]
 
     def _spawn(self, job, index, module, args, env=None):
         log = open(self.task_log(job, index), "w")

@@ -92,9 +92,10 @@ class _Connection:
             raise _error(self.worker, *message[1:])
         return message[1:]
 
-    def ask(self, timeout_s, kind, *order):
+    def ask(self, timeout_s, *order):
+        """Sends an order and returns the payload of its answer."""
         self.send(*order)
-        return self.answer(timeout_s, kind)
+        return self.answer(timeout_s, order[0])
 
 
 def _error(worker, kind, message, logs):
@@ -136,7 +137,8 @@ class ProcessRunner:
         self.ps_devices = list(ps_devices)
         self.placement = placement
         self.optimizer = keras.optimizers.get(optimizer)
-        self.compiled = {"loss": loss, "metrics": metrics, "loss_weights": loss_weights}
+        # Pickled now: compile arguments that cannot reach the workers fail before any process starts.
+        self.compiled = _pickled({"loss": loss, "metrics": metrics, "loss_weights": loss_weights})
         self.dilation = dilation
         self.calibration = ()
         self.timeout_s = float(timeout_s)
@@ -187,7 +189,7 @@ class ProcessRunner:
                 conns[w] = _Connection(w, conn, self._on_training)
         self._conns = [conns[w] for w in range(self.num_workers)]
         job = {"model": self.model.to_json(), "weights": self.model.get_weights(),
-               "compiled": _pickled(self.compiled),
+               "compiled": self.compiled,
                "optimizer": keras.optimizers.serialize(self.optimizer), "num_in_flight": self.num_in_flight,
                "staleness_bound": self.staleness_bound, "ps_devices": self.ps_devices,
                "stages_per_worker": self.servers.clock.stages_per_worker, "placement": self.placement,
@@ -295,13 +297,13 @@ class ProcessRunner:
         worker's process; `since` is a time.perf_counter() value of this host)."""
         if not self._conns:
             return []
-        return [st for c in self._conns for st in c.ask(self.timeout_s, "stats", "stats", since)[0]]
+        return [st for c in self._conns for st in c.ask(self.timeout_s, "stats", since)[0]]
 
     def emulation_report(self):
         """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
         if not self._conns:
             return None
-        return EmulationReport.combine(c.ask(self.timeout_s, "report", "report")[0] for c in self._conns)
+        return EmulationReport.combine(c.ask(self.timeout_s, "report")[0] for c in self._conns)
 
 
 class _LearningRate:

@@ -7,7 +7,7 @@ Started by the chief (:class:`hetpipe_tf.distributed.process_runner.ProcessRunne
 process joins TensorFlow's cluster as a client of its own (job ``vwW``, the only client
 its cluster spec names: two clients naming each other hang TensorFlow 2.21's connect):
 the parameter-server tasks, whose global weights and WSP clock it attaches to by name
-(:class:`hetpipe_tf.sync.parameter_server.ParameterServers` with ``create=False``), and
+(:class:`hetpipe_tf.sync.parameter_server.ParameterServers` given ``variable_devices``), and
 the worker tasks of other nodes, which run the stages it places there (their tensors
 cross nodes through TensorFlow's runtime). The stages on its own node run on its own
 devices (one logical CPU per emulated device). It trains with a
@@ -77,7 +77,6 @@ class _Worker:
         self.lock = threading.Lock()
         self.runner = None
         self.first = None
-        self.training = None
 
     def send(self, *message):
         with self.lock:
@@ -120,8 +119,7 @@ class _Worker:
             except BaseException as exc:  # noqa: BLE001 - reported to the chief
                 self.send("failed", *describe_error(exc))
 
-        self.training = threading.Thread(target=run, name="hetpipe-train", daemon=True)
-        self.training.start()
+        threading.Thread(target=run, name="hetpipe-train", daemon=True).start()
 
     def serve(self, order):
         kind, args = order[0], order[1:]
@@ -177,11 +175,11 @@ def main(argv):
 
     from hetpipe_tf.distributed.launch import use_parallel_remote_ops
     from hetpipe_tf.ops.loader import load_ops
+    from hetpipe_tf.planning.devices import DeviceSpec
+    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
     load_ops()
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] *
-                                               max(FLAGS.local_devices, 1))
+    configure_tensorflow_devices([DeviceSpec("emulated")] * FLAGS.local_devices)  # before connecting
     spec = dict(json.loads(FLAGS.cluster_spec), **{job_name(FLAGS.worker): [FLAGS.address]})
     use_parallel_remote_ops()
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name=job_name(FLAGS.worker),

@@ -49,8 +49,8 @@ class WSPRunner:
       optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
         VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe
         runs of every worker at once (they share the host).
-      servers: parameter servers another process created (:class:`ParameterServers` with
-        ``create=False``), when this runner drives some of a run's workers only; None: this
+      servers: parameter servers another process created (:class:`ParameterServers` given
+        ``variable_devices``), when this runner drives some of a run's workers only; None: this
         runner creates them for `model`.
       worker_ids: the run's index of each worker in `workers` (default 0, 1, ...): a process
         that drives worker 3 of a run gives [3].
@@ -267,7 +267,7 @@ class WSPRunner:
         """{(worker, minibatch): (local updates, global (worker, wave) pushes)} that `stage`'s
         weight versions held, for :func:`hetpipe_tf.sync.staleness.check`."""
         out = {}
-        for w, vw in enumerate(self.vws):
+        for w, vw in zip(self.worker_ids, self.vws):
             rt = vw.runtimes[stage]
             for p, local in rt.used_versions.items():
                 out[(w, p)] = (local, rt.used_globals.get(p, frozenset()))

@@ -8,9 +8,9 @@ sharded by layer: ``default`` placement puts
 the layers round-robin over the servers, ``local`` puts each layer on a server chosen
 by the caller (for ED, the server on the node of the device that trains the layer).
 The WSP clock (:mod:`hetpipe_tf.ops.wsp_clock`) lives on the first server. Every variable
-and the clock is a resource with a name of its run (``hetpipe/<run>/<path>``): the chief
+and the clock is a resource with a name of its run (``hetpipe/<run>/<position>``): the chief
 creates them, and the process that drives a virtual worker attaches to them by name
-(``create=False``), so that every process reads and updates the same global weights.
+(``variable_devices``), so that every process reads and updates the same global weights.
 
 A stage pushes the aggregated update of a wave, ``w_global += u`` for its layers, then
 records the push on the clock. A pull waits on the clock until every worker has pushed

@@ -161,7 +161,7 @@ class HetPipeStrategy:
             from hetpipe_tf.distributed.launch import reported_lost
 
             cluster = _connected.get("cluster")
-            lost = cluster.lost if hasattr(cluster, "lost") else reported_lost()
+            lost = cluster.find_lost() if hasattr(cluster, "find_lost") else reported_lost()
             if lost is None:
                 raise
 

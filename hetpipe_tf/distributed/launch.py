@@ -196,6 +196,14 @@ class LocalCluster:
                 return LostTask(job, i, self.address(job, i), status)
         return None
 
+    def find_lost(self, wait_s=2.0):
+        """:attr:`lost`, waiting up to `wait_s` for it to show: a call to a task that was just
+        killed can fail (its sockets close) before its exit can be seen."""
+        deadline = time.monotonic() + wait_s
+        while self.lost is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.lost
+
     def _lost(self, lost):
         """A task is lost: says so in one line, ends it (gRPC calls waiting on a stopped task
         then fail instead of hanging), tells the other tasks, and calls the callbacks (which

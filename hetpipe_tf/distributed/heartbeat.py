@@ -161,11 +161,21 @@ class HeartbeatMonitor:
                 reason = f"its heartbeat connection failed ({e})"
             if reason is not None:
                 if not self._stopped.is_set():
-                    status = self.exit_status(task.job, task.index) if self.exit_status else None
-                    self._report(LostTask(task.job, task.index, task.address,
-                                          f"{status}" if status else reason))
+                    self._report(LostTask(task.job, task.index, task.address, self._ended_how(task) or reason))
                 return
             self._stopped.wait(self.interval_s)
+
+    def _ended_how(self, task, wait_s=1.0):
+        """How a task this machine started ended ("killed by signal 9"), waiting up to `wait_s`
+        for it: its sockets close a moment before its exit can be seen. None if unknown."""
+        if self.exit_status is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            status = self.exit_status(task.job, task.index)
+            if status or time.monotonic() >= deadline:
+                return status
+            time.sleep(0.05)
 
     def _report(self, lost):
         with self._lock:
@@ -196,9 +206,13 @@ class HeartbeatMonitor:
 
 
 def end_with_parent(parent):
-    """Ends this process (exit status 0) when process `parent` ends."""
-    try:  # Linux: the kernel sends SIGTERM when the parent dies
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """Ends this process when process `parent` ends.
+
+    On Linux the kernel sends SIGKILL when the parent dies: the one signal that also ends a
+    task that was stopped (SIGSTOP), which could act on no other. Elsewhere a thread polls
+    the parent every second."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 

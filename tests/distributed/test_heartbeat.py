@@ -152,9 +152,13 @@ def _train_command(tmp_path, *flags):
             "--num_in_flight=2", f"--timeout_s={TIMEOUT_S:g}", *flags]
 
 
-@pytest.mark.parametrize("job,index,sig", [("ps", 1, signal.SIGKILL), ("ps", 1, signal.SIGSTOP),
-                                           ("worker", 1, signal.SIGKILL), ("worker", 1, signal.SIGSTOP),
-                                           ("vw1", 0, signal.SIGKILL)])
+@pytest.mark.parametrize("job,index,sig", [
+    ("ps", 1, signal.SIGKILL),
+    pytest.param("ps", 1, signal.SIGSTOP, marks=pytest.mark.slow),
+    pytest.param("worker", 1, signal.SIGKILL, marks=pytest.mark.slow),
+    pytest.param("worker", 1, signal.SIGSTOP, marks=pytest.mark.slow),
+    pytest.param("vw1", 0, signal.SIGKILL, marks=pytest.mark.slow),
+    ("vw1", 0, signal.SIGSTOP)])
 def test_a_lost_task_ends_every_process_with_one_line_naming_it(tmp_path, job, index, sig):
     """ps and worker tasks, and the process that drives virtual worker 1."""
     err, status, chief_s, all_s, left = _signal_mid_training(_train_command(tmp_path, "--launch=processes"),
@@ -168,6 +172,7 @@ def test_a_lost_task_ends_every_process_with_one_line_naming_it(tmp_path, job, i
     assert chief_s < TIMEOUT_S + 10 and all_s < TIMEOUT_S + 10, (chief_s, all_s)
 
 
+@pytest.mark.slow
 def test_hetpipe_launch_finds_a_stopped_task_and_ends_the_chief_and_every_task(tmp_path):
     cmd = [sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "launch", "--cluster=local", f"--timeout_s={TIMEOUT_S:g}",
            "--", *_train_command(tmp_path, "--launch=tf_config", "--policy=np")]

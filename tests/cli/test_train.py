@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def _train(tmp_path, *flags):
     cmd = [sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--show_schedule=false",
@@ -69,6 +71,7 @@ CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoc
                "--momentum=0", "--learning_rate=0.1"]
 
 
+@pytest.mark.slow
 def test_cluster_flags_train_virtual_workers_on_ps_and_worker_processes(tmp_path):
     trace, tb = tmp_path / "trace.json", tmp_path / "tb"
     run = _train(tmp_path, *CLUSTER_RUN, "--policy=ed", "--staleness_bound=1", f"--trace_file={trace}",

@@ -34,6 +34,7 @@ def run_scenario(name, timeout=240):
     return result
 
 
+@pytest.mark.slow
 def test_wsp_on_parameter_server_and_worker_tasks_is_exact_and_keeps_the_bounds():
     r = run_scenario("wsp_exact")
     assert r["max_error"] < 1e-5
@@ -43,6 +44,7 @@ def test_wsp_on_parameter_server_and_worker_tasks_is_exact_and_keeps_the_bounds(
     assert r["stage_devices"] == [f"/job:worker/replica:0/task:{w}/device:CPU:{j}" for w in (0, 1) for j in (0, 1)]
 
 
+@pytest.mark.slow
 def test_seed_001_example_across_processes():
     r = run_scenario("seed_001")
     assert r["checked"] == 32
@@ -50,6 +52,7 @@ def test_seed_001_example_across_processes():
     assert [[1, 0], [1, 1]] == [g for g in r["mb12_globals"] if g[0] == 1]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_task_fails_training_with_a_clear_error_and_leaves_no_process():
     r = run_scenario("killed_worker")
     assert r["killed"]

@@ -107,7 +107,9 @@ class HetPipeStrategy:
     # The user's side ---------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self):
-        """Models compiled inside train with this strategy (their ``fit`` is replaced)."""
+        """Models compiled inside train with this strategy (their ``fit`` is replaced). Under
+        launch 'processes' or 'tf_config' this process joins the cluster on entry, and a
+        ``tf.data`` dataset made before then cannot run: make datasets inside."""
         import keras
 
         self._connect()
@@ -185,7 +187,7 @@ class HetPipeStrategy:
         compiled = self._compiled[id(model)]
         # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure).
         profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
-                                  sample=next(iter(data)))
+                                  sample=_first_batch(data, self.launch))
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
@@ -294,6 +296,21 @@ class HetPipeStrategy:
             dilation = report.dilation if report else self.dilation
             lines.append(f"EMULATED devices (dilation {'calibrated at fit' if dilation is None else f'{dilation:g}'})")
         return "\n".join(lines)
+
+
+def _first_batch(data, launch):
+    """The first minibatch of `data`; a clear error for a dataset made before the strategy
+    joined its cluster (its ops are placed on devices this process no longer has)."""
+    import tensorflow as tf
+
+    try:
+        return next(iter(data))
+    except tf.errors.InvalidArgumentError as e:
+        if "unknown device" not in str(e):
+            raise
+        raise ValueError(f"the dataset was made before this process joined the cluster (launch={launch!r}), "
+                         f"so it names a device that no longer exists ({str(e).splitlines()[0][:160]}); make "
+                         f"the dataset inside `with strategy.scope():`") from None
 
 
 def _is_dataset(x):

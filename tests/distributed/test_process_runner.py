@@ -21,12 +21,20 @@ keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 16)).astype("float32")
 y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+# A dataset made before the chief joins the cluster (at scope()) names devices it then lacks.
+early = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True) if launch == "processes" else None
 with strategy.scope():
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.BatchNormalization(), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+early_error = None
+if early is not None:
+    try:
+        model.fit(early, epochs=1, verbose=0)
+    except ValueError as e:
+        early_error = str(e)
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
 history = model.fit(data, epochs=2, validation_data=data, verbose=0)
 np.savez(out, *[v.numpy() for v in model.weights])
@@ -35,7 +43,7 @@ print("RESULT " + json.dumps({
     "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
     "tasks": [list(t) for t in getattr(getattr(runner, "cluster", None), "tasks", [])],
     "descriptions": getattr(runner, "descriptions", []),
-    "clocks": list(runner.servers.clock.clocks()[0])}))
+    "clocks": list(runner.servers.clock.clocks()[0]), "early_error": early_error}))
 """
 
 
@@ -58,6 +66,7 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
     lines = apart["descriptions"][0]
     assert "/job:vw0/replica:0/task:0/device:CPU:0" in lines and "/job:worker/task:1/device:CPU:" in lines, lines
     assert apart["clocks"] == alone["clocks"] == [16]  # 32 minibatches, waves of Nm = 2
+    assert "make the dataset inside `with strategy.scope():`" in apart["early_error"], apart["early_error"]
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, atol=1e-5)

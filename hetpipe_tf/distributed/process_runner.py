@@ -12,13 +12,14 @@ forwards learning-rate changes and stops everything. So the chief does no work p
 minibatch but read one small message per worker.
 
 Calls per minibatch and stage in a worker process (its pipeline is
-:class:`hetpipe_tf.runtime.stage_runtime.StageRuntime`'s): three ``tf.function`` calls
-(forward, backward, apply), the weight stash's put, get and release (custom ops), and a
-few eager ops (the backward pass's seed, reading back the loss and whether the gradients
-were finite); per stage and wave, a push and a pull function at the servers and an eager
-op per synchronised variable (the wave's update). A stage on the worker's own node makes
-no RPC but the push and pull; a stage on another node's worker task makes one RPC per
-call or op.
+:class:`hetpipe_tf.runtime.stage_runtime.StageRuntime`'s): four compiled ``tf.function``
+calls (stash the weight version, forward, backward, apply), two custom ops of the weight
+stash (get, release) and at most two eager ops (the backward pass's seed on all stages
+but the last; reading back the loss on the last) and one read-back (whether the gradients
+were finite): at most 9. Per stage and wave: 3 calls to push (read the weights, their
+difference to the last push, the push function spanning the servers), 1 to pull, and
+4 + one per stashed version to merge. A stage on the worker's own node makes no RPC but
+the push and the pull; a stage on another node's worker task makes one RPC per call.
 """
 import json
 import multiprocessing.connection

@@ -116,6 +116,14 @@ class StageRuntime:
                                                                           stage.non_trainable_variables)]
         if sync.weight_copies:
             self.memory.allocate("synchronisation copies", sync.weight_copies * variable_bytes(self.synchronised))
+        # The weight and synchronisation bookkeeping, each one call (on another task's device
+        # one RPC, not one per variable and op).
+        self._stash_fn = tf.function(functools.partial(self._stash_graph))
+        self._read_synchronised_fn = tf.function(functools.partial(self._read_synchronised_graph))
+        self._add_fn = tf.function(functools.partial(self._add_graph))
+        self._shift_version_fn = tf.function(functools.partial(self._shift_version_graph))
+        self._subtract_fn = tf.function(functools.partial(_subtract_graph))
+        self._sum_fn = tf.function(functools.partial(_sum_graph))
         self.sync_state = sync.stage_state(self)
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
@@ -164,9 +172,13 @@ class StageRuntime:
         self._labels[p] = labels
 
     # Weight versions -------------------------------------------------------------------
+    def _stash_graph(self, p):
+        self.stash.put(p, [v.value for v in self.trainable])
+
     def stash_weights(self, p):
         self.memory.allocate("stashed versions", self.version_bytes)
-        self.stash.put(p, [v.value for v in self.trainable])
+        with tf.device(self.device):
+            self._stash_fn(tf.constant(p, tf.int64))
         if self.record_provenance:
             self.version_updates[p] = tuple(self.applied)
             self.version_globals[p] = self.global_included
@@ -274,27 +286,43 @@ class StageRuntime:
         self.applied.append(p)
 
     # Synchronisation ---------------------------------------------------------------------
-    def on_device(self):
-        """A context placing the ops created in it on the stage's device."""
-        return tf.device(self.device)
+    def _read_synchronised_graph(self):
+        return [tf.identity(v.value) for v in self.synchronised]
 
     def synchronised_values(self):
         """Copies of the synchronised variables' values now (weights, then floating-point state)."""
         with tf.device(self.device):
-            return [tf.identity(v.value) for v in self.synchronised]
+            return self._read_synchronised_fn()
+
+    def subtract(self, a, b):
+        """[x - y for x, y in zip(a, b)], computed on the stage's device."""
+        with tf.device(self.device):
+            return self._subtract_fn(list(a), list(b))
+
+    def sum(self, a, b):
+        """[x + y for x, y in zip(a, b)], computed on the stage's device."""
+        with tf.device(self.device):
+            return self._sum_fn(list(a), list(b))
+
+    def _add_graph(self, deltas):
+        for v, d in zip(self.synchronised, deltas):
+            v.assign_add(d)
+
+    def _shift_version_graph(self, p, deltas):
+        version = self.stash.get(p, self._dtypes)
+        self.stash.release(p)
+        self.stash.put(p, [w + d for w, d in zip(version, deltas)])  # versions: trainable weights only
 
     def add_to_weights(self, deltas, first_minibatch, included):
         """Adds `deltas` (one per synchronised variable) to the live variables and to the versions
         stashed for minibatches >= `first_minibatch`, which thereby hold the global updates
         `included` ((worker, clock) pushes), as the live weights now do."""
+        deltas = list(deltas)
         with tf.device(self.device):
-            for v, d in zip(self.synchronised, deltas):
-                v.assign_add(d)
+            self._add_fn(deltas)
             stashed = [p for p in self.stash.stats().minibatches if p >= first_minibatch]
-            for p in stashed:  # versions hold the trainable weights only
-                version = self.stash.get(p, self._dtypes)
-                self.stash.release(p)
-                self.stash.put(p, [w + d for w, d in zip(version, deltas)])
+            for p in stashed if self.trainable else ():  # a stage without weights stashes nothing
+                self._shift_version_fn(tf.constant(p, tf.int64), deltas[:len(self.trainable)])
         self.global_included = frozenset(included)
         if self.record_provenance:
             for p in stashed:
@@ -345,6 +373,14 @@ class StageRuntime:
 
     def close(self):
         self.stash.close()
+
+
+def _subtract_graph(a, b):
+    return [x - y for x, y in zip(a, b)]
+
+
+def _sum_graph(a, b):
+    return [x + y for x, y in zip(a, b)]
 
 
 def _block(tensors):

@@ -196,10 +196,11 @@ class ProcessRunner:
                "stages_per_worker": self.servers.clock.stages_per_worker, "placement": self.placement,
                "variable_devices": self.servers.variable_devices(), "run": self.servers.run, "dilation": self.dilation,
                "timeout_s": self.timeout_s}
-        for c, spec, shard in zip(self._conns, self.workers, shards):
-            c.send("job", dict(job, spec=spec, data=shard))
         self.descriptions = []
-        for c in self._conns:  # they build at once
+        for c, spec, shard in zip(self._conns, self.workers, shards):
+            # One after another: each measures its stages' solo times (the emulation's references,
+            # hetpipe_tf.pipeline.emulation) while no other worker computes, as in one process.
+            c.send("job", dict(job, spec=spec, data=shard))
             self.batch_size, description = c.answer(self.timeout_s, "ready")
             self.descriptions.append(description)
 

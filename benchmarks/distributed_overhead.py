@@ -1,0 +1,108 @@
+"""The multi-process runtime against one process: one process per virtual worker (JSON lines).
+
+The same plan runs with ``launch="in_process"`` (every virtual worker a thread of one
+process) and ``launch="processes"`` (the paper's deployment: parameter-server and worker
+tasks on TensorFlow's distributed runtime over gRPC on loopback, and one process per
+virtual worker, :mod:`hetpipe_tf.distributed.process_runner`), for 2 virtual workers (ED,
+each spanning both nodes, so one stage of each is on the other node's worker task; NP,
+each on one node) and 4 (NP, one device each) of the ``local`` preset's EMULATED devices. Each configuration runs
+in a fresh process (a process joins one cluster).
+
+The two modes emulate the same devices: ``in_process`` calibrates the dilation (it needs
+the larger one: every stage shares one Python process), and ``processes`` runs at that
+dilation, so their images/s compare the runtimes, not two dilations. Each row reports
+its own overrun fraction (faithful below 5 %).
+
+Per row: images/s over every epoch but the first (steady state), the chief's CPU seconds per
+minibatch, and the calls per minibatch and stage (stated by
+:mod:`hetpipe_tf.distributed.process_runner`); per configuration the ratio processes /
+in_process (target >= 0.9).
+
+    python benchmarks/distributed_overhead.py [--epochs=4] [--model=cnn]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUN = """
+import json, resource, sys
+import keras
+from hetpipe_tf import HetPipeStrategy
+from hetpipe_tf.cli import models
+from hetpipe_tf.data import datasets
+
+launch, policy, vw_size, epochs, model_name = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+dilation = float(sys.argv[6]) if sys.argv[6] != "calibrate" else None
+strategy = HetPipeStrategy(cluster="local", policy=policy, vw_size=vw_size, num_in_flight=4, staleness_bound=0,
+                           launch=launch, dilation=dilation, timeout_s=120)
+keras.utils.set_random_seed(0)
+with strategy.scope():  # joins the cluster: datasets are made inside
+    train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=32, shuffle=True, seed=0)
+    model = models.build_model(model_name, tuple(train.element_spec[0].shape[1:]),
+                               datasets.dataset_info("hetpipe_digits").num_classes)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+c0 = cpu()
+history = model.fit(train, epochs=epochs, verbose=0)
+steps = epochs * int(train.cardinality())
+rates = history.history["images_per_s"][1:]  # steady state: the first epoch also starts and traces
+print("RESULT " + json.dumps({"images_per_s": len(rates) / sum(1 / r for r in rates),
+                              "chief_cpu_s_per_minibatch": (cpu() - c0) / steps,
+                              "allocation": strategy.plan.allocation,
+                              "emulation": strategy.runner.emulation_report().as_dict()}))
+"""
+
+# Per minibatch and stage, and per stage and wave (hetpipe_tf.distributed.process_runner).
+CALLS = {"calls_per_minibatch_per_stage": {"compiled_functions": 4, "custom_ops": 2, "eager_ops_and_reads_at_most": 3},
+         "calls_per_wave_per_stage": {"push": 3, "pull": 1, "merge": "4 + stashed versions"},
+         "rpcs": "a stage on the worker's own node: the push and the pull only; on another node's worker task: "
+                 "one per call"}
+
+
+def run(launch, policy, vw_size, epochs, model, dilation):
+    proc = subprocess.run([sys.executable, "-c", RUN, launch, policy, str(vw_size), str(epochs), model,
+                           "calibrate" if dilation is None else str(dilation)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{launch} {policy} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--model", default="cnn")
+    args = parser.parse_args()
+    for workers, policy, vw_size in ((2, "ed", 2), (2, "np", 2), (4, "np", 1)):
+        rows = {"in_process": run("in_process", policy, vw_size, args.epochs, args.model, None)}
+        dilation = rows["in_process"]["emulation"]["dilation"]
+        rows["processes"] = run("processes", policy, vw_size, args.epochs, args.model, dilation)
+        for launch, r in rows.items():
+            print(json.dumps({"benchmark": "distributed_overhead", "virtual_workers": workers, "policy": policy,
+                              "allocation": r["allocation"], "launch": launch, "devices": "EMULATED",
+                              "images_per_s": round(r["images_per_s"], 1),
+                              "chief_cpu_s_per_minibatch": round(r["chief_cpu_s_per_minibatch"], 5),
+                              "emulation": r["emulation"], **CALLS}), flush=True)
+        print(json.dumps({"benchmark": "distributed_overhead", "virtual_workers": workers, "policy": policy,
+                          "ratio_processes_over_in_process": round(
+                              rows["processes"]["images_per_s"] / rows["in_process"]["images_per_s"], 3),
+                          "target": ">= 0.9", "devices": "EMULATED", "dilation": dilation,
+                          "faithful": all(r["emulation"]["emulation_faithful"] for r in rows.values())}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

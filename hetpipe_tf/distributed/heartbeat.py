@@ -170,12 +170,7 @@ class HeartbeatMonitor:
         for it: its sockets close a moment before its exit can be seen. None if unknown."""
         if self.exit_status is None:
             return None
-        deadline = time.monotonic() + wait_s
-        while True:
-            status = self.exit_status(task.job, task.index)
-            if status or time.monotonic() >= deadline:
-                return status
-            time.sleep(0.05)
+        return poll(lambda: self.exit_status(task.job, task.index), wait_s, 0.05)
 
     def _report(self, lost):
         with self._lock:
@@ -203,6 +198,17 @@ class HeartbeatMonitor:
                 conn.close()
             except OSError:
                 pass
+
+
+def poll(get, wait_s, interval_s):
+    """`get()`, called every `interval_s` until it returns something true or `wait_s` passed;
+    its last value."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        value = get()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
 
 
 def end_with_parent(parent):

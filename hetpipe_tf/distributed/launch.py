@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched
+from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 
 
 class ClusterStartError(RuntimeError):
@@ -199,10 +199,7 @@ class LocalCluster:
     def find_lost(self, wait_s=2.0):
         """:attr:`lost`, waiting up to `wait_s` for it to show: a call to a task that was just
         killed can fail (its sockets close) before its exit can be seen."""
-        deadline = time.monotonic() + wait_s
-        while self.lost is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return self.lost
+        return poll(lambda: self.lost, wait_s, 0.1)
 
     def _lost(self, lost):
         """A task is lost: says so in one line, ends it (gRPC calls waiting on a stopped task

@@ -28,7 +28,12 @@ Keras 3's ``model.fit`` does not run under TensorFlow's ``ParameterServerStrateg
 so ``fit`` of a model compiled in ``scope()`` is this project's: it keeps Keras's
 callbacks, History, progress bar and validation. Between epochs and at the end the
 Keras model holds the global weights, so Keras's own ``evaluate`` and ``predict`` use
-them. Users who need more use :class:`WSPRunner` and the servers directly.
+them. A later ``fit`` goes on where the last ended (the servers' clocks, each worker's
+weights and optimizer state). A failed or interrupted ``fit`` ends its run at the servers
+at once (every worker's waiting pull fails; none waits for its timeout); the next ``fit``
+starts a new run from the Keras model's weights, those of the last completed epoch (in
+one process the stages keep their optimizer state; worker processes are rebuilt with
+fresh ones). Users who need more use :class:`WSPRunner` and the servers directly.
 """
 import contextlib
 import inspect

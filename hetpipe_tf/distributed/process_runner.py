@@ -27,6 +27,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 
 from hetpipe_tf.distributed.launch import free_port
 from hetpipe_tf.distributed.worker_process import AUTHKEY_ENV, job_name
@@ -150,7 +151,9 @@ class ProcessRunner:
         layer_devices = None
         if placement == "local":
             layer_devices = stage_layer_servers(staged, self.workers[0].stage_servers)
-        self.servers = ParameterServers(model, self.ps_devices, stages, placement, layer_devices)
+        self._new_servers = lambda: ParameterServers(model, self.ps_devices, stages, placement, layer_devices)
+        self.servers = self._new_servers()
+        self.aborted = None  # why the last run was aborted, if it was
         self.trace = None
         self.batch_size = None
         self.descriptions = []
@@ -170,8 +173,6 @@ class ProcessRunner:
     # Starting --------------------------------------------------------------------------
     def _start(self, shards):
         """Starts every worker's process, sends it its job and waits until it is built."""
-        import keras
-
         authkey = os.urandom(16)
         host = self.cluster.address("chief", 0).rsplit(":", 1)[0]
         servers = json.dumps({"ps": self.cluster.spec["ps"], "worker": self.cluster.spec["worker"]})
@@ -189,6 +190,13 @@ class ProcessRunner:
                 _, w = conn.recv()
                 conns[w] = _Connection(w, conn, self._on_training)
         self._conns = [conns[w] for w in range(self.num_workers)]
+        self._send_jobs(shards)
+
+    def _send_jobs(self, shards):
+        """Sends every worker's process its job (the model, its plan, its data and the run's
+        servers) and waits until it is built."""
+        import keras
+
         job = {"model": self.model.to_json(), "weights": self.model.get_weights(),
                "compiled": self.compiled,
                "optimizer": keras.optimizers.serialize(self.optimizer), "num_in_flight": self.num_in_flight,
@@ -244,6 +252,9 @@ class ProcessRunner:
         shards = [dataset_to_bytes(x.shard(k, i).repeat() if k > 1 else x.repeat()) for i in range(k)]
         if not self._conns:
             self._start(shards)
+        elif self.aborted:  # its servers take no more pulls: a new run, from the Keras model's weights
+            self.servers, self.aborted = self._new_servers(), None
+            self._send_jobs(shards)
         if self.emulated and self.dilation is None:
             self.calibrate_dilation()
 
@@ -282,16 +293,34 @@ class ProcessRunner:
         finished = set()
         while len(finished) < self.num_workers:
             worker, message = self._finished.get()
-            if message[0] == "failed":
-                self.abort()
-                raise _error(worker, *message[1:])
             finished.add(worker)
+            if message[0] == "failed":
+                self.abort(f"virtual worker {worker} failed: {message[1]}")
+                self._await_ends(finished)
+                raise _error(worker, *message[1:])
             if traced and message[1]:
                 origin, events = message[1]
                 self.trace.add_events(events, origin)
 
-    def abort(self):
-        """Stops every worker now."""
+    def _await_ends(self, finished):
+        """Waits (up to timeout_s) until the workers not in `finished` report their run's end, so
+        that no message of an aborted run reaches the next."""
+        deadline = time.monotonic() + self.timeout_s
+        while len(finished) < self.num_workers and time.monotonic() < deadline:
+            try:
+                finished.add(self._finished.get(timeout=max(deadline - time.monotonic(), 0.01))[0])
+            except queue.Empty:
+                break
+
+    def abort(self, reason="the run was stopped"):
+        """Stops every worker now; every pull of the run, waiting or later, fails at once
+        (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.abort`)."""
+        if not self.aborted:
+            self.aborted = reason
+            try:
+                self.servers.clock.abort(reason)
+            except Exception:  # noqa: BLE001 - servers that are gone keep no pull waiting
+                pass
         self.broadcast("abort")
 
     def stats(self, since=None):

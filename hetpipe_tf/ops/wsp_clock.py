@@ -66,6 +66,12 @@ class WspClock:
         """Blocks until every worker has pushed `wave` (at once if wave < 0); the global clock."""
         return int(self._wait_fn(tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32)))
 
+    def abort(self, reason):
+        """Ends a failed run: every wait, now and later, fails at once (tf.errors.AbortedError
+        naming `reason`), so that no worker waits for a wave nobody will push."""
+        with tf.device(self.device):
+            self._ops.hetpipe_wsp_clock_abort(self._handle, tf.constant(str(reason)))
+
     def clocks(self):
         """(each worker's clock, the global clock)."""
         with tf.device(self.device):

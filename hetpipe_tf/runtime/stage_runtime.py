@@ -124,6 +124,7 @@ class StageRuntime:
         self._shift_version_fn = tf.function(functools.partial(self._shift_version_graph))
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
         self._sum_fn = tf.function(functools.partial(_sum_graph))
+        self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
@@ -362,6 +363,16 @@ class StageRuntime:
         sync_state, self.global_included = state.sync
         if self.sync_state:
             self.sync_state.restore(sync_state)
+
+    def load_model_weights(self):
+        """Sets the live weights to the Keras model's own and starts the synchronisation
+        bookkeeping from them (a new run after an aborted one; the optimizer's state stays)."""
+        for variables, sources in ((self.trainable, self.stage.trainable_variables),
+                                   (self.non_trainable, self.stage.non_trainable_variables)):
+            for v, source in zip(variables, sources):
+                v.assign(source.value)
+        self.sync_state = self.sync_scheme.stage_state(self)
+        self.global_included = frozenset()
 
     def write_back(self, state=None):
         """Writes `state` (default: the live state) into the Keras model's own variables."""

@@ -74,18 +74,19 @@ class WSPRunner:
         self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
-        scheme = get_sync(sync)
+        self._scheme = get_sync(sync)
+        self._new_servers = None
         if servers is None:
             layer_devices = None
             if placement == "local":
                 if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
                     raise ValueError("local placement needs worker 0's stage_servers, one per stage")
                 layer_devices = stage_layer_servers(self.vws[0].staged, workers[0].stage_servers)
-            servers = ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws], placement,
-                                       layer_devices)
-        self.servers = servers
-        for w, vw in zip(self.worker_ids, self.vws):
-            vw.sync = scheme.bind(w, self.servers, self.staleness_bound, self.timeout_s)
+            self._new_servers = lambda: ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws],
+                                                         placement, layer_devices)
+            servers = self._new_servers()
+        self._bind(servers)
+        self.aborted = None  # why the last run was aborted, if it was
         self.optimizer = self.vws[0].optimizer
         self.trace = None
         self.reports = None
@@ -93,6 +94,23 @@ class WSPRunner:
         self._completions = {}  # worker -> when each of its updates completed (perf_counter)
         self._started = None
         self.batch_size = None
+
+    def _bind(self, servers):
+        self.servers = servers
+        for w, vw in zip(self.worker_ids, self.vws):
+            vw.sync = self._scheme.bind(w, servers, self.staleness_bound, self.timeout_s)
+
+    def _renew_after_abort(self):
+        """An aborted run's servers take no more pulls (:meth:`abort`): the next run gets new ones,
+        and every worker starts from the Keras model's weights (those of the last completed epoch)."""
+        if self._new_servers is None:
+            raise RuntimeError(f"this run was aborted ({self.aborted}) and its parameter servers belong to "
+                               f"another process: that process starts a new run")
+        self._bind(self._new_servers())
+        for vw in self.vws:
+            for rt in vw.runtimes or ():
+                rt.load_model_weights()
+        self.aborted = None
 
     @property
     def num_workers(self):
@@ -117,6 +135,8 @@ class WSPRunner:
         on_started(time) once the workers are built and the emulation calibrated."""
         if len(data) != self.num_workers:
             raise ValueError(f"{self.num_workers} workers but data for {len(data)}")
+        if self.aborted:
+            self._renew_after_abort()
         iterators = [iter(d) for d in data]
         firsts = [next(it) for it in iterators]
         for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
@@ -152,7 +172,7 @@ class WSPRunner:
                                                executor_hook=lambda ex: self._executors.__setitem__(i, ex))
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
-                self.abort()
+                self.abort(f"virtual worker {self.worker_ids[i]} failed: {type(exc).__name__}")
 
         threads = [start_thread(lambda i=i: run(i), f"hetpipe-worker-{i}") for i in range(self.num_workers)]
         for t in threads:
@@ -169,8 +189,15 @@ class WSPRunner:
         ends = [t for times in self._completions.values() for t in times]
         return len(ends) * self.batch_size / (max(ends) - self._started) if ends else 0.0
 
-    def abort(self):
-        """Stops every worker now."""
+    def abort(self, reason="the run was stopped"):
+        """Stops every worker now, and ends the run at the servers: every pull, waiting or later,
+        of any worker of the run (in any process) fails at once, naming `reason`."""
+        if not self.aborted:
+            self.aborted = reason
+            try:
+                self.servers.clock.abort(reason)
+            except Exception:  # noqa: BLE001 - servers that are gone keep no pull waiting
+                pass
         for ex in list(self._executors.values()):
             ex.abort()
 

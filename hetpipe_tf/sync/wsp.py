@@ -169,19 +169,22 @@ class WSP(SyncScheme):
         return WorkerSync(worker, servers, staleness_bound, timeout_s)
 
     def handlers(self, binding):
-        """Instruction type -> handler(executor, stage, instruction, *taken keys) for a worker
-        bound by `binding` (a :class:`WorkerSync`)."""
+        """Instruction type -> handler(executor, stage, instruction, *taken keys) for one run of a
+        worker bound by `binding` (a :class:`WorkerSync`). A run's waves count from the worker's
+        clock at its start, so that a later ``fit`` goes on where the last one ended."""
+        first_wave = binding.servers.clock.clocks()[0][binding.worker]
 
         def push(ex, s, ins):
             base = ex.runtimes[s].sync_state
-            binding.servers.push(binding.worker, s, ins.wave, base.paths, base.wave_update())
+            binding.servers.push(binding.worker, s, first_wave + ins.wave, base.paths, base.wave_update())
 
         def pull(ex, s, ins):
             base, asked = ex.runtimes[s].sync_state, ex.clock()
             wave = ins.wave - binding.staleness_bound
 
             def answer():
-                values, clocks = binding.servers.pull(base.paths, wave, binding.timeout_s)
+                values, clocks = binding.servers.pull(base.paths, first_wave + wave if wave >= 0 else -1,
+                                                      binding.timeout_s)
                 answered = ex.clock()
                 binding.pull_waits.append((s, ins.wave, asked, answered))
                 ex.trace_span(100 + s, f"wait for wave {wave} (pull of clock {ins.wave})", asked, answered,

@@ -36,7 +36,9 @@ if early is not None:
     except ValueError as e:
         early_error = str(e)
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
-history = model.fit(data, epochs=2, validation_data=data, verbose=0)
+first = model.fit(data, epochs=1, verbose=0)  # a second fit goes on where the first ended
+history = model.fit(data, epochs=1, validation_data=data, verbose=0)
+history.history.update({k: first.history[k] + history.history[k] for k in first.history})
 np.savez(out, *[v.numpy() for v in model.weights])
 runner = strategy.runner
 print("RESULT " + json.dumps({
@@ -74,4 +76,4 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
         np.testing.assert_allclose(apart["history"][key], alone["history"][key], atol=1e-5)
     # Validation reads the global weights when the chief reaches the epoch's end, while the
     # workers go on (as in one process), so it is only checked to be there.
-    assert len(apart["history"]["val_loss"]) == 2
+    assert len(apart["history"]["val_loss"]) == 1

@@ -71,3 +71,28 @@ def test_pushes_must_come_in_order_once():
         clock.push(0, 0, 3)
     with pytest.raises(tf.errors.InvalidArgumentError, match="virtual worker 2 stage 0"):
         clock.push(2, 0, 0)
+
+
+def test_abort_fails_every_waiting_and_later_wait_at_once():
+    clock = WspClock([1, 1])
+    errors = []
+
+    def wait():
+        try:
+            clock.wait(0, timeout=60)
+        except tf.errors.AbortedError as exc:
+            errors.append(exc.message)
+
+    waiters = [threading.Thread(target=wait) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    clock.abort("virtual worker 1 failed")
+    for t in waiters:
+        t.join(timeout=10)
+    assert time.perf_counter() - t0 < 5
+    assert len(errors) == 3
+    assert all("the WSP run was aborted: virtual worker 1 failed" in e for e in errors)
+    with pytest.raises(tf.errors.AbortedError, match="virtual worker 1 failed"):
+        clock.wait(5, timeout=60)

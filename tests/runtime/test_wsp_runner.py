@@ -2,6 +2,9 @@
 
 The multi-process runs on TensorFlow's distributed runtime are in test_launch.py.
 """
+import threading
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -64,7 +67,7 @@ def _runner(model, speeds, nm, d, **kw):
         workers.append(WorkerSpec(s, tuple(f"/device:CPU:{(n + j) % 4}" for j in range(k))))
         n += k
     return WSPRunner(model, workers, num_in_flight=nm, staleness_bound=d, ps_devices=["/device:CPU:0"],
-                     optimizer=keras.optimizers.SGD(0.05), timeout_s=60, **kw)
+                     optimizer=keras.optimizers.SGD(0.05), **dict({"timeout_s": 60}, **kw))
 
 
 @pytest.mark.parametrize("speeds,d", [
@@ -114,6 +117,56 @@ def test_global_weights_hold_every_update_of_every_worker_exactly_once(nm, n):
     for got, want in zip(model.get_layer("frozen").get_weights(), frozen):
         np.testing.assert_array_equal(got, want)
     assert runner.servers.clock.clocks()[0] == (-(-n // nm),) * 2
+
+
+def test_a_second_run_goes_on_where_the_first_ended():
+    # As a second keras fit does: its waves follow the first run's at the servers, and the
+    # global weights hold every update of both runs exactly once.
+    model = constant_gradient_model()
+    data, expected = exact_sgd_case(model, 12)
+    runner = _runner(model, ("1,1", "0.5,0.5"), nm=3, d=0, loss=mean_output)
+    runner.train([d[:7] for d in data], 7)
+    assert runner.servers.clock.clocks() == ((3, 3), 3)
+    runner.train([d[7:] for d in data], 5)
+    assert runner.servers.clock.clocks() == ((5, 5), 5)
+    for v in model.trainable_variables:
+        np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
+
+
+def test_a_failed_worker_ends_every_pull_and_the_next_run_starts_clean():
+    model = constant_gradient_model()
+    data, expected = exact_sgd_case(model, 6)
+
+    def fail_at_4(minibatch):
+        if minibatch == 4:
+            raise RuntimeError("device lost")
+        return 1.0
+
+    runner = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output, timeout_s=120, dilation=1)
+    runner.vws[1].slowdown = fail_at_4
+    started = time.monotonic()
+    with pytest.raises(Exception, match="device lost"):
+        runner.train(data, 6)
+    # Worker 0 waited in a pull for worker 1's wave: the abort ended it, not its 120 s timeout.
+    assert time.monotonic() - started < 60
+    deadline = time.monotonic() + 10
+    while _pipeline_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pipeline_threads()
+    assert runner.aborted.startswith("virtual worker 1 failed")
+    failed = runner.servers
+    with pytest.raises(tf.errors.AbortedError, match="virtual worker 1 failed"):
+        failed.clock.wait(0, timeout=60)
+    # The next run gets new servers, holding the Keras model's weights.
+    runner.vws[1].slowdown = None
+    runner.train(data, 6)
+    assert runner.servers is not failed and runner.servers.clock.clocks() == ((3, 3), 3)
+    for v in model.trainable_variables:
+        np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
+
+
+def _pipeline_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("hetpipe-")]
 
 
 def test_stats_and_trace_show_every_worker():

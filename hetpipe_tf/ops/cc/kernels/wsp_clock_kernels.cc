@@ -5,6 +5,8 @@
 // wave c completes when the global clock exceeds c. Waiting kernels are asynchronous:
 // their `done` callbacks are kept here and called by the push that releases them, or
 // by a timer after the timeout, with an error naming the workers that are behind.
+// Abort ends a failed run: every wait, now and later, fails at once with its reason,
+// so that no virtual worker keeps waiting for a wave that will never be pushed.
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -71,13 +73,19 @@ class WspClock : public ResourceBase {
   void Wait(int64_t wave, double timeout_seconds, Env* env, Callback done) {
     int64_t id = -1;
     int64_t global;
+    absl::Status aborted;
     {
       mutex_lock l(mu_);
       global = GlobalLocked();
-      if (wave >= global) {
+      aborted = aborted_;
+      if (aborted.ok() && wave >= global) {
         id = next_id_++;
         waiters_.emplace(id, Waiter{wave, std::move(done)});
       }
+    }
+    if (!aborted.ok()) {
+      done(aborted, -1);
+      return;
     }
     if (id < 0) {  // wave already pushed by every worker (or no wait needed)
       done(absl::OkStatus(), global);
@@ -104,6 +112,19 @@ class WspClock : public ResourceBase {
       }
       Unref();
     });
+  }
+
+  // Fails every waiting and later wait with `reason`.
+  void Abort(const std::string& reason) {
+    std::vector<Callback> waiting;
+    absl::Status status = errors::Aborted("the WSP run was aborted: ", reason);
+    {
+      mutex_lock l(mu_);
+      if (aborted_.ok()) aborted_ = status;
+      for (auto& entry : waiters_) waiting.push_back(std::move(entry.second.done));
+      waiters_.clear();
+    }
+    for (auto& done : waiting) done(status, -1);
   }
 
   void Stats(std::vector<int64_t>* workers, int64_t* global) const {
@@ -146,6 +167,7 @@ class WspClock : public ResourceBase {
   std::vector<std::vector<int64_t>> pushed_ TF_GUARDED_BY(mu_);
   std::map<int64_t, Waiter> waiters_ TF_GUARDED_BY(mu_);
   int64_t next_id_ TF_GUARDED_BY(mu_) = 0;
+  absl::Status aborted_ TF_GUARDED_BY(mu_);
 };
 
 class CreateOp : public OpKernel {
@@ -198,6 +220,16 @@ class WaitOp : public AsyncOpKernel {
   }
 };
 
+class AbortOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<WspClock> clock;
+    OP_REQUIRES_OK(ctx, hetpipe::LookupNamedResource(ctx, "WSP clock", &clock));
+    clock->Abort(ctx->input(1).scalar<tstring>()());
+  }
+};
+
 class StatsOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -219,6 +251,7 @@ REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockHandle").Device(DEVICE_CPU), Resour
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockCreate").Device(DEVICE_CPU), CreateOp);
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockPush").Device(DEVICE_CPU), PushOp);
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockWait").Device(DEVICE_CPU), WaitOp);
+REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockAbort").Device(DEVICE_CPU), AbortOp);
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockStats").Device(DEVICE_CPU), StatsOp);
 
 }  // namespace

@@ -43,6 +43,13 @@ REGISTER_OP("HetpipeWspClockWait")
     .Doc("Completes once every worker has pushed `wave` (at once if wave < 0); returns the "
          "global clock. Asynchronous: no thread is held while it waits.");
 
+REGISTER_OP("HetpipeWspClockAbort")
+    .Input("handle: resource")
+    .Input("reason: string")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Ends a failed run: every waiting and later wait fails at once with `reason`.");
+
 REGISTER_OP("HetpipeWspClockStats")
     .Input("handle: resource")
     .Output("worker_clocks: int64")

@@ -317,10 +317,7 @@ class ProcessRunner:
         (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.abort`)."""
         if not self.aborted:
             self.aborted = reason
-            try:
-                self.servers.clock.abort(reason)
-            except Exception:  # noqa: BLE001 - servers that are gone keep no pull waiting
-                pass
+            self.servers.abort(reason)
         self.broadcast("abort")
 
     def stats(self, since=None):

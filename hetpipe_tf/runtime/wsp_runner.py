@@ -194,10 +194,7 @@ class WSPRunner:
         of any worker of the run (in any process) fails at once, naming `reason`."""
         if not self.aborted:
             self.aborted = reason
-            try:
-                self.servers.clock.abort(reason)
-            except Exception:  # noqa: BLE001 - servers that are gone keep no pull waiting
-                pass
+            self.servers.abort(reason)
         for ex in list(self._executors.values()):
             ex.abort()
 

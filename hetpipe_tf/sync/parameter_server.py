@@ -125,6 +125,15 @@ class ParameterServers:
         values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 
+    def abort(self, reason):
+        """Ends the run: every pull of it, waiting or later, in any process, fails at once
+        naming `reason` (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.abort`). Servers that are
+        gone keep no pull waiting, so their error is not raised."""
+        try:
+            self.clock.abort(reason)
+        except tf.errors.OpError:
+            pass
+
     def variable_devices(self):
         """Each global variable's server, in the model's order: what another process needs to
         attach (see the `variable_devices` argument)."""

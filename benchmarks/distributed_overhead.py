@@ -5,8 +5,9 @@ process) and ``launch="processes"`` (the paper's deployment: parameter-server an
 tasks on TensorFlow's distributed runtime over gRPC on loopback, and one process per
 virtual worker, :mod:`hetpipe_tf.distributed.process_runner`), for 2 virtual workers (ED,
 each spanning both nodes, so one stage of each is on the other node's worker task; NP,
-each on one node) and 4 (NP, one device each) of the ``local`` preset's EMULATED devices. Each configuration runs
-in a fresh process (a process joins one cluster).
+each on one node) and 4 (NP, one device each) of the ``local`` preset's EMULATED devices, and
+the same groupings of the ``local_cpu`` preset (real compute: this host's CPU as it is, no
+pacing). Each configuration runs in a fresh process (a process joins one cluster).
 
 The two modes emulate the same devices: ``in_process`` calibrates the dilation (it needs
 the larger one: every stage shares one Python process), and ``processes`` runs at that
@@ -35,9 +36,10 @@ from hetpipe_tf import HetPipeStrategy
 from hetpipe_tf.cli import models
 from hetpipe_tf.data import datasets
 
-launch, policy, vw_size, epochs, model_name = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-dilation = float(sys.argv[6]) if sys.argv[6] != "calibrate" else None
-strategy = HetPipeStrategy(cluster="local", policy=policy, vw_size=vw_size, num_in_flight=4, staleness_bound=0,
+launch, cluster, policy, vw_size, epochs, model_name = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4]),
+                                                                      int(sys.argv[5]), sys.argv[6]]
+dilation = float(sys.argv[7]) if sys.argv[7] != "calibrate" else None
+strategy = HetPipeStrategy(cluster=cluster, policy=policy, vw_size=vw_size, num_in_flight=4, staleness_bound=0,
                            launch=launch, dilation=dilation, timeout_s=120)
 keras.utils.set_random_seed(0)
 with strategy.scope():  # joins the cluster: datasets are made inside
@@ -60,7 +62,7 @@ rates = history.history["images_per_s"][1:]  # steady state: the first epoch als
 print("RESULT " + json.dumps({"images_per_s": len(rates) / sum(1 / r for r in rates),
                               "chief_cpu_s_per_minibatch": (cpu() - c0) / steps,
                               "allocation": strategy.plan.allocation,
-                              "emulation": strategy.runner.emulation_report().as_dict()}))
+                              "emulation": report.as_dict() if (report := strategy.runner.emulation_report()) else None}))
 """
 
 # Per minibatch and stage, and per stage and wave (hetpipe_tf.distributed.process_runner).
@@ -70,8 +72,8 @@ CALLS = {"calls_per_minibatch_per_stage": {"compiled_functions": 4, "custom_ops"
                  "one per call"}
 
 
-def run(launch, policy, vw_size, epochs, model, dilation):
-    proc = subprocess.run([sys.executable, "-c", RUN, launch, policy, str(vw_size), str(epochs), model,
+def run(launch, cluster, policy, vw_size, epochs, model, dilation):
+    proc = subprocess.run([sys.executable, "-c", RUN, launch, cluster, policy, str(vw_size), str(epochs), model,
                            "calibrate" if dilation is None else str(dilation)], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT))
@@ -86,22 +88,23 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--model", default="cnn")
     args = parser.parse_args()
-    for workers, policy, vw_size in ((2, "ed", 2), (2, "np", 2), (4, "np", 1)):
-        rows = {"in_process": run("in_process", policy, vw_size, args.epochs, args.model, None)}
-        dilation = rows["in_process"]["emulation"]["dilation"]
-        rows["processes"] = run("processes", policy, vw_size, args.epochs, args.model, dilation)
-        for launch, r in rows.items():
-            print(json.dumps({"benchmark": "distributed_overhead", "virtual_workers": workers, "policy": policy,
-                              "allocation": r["allocation"], "launch": launch, "devices": "EMULATED",
-                              "images_per_s": round(r["images_per_s"], 1),
-                              "chief_cpu_s_per_minibatch": round(r["chief_cpu_s_per_minibatch"], 5),
-                              "emulation": r["emulation"], **CALLS}), flush=True)
-        print(json.dumps({"benchmark": "distributed_overhead", "virtual_workers": workers, "policy": policy,
-                          "ratio_processes_over_in_process": round(
-                              rows["processes"]["images_per_s"] / rows["in_process"]["images_per_s"], 3),
-                          "target": ">= 0.9", "devices": "EMULATED", "dilation": dilation,
-                          "faithful": all(r["emulation"]["emulation_faithful"] for r in rows.values())}),
-              flush=True)
+    for cluster, devices in (("local", "EMULATED"), ("local_cpu", "host CPU (real compute)")):
+        for workers, policy, vw_size in ((2, "ed", 2), (2, "np", 2), (4, "np", 1)):
+            emulated = devices == "EMULATED"
+            rows = {"in_process": run("in_process", cluster, policy, vw_size, args.epochs, args.model, None)}
+            dilation = rows["in_process"]["emulation"]["dilation"] if emulated else None
+            rows["processes"] = run("processes", cluster, policy, vw_size, args.epochs, args.model, dilation)
+            common = {"benchmark": "distributed_overhead", "cluster": cluster, "devices": devices,
+                      "virtual_workers": workers, "policy": policy}
+            for launch, r in rows.items():
+                print(json.dumps({**common, "allocation": r["allocation"], "launch": launch,
+                                  "images_per_s": round(r["images_per_s"], 1),
+                                  "chief_cpu_s_per_minibatch": round(r["chief_cpu_s_per_minibatch"], 5),
+                                  "emulation": r["emulation"], **CALLS}), flush=True)
+            print(json.dumps({**common, "ratio_processes_over_in_process": round(
+                rows["processes"]["images_per_s"] / rows["in_process"]["images_per_s"], 3), "target": ">= 0.9",
+                **({"dilation": dilation, "faithful": all(r["emulation"]["emulation_faithful"] for r in rows.values())}
+                   if emulated else {})}), flush=True)
 
 
 if __name__ == "__main__":

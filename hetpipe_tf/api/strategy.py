@@ -35,6 +35,7 @@ starts a new run from the Keras model's weights, those of the last completed epo
 one process the stages keep their optimizer state; worker processes are rebuilt with
 fresh ones). Users who need more use :class:`WSPRunner` and the servers directly.
 """
+import atexit
 import contextlib
 import inspect
 import types
@@ -71,10 +72,14 @@ class HetPipeStrategy:
       timeout_s: a worker or a pull that takes longer, or a task that leaves heartbeats unanswered
         this long, fails training with an error; a task start gets at least START_TIMEOUT_S.
       log_dir: where the local cluster's task logs go (default: a temporary directory).
+      emulate_links: with launch="processes", run each node's tasks in a network namespace of
+        its own, joined by links of the cluster's inter-node bandwidth and latency
+        (:mod:`hetpipe_tf.distributed.netlinks`; root needed). None: the cluster description's
+        ``links.emulate``.
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
-                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None):
+                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None):
         from hetpipe_tf.planning.cluster import load_cluster
 
         if str(policy).lower() not in POLICIES + ("auto",):
@@ -88,12 +93,13 @@ class HetPipeStrategy:
         if placement not in (None, "default", "local"):
             raise ValueError(f"unknown placement {placement!r}; allowed: None, 'default', 'local'")
         self.cluster = load_cluster(cluster)
-        real = sorted({d.type.name for d in self.cluster.devices() if not d.type.emulated})
+        real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch != "tf_config":
             from hetpipe_tf.distributed.launch import ClusterConfigError
 
-            raise ClusterConfigError(f"cluster '{self.cluster.name}' has real device types {real}: run on those machines "
-                             f"with launch='tf_config' (TF_CONFIG); launch={launch!r} only emulates devices")
+            raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: run on those machines "
+                                     f"with launch='tf_config' (TF_CONFIG); launch={launch!r} serves emulated devices "
+                                     f"and the host CPU only")
         self.policy = str(policy).lower()
         self.num_in_flight = num_in_flight
         self.staleness_bound = staleness_bound
@@ -103,6 +109,10 @@ class HetPipeStrategy:
         self.launch = launch
         self.timeout_s = float(timeout_s)
         self.log_dir = log_dir
+        self.emulate_links = self.cluster.emulate_links if emulate_links is None else bool(emulate_links)
+        if self.emulate_links and launch != "processes":
+            raise ValueError(f"emulated links join the tasks that launch='processes' starts on this machine; "
+                             f"launch={launch!r} has none (in_process: one process; tf_config: real machines)")
         self.plan = None  # the planner's Plan, once fit has run
         self.runner = None  # the WSPRunner, once fit has run
         self._compiled = {}  # id(model) -> compile arguments
@@ -202,8 +212,10 @@ class HetPipeStrategy:
         if self.launch == "processes":
             from hetpipe_tf.distributed.process_runner import ProcessRunner
 
+            nodes = [n.name for n in self.cluster.nodes]
             self.runner = ProcessRunner(
                 model, _connected["cluster"], [spec for spec, _ in workers], [n for _, n in workers],
+                home_nodes=[nodes.index(w.devices[0].node) for w in self.plan.workers],
                 num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
                 ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
                 loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
@@ -223,7 +235,6 @@ class HetPipeStrategy:
         """Worker w's WorkerSpec, and how many of its devices its own process holds (launch
         'processes': those on its home node, the node of its first stage; otherwise none)."""
         from hetpipe_tf.distributed.worker_process import local_device
-        from hetpipe_tf.planning.devices import DeviceSpec
         from hetpipe_tf.runtime.wsp_runner import WorkerSpec
 
         nodes = [n.name for n in self.cluster.nodes]
@@ -231,10 +242,7 @@ class HetPipeStrategy:
         specs, names, servers, local = [], [], [], 0
         for d in self.plan.workers[w].devices:
             node = nodes.index(d.node)
-            if d.type.emulated:
-                specs.append(DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory))
-            else:
-                specs.append(DeviceSpec("gpu", index=d.index))
+            specs.append(_device_spec(d))
             if self.launch == "processes" and d.node == home:
                 names.append(local_device(w, local))
                 local += 1
@@ -255,20 +263,19 @@ class HetPipeStrategy:
         from hetpipe_tf.distributed.launch import ps_device, worker_device
 
         return {"ps": [ps_device(n) for n in range(len(nodes))],
-                "worker": lambda n, d: worker_device(n, "CPU" if d.type.emulated else "GPU", d.index)}
+                "worker": lambda n, d: worker_device(n, "CPU" if d.type.on_host else "GPU", d.index)}
 
     def _connect(self):
         """Starts (processes) or joins (tf_config) the cluster, once per process."""
         if self.launch == "in_process":
-            from hetpipe_tf.planning.devices import DeviceSpec
             from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
             if self._local_devices is None:  # a logical CPU per device, if TensorFlow has not started yet
-                self._local_devices = configure_tensorflow_devices(
-                    [DeviceSpec("emulated", speed=d.type.emulated_speed, memory=d.type.memory)
-                     for d in self.cluster.devices()])
+                self._local_devices = configure_tensorflow_devices([_device_spec(d) for d in self.cluster.devices()])
             return
         want = [len(self.cluster.nodes), [n.count for n in self.cluster.nodes]]
+        if self.emulate_links:
+            want.append("emulated links")
         if _connected:
             if _connected["shape"] != want or _connected["launch"] != self.launch:
                 raise RuntimeError(f"this process already drives a {_connected['launch']} cluster of "
@@ -280,7 +287,14 @@ class HetPipeStrategy:
         from hetpipe_tf.distributed.launch import LocalCluster, connect_tf_config
 
         if self.launch == "processes":
-            cluster = LocalCluster(num_ps=want[0], worker_cpus=want[1], log_dir=self.log_dir,
+            links = None
+            if self.emulate_links:
+                from hetpipe_tf.distributed.netlinks import EmulatedLinks
+
+                links = EmulatedLinks(want[0], 8 * self.cluster.inter_node_bandwidth,
+                                      self.cluster.inter_node_latency).start()
+                atexit.register(links.stop)  # after the tasks, which end with this process
+            cluster = LocalCluster(num_ps=want[0], worker_cpus=want[1], log_dir=self.log_dir, links=links,
                                    start_timeout=max(self.timeout_s, START_TIMEOUT_S), timeout_s=self.timeout_s).start().connect()
             # A lost task stops training at once (the heartbeat monitor found it).
             cluster.on_lost(lambda lost: _connected["strategy"].runner.abort()
@@ -301,6 +315,16 @@ class HetPipeStrategy:
             dilation = report.dilation if report else self.dilation
             lines.append(f"EMULATED devices (dilation {'calibrated at fit' if dilation is None else f'{dilation:g}'})")
         return "\n".join(lines)
+
+
+def _device_spec(device):
+    """The DeviceSpec that serves a cluster device (:mod:`hetpipe_tf.planning.devices`)."""
+    from hetpipe_tf.planning.devices import DeviceSpec
+
+    t = device.type
+    if t.emulated:
+        return DeviceSpec("emulated", speed=t.emulated_speed, memory=t.memory)
+    return DeviceSpec("cpu") if t.host_cpu else DeviceSpec("gpu", index=device.index)
 
 
 def _first_batch(data, launch):

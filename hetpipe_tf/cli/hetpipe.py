@@ -42,7 +42,7 @@ def make_plan():
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     cluster = load_cluster(FLAGS.cluster)
-    if cluster.emulated:  # logical devices before anything starts TensorFlow's runtime
+    if cluster.on_host:  # logical devices before anything starts TensorFlow's runtime
         from hetpipe_tf.planning.devices import DeviceSpec
         from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
         names = configure_tensorflow_devices([DeviceSpec("emulated")] * 2)
@@ -52,9 +52,9 @@ def make_plan():
     model = models.build_model(FLAGS.model, shape, classes)
     optimizer = by_name(FLAGS.optimizer, momentum=FLAGS.momentum)  # only its slots matter to a plan
     links = None
-    if cluster.emulated:
-        # Emulated devices are measured here, and so is the host link between them (§7's
-        # synthetic transfer benchmark); every "node" of an emulated cluster is this host.
+    if cluster.on_host:
+        # Devices this host serves are measured here, and so is the host link between them (§7's
+        # synthetic transfer benchmark); every "node" of such a cluster is this host.
         import keras
         from hetpipe_tf.planning.cost_model import LinkModel
         from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
@@ -92,7 +92,7 @@ def main(argv):
                                  "COMMAND [ARGS...]")
         from hetpipe_tf.distributed.launch import launch
         sys.exit(launch(FLAGS.cluster, command[1:], log_dir=FLAGS.task_log_dir, host=FLAGS.host,
-                        timeout_s=FLAGS.timeout_s))
+                        timeout_s=FLAGS.timeout_s, emulate_links=FLAGS.emulate_links))
     if command[:2] == ["trace", "plot"]:
         if len(command) != 3:
             raise app.UsageError(f"trace plot takes one trace file, got {command[2:]}: "

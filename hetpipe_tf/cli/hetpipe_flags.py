@@ -34,6 +34,9 @@ def define_flags():
     flags.DEFINE_string("host", "127.0.0.1", "launch: the address the tasks bind.")
     flags.DEFINE_float("timeout_s", 300.0, "launch: a task silent this long (or dead) is lost; the run then ends.",
                        lower_bound=0.1)
+    flags.DEFINE_bool("emulate_links", None, "launch: run each node's tasks in a network namespace of its own, joined by links of the "
+                       "cluster's inter-node bandwidth and latency (root needed). Default: the cluster "
+                       "description's links.emulate.")
     flags.register_validator("input_shape", _image_shape,
                              message="--input_shape must be three positive integers H,W,C, e.g. 224,224,3")
 

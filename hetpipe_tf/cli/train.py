@@ -94,7 +94,8 @@ def _train_virtual_workers():
         vw_size = total // FLAGS.num_vws
     strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_in_flight=FLAGS.num_in_flight,
                                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
-                               dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s)
+                               dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s,
+                               emulate_links=FLAGS.emulate_links)
     with strategy.scope():
         train, test, model = _data_and_model()
         model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -47,6 +47,9 @@ def define_flags():
     flags.DEFINE_integer("inter_op_threads", 0, "TensorFlow inter-op threads (0: TensorFlow's choice).",
                          lower_bound=0)
     flags.DEFINE_float("timeout_s", 300.0, "Fail when the pipeline makes no progress for this long.")
+    flags.DEFINE_bool("emulate_links", None, "With --launch=processes: run each node's tasks in a network namespace of its own, joined by links of the "
+                       "cluster's inter-node bandwidth and latency (root needed). Default: the cluster "
+                       "description's links.emulate.")
     flags.DEFINE_string("trace_file", None, "Write the pipeline timeline here (Chrome/Perfetto trace JSON).")
     flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
     flags.DEFINE_integer("seed", 0, "Random seed.")

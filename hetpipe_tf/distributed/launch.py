@@ -11,6 +11,7 @@ chief watches every task's heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`):
 that dies or stops answering for ``timeout_s`` is named in one line, ended, and training
 stopped (:meth:`LocalCluster.on_lost`).
 """
+import contextlib
 import json
 import os
 import re
@@ -67,14 +68,28 @@ class LocalCluster:
       start_timeout: the longest a task may take to start.
       timeout_s: the longest a task may leave a heartbeat unanswered before it is lost
         (:mod:`hetpipe_tf.distributed.heartbeat`), and a task the chief's.
+      links: started :class:`hetpipe_tf.distributed.netlinks.EmulatedLinks` with a node per ps
+        and worker task: node i's tasks (ps i, worker i, and tasks given its address) run in
+        its network namespace at its address, the chief at the links' own address (`host`
+        is then not used).
     """
 
-    def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0, timeout_s=300.0):
+    def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0, timeout_s=300.0,
+                 links=None):
         self.worker_cpus = list(worker_cpus)
+        self.links = links
+        self._node_hosts = []
+        self._ports = {}  # ports given out per namespace address
+        if links is not None:
+            if not num_ps == len(self.worker_cpus) == links.num_nodes:
+                raise ValueError(f"emulated links join {links.num_nodes} nodes, one ps and one worker task each; "
+                                 f"got {num_ps} ps and {len(self.worker_cpus)} worker tasks")
+            self._node_hosts = [links.address(i) for i in range(links.num_nodes)]
+            host = {"ps": self._node_hosts, "worker": self._node_hosts, "chief": [links.chief_address]}
         hosts = host if isinstance(host, dict) else {"ps": [host] * num_ps,
                                                      "worker": [host] * len(self.worker_cpus),
                                                      "chief": [host]}
-        self.spec = {job: [f"{h}:{free_port(h)}" for h in hosts[job]] for job in ("ps", "worker", "chief")}
+        self.spec = {job: [self.free_address(h) for h in hosts[job]] for job in ("ps", "worker", "chief")}
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hetpipe_cluster_")
         os.makedirs(self.log_dir, exist_ok=True)
         self.start_timeout = start_timeout
@@ -85,6 +100,19 @@ class LocalCluster:
         self._connected = False
         self.monitor = None
         self._on_lost = []
+
+    def free_address(self, host):
+        """A TensorFlow address HOST:PORT with a port free on `host`. An emulated node's
+        namespace is a port space of its own, which only this cluster's tasks use."""
+        if host not in self._node_hosts:
+            return f"{host}:{free_port(host)}"
+        self._ports[host] = self._ports.get(host, 20000) + 1
+        return f"{host}:{self._ports[host]}"
+
+    def node_host(self, node):
+        """The address that node `node`'s tasks bind: its namespace's with emulated links,
+        else the workers' host."""
+        return self._node_hosts[node] if self._node_hosts else self.spec["worker"][node].rsplit(":", 1)[0]
 
     @property
     def tasks(self):
@@ -133,6 +161,9 @@ class LocalCluster:
         log = open(self.task_log(job, index), "w")
         cmd = [sys.executable, "-m", module, *args, f"--parent_pid={os.getpid()}",
                f"--chief_timeout_s={self.timeout_s}"]
+        host = self.address(job, index).rsplit(":", 1)[0]
+        if host in self._node_hosts:  # in its node's network namespace (`ip netns exec` execs it: same pid)
+            cmd = self.links.command(self._node_hosts.index(host), cmd)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
         self._procs[(job, index)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
 
@@ -305,7 +336,7 @@ def reported_lost(environ=None, wait_s=2.0):
 
 
 def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0, timeout_s=300.0,
-           out=sys.stdout):
+           out=sys.stdout, emulate_links=None):
     """Runs `command` as the chief of a cluster started here for `cluster` (a description).
 
     Starts one ps and one worker task per node of the description (the worker with a
@@ -314,14 +345,29 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
     or is interrupted (Ctrl-C). It watches the tasks' heartbeats: a task lost (dead, or
     silent for `timeout_s`) is named in one line, ended, and written to the file in the
     chief's HETPIPE_LOST_TASK_FILE (its error then names the task); a chief still running
-    10 s later is ended. Returns the command's exit status.
+    10 s later is ended. With `emulate_links` (None: the description's ``links.emulate``)
+    each node's tasks run in a network namespace of their own, joined by emulated links
+    (:mod:`hetpipe_tf.distributed.netlinks`), and `host` is not used. Returns the command's
+    exit status.
     """
+    from hetpipe_tf.distributed.netlinks import EmulatedLinks
     from hetpipe_tf.planning.cluster import load_cluster
 
     description = load_cluster(cluster)
     nodes = description.nodes
+    links = None
+    if description.emulate_links if emulate_links is None else emulate_links:
+        links = EmulatedLinks(len(nodes), 8 * description.inter_node_bandwidth, description.inter_node_latency)
+    with contextlib.ExitStack() as stack:
+        if links is not None:
+            stack.enter_context(links)
+        return _launch(description, command, links, log_dir, host, start_timeout, timeout_s, out)
+
+
+def _launch(description, command, links, log_dir, host, start_timeout, timeout_s, out):
+    nodes = description.nodes
     local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
-                         start_timeout=start_timeout, timeout_s=timeout_s)
+                         start_timeout=start_timeout, timeout_s=timeout_s, links=links)
     local.start()
     lost_file = os.path.join(local.log_dir, "lost-task.json")
     lost_at = []

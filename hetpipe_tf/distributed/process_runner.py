@@ -29,7 +29,6 @@ import queue
 import threading
 import time
 
-from hetpipe_tf.distributed.launch import free_port
 from hetpipe_tf.distributed.worker_process import AUTHKEY_ENV, job_name
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineError
@@ -120,6 +119,8 @@ class ProcessRunner:
         TensorFlow devices as its process names them
         (:func:`hetpipe_tf.distributed.worker_process.local_device` for its own node's).
       local_devices: for each worker, how many devices its own process holds.
+      home_nodes: for each worker, the node its process runs on (the node of its first stage;
+        default: node 0), whose address the process binds.
       num_in_flight, staleness_bound, ps_devices, placement, dilation, timeout_s: as for
         :class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`.
       optimizer, loss, metrics, loss_weights: as given to ``compile``.
@@ -127,12 +128,13 @@ class ProcessRunner:
 
     def __init__(self, model, cluster, workers, local_devices, num_in_flight, staleness_bound, ps_devices,
                  placement="default", optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None,
-                 timeout_s=300.0):
+                 timeout_s=300.0, home_nodes=None):
         import keras
 
         self.model = model
         self.cluster = cluster
         self.workers = list(workers)
+        self.home_nodes = list(home_nodes) if home_nodes is not None else [0] * len(self.workers)
         self.local_devices = list(local_devices)
         self.num_in_flight = num_in_flight
         self.staleness_bound = int(staleness_bound)
@@ -179,7 +181,7 @@ class ProcessRunner:
         with multiprocessing.connection.Listener((host, 0), authkey=authkey) as listener:
             tasks = []
             for w, n in enumerate(self.local_devices):
-                address = f"{host}:{free_port(host)}"
+                address = self.cluster.free_address(self.cluster.node_host(self.home_nodes[w]))
                 tasks.append((job_name(w), 0, address, "hetpipe_tf.distributed.worker_process",
                               [f"--chief={host}:{listener.address[1]}", f"--worker={w}", f"--address={address}",
                                f"--cluster_spec={servers}", f"--local_devices={n}"]))

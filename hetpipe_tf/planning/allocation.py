@@ -15,7 +15,8 @@ each hold devices of one type:
   per-worker compute plus the relative spread of per-worker memory. On the paper's
   cluster this picks VVQQ and RRGG (Table 3).
 
-Compute capability is a device type's peak TFLOP/s, or its speed when emulated.
+Compute capability is a device type's peak TFLOP/s, or its speed relative to this host for
+the devices the host serves (emulated ones and the host CPU).
 """
 import itertools
 
@@ -27,7 +28,7 @@ class AllocationError(ValueError):
 
 
 def _compute(device_type):
-    return device_type.emulated_speed if device_type.emulated else device_type.peak_tflops
+    return device_type.host_speed if device_type.on_host else device_type.peak_tflops
 
 
 def _spread(values):

@@ -11,13 +11,20 @@ The JSON format::
      "nodes": [{"name": "node-V", "device_type": "V", "count": 4}, ...],
      "links": {"intra_node_GBps": 15.75, "inter_node_GBps": 7.0}}
 
+``links`` may also give ``inter_node_latency_ms`` (one way, default 0) and ``"emulate":
+true``: on one machine, each node's tasks then run in a network namespace of their own,
+joined by links with that bandwidth and latency (:mod:`hetpipe_tf.distributed.netlinks`;
+root needed).
+
 A device type with ``emulated_speed`` is emulated on this host (see
 :mod:`hetpipe_tf.pipeline.emulation`): its speed is relative to the host running a task
-alone. Other types are real accelerators, described by their peak FP32 TFLOP/s and
-memory bandwidth (used for analytic profiles of hardware that is not here).
+alone. One with ``"host_cpu": true`` is this host's CPU as it is (real compute, no
+pacing; its tasks share the host's cores). Other types are real accelerators, described
+by their peak FP32 TFLOP/s and memory bandwidth (used for analytic profiles of hardware
+that is not here).
 
-Presets: ``paper`` (Table 1's four nodes of four GPUs each) and ``local`` (this
-machine's emulated devices).
+Presets: ``paper`` (Table 1's four nodes of four GPUs each), ``local`` (this
+machine's emulated devices) and ``local_cpu`` (this machine's CPU as four devices).
 """
 import json
 import os
@@ -45,10 +52,22 @@ class DeviceType:
     peak_tflops: float | None = None  # real accelerators
     memory_bandwidth: float | None = None  # bytes/s, real accelerators
     emulated_speed: float | None = None  # emulated devices, relative to the host
+    host_cpu: bool = False  # this host's CPU as it is
 
     @property
     def emulated(self):
         return self.emulated_speed is not None
+
+    @property
+    def host_speed(self):
+        """Speed relative to this host running a task alone, for the devices this host serves
+        (emulated ones and the host CPU); None for accelerators."""
+        return self.emulated_speed if self.emulated else 1.0 if self.host_cpu else None
+
+    @property
+    def on_host(self):
+        """Whether this host serves the device (logical CPUs of its tasks) rather than an accelerator."""
+        return self.host_speed is not None
 
 
 @dataclass(frozen=True)
@@ -77,10 +96,17 @@ class Cluster:
     nodes: tuple
     intra_node_bandwidth: float  # bytes/s
     inter_node_bandwidth: float  # bytes/s
+    inter_node_latency: float = 0.0  # seconds, one way
+    emulate_links: bool = False  # emulate the inter-node links (hetpipe_tf.distributed.netlinks)
 
     @property
     def emulated(self):
         return any(t.emulated for t in self.device_types.values())
+
+    @property
+    def on_host(self):
+        """Whether this host serves some of the devices (emulated ones or its CPU)."""
+        return any(t.on_host for t in self.device_types.values())
 
     def devices(self):
         """Every device, node by node."""
@@ -117,9 +143,17 @@ def from_dict(spec, where="cluster"):
         if not isinstance(t, dict) or "memory" not in t:
             raise ClusterError(f"{at} needs a memory size")
         speed = t.get("emulated_speed")
-        if speed is None and (t.get("peak_tflops") is None or t.get("memory_bandwidth_GBps") is None):
-            raise ClusterError(f"{at}: give peak_tflops and memory_bandwidth_GBps (a real device) "
-                               f"or emulated_speed (emulated on this host)")
+        host_cpu = t.get("host_cpu", False)
+        if not isinstance(host_cpu, bool):
+            raise ClusterError(f"{at}: host_cpu is true or false, got {host_cpu!r}")
+        kinds = [k for k, given in (("emulated_speed", speed is not None), ("host_cpu", host_cpu),
+                                    ("peak_tflops", t.get("peak_tflops") is not None)) if given]
+        if len(kinds) > 1:
+            raise ClusterError(f"{at}: a device type is one of emulated (emulated_speed), the host CPU "
+                               f"(host_cpu) or a real accelerator (peak_tflops), got {' and '.join(kinds)}")
+        if speed is None and not host_cpu and (t.get("peak_tflops") is None or t.get("memory_bandwidth_GBps") is None):
+            raise ClusterError(f"{at}: give peak_tflops and memory_bandwidth_GBps (a real device), "
+                               f"emulated_speed (emulated on this host) or \"host_cpu\": true (this host's CPU)")
         for key in ("emulated_speed", "peak_tflops", "memory_bandwidth_GBps"):
             if t.get(key) is not None and not float(t[key]) > 0:
                 raise ClusterError(f"{at}: {key} must be > 0, got {t[key]!r}")
@@ -127,7 +161,7 @@ def from_dict(spec, where="cluster"):
             name=name, label=t.get("label", name), memory=_bytes(t["memory"], at),
             peak_tflops=float(t["peak_tflops"]) if t.get("peak_tflops") is not None else None,
             memory_bandwidth=float(t["memory_bandwidth_GBps"]) * 1e9 if t.get("memory_bandwidth_GBps") else None,
-            emulated_speed=float(speed) if speed is not None else None)
+            emulated_speed=float(speed) if speed is not None else None, host_cpu=host_cpu)
     if not types:
         raise ClusterError(f"{where}: no device types")
     nodes, names = [], set()
@@ -154,8 +188,15 @@ def from_dict(spec, where="cluster"):
         if value is None or not float(value) > 0:
             raise ClusterError(f"{where}: links.{key} must be a bandwidth > 0 in GB/s, got {value!r}")
         bw[key] = float(value) * 1e9
+    latency = links.get("inter_node_latency_ms", 0.0)
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+        raise ClusterError(f"{where}: links.inter_node_latency_ms must be a number >= 0, got {latency!r}")
+    emulate = links.get("emulate", False)
+    if not isinstance(emulate, bool):
+        raise ClusterError(f"{where}: links.emulate is true or false, got {emulate!r}")
     return Cluster(name=spec.get("name", "cluster"), device_types=types, nodes=tuple(nodes),
-                   intra_node_bandwidth=bw["intra_node_GBps"], inter_node_bandwidth=bw["inter_node_GBps"])
+                   intra_node_bandwidth=bw["intra_node_GBps"], inter_node_bandwidth=bw["inter_node_GBps"],
+                   inter_node_latency=latency / 1e3, emulate_links=emulate)
 
 
 # Table 1 of the paper: FP32 peak = 2 x CUDA cores x boost clock; memory; memory bandwidth.
@@ -191,11 +232,20 @@ PRESETS = {
                   {"name": "host-S", "device_type": "S", "count": 2}],
         "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0},
     },
+    # This host's CPU as it is, as two "nodes" of two devices (real compute, no pacing: the
+    # tasks share the host's cores).
+    "local_cpu": {
+        "name": "local_cpu",
+        "device_types": {"C": {"label": "host CPU", "host_cpu": True, "memory": "1G"}},
+        "nodes": [{"name": "host-A", "device_type": "C", "count": 2},
+                  {"name": "host-B", "device_type": "C", "count": 2}],
+        "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0},
+    },
 }
 
 
 def load_cluster(name_or_path):
-    """A preset by name (``paper``, ``local``) or a JSON file's path."""
+    """A preset by name (``paper``, ``local``, ``local_cpu``) or a JSON file's path."""
     if isinstance(name_or_path, Cluster):
         return name_or_path
     if isinstance(name_or_path, dict):

@@ -34,7 +34,8 @@ REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GP
 @dataclass(frozen=True)
 class LinkModel:
     """Seconds to move bytes between two devices of a cluster (§7): ``intercept + bytes /
-    (nominal bandwidth x scale)``, inside a node and between nodes. §7 calibrates the
+    (nominal bandwidth x scale)``, inside a node and between nodes (there plus the
+    cluster's inter-node latency). §7 calibrates the
     intra-node scaling-down constant with a synthetic transfer benchmark and fits the
     inter-node line by regression: :meth:`calibrated` does both from measured samples."""
     intra_scale: float = 0.8  # the fraction of the nominal intra-node bandwidth achieved
@@ -48,7 +49,8 @@ class LinkModel:
             return 0.0
         if src.node == dst.node:
             return self.intra_intercept + nbytes / (cluster.intra_node_bandwidth * self.intra_scale)
-        return self.inter_intercept + nbytes / (cluster.inter_node_bandwidth * self.inter_scale)
+        return (self.inter_intercept + cluster.inter_node_latency
+                + nbytes / (cluster.inter_node_bandwidth * self.inter_scale))
 
     def calibrated(self, cluster, intra_samples=None, inter_samples=None):
         """This model with the intra-node and/or inter-node lines fitted to (bytes, seconds)
@@ -133,18 +135,18 @@ class CostModel:
 
     def times(self, device_type):
         """SegmentTimes of a device type, and the factor its compute is scaled by."""
-        if device_type.emulated:
-            return self.profile.times["host"], self.dilation / device_type.emulated_speed
+        if device_type.on_host:  # a dilation slows emulated devices only
+            return self.profile.times["host"], (self.dilation if device_type.emulated else 1.0) / device_type.host_speed
         if device_type.name in self.profile.times:
             return self.profile.times[device_type.name], 1.0
         from hetpipe_tf.planning.profile import AnalyticAssumptions, analytic_times
         return analytic_times(self.profile, device_type, self.analytic or AnalyticAssumptions()), 1.0
 
     def apply_seconds(self, device_type, weight_bytes, num_in_flight=1):
-        """Applying an update: measured on the host for emulated devices; on a real device,
+        """Applying an update: measured on the host for the devices it serves; on an accelerator,
         reading and writing the weights, gradients and slots at its memory bandwidth."""
         p = self.profile
-        if device_type.emulated or device_type.name in p.times:
+        if device_type.on_host or device_type.name in p.times:
             per_byte = p.apply_shared_per_byte if num_in_flight > 1 and p.apply_shared_per_byte else p.apply_per_byte
             return p.apply_base + per_byte * weight_bytes
         from hetpipe_tf.planning.profile import AnalyticAssumptions
@@ -185,7 +187,7 @@ class CostModel:
             "optimizer slots": weights * self.optimizer_slots,
             "non-trainable state": sum(p.state_bytes[lo:hi]),
             "activations": held * (cut_in + sum(p.activation_bytes[lo:hi])),
-            "framework reserve": 0 if device.type.emulated else REAL_DEVICE_RESERVE,
+            "framework reserve": 0 if device.type.on_host else REAL_DEVICE_RESERVE,
         }
         return StageCost(device=device, segments=(lo, hi), position=position, forward=forward,
                          backward=backward, recv_activation=recv_act, recv_gradient=recv_grad, apply=apply,

@@ -98,7 +98,7 @@ class _Coefficients:
             self.held.append(held)
             self.mem_prefix.append(_prefix([w * copies + s + held * a for w, s, a in
                                             zip(p.weight_bytes, p.state_bytes, p.activation_bytes)]))
-            self.mem_const.append(0 if d.type.emulated else _reserve())
+            self.mem_const.append(0 if d.type.on_host else _reserve())
             self.cap.append(d.type.memory)
         self.cut = p.cut_bytes
         # link[q][c]: seconds for the bytes crossing cut c to reach stage q from stage q - 1

@@ -326,7 +326,7 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     for name, t in profile.times.items():
         notes.append(f"times for {name}: {t.source}")
     for dtype in {d.type for d in cluster.devices()}:
-        if not dtype.emulated and dtype.name not in profile.times:
+        if not dtype.on_host and dtype.name not in profile.times:
             notes.append(model.times(dtype)[0].source)
     if cluster.emulated:
         notes.append(f"EMULATED devices: host times scaled by dilation {dilation:g} / speed")

@@ -55,6 +55,32 @@ def test_fit_trains_virtual_workers_like_keras_fit():
     assert "EMULATED" in strategy.describe()
 
 
+def test_host_cpu_devices_train_as_they_are_and_fit_goes_on_where_it_ended():
+    strategy = HetPipeStrategy(cluster="local_cpu", policy="np", vw_size=2, num_in_flight=2, launch="in_process")
+    train, test, model = _compiled(strategy)
+    first = model.fit(train, epochs=1, steps_per_epoch=8, verbose=0)
+    assert len(strategy.runner.vws) == 2 and not strategy.runner.emulated
+    assert "emulated_overrun_fraction" not in first.history and "EMULATED" not in strategy.describe()
+    assert first.history["global_clock"] == [2]  # 8 minibatches, 4 per worker, waves of Nm = 2
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("callback failed")
+
+    # A later fit goes on from the servers' clock; a failed one ends its run at once and the
+    # next starts a new run from the Keras model's weights.
+    second = model.fit(train, epochs=1, steps_per_epoch=8, verbose=0)
+    assert second.history["global_clock"] == [4]
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(RuntimeError, match="callback failed"):
+        model.fit(train, epochs=1, steps_per_epoch=40, callbacks=[Boom()], verbose=0)
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+    third = model.fit(train, epochs=1, steps_per_epoch=8, validation_data=test, verbose=0)
+    assert third.history["global_clock"] == [2] and third.history["val_accuracy"][0] > 0.1
+
+
 def test_fit_takes_arrays_and_names_what_it_does_not_take():
     strategy = HetPipeStrategy(cluster="local", policy="np", launch="in_process", dilation=1)
     train, _, model = _compiled(strategy)
@@ -74,8 +100,9 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
     ({"staleness_bound": -1}, r"staleness_bound \(D\) must be an integer >= 0, got -1"),
     ({"num_in_flight": 0}, r"num_in_flight \(Nm\) must be None or an integer >= 1, got 0"),
     ({"placement": "near"}, "unknown placement 'near'"),
-    ({"cluster": "paper"}, "has real device types .*launch='tf_config'"),
+    ({"cluster": "paper"}, "has accelerator types .*launch='tf_config'"),
     ({"cluster": "nowhere.json"}, "no cluster preset or file named 'nowhere.json'"),
+    ({"emulate_links": True}, "emulated links join the tasks that launch='processes' starts"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from tests.distributed.test_netlinks import needs_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TRAIN = """
@@ -14,9 +16,9 @@ import json, sys
 import numpy as np, keras, tensorflow as tf
 from hetpipe_tf import HetPipeStrategy
 
-launch, out = sys.argv[1], sys.argv[2]
+launch, out, links = sys.argv[1], sys.argv[2], sys.argv[3] == "links"
 strategy = HetPipeStrategy(cluster="local", policy="ed", vw_size=4, num_in_flight=2, staleness_bound=0,
-                           dilation=1.0, launch=launch, timeout_s=60)
+                           dilation=1.0, launch=launch, timeout_s=60, emulate_links=links)
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 16)).astype("float32")
@@ -43,16 +45,16 @@ np.savez(out, *[v.numpy() for v in model.weights])
 runner = strategy.runner
 print("RESULT " + json.dumps({
     "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-    "tasks": [list(t) for t in getattr(getattr(runner, "cluster", None), "tasks", [])],
+    "tasks": [list(t) + [runner.cluster.address(*t)] for t in getattr(getattr(runner, "cluster", None), "tasks", [])],
     "descriptions": getattr(runner, "descriptions", []),
     "clocks": list(runner.servers.clock.clocks()[0]), "early_error": early_error}))
 """
 
 
-def _train(tmp_path, launch):
-    out = tmp_path / f"{launch}.npz"
-    proc = subprocess.run([sys.executable, "-c", TRAIN, launch, str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def _train(tmp_path, launch, links=False):
+    out = tmp_path / f"{launch}{'-links' if links else ''}.npz"
+    proc = subprocess.run([sys.executable, "-c", TRAIN, launch, str(out), "links" if links else "-"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     weights = np.load(out)
@@ -63,7 +65,7 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
     alone, expected = _train(tmp_path, "in_process")
     apart, got = _train(tmp_path, "processes")
     # The virtual worker has a process of its own beside the ps and worker tasks.
-    assert ["vw0", 0] in apart["tasks"] and ["ps", 0] in apart["tasks"], apart["tasks"]
+    assert {("vw0", 0), ("ps", 0)} <= {(job, i) for job, i, _ in apart["tasks"]}, apart["tasks"]
     # Its home node's stages run on its own devices, the other node's on that node's worker task.
     lines = apart["descriptions"][0]
     assert "/job:vw0/replica:0/task:0/device:CPU:0" in lines and "/job:worker/task:1/device:CPU:" in lines, lines
@@ -77,3 +79,17 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
     # Validation reads the global weights when the chief reaches the epoch's end, while the
     # workers go on (as in one process), so it is only checked to be there.
     assert len(apart["history"]["val_loss"]) == 1
+
+
+@needs_root
+def test_emulated_links_change_the_timing_not_the_training(tmp_path):
+    # Each node's tasks in a network namespace of its own (hetpipe_tf.distributed.netlinks),
+    # the virtual worker's process in its home node's: D = 0 trains exactly as in one process.
+    alone, expected = _train(tmp_path, "in_process")
+    linked, got = _train(tmp_path, "processes", links=True)
+    addresses = {(job, i): address.rsplit(":", 1)[0] for job, i, address in linked["tasks"]}
+    assert addresses[("ps", 0)] == addresses[("worker", 0)] == addresses[("vw0", 0)] != addresses[("worker", 1)]
+    assert all(a.startswith("10.") for a in addresses.values()), addresses
+    assert linked["clocks"] == alone["clocks"]
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5)

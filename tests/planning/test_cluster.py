@@ -22,6 +22,12 @@ def test_local_preset_is_emulated():
     assert c.emulated and {d.type.emulated_speed for d in c.devices()} == {1.0, 0.5}
 
 
+def test_local_cpu_preset_is_the_host_cpu_as_it_is():
+    c = load_cluster("local_cpu")
+    assert not c.emulated and c.on_host and len(c.devices()) == 4
+    assert all(d.type.host_cpu and d.type.host_speed == 1.0 for d in c.devices())
+
+
 def test_json_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(PRESETS["local"]))
@@ -33,8 +39,12 @@ def test_json_file(tmp_path):
     (lambda s: s["nodes"][0].update(count=-1), "count must be a positive integer, got -1"),
     (lambda s: s["device_types"]["F"].update(memory="0M"), "memory size must be > 0"),
     (lambda s: s["device_types"]["F"].pop("emulated_speed"), "give peak_tflops and memory_bandwidth_GBps"),
+    (lambda s: s["device_types"]["F"].update(host_cpu=True), "got emulated_speed and host_cpu"),
+    (lambda s: s["device_types"]["F"].update(host_cpu="yes"), "host_cpu is true or false, got 'yes'"),
     (lambda s: s["links"].update(inter_node_GBps=0), "inter_node_GBps must be a bandwidth > 0"),
     (lambda s: s.pop("links"), "missing 'links'"),
+    (lambda s: s["links"].update(inter_node_latency_ms=-1), "inter_node_latency_ms must be a number >= 0, got -1"),
+    (lambda s: s["links"].update(emulate="yes"), "links.emulate is true or false, got 'yes'"),
     (lambda s: s["nodes"].append(dict(s["nodes"][0])), "node name 'host-F' is used twice"),
 ])
 def test_bad_descriptions_say_what_is_wrong(change, match):
@@ -45,5 +55,5 @@ def test_bad_descriptions_say_what_is_wrong(change, match):
 
 
 def test_unknown_name():
-    with pytest.raises(ClusterError, match="no cluster preset or file named 'moon'; presets: \\['local', 'paper'\\]"):
+    with pytest.raises(ClusterError, match="no cluster preset or file named 'moon'; presets: \\['local', 'local_cpu', 'paper'\\]"):
         load_cluster("moon")

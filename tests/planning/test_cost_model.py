@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from hetpipe_tf.planning.cluster import load_cluster
@@ -45,6 +47,17 @@ def test_links_follow_section_7():
     assert links.seconds(15.75e9, v0, v1, cluster) == pytest.approx(2.0)
     assert links.seconds(7e9, v0, r0, cluster) == pytest.approx(1.001)
     assert links.seconds(0, v0, r0, cluster) == 0
+    slow = dataclasses.replace(cluster, inter_node_latency=0.5e-3)  # links.inter_node_latency_ms: 0.5
+    assert links.seconds(7e9, v0, r0, slow) == pytest.approx(1.0015)
+    assert links.seconds(15.75e9, v0, v1, slow) == pytest.approx(2.0)
+
+
+def test_host_cpu_devices_take_host_times_without_dilation():
+    cluster = load_cluster("local_cpu")
+    d = cluster.devices()[0]
+    stage = CostModel(toy_profile(), cluster, dilation=3.0).stage(0, 4, [d], 0, 1)
+    assert stage.forward == pytest.approx(0.5 + 4.0)  # the host's overhead and segments, unscaled
+    assert stage.memory["framework reserve"] == 0
 
 
 def test_real_devices_use_analytic_times_and_reserve():

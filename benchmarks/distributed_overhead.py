@@ -14,10 +14,15 @@ the larger one: every stage shares one Python process), and ``processes`` runs a
 dilation, so their images/s compare the runtimes, not two dilations. Each row reports
 its own overrun fraction (faithful below 5 %).
 
+Last, with emulated links between the two nodes (1 Gbit/s, 0.5 ms; each node's tasks in a
+network namespace of its own, :mod:`hetpipe_tf.distributed.netlinks`, root needed), ED in
+processes with §8.3's ``local`` parameter placement against ``default`` (target: local >=
+default), at the dilation the first calibrates.
+
 Per row: images/s over every epoch but the first (steady state), the chief's CPU seconds per
-minibatch, and the calls per minibatch and stage (stated by
-:mod:`hetpipe_tf.distributed.process_runner`); per configuration the ratio processes /
-in_process (target >= 0.9).
+minibatch and those of every process of the run (the chief and the tasks it started), and
+the calls per minibatch and stage (stated by :mod:`hetpipe_tf.distributed.process_runner`);
+per configuration the ratio processes / in_process (target >= 0.9).
 
     python benchmarks/distributed_overhead.py [--epochs=4] [--model=cnn]
 """
@@ -26,6 +31,8 @@ import json
 import os
 import subprocess
 import sys
+
+from hetpipe_tf.planning.cluster import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,8 +46,10 @@ from hetpipe_tf.data import datasets
 launch, cluster, policy, vw_size, epochs, model_name = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4]),
                                                                       int(sys.argv[5]), sys.argv[6]]
 dilation = float(sys.argv[7]) if sys.argv[7] != "calibrate" else None
+placement = sys.argv[8] if sys.argv[8] != "-" else None
+cluster = json.loads(cluster) if cluster.startswith("{") else cluster
 strategy = HetPipeStrategy(cluster=cluster, policy=policy, vw_size=vw_size, num_in_flight=4, staleness_bound=0,
-                           launch=launch, dilation=dilation, timeout_s=120)
+                           launch=launch, dilation=dilation, timeout_s=120, placement=placement)
 keras.utils.set_random_seed(0)
 with strategy.scope():  # joins the cluster: datasets are made inside
     train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=32, shuffle=True, seed=0)
@@ -55,12 +64,34 @@ def cpu():
     return r.ru_utime + r.ru_stime
 
 
-c0 = cpu()
+def tree_cpu():
+    """CPU seconds of this process and every process it started (the tasks), from /proc."""
+    import os
+    parents, ticks = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(pid)], ticks[int(pid)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    def ours(pid):
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parents.get(pid, 0)
+        return False
+    return sum(t for pid, t in ticks.items() if ours(pid)) / os.sysconf("SC_CLK_TCK")
+
+
+c0, t0 = cpu(), tree_cpu()
 history = model.fit(train, epochs=epochs, verbose=0)
+t1 = tree_cpu()
 steps = epochs * int(train.cardinality())
 rates = history.history["images_per_s"][1:]  # steady state: the first epoch also starts and traces
 print("RESULT " + json.dumps({"images_per_s": len(rates) / sum(1 / r for r in rates),
                               "chief_cpu_s_per_minibatch": (cpu() - c0) / steps,
+                              "all_processes_cpu_s_per_minibatch": (t1 - t0) / steps,
                               "allocation": strategy.plan.allocation,
                               "emulation": report.as_dict() if (report := strategy.runner.emulation_report()) else None}))
 """
@@ -72,9 +103,10 @@ CALLS = {"calls_per_minibatch_per_stage": {"compiled_functions": 4, "custom_ops"
                  "one per call"}
 
 
-def run(launch, cluster, policy, vw_size, epochs, model, dilation):
-    proc = subprocess.run([sys.executable, "-c", RUN, launch, cluster, policy, str(vw_size), str(epochs), model,
-                           "calibrate" if dilation is None else str(dilation)], cwd=ROOT,
+def run(launch, cluster, policy, vw_size, epochs, model, dilation, placement=None):
+    proc = subprocess.run([sys.executable, "-c", RUN, launch, cluster if isinstance(cluster, str) else json.dumps(cluster),
+                           policy, str(vw_size), str(epochs), model, "calibrate" if dilation is None else str(dilation),
+                           placement or "-"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -100,11 +132,30 @@ def main():
                 print(json.dumps({**common, "allocation": r["allocation"], "launch": launch,
                                   "images_per_s": round(r["images_per_s"], 1),
                                   "chief_cpu_s_per_minibatch": round(r["chief_cpu_s_per_minibatch"], 5),
+                                  "all_processes_cpu_s_per_minibatch": round(r["all_processes_cpu_s_per_minibatch"], 5),
                                   "emulation": r["emulation"], **CALLS}), flush=True)
             print(json.dumps({**common, "ratio_processes_over_in_process": round(
                 rows["processes"]["images_per_s"] / rows["in_process"]["images_per_s"], 3), "target": ">= 0.9",
                 **({"dilation": dilation, "faithful": all(r["emulation"]["emulation_faithful"] for r in rows.values())}
                    if emulated else {})}), flush=True)
+    # §8.3: with links between the nodes, ED's local placement (each stage's layers on its own
+    # node's server) against default (round-robin): the dilation calibrated by the first.
+    linked = json.loads(json.dumps(PRESETS["local"]))
+    linked["links"].update(inter_node_GBps=0.125, inter_node_latency_ms=0.5, emulate=True)  # 1 Gbit/s, 0.5 ms
+    rows, dilation = {}, None
+    for placement in ("local", "default"):
+        rows[placement] = run("processes", linked, "ed", 2, args.epochs, args.model, dilation, placement)
+        dilation = rows[placement]["emulation"]["dilation"]
+        print(json.dumps({"benchmark": "distributed_overhead", "cluster": "local with emulated links",
+                          "links": "1 Gbit/s, 0.5 ms between nodes", "devices": "EMULATED", "virtual_workers": 2,
+                          "policy": "ed", "placement": placement, "launch": "processes",
+                          "allocation": rows[placement]["allocation"],
+                          "images_per_s": round(rows[placement]["images_per_s"], 1),
+                          "emulation": rows[placement]["emulation"]}), flush=True)
+    print(json.dumps({"benchmark": "distributed_overhead", "cluster": "local with emulated links",
+                      "ratio_ed_local_over_default": round(rows["local"]["images_per_s"] / rows["default"]["images_per_s"],
+                                                           3), "target": ">= 1.0", "dilation": dilation,
+                      "faithful": all(r["emulation"]["emulation_faithful"] for r in rows.values())}), flush=True)
 
 
 if __name__ == "__main__":

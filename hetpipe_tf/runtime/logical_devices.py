@@ -1,4 +1,4 @@
-"""TensorFlow devices for device specs: logical CPUs for emulated devices and the host CPU, logical GPUs with
+"""TensorFlow devices for device specs: logical CPUs for emulated devices, logical GPUs with
 memory limits for small cards (see :mod:`hetpipe_tf.planning.devices` for the specs)."""
 import warnings
 
@@ -9,15 +9,15 @@ from hetpipe_tf.planning.devices import DeviceSpecError
 def configure_tensorflow_devices(specs):
     """TensorFlow device names serving `specs`, creating logical devices where needed.
 
-    Emulated devices and the host CPU get one logical CPU device each (placement labels;
-    they share the host's cores). GPUs with a memory limit become logical GPUs. Logical devices
+    Emulated devices get one logical CPU device each (placement labels; they share
+    the host's cores). GPUs with a memory limit become logical GPUs. Logical devices
     can only be made before TensorFlow initialises its runtime; if it already has,
     emulated devices share the logical CPUs that exist.
     """
     import tensorflow as tf
 
     specs = tuple(specs)
-    on_host = [s for s in specs if s.kind != "gpu"]  # emulated devices and shares of the host CPU
+    emulated = [s for s in specs if s.emulated]
     gpus = tf.config.list_physical_devices("GPU")
     limits = {}  # physical GPU -> memory limits of the logical GPUs asked on it
     for s in specs:
@@ -31,11 +31,11 @@ def configure_tensorflow_devices(specs):
             raise DeviceSpecError(f"the items on gpu:{i} must all give a memory limit or none, got "
                                   f"{[format_bytes(m) if m else None for m in mems]}")
     try:
-        if on_host:
+        if emulated:
             cpu = tf.config.list_physical_devices("CPU")[0]
-            if len(tf.config.get_logical_device_configuration(cpu) or []) < len(on_host):
+            if len(tf.config.get_logical_device_configuration(cpu) or []) < len(emulated):
                 tf.config.set_logical_device_configuration(
-                    cpu, [tf.config.LogicalDeviceConfiguration()] * max(len(on_host), 2))
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * max(len(emulated), 2))
         for i, mems in limits.items():
             if all(mems):
                 tf.config.set_logical_device_configuration(
@@ -44,8 +44,8 @@ def configure_tensorflow_devices(specs):
     except RuntimeError:
         pass  # the runtime is already initialised: use the logical devices it has
     logical_cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if len(logical_cpus) < len(on_host):
-        warnings.warn(f"TensorFlow started before the devices were configured, so {len(on_host)} host "
+    if len(logical_cpus) < len(emulated):
+        warnings.warn(f"TensorFlow started before the devices were configured, so {len(emulated)} emulated "
                       f"devices share {len(logical_cpus)} logical CPU device(s); emulation is unaffected "
                       f"(call configure_tensorflow_devices first to give each its own device name)")
     logical_gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
@@ -57,7 +57,9 @@ def configure_tensorflow_devices(specs):
             slot = used.get(spec.index, 0) if spec.memory else 0
             used[spec.index] = slot + 1
             names.append(logical_gpus[min(sum(per_gpu[:spec.index]) + slot, len(logical_gpus) - 1)])
-        else:
+        elif spec.emulated:
             names.append(logical_cpus[next_cpu % len(logical_cpus)])
             next_cpu += 1
+        else:
+            names.append(logical_cpus[0])
     return tuple(names)

@@ -64,8 +64,7 @@ def cpu():
     return r.ru_utime + r.ru_stime
 
 
-def tree_cpu():
-    """CPU seconds of this process and every process it started (the tasks), from /proc."""
+def tree_cpu():  # CPU seconds of this process and every process it started (the tasks), from /proc
     import os
     parents, ticks = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.distributed.test_netlinks import needs_root
 
@@ -81,6 +82,7 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
     assert len(apart["history"]["val_loss"]) == 1
 
 
+@pytest.mark.slow
 @needs_root
 def test_emulated_links_change_the_timing_not_the_training(tmp_path):
     # Each node's tasks in a network namespace of its own (hetpipe_tf.distributed.netlinks),

@@ -112,7 +112,8 @@ class HetPipeStrategy:
         self.emulate_links = self.cluster.emulate_links if emulate_links is None else bool(emulate_links)
         if self.emulate_links and launch != "processes":
             raise ValueError(f"emulated links join the tasks that launch='processes' starts on this machine; "
-                             f"launch={launch!r} has none (in_process: one process; tf_config: real machines)")
+                             f"launch={launch!r} has none (in_process: one process; tf_config: real machines); "
+                             f"pass emulate_links=False (--noemulate_links) to run without them")
         self.plan = None  # the planner's Plan, once fit has run
         self.runner = None  # the WSPRunner, once fit has run
         self._compiled = {}  # id(model) -> compile arguments

@@ -29,6 +29,7 @@ from hetpipe_tf.planning.profile import Profile, SegmentTimes
 from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 TIMES = st.one_of(st.integers(1, 20).map(lambda i: i / 4), st.floats(0.01, 5.0, allow_nan=False))
+MEMORY = st.one_of(st.integers(1_000, 150_000), st.integers(150_000, 1_500_000))  # bytes: tight and roomy
 
 
 @st.composite
@@ -37,8 +38,8 @@ def instances(draw):
     k = draw(st.integers(1, 4))  # k > n: nothing to place on some device
     per_segment = dict(min_size=n, max_size=n)
     spec = json.loads(json.dumps(PRESETS["local"]))  # 2 fast and 2 slow emulated devices, two nodes
-    spec["device_types"]["F"]["memory"] = draw(st.integers(1_000, 400_000))
-    spec["device_types"]["S"]["memory"] = draw(st.integers(1_000, 400_000))
+    spec["device_types"]["F"]["memory"] = draw(MEMORY)
+    spec["device_types"]["S"]["memory"] = draw(MEMORY)
     cluster = load_cluster(spec)
     profile = Profile(
         model="random", batch_size=4, starts=tuple(range(n)),

@@ -259,7 +259,7 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
     bounds = Bounds(np.zeros(nvar), np.concatenate([np.ones(nvar - 1), [np.inf]]))
     with _quiet_stdout():  # HiGHS prints debug lines of its own
         res = milp(cost, constraints=LinearConstraint(np.array(rows), lb, ub), integrality=integrality,
-                   bounds=bounds, options={"time_limit": time_limit})
+                   bounds=bounds, options={"time_limit": time_limit, "mip_rel_gap": 0.0})
     if res.x is None:
         raise _infeasible(model, devices, num_in_flight, co)
     bounds_out = [0] + [next(c for c in cuts if res.x[y(c, q)] > 0.5) for q in range(k - 1)]

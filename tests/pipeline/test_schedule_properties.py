@@ -171,9 +171,11 @@ def _check_stage(run, stage, spans):
             in_flight.remove(p)
             applied.add(p)
         most_live, most_held = max(most_live, len(live)), max(most_held, len(held))
-    assert most_live <= nm and most_live == min(nm, n) and not live
+    assert most_live <= nm and most_live == min(nm, n) and not live, (
+        f"stage {stage}: at most {most_live} weight versions live, {sorted(live)} left at the end, Nm={nm}")
     assert most_live <= HETPIPE.weight_versions(nm)
-    assert most_held <= min(nm, k - stage) and most_held <= HETPIPE.activations_held(stage, k, nm)
+    assert most_held <= min(nm, k - stage) and most_held <= HETPIPE.activations_held(stage, k, nm), (
+        f"stage {stage}: activations of {most_held} minibatches held, min(Nm, k - q) = {min(nm, k - stage)}")
 
 
 def _check_across_stages(run, result):
@@ -185,7 +187,7 @@ def _check_across_stages(run, result):
     fwd, bwd = times(Forward), times(Backward)
     for p in range(1, run.n + 1):
         for q in range(run.k):
-            assert bwd[(q, p)].start >= fwd[(q, p)].end
+            assert bwd[(q, p)].start >= fwd[(q, p)].end, f"Backward({p}) on stage {q} before its forward"
             if q + 1 < run.k:
                 assert fwd[(q + 1, p)].start >= fwd[(q, p)].end, f"Forward({p}) on stage {q + 1} before stage {q}"
                 assert bwd[(q, p)].start >= bwd[(q + 1, p)].end, f"Backward({p}) on stage {q} before stage {q + 1}"

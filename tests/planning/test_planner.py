@@ -56,6 +56,7 @@ def test_model_too_big_for_a_worker_names_the_stage():
         plan(model_profile(activation=40 * 2 ** 30), load_cluster("paper"), policy="np")
 
 
+@pytest.mark.slow
 def test_auto_is_at_least_as_good_as_every_policy():
     cluster, profile = load_cluster("paper"), model_profile()
     auto = plan(profile, cluster, policy="auto")

@@ -130,6 +130,14 @@ class Cluster:
         return f"cluster '{self.name}': " + ", ".join(parts)
 
 
+def _flag(spec, key, where):
+    """spec[key] as a bool (default False), or a ClusterError naming `where` + key."""
+    value = spec.get(key, False)
+    if not isinstance(value, bool):
+        raise ClusterError(f"{where}{key} is true or false, got {value!r}")
+    return value
+
+
 def from_dict(spec, where="cluster"):
     """A validated :class:`Cluster` from its JSON-like description."""
     if not isinstance(spec, dict):
@@ -143,9 +151,7 @@ def from_dict(spec, where="cluster"):
         if not isinstance(t, dict) or "memory" not in t:
             raise ClusterError(f"{at} needs a memory size")
         speed = t.get("emulated_speed")
-        host_cpu = t.get("host_cpu", False)
-        if not isinstance(host_cpu, bool):
-            raise ClusterError(f"{at}: host_cpu is true or false, got {host_cpu!r}")
+        host_cpu = _flag(t, "host_cpu", f"{at}: ")
         kinds = [k for k, given in (("emulated_speed", speed is not None), ("host_cpu", host_cpu),
                                     ("peak_tflops", t.get("peak_tflops") is not None)) if given]
         if len(kinds) > 1:
@@ -191,9 +197,7 @@ def from_dict(spec, where="cluster"):
     latency = links.get("inter_node_latency_ms", 0.0)
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
         raise ClusterError(f"{where}: links.inter_node_latency_ms must be a number >= 0, got {latency!r}")
-    emulate = links.get("emulate", False)
-    if not isinstance(emulate, bool):
-        raise ClusterError(f"{where}: links.emulate is true or false, got {emulate!r}")
+    emulate = _flag(links, "emulate", f"{where}: links.")
     return Cluster(name=spec.get("name", "cluster"), device_types=types, nodes=tuple(nodes),
                    intra_node_bandwidth=bw["intra_node_GBps"], inter_node_bandwidth=bw["inter_node_GBps"],
                    inter_node_latency=latency / 1e3, emulate_links=emulate)

@@ -65,6 +65,7 @@ _EXPORTS = {
     # Parameter servers and clusters (§5, §8.1)
     "ParameterServers": "hetpipe_tf.sync.parameter_server",
     "LocalCluster": "hetpipe_tf.distributed.launch",
+    "TFConfigCluster": "hetpipe_tf.distributed.launch",
     # Custom ops
     "WeightStash": "hetpipe_tf.ops.weight_stash",
     "WspClock": "hetpipe_tf.ops.wsp_clock",
@@ -72,7 +73,7 @@ _EXPORTS = {
     "PipelineError": "hetpipe_tf.pipeline.executor",
     "NonFiniteError": "hetpipe_tf.runtime.stage_runtime",
     "StalenessViolation": "hetpipe_tf.sync.staleness",
-    "ClusterStartError": "hetpipe_tf.distributed.launch",
+    "ClusterStartError": "hetpipe_tf.distributed.starter",
     "ClusterConfigError": "hetpipe_tf.distributed.launch",
     "DeviceOutOfMemoryError": "hetpipe_tf.pipeline.emulation",
     "DeviceSpecError": "hetpipe_tf.planning.devices",

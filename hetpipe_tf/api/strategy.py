@@ -16,11 +16,17 @@ Where the tasks run (``launch``):
 * ``"processes"`` (default): a :class:`hetpipe_tf.distributed.launch.LocalCluster` on this machine,
   one worker task per node of the cluster description (its devices are the task's
   logical devices) and one parameter-server task per node (§8.1); this process is the
-  chief. Emulated devices only.
+  chief. Emulated devices and the host CPU only.
 * ``"tf_config"``: the cluster in ``TF_CONFIG`` (jobs ``ps`` and ``worker``, one of
-  each per node in the description's node order, this process the ``chief``), for
-  example started by ``hetpipe launch``. Emulated devices are the worker tasks'
-  logical CPUs, real ones their GPUs.
+  each per node in the description's node order, this process the ``chief``), started
+  by ``hetpipe launch`` or on each host by hand (:class:`hetpipe_tf.distributed.launch.TFConfigCluster`).
+  Emulated devices are the worker tasks' logical CPUs, real ones their GPUs.
+
+With both, each virtual worker is driven by a process of its own on its home node, the node
+of its first stage (:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`; under
+``tf_config`` that node's worker task starts it); the process holds the home node's
+emulated and host-CPU devices itself and reaches the others (and real GPUs) on their node's
+worker task.
 * ``"in_process"``: every device and server in this process (threads; quick, for
   tests and small models).
 
@@ -176,10 +182,9 @@ class HetPipeStrategy:
                               verbose=verbose, validation_data=validation_data, trace_path=trace_path)
         except Exception as exc:
             from hetpipe_tf.distributed.heartbeat import TaskLostError
-            from hetpipe_tf.distributed.launch import reported_lost
 
             cluster = _connected.get("cluster")
-            lost = cluster.find_lost() if hasattr(cluster, "find_lost") else reported_lost()
+            lost = cluster.find_lost() if cluster is not None else None
             if lost is None:
                 raise
 
@@ -210,7 +215,7 @@ class HetPipeStrategy:
                          optimizer_slots=slots_per_weight(model.optimizer))
         devices = self._devices()
         workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
-        if self.launch == "processes":
+        if self.launch != "in_process":
             from hetpipe_tf.distributed.process_runner import ProcessRunner
 
             nodes = [n.name for n in self.cluster.nodes]
@@ -233,8 +238,9 @@ class HetPipeStrategy:
         return self.runner
 
     def _worker_spec(self, w, devices):
-        """Worker w's WorkerSpec, and how many of its devices its own process holds (launch
-        'processes': those on its home node, the node of its first stage; otherwise none)."""
+        """Worker w's WorkerSpec, and how many of its devices its own process holds: those on
+        its home node, the node of its first stage, but real GPUs (their node's worker task
+        holds them); none in_process."""
         from hetpipe_tf.distributed.worker_process import local_device
         from hetpipe_tf.runtime.wsp_runner import WorkerSpec
 
@@ -244,7 +250,7 @@ class HetPipeStrategy:
         for d in self.plan.workers[w].devices:
             node = nodes.index(d.node)
             specs.append(_device_spec(d))
-            if self.launch == "processes" and d.node == home:
+            if self.launch != "in_process" and d.node == home and d.type.on_host:
                 names.append(local_device(w, local))
                 local += 1
             else:
@@ -285,7 +291,7 @@ class HetPipeStrategy:
                                    f"({self.launch}, {want}) needs a new process")
             _connected["strategy"] = self  # the one whose runner a lost task stops
             return
-        from hetpipe_tf.distributed.launch import LocalCluster, connect_tf_config
+        from hetpipe_tf.distributed.launch import LocalCluster, TFConfigCluster
 
         if self.launch == "processes":
             links = None
@@ -297,11 +303,12 @@ class HetPipeStrategy:
                 atexit.register(links.stop)  # after the tasks, which end with this process
             cluster = LocalCluster(num_ps=want[0], worker_cpus=want[1], log_dir=self.log_dir, links=links,
                                    start_timeout=max(self.timeout_s, START_TIMEOUT_S), timeout_s=self.timeout_s).start().connect()
-            # A lost task stops training at once (the heartbeat monitor found it).
-            cluster.on_lost(lambda lost: _connected["strategy"].runner.abort()
-                            if _connected["strategy"].runner else None)
         else:
-            cluster = connect_tf_config(num_ps=want[0], num_workers=want[0])
+            cluster = TFConfigCluster(num_ps=want[0], num_workers=want[0], timeout_s=self.timeout_s,
+                                      start_timeout=max(self.timeout_s, START_TIMEOUT_S)).connect()
+        # A lost task stops training at once (the heartbeat monitor found it).
+        cluster.on_lost(lambda lost: _connected["strategy"].runner.abort()
+                        if _connected["strategy"].runner else None)
         _connected.update(shape=want, launch=self.launch, cluster=cluster, strategy=self)
 
     def describe(self):

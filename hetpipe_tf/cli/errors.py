@@ -50,7 +50,7 @@ USAGE_ERRORS = {
 FAILED_RUNS = {
     "hetpipe_tf.pipeline.emulation": ("DeviceOutOfMemoryError",),
     "hetpipe_tf.runtime.stage_runtime": ("NonFiniteError",),
-    "hetpipe_tf.distributed.launch": ("ClusterStartError",),
+    "hetpipe_tf.distributed.starter": ("ClusterStartError",),
     "hetpipe_tf.distributed.heartbeat": ("TaskLostError",),
     "hetpipe_tf.ops.loader": ("OpsLibraryError",),
     "hetpipe_tf.cli.plots": ("PlottingUnavailableError",),

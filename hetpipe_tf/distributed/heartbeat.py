@@ -18,6 +18,7 @@ tells a task which task was lost, so that every task's log names it.
 """
 import ctypes
 import os
+import queue
 import signal
 import socket
 import threading
@@ -209,6 +210,29 @@ def poll(get, wait_s, interval_s):
         if value or time.monotonic() >= deadline:
             return value
         time.sleep(interval_s)
+
+
+def call_with_deadline(fn, timeout_s, what):
+    """`fn()`'s value (or its exception), or a TimeoutError naming `what` once `timeout_s`
+    passed: for calls with no deadline of their own (connecting, accepting, reading a
+    connection), which would otherwise wait forever on a stopped peer. `fn` goes on in a
+    daemon thread."""
+    result = queue.Queue()
+
+    def call():
+        try:
+            result.put((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result.put((False, e))
+
+    threading.Thread(target=call, name="hetpipe-deadline", daemon=True).start()
+    try:
+        ok, value = result.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"{what}: no answer within {timeout_s:g} s") from None
+    if not ok:
+        raise value
+    return value
 
 
 def end_with_parent(parent):

@@ -9,29 +9,24 @@ goes to a log file; a task that fails to start is reported with its log. Tasks e
 the process that started them, whether it exits, fails or is killed. Once connected, the
 chief watches every task's heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`): a task
 that dies or stops answering for ``timeout_s`` is named in one line, ended, and training
-stopped (:meth:`LocalCluster.on_lost`).
+stopped (:meth:`LocalCluster.on_lost`). :class:`TFConfigCluster` is the same cluster as the
+chief sees it when its tasks were started elsewhere (``TF_CONFIG``: by :func:`launch`, or
+on other hosts by hand). Both start the tasks the chief adds (the virtual workers'
+processes) on a given node: LocalCluster itself, TFConfigCluster through that node's
+worker task (:mod:`hetpipe_tf.distributed.starter`).
 """
 import contextlib
+import functools
 import json
 import os
-import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
-
-
-class ClusterStartError(RuntimeError):
-    """A task of the cluster did not start."""
-
-
-def free_port(host="127.0.0.1"):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
+                                            free_port, spawn, starter_file, wait_ready)
 
 
 def use_parallel_remote_ops():
@@ -68,6 +63,8 @@ class LocalCluster:
       start_timeout: the longest a task may take to start.
       timeout_s: the longest a task may leave a heartbeat unanswered before it is lost
         (:mod:`hetpipe_tf.distributed.heartbeat`), and a task the chief's.
+      task_starters: whether the worker tasks start processes for a chief that joins through
+        TF_CONFIG (:class:`TFConfigCluster`; :func:`launch` asks for them).
       links: started :class:`hetpipe_tf.distributed.netlinks.EmulatedLinks` with a node per ps
         and worker task: node i's tasks (ps i, worker i, and tasks given its address) run in
         its network namespace at its address, the chief at the links' own address (`host`
@@ -75,7 +72,7 @@ class LocalCluster:
     """
 
     def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0, timeout_s=300.0,
-                 links=None):
+                 task_starters=False, links=None):
         self.worker_cpus = list(worker_cpus)
         self.links = links
         self._node_hosts = []
@@ -94,6 +91,8 @@ class LocalCluster:
         os.makedirs(self.log_dir, exist_ok=True)
         self.start_timeout = start_timeout
         self.timeout_s = float(timeout_s)
+        self.authkey = os.urandom(16)  # the cluster's key (hetpipe_tf.distributed.starter)
+        self.task_starters = task_starters
         self._procs = {}
         self._heartbeats = {}
         self._addresses = {}  # of tasks started by start_task
@@ -120,12 +119,12 @@ class LocalCluster:
         return list(self._procs)
 
     def pid(self, job, index):
-        return self._procs[(job, index)][0].pid
+        return self._procs[(job, index)].pid
 
     def exit_status(self, job, index):
         """How task (job, index) ended ("exited with status 1", "killed by signal 9"), or None
         while it runs."""
-        code = self._procs[(job, index)][0].poll()
+        code = self._procs[(job, index)].poll()
         if code is None:
             return None
         return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
@@ -139,50 +138,42 @@ class LocalCluster:
             for i, n in enumerate(cpus):
                 self._spawn(job, i, "hetpipe_tf.distributed.server",
                             [f"--cluster_spec={json.dumps(self.spec)}", f"--job_name={job}", f"--task_index={i}",
-                             f"--logical_cpus={n}"])
+                             f"--logical_cpus={n}", f"--task_log_dir={self.log_dir}"], keyed=self.task_starters)
         for job, i in list(self._procs):
             self._wait_ready(job, i)
         return self
 
-    def start_tasks(self, tasks, env=None):
-        """Starts more tasks, each (job, index, TensorFlow address, module, args): ``python -m
-        module args`` (it takes --parent_pid and --chief_timeout_s and prints the ready line of
-        :mod:`hetpipe_tf.distributed.server`); waits until every one is ready and watches their
-        heartbeats if the others' are watched."""
-        for job, index, address, module, args in tasks:
+    def start_tasks(self, tasks):
+        """Starts more tasks, each (job, index, node, module, args): ``python -m module args
+        --address=HOST:PORT`` at an address of node `node` (it takes --parent_pid and
+        --chief_timeout_s and prints the ready line of :mod:`hetpipe_tf.distributed.server`);
+        waits until every one is ready and watches their heartbeats if the others' are watched."""
+        for job, index, node, module, args in tasks:
+            address = self.free_address(self.node_host(node))
             self._addresses[(job, index)] = address
-            self._spawn(job, index, module, list(args), env)
+            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True)
         for job, index, *_ in tasks:
             self._wait_ready(job, index)
             if self.monitor is not None:
                 self.monitor.add(self._watched(job, index))
 
-    def _spawn(self, job, index, module, args, env=None):
-        log = open(self.task_log(job, index), "w")
-        cmd = [sys.executable, "-m", module, *args, f"--parent_pid={os.getpid()}",
-               f"--chief_timeout_s={self.timeout_s}"]
+    def _spawn(self, job, index, module, args, keyed):
+        """Starts a task; `keyed`: with the cluster's key (a worker task then runs its starter)."""
         host = self.address(job, index).rsplit(":", 1)[0]
+        wrap = None
         if host in self._node_hosts:  # in its node's network namespace (`ip netns exec` execs it: same pid)
-            cmd = self.links.command(self._node_hosts.index(host), cmd)
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-        self._procs[(job, index)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            wrap = functools.partial(self.links.command, self._node_hosts.index(host))
+        self._procs[(job, index)] = spawn(module, args, self.task_log(job, index),
+                                          env={AUTHKEY_ENV: self.authkey.hex()} if keyed else None,
+                                          chief_timeout_s=self.timeout_s, wrap=wrap)
 
     def _wait_ready(self, job, i):
-        proc = self._procs[(job, i)][0]
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            with open(self.task_log(job, i)) as f:
-                ready = re.search(r"ready at .*; heartbeat at (\S+)", f.read())
-            if ready:
-                self._heartbeats[(job, i)] = ready.group(1)
-                return
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = open(self.task_log(job, i)).read()[-2000:]
-                why = f"exited with {proc.returncode}" if proc.returncode is not None else \
-                    f"was not ready after {self.start_timeout:g} s"
-                self.stop()
-                raise ClusterStartError(f"task {job}:{i} {why}; its log ({self.task_log(job, i)}):\n{tail}")
-            time.sleep(0.1)
+        try:
+            self._heartbeats[(job, i)] = wait_ready(self._procs[(job, i)], self.task_log(job, i), f"{job}:{i}",
+                                                    self.start_timeout)
+        except ClusterStartError:
+            self.stop()
+            raise
 
     def connect(self):
         """Makes this process the chief of the cluster (once per process)."""
@@ -237,7 +228,7 @@ class LocalCluster:
         then fail instead of hanging), tells the other tasks, and calls the callbacks (which
         stop training)."""
         print(f"hetpipe: {lost}", file=sys.stderr, flush=True)
-        proc = self._procs[(lost.job, lost.index)][0]
+        proc = self._procs[(lost.job, lost.index)]
         if proc.poll() is None:
             proc.kill()
         self.monitor.tell_lost(lost)
@@ -260,17 +251,20 @@ class LocalCluster:
         chief's tasks end when the chief does (each task watches the process that started it)."""
         if self._connected:
             return
-        for proc, log in self._procs.values():
+        for proc in self._procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc, log in self._procs.values():
+        for proc in self._procs.values():
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            log.close()
         self._procs.clear()
+        if self.task_starters:
+            for address in self.spec["worker"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(starter_file(address))
 
     def __enter__(self):
         return self.start()
@@ -283,34 +277,118 @@ class ClusterConfigError(ValueError):
     """TF_CONFIG is missing or does not describe the cluster asked for."""
 
 
-def connect_tf_config(num_ps, num_workers, environ=None):
-    """Makes this process the chief of the cluster in ``TF_CONFIG``.
+class TFConfigCluster:
+    """The cluster in ``TF_CONFIG``, whose ps and worker tasks were started elsewhere (by
+    ``hetpipe launch``, or on each host by hand with
+    ``python -m hetpipe_tf.distributed.server``); this process is its chief.
 
     The cluster must have `num_ps` ``ps`` tasks, `num_workers` ``worker`` tasks and a
-    ``chief``, and TF_CONFIG's task must be the chief. Returns the cluster spec (a dict).
+    ``chief``, and TF_CONFIG's task must be the chief. Tasks this chief starts
+    (:meth:`start_tasks`: the virtual workers' processes) are started by the worker task of
+    their node (:class:`hetpipe_tf.distributed.starter.TaskStarter`), which needs the
+    cluster's key in ``HETPIPE_AUTHKEY`` here as in every task; the chief watches their
+    heartbeats, and ``hetpipe launch`` the ps and worker tasks' (:func:`reported_lost`).
     """
-    import tensorflow as tf
 
-    text = (environ if environ is not None else os.environ).get("TF_CONFIG")
-    if not text:
-        raise ClusterConfigError("launch='tf_config' needs TF_CONFIG (start the tasks with `hetpipe launch`, "
-                                 "which sets it for the chief)")
-    try:
-        config = json.loads(text)
-        spec, task = config["cluster"], config.get("task", {})
-    except (ValueError, KeyError, TypeError) as e:
-        raise ClusterConfigError(f"TF_CONFIG is not a JSON object with a 'cluster' ({e}): {text[:200]!r}") from None
-    want = {"ps": num_ps, "worker": num_workers, "chief": 1}
-    got = {job: len(spec.get(job, [])) for job in want}
-    if got != want:
-        raise ClusterConfigError(f"TF_CONFIG's cluster has {got} tasks; this cluster description needs {want} "
-                                 f"(one ps and one worker task per node, in node order, and one chief)")
-    if task.get("type") != "chief" or int(task.get("index", 0)) != 0:
-        raise ClusterConfigError(f"this process must be TF_CONFIG's chief (task 0), got task {task}")
-    use_parallel_remote_ops()
-    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name="chief", task_index=0,
-                                              make_master_device_default=False)
-    return spec
+    def __init__(self, num_ps, num_workers, timeout_s=300.0, start_timeout=120.0, environ=None):
+        environ = environ if environ is not None else os.environ
+        text = environ.get("TF_CONFIG")
+        if not text:
+            raise ClusterConfigError("launch='tf_config' needs TF_CONFIG (start the tasks with `hetpipe launch`, "
+                                     "which sets it for the chief)")
+        try:
+            config = json.loads(text)
+            spec, task = config["cluster"], config.get("task", {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise ClusterConfigError(f"TF_CONFIG is not a JSON object with a 'cluster' ({e}): "
+                                     f"{text[:200]!r}") from None
+        want = {"ps": num_ps, "worker": num_workers, "chief": 1}
+        got = {job: len(spec.get(job, [])) for job in want}
+        if got != want:
+            raise ClusterConfigError(f"TF_CONFIG's cluster has {got} tasks; this cluster description needs {want} "
+                                     f"(one ps and one worker task per node, in node order, and one chief)")
+        if task.get("type") != "chief" or int(task.get("index", 0)) != 0:
+            raise ClusterConfigError(f"this process must be TF_CONFIG's chief (task 0), got task {task}")
+        self.authkey = authkey_from(environ)
+        if self.authkey is None:
+            raise ClusterConfigError(f"launch='tf_config' needs the cluster's key in {AUTHKEY_ENV}, the same as the "
+                                     f"tasks' (`hetpipe launch` sets it; on other hosts, set the same hex value for "
+                                     f"every task and the chief)")
+        self.spec = spec
+        self.timeout_s = float(timeout_s)
+        self.start_timeout = float(start_timeout)
+        self.monitor = None
+        self._environ = environ
+        self._addresses = {}
+        self._starters = {}  # node -> StarterClient
+        self._started_by = {}  # (job, index) -> node
+        self._on_lost = []
+
+    def connect(self):
+        """Makes this process the chief of the cluster (once per process)."""
+        import tensorflow as tf
+
+        use_parallel_remote_ops()
+        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief", task_index=0,
+                                                  make_master_device_default=False)
+        return self
+
+    def address(self, job, index):
+        """The TensorFlow address of task (job, index)."""
+        return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
+
+    def _starter(self, node):
+        """The task starter of node `node`'s worker task, its address read on that host through
+        TensorFlow (:func:`hetpipe_tf.distributed.starter.starter_file`)."""
+        import tensorflow as tf
+
+        if node not in self._starters:
+            address = self.spec["worker"][node]
+            try:
+                with tf.device(worker_device(node, "CPU", 0)):
+                    starter = tf.io.read_file(starter_file(address)).numpy().decode()
+            except tf.errors.NotFoundError:
+                raise ClusterConfigError(f"worker task {node} at {address} runs no task starter: start it with "
+                                         f"{AUTHKEY_ENV} set to the chief's key") from None
+            self._starters[node] = StarterClient(starter, self.authkey, self.timeout_s)
+        return self._starters[node]
+
+    def start_tasks(self, tasks):
+        """Starts tasks, each (job, index, node, module, args), by node `node`'s worker task:
+        ``python -m module args --address=HOST:PORT`` on its host; waits until every one is
+        ready, and watches their heartbeats."""
+        for job, index, node, module, args in tasks:
+            address, heartbeat, _ = self._starter(node).start(job, index, module, args, self.timeout_s,
+                                                               self.start_timeout)
+            self._addresses[(job, index)] = address
+            self._started_by[(job, index)] = node
+            watched = Watched(job, index, address, heartbeat)
+            if self.monitor is None:
+                self.monitor = HeartbeatMonitor([watched], self.timeout_s, self._lost).start()
+            else:
+                self.monitor.add(watched)
+
+    def on_lost(self, callback):
+        """Calls callback(LostTask) when a task this chief started is lost."""
+        self._on_lost.append(callback)
+
+    def _lost(self, lost):
+        """As :meth:`LocalCluster._lost`: one line; the task ended by the worker task that started
+        it; the others told; the callbacks called."""
+        print(f"hetpipe: {lost}", file=sys.stderr, flush=True)
+        try:
+            self._starters[self._started_by[(lost.job, lost.index)]].end(lost.job, lost.index)
+        except (OSError, EOFError, TimeoutError) as e:
+            print(f"hetpipe: could not end {lost.job}:{lost.index} ({e}); it ends when this chief does",
+                  file=sys.stderr, flush=True)
+        self.monitor.tell_lost(lost)
+        for callback in self._on_lost:
+            callback(lost)
+
+    def find_lost(self, wait_s=2.0):
+        """The task lost, or None: one that ``hetpipe launch`` reported (a ps or worker task:
+        the cause when the processes it started were lost with it), else one of this chief's."""
+        return reported_lost(self._environ, wait_s) or (self.monitor.lost if self.monitor else None)
 
 
 #: The environment variable naming the file where `hetpipe launch` writes the task it lost.
@@ -367,7 +445,7 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
 def _launch(description, command, links, log_dir, host, start_timeout, timeout_s, out):
     nodes = description.nodes
     local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
-                         start_timeout=start_timeout, timeout_s=timeout_s, links=links)
+                         start_timeout=start_timeout, timeout_s=timeout_s, task_starters=True, links=links)
     local.start()
     lost_file = os.path.join(local.log_dir, "lost-task.json")
     lost_at = []
@@ -384,7 +462,7 @@ def _launch(description, command, links, log_dir, host, start_timeout, timeout_s
           f"({', '.join(f'{n.name}: {n.count} devices' for n in nodes)}); task logs in {local.log_dir}",
           file=out, flush=True)
     chief = subprocess.Popen(command, env=dict(os.environ, TF_CONFIG=local.tf_config(),
-                                               **{LOST_TASK_FILE_ENV: lost_file}))
+                                               **{LOST_TASK_FILE_ENV: lost_file, AUTHKEY_ENV: local.authkey.hex()}))
     reported = set()
     try:
         while chief.poll() is None:

@@ -3,9 +3,10 @@
 The paper's TensorFlow implementation runs every virtual worker as a worker process
 and the parameter servers as separate tasks. :class:`ProcessRunner` does the same: this
 process, the chief, creates the global weights and the WSP clock on the parameter-server
-tasks, starts one :mod:`hetpipe_tf.distributed.worker_process` per virtual worker (a task
-of the :class:`hetpipe_tf.distributed.launch.LocalCluster`, watched by heartbeats like the
-others), and sends each its model, plan and shard of the data. Each worker process
+tasks, starts one :mod:`hetpipe_tf.distributed.worker_process` per virtual worker on the
+worker's home node (a task the cluster starts, :class:`hetpipe_tf.distributed.launch.LocalCluster`
+here or :class:`hetpipe_tf.distributed.launch.TFConfigCluster` through the node's worker task;
+the chief watches its heartbeats), and sends each its model, plan and shard of the data. Each worker process
 pipelines its minibatches and pushes and pulls at the servers itself; the chief only
 gathers their per-minibatch logs, runs validation and the callbacks on the global weights,
 forwards learning-rate changes and stops everything. So the chief does no work per
@@ -23,13 +24,13 @@ the push and the pull; a stage on another node's worker task makes one RPC per c
 """
 import json
 import multiprocessing.connection
-import os
 import pickle
 import queue
 import threading
 import time
 
-from hetpipe_tf.distributed.worker_process import AUTHKEY_ENV, job_name
+from hetpipe_tf.distributed.heartbeat import call_with_deadline
+from hetpipe_tf.distributed.worker_process import job_name
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.trace import TraceRecorder
@@ -114,7 +115,8 @@ class ProcessRunner:
     Args:
       model: the built, compiled Keras model (the chief's copy holds the global weights
         between epochs, for validation and callbacks).
-      cluster: the started and connected :class:`hetpipe_tf.distributed.launch.LocalCluster`.
+      cluster: the started and connected :class:`hetpipe_tf.distributed.launch.LocalCluster` or
+        :class:`hetpipe_tf.distributed.launch.TFConfigCluster`.
       workers: a :class:`hetpipe_tf.runtime.wsp_runner.WorkerSpec` per virtual worker, its
         TensorFlow devices as its process names them
         (:func:`hetpipe_tf.distributed.worker_process.local_device` for its own node's).
@@ -174,18 +176,15 @@ class ProcessRunner:
 
     # Starting --------------------------------------------------------------------------
     def _start(self, shards):
-        """Starts every worker's process, sends it its job and waits until it is built."""
-        authkey = os.urandom(16)
+        """Starts every worker's process on its home node, sends it its job and waits until it
+        is built."""
         host = self.cluster.address("chief", 0).rsplit(":", 1)[0]
         servers = json.dumps({"ps": self.cluster.spec["ps"], "worker": self.cluster.spec["worker"]})
-        with multiprocessing.connection.Listener((host, 0), authkey=authkey) as listener:
-            tasks = []
-            for w, n in enumerate(self.local_devices):
-                address = self.cluster.free_address(self.cluster.node_host(self.home_nodes[w]))
-                tasks.append((job_name(w), 0, address, "hetpipe_tf.distributed.worker_process",
-                              [f"--chief={host}:{listener.address[1]}", f"--worker={w}", f"--address={address}",
-                               f"--cluster_spec={servers}", f"--local_devices={n}"]))
-            self.cluster.start_tasks(tasks, env={AUTHKEY_ENV: authkey.hex()})
+        with multiprocessing.connection.Listener((host, 0), authkey=self.cluster.authkey) as listener:
+            self.cluster.start_tasks([
+                (job_name(w), 0, self.home_nodes[w], "hetpipe_tf.distributed.worker_process",
+                 [f"--chief={host}:{listener.address[1]}", f"--worker={w}", f"--cluster_spec={servers}",
+                  f"--local_devices={n}"]) for w, n in enumerate(self.local_devices)])
             conns = {}
             for _ in self.workers:  # each process connects right after its ready line
                 conn = _accept(listener, self.timeout_s)
@@ -358,13 +357,10 @@ class _LearningRate:
 def _accept(listener, timeout_s):
     """The next connection to `listener`, or WorkerProcessError after `timeout_s` (a worker's
     process that ended before connecting)."""
-    accepted = queue.Queue()
-    threading.Thread(target=lambda: accepted.put(listener.accept()), name="hetpipe-accept", daemon=True).start()
     try:
-        return accepted.get(timeout=timeout_s)
-    except queue.Empty:
-        raise WorkerProcessError(f"a virtual worker's process said it was ready but did not connect within "
-                                 f"{timeout_s:g} s") from None
+        return call_with_deadline(listener.accept, timeout_s, "waiting for a virtual worker's process to connect")
+    except TimeoutError as e:
+        raise WorkerProcessError(f"a virtual worker's process said it was ready but did not connect ({e})") from None
 
 
 def _pickled(compiled):

@@ -5,7 +5,10 @@
 
 A ``tf.distribute.Server`` (gRPC) with hetpipe_tf's custom ops loaded, so that the chief
 can run stages, weight stashes and the WSP clock on it. A worker task gets one logical
-CPU device per emulated device of its virtual worker. The task answers the chief's
+CPU device per emulated device of its node; with the cluster's key in ``HETPIPE_AUTHKEY``
+it also starts, on the chief's request, the processes of the virtual workers whose home
+is its node, as its own children (:class:`hetpipe_tf.distributed.starter.TaskStarter`,
+their logs in ``--task_log_dir``). The task answers the chief's
 heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`), logs the task the chief reports
 lost, and ends, with one line saying why, when the chief ends or goes silent for
 ``--chief_timeout_s``; it also ends with its parent (the launcher or the chief): no
@@ -14,10 +17,12 @@ server is left behind.
 import json
 import os
 import sys
+import tempfile
 
 from absl import app, flags
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
+from hetpipe_tf.distributed.starter import TaskStarter, authkey_from
 
 flags.DEFINE_string("cluster_spec", None, "The cluster as JSON: {job: [host:port, ...]}.")
 flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
@@ -27,6 +32,8 @@ flags.DEFINE_integer("intra_op_threads", 1, "TensorFlow intra-op threads.")
 flags.DEFINE_integer("parent_pid", 0, "End when this process ends (default: the parent).")
 flags.DEFINE_integer("heartbeat_port", 0, "The port of this task's heartbeats (0: a free one; the ready line says).")
 flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbeat for this long (0: never).")
+flags.DEFINE_string("task_log_dir", None, "Where the logs of the processes this task starts go (default: a temporary "
+                    "directory).")
 FLAGS = flags.FLAGS
 
 
@@ -54,6 +61,11 @@ def main(argv):
     heartbeat = HeartbeatResponder(host, FLAGS.heartbeat_port, chief_timeout_s=FLAGS.chief_timeout_s or None,
                                    on_end=end, on_lost_task=lambda m: print(f"hetpipe_tf server {name}: {m}",
                                                                             flush=True)).start()
+    authkey = authkey_from()
+    if FLAGS.job_name == "worker" and authkey is not None:  # before the server: the chief looks for it then
+        log_dir = FLAGS.task_log_dir or tempfile.mkdtemp(prefix="hetpipe_task_")
+        os.makedirs(log_dir, exist_ok=True)
+        TaskStarter(host, authkey, log_dir).start(spec[FLAGS.job_name][FLAGS.task_index])
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job_name,
                                   task_index=FLAGS.task_index, protocol="grpc", config=config, start=True)
     print(f"hetpipe_tf server {name} (pid {os.getpid()}) ready at {server.target}; heartbeat at "

@@ -3,7 +3,9 @@
     python -m hetpipe_tf.distributed.worker_process --chief=HOST:PORT --worker=W \\
         --address=HOST:PORT --cluster_spec='{"ps": [...], "worker": [...]}' --local_devices=N
 
-Started by the chief (:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`). The
+Started for the chief (:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`) on the
+virtual worker's home node, by the chief itself or by that node's worker task
+(:mod:`hetpipe_tf.distributed.starter`). The
 process joins TensorFlow's cluster as a client of its own (job ``vwW``, the only client
 its cluster spec names: two clients naming each other hang TensorFlow 2.21's connect):
 the parameter-server tasks, whose global weights and WSP clock it attaches to by name
@@ -16,7 +18,7 @@ pushes and pulls are exactly those of the in-process runtime, and it reads its s
 of the data itself (:mod:`hetpipe_tf.distributed.dataset_transfer`).
 
 Orders come from the chief over an authenticated connection
-(``multiprocessing.connection``, its key in the environment variable
+(``multiprocessing.connection``, the cluster's key in the environment variable
 ``HETPIPE_AUTHKEY``; the process first says ``("hello", W)``); each is a tuple, answered
 on the same connection (a failed order by ``("error", kind, message, logs)``):
 
@@ -45,6 +47,7 @@ import time
 from absl import app, flags
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
+from hetpipe_tf.distributed.starter import AUTHKEY_ENV
 
 flags.DEFINE_string("chief", None, "The chief's order connection, HOST:PORT.")
 flags.DEFINE_integer("worker", None, "The virtual worker this process drives (its index in the run).")
@@ -54,9 +57,6 @@ flags.DEFINE_integer("local_devices", 1, "Logical CPU devices of this process (i
 flags.DEFINE_integer("parent_pid", 0, "End when this process ends (default: the parent).")
 flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbeat for this long (0: never).")
 FLAGS = flags.FLAGS
-
-#: The environment variable holding the key of the chief's order connection (hex).
-AUTHKEY_ENV = "HETPIPE_AUTHKEY"
 
 
 def job_name(worker):
@@ -179,7 +179,10 @@ def main(argv):
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
     load_ops()
-    configure_tensorflow_devices([DeviceSpec("emulated")] * FLAGS.local_devices)  # before connecting
+    # Before connecting. Its own devices are logical CPUs; a GPU of this host belongs to the
+    # node's worker task, which runs the stages placed on it.
+    tf.config.set_visible_devices([], "GPU")
+    configure_tensorflow_devices([DeviceSpec("emulated")] * FLAGS.local_devices)
     spec = dict(json.loads(FLAGS.cluster_spec), **{job_name(FLAGS.worker): [FLAGS.address]})
     use_parallel_remote_ops()
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name=job_name(FLAGS.worker),

@@ -1,11 +1,14 @@
 """The hetpipe-train binary, end to end in its own process (it configures TensorFlow's devices)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+
+from tests.processes import wait_until_gone
 
 
 def _train(tmp_path, *flags):
@@ -100,10 +103,55 @@ def test_hetpipe_launch_runs_the_chief_under_tf_config_and_stops_every_task(tmp_
     assert "2 ps and 2 worker tasks for cluster 'local'" in out
     summary = json.loads(out.split("summary: ")[1].splitlines()[0])
     assert summary["allocation"] == "FF SS" and len(summary["virtual_workers"]) == 2
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["ps-0.log", "ps-1.log", "worker-0.log",
-                                                                    "worker-1.log"]
+    logs = tmp_path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["ps-0.log", "ps-1.log", "vw0-0.log", "vw1-0.log",
+                                                      "worker-0.log", "worker-1.log"]
+    # One process per virtual worker, each started by the worker task of its home node (FF on node 0, SS on 1).
+    for w in (0, 1):
+        assert re.search(rf"task starter: started vw{w}:0 \(pid \d+\) at 127\.0\.0\.1:\d+",
+                         (logs / f"worker-{w}.log").read_text()), (logs / f"worker-{w}.log").read_text()
+        assert f"vw{w}:0" not in (logs / f"worker-{1 - w}.log").read_text()
     time.sleep(1.0)
     assert not _processes_with(f"--parent_pid={proc.pid}"), "tasks outlived hetpipe launch"
+
+
+def test_tasks_started_by_hand_as_on_other_hosts_run_a_process_per_virtual_worker_on_its_node(tmp_path):
+    """README's commands for tasks on other hosts: each ps and worker task by hand with the
+    cluster's key, then the chief with TF_CONFIG."""
+    from hetpipe_tf.distributed.starter import free_port, starter_file
+
+    spec = {job: [f"127.0.0.1:{free_port()}" for _ in range(n)] for job, n in (("ps", 2), ("worker", 2), ("chief", 1))}
+    env = dict(os.environ, HETPIPE_AUTHKEY=os.urandom(16).hex())
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tasks = []
+    for job, i in [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]:
+        with open(logs / f"{job}-{i}.log", "w") as log:
+            tasks.append(subprocess.Popen(
+                [sys.executable, "-m", "hetpipe_tf.distributed.server", f"--cluster_spec={json.dumps(spec)}",
+                 f"--job_name={job}", f"--task_index={i}", "--logical_cpus=2", f"--task_log_dir={logs}"],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
+    try:
+        chief_env = dict(env, TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
+        run = subprocess.run([sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}",
+                              "--launch=tf_config", "--policy=np", *CLUSTER_RUN], capture_output=True, text=True,
+                             timeout=600, env=chief_env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+        assert summary["allocation"] == "FF SS" and len(summary["virtual_workers"]) == 2
+        pids = []
+        for w in (0, 1):  # each started by its home node's worker task, which outlives it
+            started = re.search(rf"task starter: started vw{w}:0 \(pid (\d+)\)", (logs / f"worker-{w}.log").read_text())
+            assert started, (logs / f"worker-{w}.log").read_text()
+            pids.append(int(started.group(1)))
+        assert all(t.poll() is None for t in tasks)
+        assert not wait_until_gone(pids, 10), "a virtual worker's process outlived its chief"
+    finally:
+        for t in tasks:
+            t.kill()
+            t.wait()
+        for address in spec["worker"]:
+            os.remove(starter_file(address))
 
 
 def test_cluster_flags_refuse_single_worker_flags(tmp_path):

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched
+from tests.processes import alive
 
 TIMEOUT_S = 10.0
 
@@ -111,14 +112,6 @@ def _tasks_of(pid):
     return tasks
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _signal_mid_training(cmd, task, sig):
     """Runs `cmd` (it starts the cluster's tasks as its children), sends `sig` to `task`
     (job, index) after three epochs; returns (stderr, exit status, seconds until it ended,
@@ -137,13 +130,13 @@ def _signal_mid_training(cmd, task, sig):
         err = proc.stderr.read()
         proc.wait(timeout=TIMEOUT_S + 60)
         ended_s = time.monotonic() - t0
-        _wait_for(lambda: not any(_alive(p) for p in tasks.values()), 10)
+        _wait_for(lambda: not any(alive(p) for p in tasks.values()), 10)
         all_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
     print(f"{cmd[2]} {task[0]}:{task[1]} {sig.name}: it ended {ended_s:.1f} s after the signal, every task {all_s:.1f} s")
-    return err, proc.returncode, ended_s, all_s, [t for t, p in tasks.items() if _alive(p)]
+    return err, proc.returncode, ended_s, all_s, [t for t, p in tasks.items() if alive(p)]
 
 
 def _train_command(tmp_path, *flags):

@@ -4,20 +4,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
+from tests.processes import wait_until_gone
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def run_scenario(name, timeout=240):
@@ -26,10 +18,7 @@ def run_scenario(name, timeout=240):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"scenario {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     result = json.loads(lines[-1][len("RESULT "):])
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in result.get("task_pids", [])) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in result.get("task_pids", []) if _alive(p)]
+    left = wait_until_gone(result.get("task_pids", []), 10)
     assert not left, f"tasks {left} outlived the chief of scenario {name}"
     return result
 

@@ -50,6 +50,19 @@ def test_a_starter_refuses_a_chief_without_the_clusters_key(starter):
         StarterClient(started.address, os.urandom(16), timeout_s=10)
 
 
+def test_tf_config_that_does_not_fit_the_cluster_is_named():
+    with pytest.raises(ClusterConfigError, match="launch='tf_config' needs TF_CONFIG"):
+        TFConfigCluster(1, 1, environ={})
+    with pytest.raises(ClusterConfigError, match="TF_CONFIG is not a JSON object with a 'cluster'"):
+        TFConfigCluster(1, 1, environ={"TF_CONFIG": "{ps: 1}"})
+    config = '{"cluster": {"ps": ["a:1"], "worker": ["a:2"], "chief": ["a:3"]}, "task": {"type": "%s"}}'
+    with pytest.raises(ClusterConfigError, match=r"has \{'ps': 1, 'worker': 1, 'chief': 1\} tasks; this cluster "
+                                                 r"description needs \{'ps': 2, 'worker': 2, 'chief': 1\}"):
+        TFConfigCluster(2, 2, environ={"TF_CONFIG": config % "chief"})
+    with pytest.raises(ClusterConfigError, match="this process must be TF_CONFIG's chief"):
+        TFConfigCluster(1, 1, environ={"TF_CONFIG": config % "worker"})
+
+
 def test_the_cluster_key_must_be_hex_and_tf_config_needs_it():
     assert authkey_from({AUTHKEY_ENV: "00ff"}) == b"\x00\xff" and authkey_from({}) is None
     with pytest.raises(ValueError, match=f"{AUTHKEY_ENV} must be hex"):

@@ -27,3 +27,8 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+# The Horovod baseline's own venv, build/horovod-venv (benchmarks/horovod/README.md).
+.PHONY: horovod
+horovod:
+	bash benchmarks/horovod/setup.sh

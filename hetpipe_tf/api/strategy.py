@@ -53,7 +53,7 @@ LAUNCHES = ("processes", "tf_config", "in_process")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
 START_TIMEOUT_S = 120.0
 _FIT_ARGS = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
-             "steps_per_epoch", "trace_path")
+             "steps_per_epoch", "initial_epoch", "trace_path")
 _connected = {}  # the cluster this process is the chief of: TensorFlow connects a process once
 
 
@@ -82,11 +82,21 @@ class HetPipeStrategy:
         its own, joined by links of the cluster's inter-node bandwidth and latency
         (:mod:`hetpipe_tf.distributed.netlinks`; root needed). None: the cluster description's
         ``links.emulate``.
+      checkpoint_dir: save the run there (:mod:`hetpipe_tf.runtime.checkpoint`: global weights,
+        every stage's optimizer state, clocks, data positions, plan) at the end of every
+        `save_every_epochs`-th epoch and of the last; such a run drains its pipelines at every
+        epoch's end. None: no checkpoints (the pipelines run across epochs).
+      save_every_epochs: see `checkpoint_dir`.
+      resume: the first ``fit`` continues from the newest checkpoint in `checkpoint_dir`
+        (weights, optimizer state, clocks, each worker's data position, the epoch), under the
+        same plan; a clear error if there is none.
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
-                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None):
+                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
+                 checkpoint_dir=None, save_every_epochs=1, resume=False):
         from hetpipe_tf.planning.cluster import load_cluster
+        from hetpipe_tf.runtime.checkpoint import Checkpoints
 
         if str(policy).lower() not in POLICIES + ("auto",):
             raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES + ('auto',))}")
@@ -120,6 +130,11 @@ class HetPipeStrategy:
             raise ValueError(f"emulated links join the tasks that launch='processes' starts on this machine; "
                              f"launch={launch!r} has none (in_process: one process; tf_config: real machines); "
                              f"pass emulate_links=False (--noemulate_links) to run without them")
+        if resume and not checkpoint_dir:
+            raise ValueError(f"resume=True needs the checkpoint_dir to resume from, got checkpoint_dir="
+                             f"{checkpoint_dir!r}")
+        self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
+        self._resume = bool(resume)
         self.plan = None  # the planner's Plan, once fit has run
         self.runner = None  # the WSPRunner, once fit has run
         self._compiled = {}  # id(model) -> compile arguments
@@ -162,9 +177,11 @@ class HetPipeStrategy:
         model.fit = types.MethodType(lambda m, *a, **kw: self.fit(m, *a, **kw), model)
 
     def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_data=None, shuffle=True, steps_per_epoch=None, trace_path=None, **unsupported):
+            validation_data=None, shuffle=True, steps_per_epoch=None, initial_epoch=0, trace_path=None,
+            **unsupported):
         """``keras.Model.fit`` on the virtual workers; returns the History. `trace_path` writes
-        every worker's pipeline, pushes, pulls and waits as a Chrome/Perfetto trace."""
+        every worker's pipeline, pushes, pulls and waits as a Chrome/Perfetto trace. A resumed
+        run starts at the checkpoint's epoch (`initial_epoch`, if given, must be it)."""
         if unsupported:
             weights = sorted(set(unsupported) & {"sample_weight", "class_weight"})
             why = (f" ({' and '.join(weights)}: every sample weighs the same, as in Keras without them)"
@@ -173,13 +190,33 @@ class HetPipeStrategy:
                              f"{', '.join(_FIT_ARGS)}")
         if id(model) not in self._compiled:
             raise ValueError("compile the model inside strategy.scope() before fit")
+        import keras
+
+        if any(isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks or ()):
+            raise ValueError("keras.callbacks.BackupAndRestore cannot restore a HetPipeStrategy run (its state is "
+                             "in the stages and the parameter servers, not in the Keras model): give "
+                             "HetPipeStrategy(checkpoint_dir=..., resume=True) (hetpipe-train --checkpoint_dir, "
+                             "--resume) instead")
         data = _as_dataset(x, y, batch_size, shuffle)
         if validation_data is not None and not _is_dataset(validation_data):
             validation_data = _as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
+        resumed = self.checkpoints.restore_model(model) if self._resume and self.runner is None else None
         runner = self._runner(model, data)
+        plan = self._plan_signature()
+        positions = None
+        if resumed is not None:
+            self.checkpoints.check_plan(resumed, plan)
+            if initial_epoch not in (0, resumed.epoch):
+                raise ValueError(f"the checkpoint ends at epoch {resumed.epoch}, fit was given initial_epoch="
+                                 f"{initial_epoch}: leave initial_epoch out to resume")
+            initial_epoch, positions = resumed.epoch, resumed.positions
+            runner.resume(resumed)
+            self._resume = False
         try:
             return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-                              verbose=verbose, validation_data=validation_data, trace_path=trace_path)
+                              verbose=verbose, validation_data=validation_data, trace_path=trace_path,
+                              initial_epoch=initial_epoch, checkpoints=self.checkpoints, positions=positions,
+                              plan=plan)
         except Exception as exc:
             from hetpipe_tf.distributed.heartbeat import TaskLostError
 
@@ -189,6 +226,12 @@ class HetPipeStrategy:
                 raise
 
             raise TaskLostError(lost) from exc
+
+    def _plan_signature(self):
+        from hetpipe_tf.runtime.checkpoint import plan_signature
+
+        return plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
+                                                        for w in range(len(self.plan.workers))])
 
     def stats(self):
         """Per virtual worker: clock, distance to the slowest, average wait, throughput."""

@@ -75,7 +75,8 @@ class Events:
 
 
 def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_size, epoch_end,
-            optimizer, stage_optimizers, request_stop, abort, timeout_s, workers=1):
+            optimizer, stage_optimizers, request_stop, abort, timeout_s, workers=1, initial_epoch=0,
+            after_epoch=None):
     """Runs Keras's fit protocol over training that runs in another thread; returns the History.
 
     Args:
@@ -90,6 +91,10 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
       request_stop: asks the training to stop admitting minibatches.
       abort: stops the training now.
       workers: how many `started` events the training reports.
+      initial_epoch: the epoch to start at, as Keras's (`epochs` is the index of the last one
+        plus 1; the optimizers' iterations count from ``initial_epoch * steps_per_epoch``).
+      after_epoch: after_epoch(epoch, stopped) once an epoch's callbacks have run (`stopped`:
+        training ends there), for training that waits for them between epochs.
     """
     if getattr(model, "optimizer", None) is None:
         model.optimizer = optimizer  # callbacks read and set its learning rate
@@ -112,10 +117,10 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
     model.stop_training = False
     cbs.on_train_begin()
     start_thread(run, "hetpipe-fit")
-    history_logs, stopped, completed = {}, False, 0
+    history_logs, stopped, completed = {}, False, initial_epoch * steps_per_epoch
     try:
         t_epoch = min(events.get("started") for _ in range(workers))
-        for epoch in range(epochs):
+        for epoch in range(initial_epoch, epochs):
             cbs.on_epoch_begin(epoch)
             sync_optimizer(completed)
             sums, count, t_done = {}, 0, t_epoch
@@ -151,6 +156,8 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
             if model.stop_training and not stopped:
                 stopped = True
                 request_stop()
+            if after_epoch:
+                after_epoch(epoch, stopped or epoch + 1 == epochs)
             if stopped:
                 break
         events.wait_finished(timeout_s)

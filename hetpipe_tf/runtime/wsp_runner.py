@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.runtime.checkpoint import (EpochSegments, RunState, set_stage_optimizer_state, skip_consumed,
+                                           stage_optimizer_state)
 from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit, start_thread
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
@@ -93,6 +95,7 @@ class WSPRunner:
         self._executors = {}
         self._completions = {}  # worker -> when each of its updates completed (perf_counter)
         self._started = None
+        self._optimizer_states = None  # to give the stages once they are built (a resumed run)
         self.batch_size = None
 
     def _bind(self, servers):
@@ -141,6 +144,10 @@ class WSPRunner:
         firsts = [next(it) for it in iterators]
         for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
             self.batch_size = vw.prepare(*first)
+        if self._optimizer_states is not None:
+            for vw, states in zip(self.vws, self._optimizer_states):
+                set_stage_optimizer_state(vw.runtimes, states)
+            self._optimizer_states = None
         if any(vw.emulated and vw.dilation is None for vw in self.vws):
             self.calibrate_dilation(firsts)
         if trace:
@@ -252,22 +259,60 @@ class WSPRunner:
                     v.assign(value.value)
         self.servers.write_to(self.model)
 
+    def drain(self):
+        """After a train() (every update pushed, the global weights in the Keras model): every
+        stage takes the global weights, as a run after an aborted one does."""
+        for vw in self.vws:
+            for rt in vw.runtimes or ():
+                rt.load_model_weights()
+
+    def run_state(self, epoch, positions, plan):
+        """The run as a checkpoint holds it, between epochs (after :meth:`drain`)."""
+        return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables],
+                        optimizers=[stage_optimizer_state(vw.runtimes) for vw in self.vws],
+                        clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
+
+    def resume(self, state):
+        """Continues the run `state` holds: its clocks at the servers now, its optimizer state in
+        the stages once built (its weights are already in the Keras model and the servers)."""
+        self.servers.advance_clocks(state.clocks)
+        self._optimizer_states = state.optimizers
+
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
-            trace_path=None):
+            trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
         """Trains like ``keras.Model.fit``. Each worker takes its shard of `x`; an epoch is
         `steps_per_epoch` minibatches of all workers together; at every epoch's end the global
-        weights go into the Keras model for validation and callbacks."""
+        weights go into the Keras model for validation and callbacks. With `checkpoints`
+        (:class:`hetpipe_tf.runtime.checkpoint.Checkpoints`) it trains epoch by epoch, draining at
+        each epoch's end, and saves there when due (`plan`: the plan signature saved with it;
+        `positions`: the minibatches each worker's shard has already given, skipped)."""
         steps_per_epoch = steps_per_epoch or epoch_steps(x)
         k = self.num_workers
-        per_worker = -(-epochs * steps_per_epoch // k)
-        shards = [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()]
+        per_worker = -(-(epochs - initial_epoch) * steps_per_epoch // k)
+        positions = positions or [0] * k
+        shards = skip_consumed([x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()], positions)
+        done = lambda events: lambda w, p, logs: events.put("done", (logs, time.perf_counter()))  # noqa: E731
+        started = lambda events: lambda t: [events.put("started", t) for _ in range(k)]  # noqa: E731
+        segments = None if checkpoints is None else EpochSegments(checkpoints, steps_per_epoch, k, initial_epoch,
+                                                                  epochs, positions)
 
         def train(events):
-            self.train(shards, per_worker, trace=trace_path is not None,
-                       on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())),
-                       on_started=lambda t: [events.put("started", t) for _ in range(k)])
+            if segments is None:
+                self.train(shards, per_worker, trace=trace_path is not None, on_minibatch_done=done(events),
+                           on_started=started(events))
+                return
+            iterators = [iter(s) for s in shards]  # the next epoch goes on where the last ended
+
+            def train_epoch(steps, first):
+                self.train(iterators, steps, trace=trace_path is not None, on_minibatch_done=done(events),
+                           on_started=started(events) if first else None)
+                self.drain()
+
+            segments.train(events, train_epoch)
 
         def epoch_end(epoch, stopped, events):
+            if segments is not None:
+                segments.epoch_end(epoch, stopped, events, lambda e, p: self.run_state(e, p, plan))
             self.finish()
             logs = {f"val_{k}": v for k, v in self.vws[0].evaluate(validation_data).items()} if validation_data else {}
             clocks, global_clock = self.servers.clock.clocks()
@@ -280,8 +325,8 @@ class WSPRunner:
             self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
             verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
             stage_optimizers=lambda: [rt.optimizer for vw in self.vws for rt in vw.runtimes or []],
-            request_stop=self.request_stop,
-            abort=self.abort, timeout_s=self.timeout_s)
+            request_stop=self.request_stop, abort=lambda: (segments and segments.release(), self.abort()),
+            timeout_s=self.timeout_s, initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
         if trace_path and self.trace:
             self.trace.write(trace_path)
         warn_if_not_faithful(self.emulation_report())

@@ -134,6 +134,14 @@ class ParameterServers:
         except tf.errors.OpError:
             pass
 
+    def advance_clocks(self, clocks):
+        """Records that every stage of each worker pushed its first clocks[worker] waves (a
+        resumed run's clocks go on from the saved ones)."""
+        for worker, clock in enumerate(clocks):
+            for stage in range(self.clock.stages_per_worker[worker]):
+                for wave in range(clock):
+                    self.clock.push(worker, stage, wave)
+
     def variable_devices(self):
         """Each global variable's server, in the model's order: what another process needs to
         attach (see the `variable_devices` argument)."""

@@ -139,6 +139,7 @@ class HetPipeStrategy:
         self.runner = None  # the WSPRunner, once fit has run
         self._compiled = {}  # id(model) -> compile arguments
         self._runner_key = None
+        self._cuts = None  # the run's Nm and stage boundaries (a plan_signature), once fit has planned
         self._local_devices = None
 
     # The user's side ---------------------------------------------------------------------
@@ -201,11 +202,10 @@ class HetPipeStrategy:
         if validation_data is not None and not _is_dataset(validation_data):
             validation_data = _as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
         resumed = self.checkpoints.restore_model(model) if self._resume and self.runner is None else None
-        runner = self._runner(model, data)
-        plan = self._plan_signature()
+        runner = self._runner(model, data, resumed.plan if resumed else None)
+        plan = self._cuts
         positions = None
         if resumed is not None:
-            self.checkpoints.check_plan(resumed, plan)
             if initial_epoch not in (0, resumed.epoch):
                 raise ValueError(f"the checkpoint ends at epoch {resumed.epoch}, fit was given initial_epoch="
                                  f"{initial_epoch}: leave initial_epoch out to resume")
@@ -227,24 +227,19 @@ class HetPipeStrategy:
 
             raise TaskLostError(lost) from exc
 
-    def _plan_signature(self):
-        from hetpipe_tf.runtime.checkpoint import plan_signature
-
-        return plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
-                                                        for w in range(len(self.plan.workers))])
-
     def stats(self):
         """Per virtual worker: clock, distance to the slowest, average wait, throughput."""
         return self.runner.stats() if self.runner else []
 
     # Planning and launching --------------------------------------------------------------
-    def _runner(self, model, data):
+    def _runner(self, model, data, saved_cuts=None):
         batch_size = batch_size_of(data)
         key = (id(model), batch_size)
         if self._runner_key == key:
             return self.runner
         from hetpipe_tf.planning.planner import plan
         from hetpipe_tf.runtime.optimizers import slots_per_weight
+        from hetpipe_tf.runtime.checkpoint import plan_signature
         from hetpipe_tf.runtime.profiler import measure_profile
         from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
@@ -256,6 +251,11 @@ class HetPipeStrategy:
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
                          optimizer_slots=slots_per_weight(model.optimizer))
+        self._cuts = plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
+                                                              for w in range(len(self.plan.workers))])
+        if saved_cuts is not None:  # a resumed run keeps the cuts its optimizer state belongs to
+            self.checkpoints.check_plan(saved_cuts, self._cuts)
+            self._cuts = saved_cuts
         devices = self._devices()
         workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
         if self.launch != "in_process":
@@ -265,7 +265,7 @@ class HetPipeStrategy:
             self.runner = ProcessRunner(
                 model, _connected["cluster"], [spec for spec, _ in workers], [n for _, n in workers],
                 home_nodes=[nodes.index(w.devices[0].node) for w in self.plan.workers],
-                num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
+                num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
                 ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
                 loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
                 dilation=self.dilation, timeout_s=self.timeout_s)
@@ -273,7 +273,7 @@ class HetPipeStrategy:
             return self.runner
         workers = [spec for spec, _ in workers]
         self.runner = WSPRunner(
-            model, workers, num_in_flight=self.plan.num_in_flight, staleness_bound=self.staleness_bound,
+            model, workers, num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
             ps_devices=devices["ps"], placement=self.plan.placement,
             optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
             loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s)
@@ -299,7 +299,7 @@ class HetPipeStrategy:
             else:
                 names.append(devices["worker"](node, d))
             servers.append(devices["ps"][node % len(devices["ps"])])
-        return WorkerSpec(tuple(specs), tuple(names), boundaries=self.plan.node_boundaries(w),
+        return WorkerSpec(tuple(specs), tuple(names), boundaries=tuple(self._cuts["boundaries"][w]),
                           stage_servers=tuple(servers)), local
 
     def _devices(self):

@@ -168,12 +168,15 @@ class Checkpoints:
             v.assign(value)
         return state
 
-    def check_plan(self, state, plan):
-        """A clear error unless `plan` (a :func:`plan_signature`) is the one `state` was saved under."""
-        if state.plan != plan:
-            raise ValueError(f"checkpoint {self.latest_path()} was saved under the plan {state.plan}, this run's "
-                             f"plan is {plan}: resuming needs the same plan (workers, stage boundaries, Nm); give "
-                             f"the run's cluster, policy and num_in_flight again")
+    def check_plan(self, saved, planned):
+        """A clear error unless `saved` (a :func:`plan_signature`) fits the run `planned`: the
+        same number of workers, of stages in each and Nm, whose optimizer state it holds (the
+        cuts may differ: the planner's profile is measured anew, and the run keeps the saved ones)."""
+        shape = lambda plan: (plan["num_in_flight"], [len(b) for b in plan["boundaries"]])  # noqa: E731
+        if shape(saved) != shape(planned):
+            raise ValueError(f"checkpoint {self.latest_path()} was saved under the plan {saved}, this run's "
+                             f"plan is {planned}: resuming needs the same number of virtual workers, of stages in "
+                             f"each and Nm; give the run's cluster, policy, vw_size and num_in_flight again")
 
 
 class EpochSegments:

@@ -16,9 +16,9 @@ from tests.runtime.test_wsp_runner import constant_gradient_model, mean_output
 
 
 def _two_workers(directory, resume=False):
-    """2 virtual workers (ED on the local cluster), D = 0, Adam on a model whose gradients depend on
+    """2 virtual workers of 2 host-CPU stages (no pacing), D = 0, Adam on a model whose gradients depend on
     the data only, so that the result does not depend on the threads' timing."""
-    strategy = HetPipeStrategy(cluster="local", policy="ed", staleness_bound=0, num_in_flight=2,
+    strategy = HetPipeStrategy(cluster="local_cpu", policy="np", vw_size=2, staleness_bound=0, num_in_flight=2,
                                launch="in_process", dilation=1, checkpoint_dir=directory, resume=resume)
     with strategy.scope():
         x = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
@@ -29,8 +29,8 @@ def _two_workers(directory, resume=False):
 
 
 def _one_worker(directory, resume=False):
-    """One virtual worker of 4 stages at Nm = 2, SGD with momentum on the digits, no shuffling."""
-    strategy = HetPipeStrategy(cluster="local", policy="ed", vw_size=4, num_in_flight=2, staleness_bound=0,
+    """One virtual worker of 4 host-CPU stages at Nm = 2, SGD with momentum on the digits, no shuffling."""
+    strategy = HetPipeStrategy(cluster="local_cpu", policy="ed", vw_size=4, num_in_flight=2, staleness_bound=0,
                                launch="in_process", dilation=1, checkpoint_dir=directory, resume=resume)
     with strategy.scope():
         data = datasets.load_image_classification("hetpipe_digits", "train", batch_size=16, shuffle=False)
@@ -67,7 +67,81 @@ def test_two_workers_resumed_end_with_the_weights_of_an_uninterrupted_run(tmp_pa
     assert len(state.optimizers) == 2 and all(len(w) == 2 for w in state.optimizers)
 
 
-@pytest.mark.slow
 def test_one_worker_at_nm_2_resumed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
     diff, _, _ = _stopped_and_resumed(_one_worker, tmp_path, epochs=3, stop_at=1, steps_per_epoch=10)
     assert diff <= 1e-6, diff
+
+
+def _state(epoch, weights):
+    return RunState(epoch=epoch, weights=weights, optimizers=[[[np.int64(epoch), np.ones(3, "float32")]]],
+                    clocks=[epoch], positions=[4 * epoch], plan={"num_in_flight": 2, "boundaries": [[0]]})
+
+
+def test_a_save_that_did_not_complete_leaves_the_previous_checkpoint_usable(tmp_path):
+    checkpoints = Checkpoints(str(tmp_path))
+    checkpoints.save(_state(1, [np.full(3, 1.0, "float32")]))
+    # A crash while saving epoch 2: its files partly written, the state file not yet updated.
+    (tmp_path / "ckpt-2.index").write_bytes(b"\x00partial")
+    (tmp_path / "ckpt-2.data-00000-of-00001").write_bytes(b"\x00" * 10)
+    state = checkpoints.latest()
+    assert state.epoch == 1 and state.positions == [4] and state.clocks == [1]
+    np.testing.assert_array_equal(state.weights[0], np.full(3, 1.0, "float32"))
+    assert [int(v) if np.ndim(v) == 0 else list(v) for v in state.optimizers[0][0]] == [1, [1.0, 1.0, 1.0]]
+
+
+KILLED_SAVE = """
+import sys, numpy as np
+from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState
+state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[[[]]], clocks=[e], positions=[e], plan={})
+checkpoints = Checkpoints(sys.argv[1])
+checkpoints.save(state(1, [np.ones(3, "float32")]))
+print("saving", flush=True)
+checkpoints.save(state(2, [np.full(2 ** 20, i, "float32") for i in range(200)]))  # 800 MB
+print("saved", flush=True)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.stdout.readline().strip() == "saving"
+    time.sleep(0.5)  # the 800 MB save takes seconds
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL and not proc.stdout.read()  # killed before it completed
+    state = Checkpoints(str(tmp_path)).latest()
+    assert state.epoch == 1 and state.clocks == [1]
+    np.testing.assert_array_equal(state.weights[0], np.ones(3, "float32"))
+
+
+def test_resuming_from_nothing_or_from_another_model_says_what_was_given_and_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="resume=True needs the checkpoint_dir to resume from, got checkpoint_dir=None"):
+        HetPipeStrategy(launch="in_process", resume=True)
+    missing = tmp_path / "missing"
+    _, model, data = _two_workers(str(missing), resume=True)
+    with pytest.raises(FileNotFoundError, match=f"cannot resume: the checkpoint directory '{missing}' does not exist; "
+                                                f"give the checkpoint_dir .* or start without resume"):
+        model.fit(data, epochs=1, verbose=0)
+    (tmp_path / "empty").mkdir()
+    _, model, data = _two_workers(str(tmp_path / "empty"), resume=True)
+    with pytest.raises(FileNotFoundError, match="'.*empty' holds no complete checkpoint"):
+        model.fit(data, epochs=1, verbose=0)
+    Checkpoints(str(tmp_path / "other")).save(_state(1, [np.ones((6, 7), "float32")]))
+    _, model, data = _two_workers(str(tmp_path / "other"), resume=True)
+    with pytest.raises(ValueError, match=r"is not of this model: it holds 1 variables, the model 5, and variable 0 "
+                                         r"differs \(\(\(6, 7\), 'float32'\) saved, \(\(6, 5\), 'float32'\) in the "
+                                         r"model: shape, dtype\); give the checkpoint_dir of this model's run"):
+        model.fit(data, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"was saved under the plan \{'num_in_flight': 2, 'boundaries': \[\[0\]\]\}, "
+                                         r"this run's plan is \{'num_in_flight': 3, .*resuming needs the same number "
+                                         r"of virtual workers, of stages in each and Nm"):
+        Checkpoints(str(tmp_path / "other")).check_plan(_state(1, []).plan, {"num_in_flight": 3, "boundaries": [[0]]})
+    with pytest.raises(ValueError, match="BackupAndRestore cannot restore a HetPipeStrategy run .* give "
+                                         r"HetPipeStrategy\(checkpoint_dir=..., resume=True\)"):
+        model.fit(data, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "b"))])
+    with pytest.raises(ValueError, match="save_every_epochs must be an integer >= 1, got 0"):
+        Checkpoints(str(tmp_path), save_every_epochs=0)

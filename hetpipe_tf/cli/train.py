@@ -95,7 +95,8 @@ def _train_virtual_workers():
     strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_in_flight=FLAGS.num_in_flight,
                                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
                                dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s,
-                               emulate_links=FLAGS.emulate_links)
+                               emulate_links=FLAGS.emulate_links, checkpoint_dir=FLAGS.checkpoint_dir,
+                               save_every_epochs=FLAGS.save_every_epochs, resume=FLAGS.resume)
     with strategy.scope():
         train, test, model = _data_and_model()
         model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -69,6 +69,13 @@ def define_flags():
     flags.DEFINE_enum("launch", "processes", ["processes", "tf_config", "in_process"],
                       "With --cluster: processes (start a local cluster of ps and worker tasks), tf_config (join "
                       "TF_CONFIG's cluster, e.g. under `hetpipe launch`), in_process (threads).")
+    flags.DEFINE_string("checkpoint_dir", None,
+                        "With --cluster: save the run here (global weights, every stage's optimizer state, clocks, "
+                        "data positions, plan) every --save_every_epochs epochs and at the end; the pipelines "
+                        "drain at every epoch's end (hetpipe_tf.runtime.checkpoint).")
+    flags.DEFINE_integer("save_every_epochs", 1, "With --checkpoint_dir: save every this many epochs.", lower_bound=1)
+    flags.DEFINE_bool("resume", False, "With --checkpoint_dir: continue from its newest checkpoint (same plan) up "
+                                       "to --epochs.")
     flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
     flags.register_validator("boundaries", _integers,
                              message="--boundaries must be integers (each stage's first layer call), e.g. 0,5,9")
@@ -78,6 +85,13 @@ def define_flags():
             ["cluster", name], lambda v, name=name: v["cluster"] is None or v[name] is None,
             message=f"--{name} is for one virtual worker; with --cluster the planner chooses it: "
                     f"drop --{name} or --cluster")
+    flags.register_multi_flags_validator(
+        ["cluster", "checkpoint_dir"], lambda v: v["cluster"] is not None or v["checkpoint_dir"] is None,
+        message="--checkpoint_dir checkpoints runs of virtual workers under WSP: give --cluster too (e.g. "
+                "--cluster=local), or drop --checkpoint_dir")
+    flags.register_multi_flags_validator(
+        ["resume", "checkpoint_dir"], lambda v: not v["resume"] or bool(v["checkpoint_dir"]),
+        message="--resume needs the --checkpoint_dir to resume from")
     flags.register_multi_flags_validator(
         ["plan", "boundaries"], lambda v: v["plan"] != "auto" or v["boundaries"] is None,
         message="--plan=auto chooses the boundaries; drop --boundaries or --plan=auto")

@@ -34,6 +34,7 @@ from hetpipe_tf.distributed.worker_process import job_name
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.runtime.checkpoint import EpochSegments, RunState, skip_consumed
 from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.stage_rewrite import split_model
@@ -163,6 +164,8 @@ class ProcessRunner:
         self.descriptions = []
         self._conns = []
         self._events = None
+        self._report_started = True
+        self._optimizer_states = None  # a resumed run's, to give the workers' stages once built
         self._finished = queue.Queue()
         self._learning_rate = _LearningRate(self, float(self.optimizer.learning_rate))
 
@@ -229,7 +232,8 @@ class ProcessRunner:
     def _on_training(self, worker, message):
         kind = message[0]
         if kind == "started":
-            self._events.put("started", message[1])
+            if self._report_started:  # once per fit, not per epoch of a checkpointing one
+                self._events.put("started", message[1])
         elif kind == "done":
             self._events.put("done", message[1])
         else:
@@ -240,32 +244,71 @@ class ProcessRunner:
         for c in self._conns:
             c.send(*order)
 
+    def resume(self, state):
+        """Continues the run `state` (a :class:`hetpipe_tf.runtime.checkpoint.RunState`) holds: its
+        clocks at the servers now, its optimizer state in the workers' stages once they are built
+        (its weights are already in the Keras model, hence the servers and the workers' jobs)."""
+        self.servers.advance_clocks(state.clocks)
+        self._optimizer_states = state.optimizers
+
+    def run_state(self, epoch, positions, plan):
+        """The run as a checkpoint holds it, between epochs (every worker drained): the global
+        weights in the Keras model, each worker's stages' optimizer state asked of its process."""
+        self.servers.write_to(self.model)
+        return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables],
+                        optimizers=[c.ask(self.timeout_s, "optimizer_state")[0] for c in self._conns],
+                        clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
+
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
-            trace_path=None):
-        """Trains like ``keras.Model.fit`` (see :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.fit`):
-        each worker's process takes its shard of `x`; at every epoch's end the global weights go
-        into the Keras model for validation and callbacks."""
+            trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
+        """Trains like ``keras.Model.fit`` (see :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.fit`,
+        also for `initial_epoch`, `checkpoints`, `positions` and `plan`): each worker's process
+        takes its shard of `x`; at every epoch's end the global weights go into the Keras model
+        for validation and callbacks."""
         from hetpipe_tf.distributed.dataset_transfer import dataset_to_bytes
 
         steps_per_epoch = steps_per_epoch or epoch_steps(x)
         k = self.num_workers
-        per_worker = -(-epochs * steps_per_epoch // k)
-        shards = [dataset_to_bytes(x.shard(k, i).repeat() if k > 1 else x.repeat()) for i in range(k)]
+        per_worker = -(-(epochs - initial_epoch) * steps_per_epoch // k)
+        positions = positions or [0] * k
+        shards = [dataset_to_bytes(s) for s in skip_consumed(
+            [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()], positions)]
         if not self._conns:
             self._start(shards)
         elif self.aborted:  # its servers take no more pulls: a new run, from the Keras model's weights
             self.servers, self.aborted = self._new_servers(), None
             self._send_jobs(shards)
+        if self._optimizer_states is not None:
+            for c, states in zip(self._conns, self._optimizer_states):
+                c.ask(self.timeout_s, "set_optimizer_state", states)
+            self._optimizer_states = None
         if self.emulated and self.dilation is None:
             self.calibrate_dilation()
+        segments = None if checkpoints is None else EpochSegments(checkpoints, steps_per_epoch, k, initial_epoch,
+                                                                  epochs, positions)
+
+        def train_steps(steps, data, first):
+            self._report_started = first
+            for c, shard in zip(self._conns, data):
+                c.send("train", shard, steps, self.dilation, self.calibration, trace_path is not None)
+            self._collect(trace_path is not None)
 
         def train(events):
             self._events = events
-            for c, shard in zip(self._conns, shards):
-                c.send("train", shard, per_worker, self.dilation, self.calibration, trace_path is not None)
-            self._collect(trace_path is not None)
+            if segments is None:
+                train_steps(per_worker, shards, True)
+                return
+
+            def train_epoch(steps, first):  # the workers go on in their data where the last epoch ended
+                train_steps(steps, shards if first else [None] * k, first)
+                for c in self._conns:
+                    c.ask(self.timeout_s, "drain")
+
+            segments.train(events, train_epoch)
 
         def epoch_end(epoch, stopped, events):
+            if segments is not None:
+                segments.epoch_end(epoch, stopped, events, lambda e, p: self.run_state(e, p, plan))
             self.servers.write_to(self.model)
             logs = {f"val_{k}": v for k, v in self.loss_head.evaluate(self.model, validation_data).items()} \
                 if validation_data else {}
@@ -278,7 +321,8 @@ class ProcessRunner:
             self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
             verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
             stage_optimizers=lambda: [self._learning_rate], request_stop=lambda: self.broadcast("stop"),
-            abort=self.abort, timeout_s=self.timeout_s)
+            abort=lambda: (segments and segments.release(), self.abort()), timeout_s=self.timeout_s,
+            initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
         self.servers.write_to(self.model)
         if trace_path and self.trace:
             self.trace.write(trace_path)

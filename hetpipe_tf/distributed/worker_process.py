@@ -28,7 +28,13 @@ on the same connection (a failed order by ``("error", kind, message, logs)``):
 * ``("train", data, steps, dilation, calibration, trace)``: train ->
   ``("started", t)``, ``("done", (logs, t))`` per minibatch, then ``("finished", trace)``
   (None, or the trace's origin and events)
-  or ``("failed", kind, message, logs)``
+  or ``("failed", kind, message, logs)``; `data` None: go on in the last train's data where
+  it ended (a checkpointing run's next epoch)
+* ``("drain",)``: after a train, every stage takes the global weights
+  (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.drain`) -> ``("drained",)``
+* ``("optimizer_state",)`` -> ``("optimizer_state", values)``: every stage's optimizer
+  variables' values, for a checkpoint; ``("set_optimizer_state", values)``: a resumed run's
+  -> ``("optimizer_state_set",)``
 * ``("stop",)``, ``("abort",)``, ``("learning_rate", value)``: as in ``fit``;
   ``("stats", since)`` -> ``("stats", list)``; ``("report",)`` -> ``("report", EmulationReport)``
 
@@ -77,6 +83,7 @@ class _Worker:
         self.lock = threading.Lock()
         self.runner = None
         self.first = None
+        self.data = None  # the iterator of the last train's data
 
     def send(self, *message):
         with self.lock:
@@ -107,10 +114,12 @@ class _Worker:
         from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
 
         self.runner.set_dilation(dilation, calibration)
+        if data is not None:
+            self.data = iter(dataset_from_bytes(*data))
 
         def run():
             try:
-                self.runner.train([dataset_from_bytes(*data)], steps, trace=trace,
+                self.runner.train([self.data], steps, trace=trace,
                                   on_minibatch_done=lambda w, p, logs: self.send(
                                       "done", ({k: float(v) for k, v in logs.items()}, time.perf_counter())),
                                   on_started=lambda t: self.send("started", t))
@@ -131,6 +140,14 @@ class _Worker:
             self.send("probed", self.runner.probe(dilation, [self.first], workers=workers))
         elif kind == "train":
             self.train(*args)
+        elif kind == "drain":
+            self.runner.drain()
+            self.send("drained")
+        elif kind == "optimizer_state":
+            self.send("optimizer_state", self.runner.optimizer_states()[0])
+        elif kind == "set_optimizer_state":
+            self.runner.set_optimizer_states([args[0]])
+            self.send("optimizer_state_set")
         elif kind == "stop":
             self.runner.request_stop()
         elif kind == "abort":

@@ -145,8 +145,7 @@ class WSPRunner:
         for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
             self.batch_size = vw.prepare(*first)
         if self._optimizer_states is not None:
-            for vw, states in zip(self.vws, self._optimizer_states):
-                set_stage_optimizer_state(vw.runtimes, states)
+            self.set_optimizer_states(self._optimizer_states)
             self._optimizer_states = None
         if any(vw.emulated and vw.dilation is None for vw in self.vws):
             self.calibrate_dilation(firsts)
@@ -269,14 +268,27 @@ class WSPRunner:
     def run_state(self, epoch, positions, plan):
         """The run as a checkpoint holds it, between epochs (after :meth:`drain`)."""
         return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables],
-                        optimizers=[stage_optimizer_state(vw.runtimes) for vw in self.vws],
+                        optimizers=self.optimizer_states(),
                         clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
 
     def resume(self, state):
         """Continues the run `state` holds: its clocks at the servers now, its optimizer state in
         the stages once built (its weights are already in the Keras model and the servers)."""
         self.servers.advance_clocks(state.clocks)
-        self._optimizer_states = state.optimizers
+        self.set_optimizer_states(state.optimizers)
+
+    def optimizer_states(self):
+        """Per worker, per stage, its optimizer variables' values."""
+        return [stage_optimizer_state(vw.runtimes) for vw in self.vws]
+
+    def set_optimizer_states(self, states):
+        """Gives every worker's stages their optimizer variables' values (`states` as
+        :meth:`optimizer_states` gives them): now if they are built, else once they are."""
+        if all(vw.runtimes is not None for vw in self.vws):
+            for vw, values in zip(self.vws, states):
+                set_stage_optimizer_state(vw.runtimes, values)
+        else:
+            self._optimizer_states = states
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
             trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):

@@ -72,6 +72,14 @@ class WspClock:
         with tf.device(self.device):
             self._ops.hetpipe_wsp_clock_abort(self._handle, tf.constant(str(reason)))
 
+    def retire(self, worker, retired=True):
+        """A worker that ended its run (stopped early) pushes no more waves: retired, it no
+        longer holds back the global clock, so the others' waits for waves it never pushes
+        end; retired=False when it starts its next run."""
+        with tf.device(self.device):
+            self._ops.hetpipe_wsp_clock_retire(self._handle, tf.constant(worker, tf.int64),
+                                               tf.constant(bool(retired)))
+
     def clocks(self):
         """(each worker's clock, the global clock)."""
         with tf.device(self.device):

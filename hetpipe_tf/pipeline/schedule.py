@@ -144,6 +144,9 @@ class SyncScheme:
         worker bound to the others by `binding`."""
         return {}
 
+    def run_ended(self, binding):
+        """A worker bound by `binding` ended its run normally (all its steps, or stopped early)."""
+
     def dry_handlers(self):
         """Handlers that do the scheme's work on the stages but talk to no server and change
         nothing that a restored snapshot does not undo, for the emulation's probe runs (None:

@@ -63,9 +63,14 @@ class Events:
         self.errors.remove(error)
 
     def wait_finished(self, timeout):
-        """Waits for every training thread to finish; re-raises the first error."""
+        """Waits for every training thread to finish; re-raises the first error, or raises
+        TimeoutError when they did not finish within `timeout` seconds."""
         while self._finished < self._producers:
-            got, payload = self._queue.get(timeout=timeout)
+            try:
+                got, payload = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"training did not finish within {timeout:g} s (timeout_s) after its last "
+                                   f"minibatch was counted; a stage or a worker's process hangs") from None
             if got == "finished":
                 self._finished += 1
                 if payload is not None:

@@ -214,9 +214,12 @@ class VirtualWorker:
         if executor_hook:
             executor_hook(executor)
         try:
-            return executor.run()
+            report = executor.run()
         finally:
             self.trace = recorder
+        if sync is not None and not dry:
+            sync.scheme.run_ended(sync)
+        return report
 
     # Emulation -------------------------------------------------------------------------
     def probe_minibatches(self, workers=1):

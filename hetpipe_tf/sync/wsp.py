@@ -171,7 +171,9 @@ class WSP(SyncScheme):
     def handlers(self, binding):
         """Instruction type -> handler(executor, stage, instruction, *taken keys) for one run of a
         worker bound by `binding` (a :class:`WorkerSync`). A run's waves count from the worker's
-        clock at its start, so that a later ``fit`` goes on where the last one ended."""
+        clock at its start, so that a later ``fit`` goes on where the last one ended; a worker
+        retired by its last run's end holds the global clock back again."""
+        binding.servers.clock.retire(binding.worker, retired=False)
         first_wave = binding.servers.clock.clocks()[0][binding.worker]
 
         def push(ex, s, ins):
@@ -194,6 +196,12 @@ class WSP(SyncScheme):
             ex.in_background(s, ins, (PULLED, ins.wave), answer)
 
         return {PushUpdate: push, PullWeights: pull, MergePulled: _merge}
+
+    def run_ended(self, binding):
+        """A worker that ended its run pushes no more waves of it: retired at the clock, it no
+        longer holds back the others, whose minibatches still in flight wait for the global
+        weights of waves it will never push (after a stop, workers end at different clocks)."""
+        binding.servers.clock.retire(binding.worker)
 
     def dry_handlers(self):
         """A push computes the wave's update and keeps it; a pull is answered at once with the

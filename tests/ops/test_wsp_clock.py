@@ -96,3 +96,28 @@ def test_abort_fails_every_waiting_and_later_wait_at_once():
     assert all("the WSP run was aborted: virtual worker 1 failed" in e for e in errors)
     with pytest.raises(tf.errors.AbortedError, match="virtual worker 1 failed"):
         clock.wait(5, timeout=60)
+
+
+def test_a_retired_worker_no_longer_holds_back_the_global_clock():
+    clock = WspClock([1, 1, 1])
+    for w in (0, 1):
+        clock.push(w, 0, 0)
+        clock.push(w, 0, 1)
+    clock.push(2, 0, 0)  # worker 2 stopped after wave 0
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(clock.wait(1, timeout=30)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not got
+    clock.retire(2)
+    waiter.join(timeout=10)
+    assert got == [2]  # the minimum over workers 0 and 1
+    assert clock.clocks() == ((2, 2, 1), 2)  # its own clock stays as it pushed
+    with pytest.raises(tf.errors.DeadlineExceededError) as behind:
+        clock.wait(2, timeout=0.2)
+    assert ("behind: virtual worker 0: stage 0 (pushed 2 waves); virtual worker 1: stage 0 (pushed 2 waves)\n"
+            in behind.value.message)  # not the retired one
+    clock.retire(2, retired=False)  # its next run: it holds the clock back again
+    assert clock.clocks() == ((2, 2, 1), 1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="retire of virtual worker 3"):
+        clock.retire(3)

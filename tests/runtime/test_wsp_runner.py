@@ -165,6 +165,26 @@ def test_a_failed_worker_ends_every_pull_and_the_next_run_starts_clean():
         np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
 
 
+def test_a_worker_that_ends_its_run_early_no_longer_holds_the_others_back():
+    # Worker 1 ends after 9 minibatches (stopped, or a shorter share of the data); worker 0's
+    # minibatch 16 needs every worker's wave 6 (D = 0, Nm = 2), which worker 1 never pushes:
+    # the end of its run retires it at the clock, so worker 0 goes on instead of waiting.
+    model = constant_gradient_model()
+    data, _ = exact_sgd_case(model, 16)
+    servers = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output).servers
+    workers = [WSPRunner(model, [WorkerSpec("1,1", (f"/device:CPU:{2 * w}", f"/device:CPU:{2 * w + 1}"))],
+                         num_in_flight=2, staleness_bound=0, ps_devices=["/device:CPU:0"],
+                         optimizer=keras.optimizers.SGD(0.05), loss=mean_output, timeout_s=60, dilation=1,
+                         servers=servers, worker_ids=[w]) for w in (0, 1)]
+    short = threading.Thread(target=lambda: workers[1].train([data[1][:9]], 9))
+    started = time.monotonic()
+    short.start()
+    workers[0].train([data[0]], 16)
+    short.join()
+    assert time.monotonic() - started < 30  # not the pull's 60 s timeout
+    assert servers.clock.clocks() == ((8, 5), 5)  # worker 1 pushed its partial wave 4; both retired now
+
+
 def _pipeline_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith("hetpipe-")]
 

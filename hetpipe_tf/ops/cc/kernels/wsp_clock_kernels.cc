@@ -6,7 +6,10 @@
 // their `done` callbacks are kept here and called by the push that releases them, or
 // by a timer after the timeout, with an error naming the workers that are behind.
 // Abort ends a failed run: every wait, now and later, fails at once with its reason,
-// so that no virtual worker keeps waiting for a wave that will never be pushed.
+// so that no virtual worker keeps waiting for a wave that will never be pushed. A worker
+// that ended its run (stopped early) is retired: it pushes no more waves, so it no longer
+// holds back the global clock (the minimum over the workers still running) until it
+// starts its next run.
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -31,6 +34,7 @@ class WspClock : public ResourceBase {
 
   explicit WspClock(std::vector<int64_t> stages_per_worker) {
     for (int64_t n : stages_per_worker) pushed_.emplace_back(n, 0);
+    retired_.assign(pushed_.size(), false);
   }
 
   std::string DebugString() const override {
@@ -114,6 +118,31 @@ class WspClock : public ResourceBase {
     });
   }
 
+  // Retires worker `worker` (or brings it back) and releases the waits it held back.
+  absl::Status Retire(int64_t worker, bool retired) {
+    std::vector<Callback> ready;
+    int64_t global;
+    {
+      mutex_lock l(mu_);
+      if (worker < 0 || worker >= static_cast<int64_t>(pushed_.size())) {
+        return errors::InvalidArgument("WSP retire of virtual worker ", worker, ", but the clock has ",
+                                       pushed_.size(), " workers");
+      }
+      retired_[worker] = retired;
+      global = GlobalLocked();
+      for (auto it = waiters_.begin(); it != waiters_.end();) {
+        if (it->second.wave < global) {
+          ready.push_back(std::move(it->second.done));
+          it = waiters_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& done : ready) done(absl::OkStatus(), global);
+    return absl::OkStatus();
+  }
+
   // Fails every waiting and later wait with `reason`.
   void Abort(const std::string& reason) {
     std::vector<Callback> waiting;
@@ -140,10 +169,13 @@ class WspClock : public ResourceBase {
     Callback done;
   };
 
+  // The minimum clock over the workers still running (over all when every one is retired).
   int64_t GlobalLocked() const TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    bool all_retired = std::all_of(retired_.begin(), retired_.end(), [](bool r) { return r; });
     int64_t global = -1;
-    for (const auto& stages : pushed_) {
-      int64_t c = *std::min_element(stages.begin(), stages.end());
+    for (size_t w = 0; w < pushed_.size(); ++w) {
+      if (retired_[w] && !all_retired) continue;
+      int64_t c = *std::min_element(pushed_[w].begin(), pushed_[w].end());
       global = global < 0 ? c : std::min(global, c);
     }
     return std::max<int64_t>(global, 0);
@@ -152,6 +184,7 @@ class WspClock : public ResourceBase {
   std::string BehindLocked(int64_t wave) const TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<std::string> parts;
     for (size_t w = 0; w < pushed_.size(); ++w) {
+      if (retired_[w]) continue;
       std::vector<std::string> stages;
       for (size_t s = 0; s < pushed_[w].size(); ++s) {
         if (pushed_[w][s] <= wave) stages.push_back(absl::StrCat(s, " (pushed ", pushed_[w][s], " waves)"));
@@ -165,6 +198,7 @@ class WspClock : public ResourceBase {
 
   mutable mutex mu_;
   std::vector<std::vector<int64_t>> pushed_ TF_GUARDED_BY(mu_);
+  std::vector<bool> retired_ TF_GUARDED_BY(mu_);
   std::map<int64_t, Waiter> waiters_ TF_GUARDED_BY(mu_);
   int64_t next_id_ TF_GUARDED_BY(mu_) = 0;
   absl::Status aborted_ TF_GUARDED_BY(mu_);
@@ -230,6 +264,16 @@ class AbortOp : public OpKernel {
   }
 };
 
+class RetireOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<WspClock> clock;
+    OP_REQUIRES_OK(ctx, hetpipe::LookupNamedResource(ctx, "WSP clock", &clock));
+    OP_REQUIRES_OK(ctx, clock->Retire(ctx->input(1).scalar<int64_t>()(), ctx->input(2).scalar<bool>()()));
+  }
+};
+
 class StatsOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -252,6 +296,7 @@ REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockCreate").Device(DEVICE_CPU), Create
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockPush").Device(DEVICE_CPU), PushOp);
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockWait").Device(DEVICE_CPU), WaitOp);
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockAbort").Device(DEVICE_CPU), AbortOp);
+REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockRetire").Device(DEVICE_CPU), RetireOp);
 REGISTER_KERNEL_BUILDER(Name("HetpipeWspClockStats").Device(DEVICE_CPU), StatsOp);
 
 }  // namespace

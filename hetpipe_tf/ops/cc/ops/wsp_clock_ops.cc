@@ -50,6 +50,15 @@ REGISTER_OP("HetpipeWspClockAbort")
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc("Ends a failed run: every waiting and later wait fails at once with `reason`.");
 
+REGISTER_OP("HetpipeWspClockRetire")
+    .Input("handle: resource")
+    .Input("worker: int64")
+    .Input("retired: bool")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("A worker that ended its run pushes no more waves: retired, it no longer holds back the "
+         "global clock (retired=false when it starts its next run).");
+
 REGISTER_OP("HetpipeWspClockStats")
     .Input("handle: resource")
     .Output("worker_clocks: int64")

@@ -60,14 +60,7 @@ class WspClock : public ResourceBase {
       }
       ++next;
       global = GlobalLocked();
-      for (auto it = waiters_.begin(); it != waiters_.end();) {
-        if (it->second.wave < global) {
-          ready.push_back(std::move(it->second.done));
-          it = waiters_.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      TakeReleasedLocked(global, &ready);
     }
     for (auto& done : ready) done(absl::OkStatus(), global);
     return absl::OkStatus();
@@ -130,14 +123,7 @@ class WspClock : public ResourceBase {
       }
       retired_[worker] = retired;
       global = GlobalLocked();
-      for (auto it = waiters_.begin(); it != waiters_.end();) {
-        if (it->second.wave < global) {
-          ready.push_back(std::move(it->second.done));
-          it = waiters_.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      TakeReleasedLocked(global, &ready);
     }
     for (auto& done : ready) done(absl::OkStatus(), global);
     return absl::OkStatus();
@@ -168,6 +154,18 @@ class WspClock : public ResourceBase {
     int64_t wave;
     Callback done;
   };
+
+  // Moves the callbacks of the waits that `global` releases into `ready`.
+  void TakeReleasedLocked(int64_t global, std::vector<Callback>* ready) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->second.wave < global) {
+        ready->push_back(std::move(it->second.done));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
 
   // The minimum clock over the workers still running (over all when every one is retired).
   int64_t GlobalLocked() const TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -69,5 +69,5 @@ def test_a_paced_step_of_speed_half_takes_twice_its_reference():
         started = time.perf_counter()
         training.paced_step(compute, apply, batch, pacer, reference)
         ratios.append((applied_at[-1] - started) / reference)
-    assert 1.95 < statistics.median(ratios) < 2.3, ratios
+    assert 2.0 <= min(ratios) and statistics.median(ratios) < 2.5, ratios  # padded, never cut short
     assert pacer.tasks == 10

@@ -289,6 +289,7 @@ class ProcessRunner:
 
         def train_steps(steps, data, first):
             self._report_started = first
+            self.servers.rejoin(range(k))
             for c, shard in zip(self._conns, data):
                 c.send("train", shard, steps, self.dilation, self.calibration, trace_path is not None)
             self._collect(trace_path is not None)

@@ -180,6 +180,7 @@ class WSPRunner:
                 errors.append(exc)
                 self.abort(f"virtual worker {self.worker_ids[i]} failed: {type(exc).__name__}")
 
+        self.servers.rejoin(self.worker_ids)
         threads = [start_thread(lambda i=i: run(i), f"hetpipe-worker-{i}") for i in range(self.num_workers)]
         for t in threads:
             t.join()
@@ -303,21 +304,22 @@ class WSPRunner:
         per_worker = -(-(epochs - initial_epoch) * steps_per_epoch // k)
         positions = positions or [0] * k
         shards = skip_consumed([x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()], positions)
-        done = lambda events: lambda w, p, logs: events.put("done", (logs, time.perf_counter()))  # noqa: E731
-        started = lambda events: lambda t: [events.put("started", t) for _ in range(k)]  # noqa: E731
         segments = None if checkpoints is None else EpochSegments(checkpoints, steps_per_epoch, k, initial_epoch,
                                                                   epochs, positions)
 
         def train(events):
+            def train_steps(data, steps, first):
+                self.train(data, steps, trace=trace_path is not None,
+                           on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())),
+                           on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
+
             if segments is None:
-                self.train(shards, per_worker, trace=trace_path is not None, on_minibatch_done=done(events),
-                           on_started=started(events))
+                train_steps(shards, per_worker, True)
                 return
             iterators = [iter(s) for s in shards]  # the next epoch goes on where the last ended
 
             def train_epoch(steps, first):
-                self.train(iterators, steps, trace=trace_path is not None, on_minibatch_done=done(events),
-                           on_started=started(events) if first else None)
+                train_steps(iterators, steps, first)
                 self.drain()
 
             segments.train(events, train_epoch)

@@ -142,6 +142,13 @@ class ParameterServers:
                 for wave in range(clock):
                     self.clock.push(worker, stage, wave)
 
+    def rejoin(self, workers):
+        """`workers` start a run together: each holds the global clock back again at once
+        (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.retire`), not only when its own run begins, so
+        that no worker's pull passes a wave that another, not yet started, has still to push."""
+        for worker in workers:
+            self.clock.retire(worker, retired=False)
+
     def variable_devices(self):
         """Each global variable's server, in the model's order: what another process needs to
         attach (see the `variable_devices` argument)."""

@@ -68,7 +68,7 @@ def test_two_workers_resumed_end_with_the_weights_of_an_uninterrupted_run(tmp_pa
 
 
 def test_one_worker_at_nm_2_resumed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
-    diff, _, _ = _stopped_and_resumed(_one_worker, tmp_path, epochs=3, stop_at=1, steps_per_epoch=10)
+    diff, _, _ = _stopped_and_resumed(_one_worker, tmp_path, epochs=2, stop_at=1, steps_per_epoch=8)
     assert diff <= 1e-6, diff
 
 

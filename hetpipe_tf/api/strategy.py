@@ -40,6 +40,11 @@ at once (every worker's waiting pull fails; none waits for its timeout); the nex
 starts a new run from the Keras model's weights, those of the last completed epoch (in
 one process the stages keep their optimizer state; worker processes are rebuilt with
 fresh ones). Users who need more use :class:`WSPRunner` and the servers directly.
+
+With ``checkpoint_dir``, ``fit`` saves the run at epochs' ends and ``resume=True`` continues
+the newest checkpoint, exactly for deterministic data and D = 0
+(:mod:`hetpipe_tf.runtime.checkpoint`: what is saved, the drain at every epoch's end, why
+it is exact); ``keras.callbacks.BackupAndRestore`` gets an error that says so.
 """
 import atexit
 import contextlib

@@ -171,6 +171,10 @@ def test_a_worker_that_ends_its_run_early_no_longer_holds_the_others_back():
     # the end of its run retires it at the clock, so worker 0 goes on instead of waiting.
     model = constant_gradient_model()
     data, _ = exact_sgd_case(model, 16)
+    _, expected = exact_sgd_case(model, 0)  # the start, then every update applied exactly once:
+    for x, _ in data[0] + data[1][:9]:
+        for path, g in constant_gradients(model, x).items():
+            expected[path] -= 0.05 * g
     servers = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output).servers
     workers = [WSPRunner(model, [WorkerSpec("1,1", (f"/device:CPU:{2 * w}", f"/device:CPU:{2 * w + 1}"))],
                          num_in_flight=2, staleness_bound=0, ps_devices=["/device:CPU:0"],
@@ -183,6 +187,9 @@ def test_a_worker_that_ends_its_run_early_no_longer_holds_the_others_back():
     short.join()
     assert time.monotonic() - started < 30  # not the pull's 60 s timeout
     assert servers.clock.clocks() == ((8, 5), 5)  # worker 1 pushed its partial wave 4; both retired now
+    servers.write_to(model)
+    for v in model.trainable_variables:  # nothing of the shorter run lost, nothing applied twice
+        np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
 
 
 def _pipeline_threads():

@@ -107,6 +107,7 @@ class TaskStarter:
         self._listener = multiprocessing.connection.Listener((host, 0), authkey=authkey)
         self.address = f"{host}:{self._listener.address[1]}"
         self._procs = {}
+        self._closed = False
         # Children are made by one thread that lives as long as the task: on Linux a child's
         # end-with-parent signal (PR_SET_PDEATHSIG) fires when the thread that made it ends.
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetpipe-starter-spawn")
@@ -121,11 +122,21 @@ class TaskStarter:
         threading.Thread(target=self._accept, name="hetpipe-starter", daemon=True).start()
         return self
 
+    def close(self):
+        """Stops serving (a task's starter serves as long as the task lives)."""
+        self._closed = True
+        host, port = self.address.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()  # wakes the accept, which then ends
+        self._listener.close()
+        self._spawner.shutdown(wait=False)
+
     def _accept(self):
         while True:
             try:
                 conn = self._listener.accept()
             except (OSError, EOFError, multiprocessing.AuthenticationError) as e:
+                if self._closed:
+                    return
                 print(f"hetpipe_tf task starter: refused a connection ({type(e).__name__}: {e})", flush=True)
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="hetpipe-starter-conn", daemon=True).start()
@@ -198,3 +209,6 @@ class StarterClient:
     def end(self, job, index):
         """Kills task (job, index) if this starter started it (waits at most timeout_s)."""
         self.request(self.timeout_s, "end", job, index)
+
+    def close(self):
+        self._conn.close()

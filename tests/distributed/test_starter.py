@@ -1,6 +1,8 @@
 """A worker task's task starter: the chief starts processes on another host through it."""
 import multiprocessing
 import os
+import threading
+import time
 
 import pytest
 
@@ -20,7 +22,12 @@ def starter(tmp_path, monkeypatch):
     task_address = f"127.0.0.1:{os.getpid()}"
     started = TaskStarter("127.0.0.1", key, str(tmp_path)).start(task_address)
     yield started, key, task_address
+    started.close()
     os.remove(starter_file(task_address))
+    deadline = time.monotonic() + 10  # its threads end: tests after this one check for leftover ones
+    while any(t.name.startswith("hetpipe-starter") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name.startswith("hetpipe-starter") for t in threading.enumerate())
 
 
 def test_the_chief_starts_and_ends_a_process_through_a_worker_tasks_starter(starter, tmp_path):
@@ -29,11 +36,14 @@ def test_the_chief_starts_and_ends_a_process_through_a_worker_tasks_starter(star
         assert f.read() == started.address  # what the chief reads through TensorFlow
     client = StarterClient(started.address, key, timeout_s=10)
     address, heartbeat, pid = client.start("vw0", 0, TASK, [], chief_timeout_s=0, start_timeout_s=60)
+    client.close()
+    client = StarterClient(started.address, key, timeout_s=10)  # a chief may connect again
     assert address.startswith("127.0.0.1:") and heartbeat.startswith("127.0.0.1:")
     with open(f"/proc/{pid}/stat") as f:
         assert int(f.read().split(")")[-1].split()[1]) == os.getpid()  # the starter's own child
     assert f"ready at {address}" in (tmp_path / "vw0-0.log").read_text()
     client.end("vw0", 0)
+    client.close()
     assert not wait_until_gone([pid], 10)
 
 
@@ -42,6 +52,7 @@ def test_a_process_that_fails_to_start_is_reported_with_its_log(starter):
     client = StarterClient(started.address, key, timeout_s=10)
     with pytest.raises(ClusterStartError, match=r"(?s)task vw1:0 exited with 3; its log .*failing as asked"):
         client.start("vw1", 0, TASK, ["--fail"], chief_timeout_s=0, start_timeout_s=60)
+    client.close()
 
 
 def test_a_starter_refuses_a_chief_without_the_clusters_key(starter):

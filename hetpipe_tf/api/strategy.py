@@ -95,11 +95,18 @@ class HetPipeStrategy:
       resume: the first ``fit`` continues from the newest checkpoint in `checkpoint_dir`
         (weights, optimizer state, clocks, each worker's data position, the epoch), under the
         same plan; a clear error if there is none.
+      schedule: how each virtual worker pipelines its minibatches, a registered
+        :class:`hetpipe_tf.pipeline.schedule.PipelineSchedule` or its name (default: HetPipe's, §4).
+      sync: how the virtual workers synchronise, a registered
+        :class:`hetpipe_tf.pipeline.schedule.SyncScheme` or its name (default: WSP, §5). A scheme
+        that cannot synchronise the schedule gets a ValueError listing the combinations that exist
+        (:func:`hetpipe_tf.pipeline.schedule.combinations`).
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
-                 checkpoint_dir=None, save_every_epochs=1, resume=False):
+                 checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp"):
+        from hetpipe_tf.pipeline.schedule import check_combination
         from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.runtime.checkpoint import Checkpoints
 
@@ -113,6 +120,7 @@ class HetPipeStrategy:
             raise ValueError(f"num_in_flight (Nm) must be None or an integer >= 1, got {num_in_flight!r}")
         if placement not in (None, "default", "local"):
             raise ValueError(f"unknown placement {placement!r}; allowed: None, 'default', 'local'")
+        self.schedule, self.sync = check_combination(schedule, sync)
         self.cluster = load_cluster(cluster)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch != "tf_config":
@@ -255,7 +263,7 @@ class HetPipeStrategy:
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
-                         optimizer_slots=slots_per_weight(model.optimizer))
+                         optimizer_slots=slots_per_weight(model.optimizer), schedule=self.schedule, sync=self.sync)
         self._cuts = plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
                                                               for w in range(len(self.plan.workers))])
         if saved_cuts is not None:  # a resumed run keeps the cuts its optimizer state belongs to
@@ -273,7 +281,7 @@ class HetPipeStrategy:
                 num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
                 ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
                 loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
-                dilation=self.dilation, timeout_s=self.timeout_s)
+                dilation=self.dilation, timeout_s=self.timeout_s, schedule=self.schedule, sync=self.sync)
             self._runner_key = key
             return self.runner
         workers = [spec for spec, _ in workers]
@@ -281,7 +289,8 @@ class HetPipeStrategy:
             model, workers, num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
             ps_devices=devices["ps"], placement=self.plan.placement,
             optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
-            loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s)
+            loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s,
+            schedule=self.schedule, sync=self.sync)
         self._runner_key = key
         return self.runner
 

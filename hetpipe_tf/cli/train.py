@@ -43,7 +43,8 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
     links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
     chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_in_flight,
-                  dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links)
+                  dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links,
+                  schedule=FLAGS.schedule)
     print(chosen.format())
     by_type = {}
     for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):
@@ -96,7 +97,8 @@ def _train_virtual_workers():
                                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
                                dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s,
                                emulate_links=FLAGS.emulate_links, checkpoint_dir=FLAGS.checkpoint_dir,
-                               save_every_epochs=FLAGS.save_every_epochs, resume=FLAGS.resume)
+                               save_every_epochs=FLAGS.save_every_epochs, resume=FLAGS.resume,
+                               schedule=FLAGS.schedule, sync=FLAGS.sync)
     with strategy.scope():
         train, test, model = _data_and_model()
         model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -150,7 +152,7 @@ def main(argv):
         devices, boundaries, num_in_flight = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
     vw = VirtualWorker(
         model, devices, num_in_flight=num_in_flight, boundaries=boundaries, optimizer=optimizer, loss=loss,
-        metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s)
+        metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s, schedule=FLAGS.schedule)
     print(f"{FLAGS.model} on {FLAGS.dataset} {shape}, {model.count_params():,} parameters")
     print(vw.describe())
     if FLAGS.show_schedule:

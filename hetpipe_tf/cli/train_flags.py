@@ -76,6 +76,10 @@ def define_flags():
     flags.DEFINE_integer("save_every_epochs", 1, "With --checkpoint_dir: save every this many epochs.", lower_bound=1)
     flags.DEFINE_bool("resume", False, "With --checkpoint_dir: continue from its newest checkpoint (same plan) up "
                                        "to --epochs.")
+    flags.DEFINE_string("schedule", "hetpipe", "How each virtual worker pipelines its minibatches: a registered "
+                                               "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")
+    flags.DEFINE_string("sync", "wsp", "With --cluster: how the virtual workers synchronise, a registered scheme "
+                                       "(default: WSP, §5).")
     flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
     flags.register_validator("boundaries", _integers,
                              message="--boundaries must be integers (each stage's first layer call), e.g. 0,5,9")
@@ -95,6 +99,11 @@ def define_flags():
     flags.register_multi_flags_validator(
         ["plan", "boundaries"], lambda v: v["plan"] != "auto" or v["boundaries"] is None,
         message="--plan=auto chooses the boundaries; drop --boundaries or --plan=auto")
+    flags.register_multi_flags_validator(
+        ["cluster", "sync"], lambda v: v["cluster"] is not None or v["sync"] == "wsp",
+        message="--sync chooses how several virtual workers synchronise: give --cluster too (e.g. --cluster=local), "
+                "or drop --sync")
+    flags.register_multi_flags_validator(["schedule", "sync"], _registered_combination)
     flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
 
@@ -104,6 +113,18 @@ def _integers(values):
         [int(v) for v in values or ()]
     except ValueError:
         return False
+    return True
+
+
+def _registered_combination(values):
+    import hetpipe_tf.pipeline  # noqa: F401 - registers the schedules
+    import hetpipe_tf.sync  # noqa: F401 - registers the schemes
+    from hetpipe_tf.pipeline.schedule import check_combination
+
+    try:
+        check_combination(values["schedule"], values["sync"])
+    except ValueError as exc:
+        raise flags.ValidationError(f"--schedule={values['schedule']} --sync={values['sync']}: {exc}") from None
     return True
 
 

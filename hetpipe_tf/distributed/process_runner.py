@@ -127,12 +127,17 @@ class ProcessRunner:
       num_in_flight, staleness_bound, ps_devices, placement, dilation, timeout_s: as for
         :class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`.
       optimizer, loss, metrics, loss_weights: as given to ``compile``.
+      schedule, sync: every worker's pipelining schedule and the synchronisation scheme between
+        the workers, as for :class:`hetpipe_tf.runtime.wsp_runner.WSPRunner` (sent to each
+        process: a scheme or schedule of the user's own must be importable there).
     """
 
     def __init__(self, model, cluster, workers, local_devices, num_in_flight, staleness_bound, ps_devices,
                  placement="default", optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None,
-                 timeout_s=300.0, home_nodes=None):
+                 timeout_s=300.0, home_nodes=None, schedule="hetpipe", sync="wsp"):
         import keras
+
+        from hetpipe_tf.pipeline.schedule import check_combination
 
         self.model = model
         self.cluster = cluster
@@ -149,6 +154,7 @@ class ProcessRunner:
         self.dilation = dilation
         self.calibration = ()
         self.timeout_s = float(timeout_s)
+        self.schedule, self.sync = check_combination(schedule, sync)
         stages = [len(w.devices) for w in self.workers]
         staged = split_model(model, boundaries=self.workers[0].boundaries, num_stages=stages[0])
         self.loss_head = LossHead(loss, staged.keras_graph.model.output_names, loss_weights=loss_weights,
@@ -207,7 +213,7 @@ class ProcessRunner:
                "staleness_bound": self.staleness_bound, "ps_devices": self.ps_devices,
                "stages_per_worker": self.servers.clock.stages_per_worker, "placement": self.placement,
                "variable_devices": self.servers.variable_devices(), "run": self.servers.run, "dilation": self.dilation,
-               "timeout_s": self.timeout_s}
+               "timeout_s": self.timeout_s, "schedule": self.schedule, "sync": self.sync}
         self.descriptions = []
         for c, spec, shard in zip(self._conns, self.workers, shards):
             # One after another: each measures its stages' solo times (the emulation's references,
@@ -334,7 +340,7 @@ class ProcessRunner:
         """Waits until every worker's process finished training, gathers their traces into one,
         and raises the first failure."""
         self.trace = TraceRecorder(metadata={
-            "hetpipe_tf": f"{self.num_workers} virtual workers, one process each, WSP D={self.staleness_bound}"}) \
+            "hetpipe_tf": f"{self.num_workers} virtual workers, one process each, {self.sync.name.upper()} D={self.staleness_bound}"}) \
             if traced else None
         finished = set()
         while len(finished) < self.num_workers:

@@ -106,7 +106,8 @@ class _Worker:
             ps_devices=job["ps_devices"], placement=job["placement"],
             optimizer=keras.optimizers.deserialize(job["optimizer"]), loss=compiled["loss"],
             metrics=compiled["metrics"], loss_weights=compiled["loss_weights"], dilation=job["dilation"],
-            timeout_s=job["timeout_s"], servers=servers, worker_ids=[FLAGS.worker])
+            timeout_s=job["timeout_s"], servers=servers, worker_ids=[FLAGS.worker], schedule=job["schedule"],
+            sync=job["sync"])
         self.first = next(iter(dataset_from_bytes(*job["data"])))
         return self.runner.vws[0].prepare(*self.first)
 

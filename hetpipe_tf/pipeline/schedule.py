@@ -114,6 +114,8 @@ class SyncScheme:
     #: each the stage's apply time.
     apply_like = frozenset()
     weight_copies = 0
+    #: The names of the schedules this scheme works with (None: every registered one).
+    schedules = None
 
     def after_update(self, minibatch, steps, num_in_flight):
         """Instructions a stage runs right after applying `minibatch`'s update."""
@@ -193,3 +195,26 @@ def get_schedule(schedule):
 def get_sync(scheme):
     """The registered :class:`SyncScheme` named `scheme` (or `scheme` itself; None: no sync)."""
     return NO_SYNC if scheme is None else _lookup("sync", _SYNCS, scheme)
+
+
+def works_with(schedule, scheme):
+    """Whether `scheme` (a :class:`SyncScheme`) can synchronise workers running `schedule`."""
+    return scheme.schedules is None or schedule.name in scheme.schedules
+
+
+def combinations():
+    """Every registered (schedule name, sync name) pair that works together, sorted."""
+    return sorted((schedule, sync) for schedule in _SCHEDULES for sync, scheme in _SYNCS.items()
+                  if works_with(_SCHEDULES[schedule], scheme))
+
+
+def check_combination(schedule, scheme):
+    """The registered :class:`PipelineSchedule` and :class:`SyncScheme` named (or given) by
+    `schedule` and `scheme`; a ValueError that lists the combinations that exist if the scheme
+    cannot synchronise workers running that schedule."""
+    schedule, scheme = get_schedule(schedule), get_sync(scheme)
+    if not works_with(schedule, scheme):
+        pairs = ", ".join(f"{a}+{b}" for a, b in combinations())
+        raise ValueError(f"the synchronisation scheme {scheme.name!r} does not work with the schedule "
+                         f"{schedule.name!r}; the combinations that exist (schedule+sync): {pairs}")
+    return schedule, scheme

@@ -17,7 +17,7 @@ from hetpipe_tf.runtime.checkpoint import (EpochSegments, RunState, set_stage_op
 from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit, start_thread
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
-from hetpipe_tf.pipeline.schedule import get_sync
+from hetpipe_tf.pipeline.schedule import check_combination
 from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 
@@ -76,7 +76,7 @@ class WSPRunner:
         self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
-        self._scheme = get_sync(sync)
+        self._scheme = check_combination(self.vws[0].pipeline_schedule, sync)[1]
         self._new_servers = None
         if servers is None:
             layer_devices = None
@@ -150,7 +150,7 @@ class WSPRunner:
         if any(vw.emulated and vw.dilation is None for vw in self.vws):
             self.calibrate_dilation(firsts)
         if trace:
-            metadata = {"hetpipe_tf": f"{self.num_workers} virtual workers, WSP D={self.staleness_bound}"}
+            metadata = {"hetpipe_tf": f"{self.num_workers} virtual workers, {self._scheme.name.upper()} D={self.staleness_bound}"}
             emulation = self.vws[0].trace_metadata().get("emulation")
             self.trace = TraceRecorder(metadata=dict(metadata, emulation=emulation) if emulation else metadata)
         else:

@@ -103,6 +103,8 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
     ({"cluster": "paper"}, "has accelerator types .*launch='tf_config'"),
     ({"cluster": "nowhere.json"}, "no cluster preset or file named 'nowhere.json'"),
     ({"emulate_links": True}, "emulated links join the tasks that launch='processes' starts"),
+    ({"schedule": "gpipe-typo"}, "unknown schedule 'gpipe-typo'; the registered ones are: .*hetpipe"),
+    ({"sync": "bsp-typo"}, "unknown sync 'bsp-typo'; the registered ones are: .*wsp"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -37,6 +37,10 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path):
     assert run.returncode != 0 and "'mnist' is not prepared" in run.stderr and "never downloads" in run.stderr
     run = _train(tmp_path, "--num_stages=3", "--devices=1,1")
     assert run.returncode != 0 and "--num_stages=3 but --devices lists 2 devices" in run.stderr
+    run = _train(tmp_path, "--schedule=gpipe-typo")
+    assert run.returncode != 0 and "unknown schedule 'gpipe-typo'; the registered ones are: " in run.stderr
+    run = _train(tmp_path, "--sync=wsp-typo")
+    assert run.returncode != 0 and "--sync chooses how several virtual workers synchronise" in run.stderr
 
 
 def test_plan_auto_profiles_plans_and_trains(tmp_path):

@@ -16,8 +16,8 @@ from hetpipe_tf.pipeline.instructions import (
     ApplyUpdate, Backward, Forward, Instruction, LoadMinibatch, RecvActivation, RecvGradient, RecvLabels,
     ReleaseWeights, SendActivation, SendGradient, StashWeights, Task, TaskStream)
 from hetpipe_tf.pipeline.schedule import (
-    NO_SYNC, PipelineSchedule, Schedule, StageProgram, SyncScheme, get_schedule, get_sync, register_schedule,
-    register_sync)
+    NO_SYNC, PipelineSchedule, Schedule, StageProgram, SyncScheme, check_combination, combinations, get_schedule,
+    get_sync, register_schedule, register_sync)
 from hetpipe_tf.pipeline.simulator import simulate
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync.wsp import PushBase
@@ -87,6 +87,7 @@ class EveryWave(SyncScheme):
     """Plain averaging: after each wave, push, wait for every worker's wave, merge."""
 
     name = "toy-every-wave"
+    schedules = frozenset({"toy-one-at-a-time", "hetpipe"})
     instructions = frozenset({PushPullMerge})
     weight_copies = 1
 
@@ -120,6 +121,23 @@ def test_registered_by_name_and_unknown_names_say_what_exists():
     assert get_schedule("toy-one-at-a-time") is TOY_SCHEDULE and get_sync("toy-every-wave") is TOY_SYNC
     with pytest.raises(ValueError, match="unknown schedule 'gpipe'; the registered ones are: .*hetpipe"):
         get_schedule("gpipe")
+
+
+def test_a_scheme_names_the_schedules_it_works_with_and_other_pairs_get_the_list_of_those_that_exist():
+    assert check_combination("toy-one-at-a-time", "toy-every-wave") == (TOY_SCHEDULE, TOY_SYNC)
+    assert ("hetpipe", "wsp") in combinations() and ("toy-one-at-a-time", "none") in combinations()
+    pairs = {(a, b) for a, b in combinations() if b == "toy-every-wave"}
+    assert pairs == {("toy-one-at-a-time", "toy-every-wave"), ("hetpipe", "toy-every-wave")}
+
+    class OtherSchedule(OneAtATime):
+        name = "toy-other"
+
+    register_schedule(OtherSchedule())
+    with pytest.raises(ValueError, match=r"'toy-every-wave' does not work with the schedule 'toy-other'; "
+                                         r"the combinations that exist \(schedule\+sync\): .*hetpipe\+wsp"):
+        check_combination("toy-other", "toy-every-wave")
+    with pytest.raises(ValueError, match="unknown sync 'bsp-typo'"):
+        check_combination("hetpipe", "bsp-typo")
 
 
 def test_the_toy_schedule_runs_in_the_simulator_one_minibatch_at_a_time():

@@ -3,3 +3,4 @@ synchronisation seam (WSP), the staleness rules and the parameter servers that h
 global weights."""
 
 from hetpipe_tf.sync import wsp  # noqa: E402,F401 - registers the "wsp" scheme
+from hetpipe_tf.sync import ssp  # noqa: E402,F401 - registers "bsp", "ssp" and "asp"

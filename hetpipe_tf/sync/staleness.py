@@ -1,4 +1,5 @@
-"""Checking the staleness bounds of Wave Synchronous Parallel on recorded weight versions (§4, §5).
+"""Checking the staleness bounds of the parameter servers' schemes on recorded weight versions
+(§4, §5; BSP, SSP and ASP, §2.2).
 
 Pure Python. A record says, for minibatch p of virtual worker w, which of w's own
 minibatches' updates the weights its forward pass used held (local), and which pushed
@@ -9,13 +10,19 @@ waves of which workers they held (global). With Nm minibatches in flight
 * global bound (§5): for every p > (D + 1)(s_local + 1) + s_local, they hold every other
   worker's updates of minibatches 1 .. p - (s_global + 1), where
   s_global = (D + 1)(s_local + 1) + s_local - 1. Updates are pushed a wave at a time, so
-  that means every wave holding any of those minibatches.
+  that means every wave holding any of those minibatches: waves 0 .. (p - Nm) // Nm - D - 1.
 
 Seed 001's example (D = 0, s_local = 3): minibatch 11 must hold the global updates of
 minibatches 1..4 (wave 0), minibatch 12 those of 1..8 (waves 0 and 1).
+
+The same rule with waves of g minibatches (a push per g; g = 1 under BSP, SSP and ASP,
+:mod:`hetpipe_tf.sync.ssp`): waves 0 .. (p - Nm) // g - D - 1, s_global = (D + 1)·g + Nm - 2;
+for g = 1, every other worker's minibatches 1 .. p - Nm - s. D = None (ASP) requires nothing
+global.
 """
-import math
 from dataclasses import dataclass
+
+from hetpipe_tf.pipeline.schedule import get_sync
 
 
 class StalenessViolation(AssertionError):
@@ -25,7 +32,8 @@ class StalenessViolation(AssertionError):
 @dataclass(frozen=True)
 class Bounds:
     num_in_flight: int  # Nm
-    staleness_bound: int  # D
+    staleness_bound: int  # D (WSP), s (SSP), 0 (BSP); None: no bound (ASP)
+    wave_size: int = None  # minibatches per push (per clock); None: Nm, a wave of WSP
 
     @property
     def s_local(self):
@@ -33,7 +41,10 @@ class Bounds:
 
     @property
     def s_global(self):
-        return (self.staleness_bound + 1) * (self.s_local + 1) + self.s_local - 1
+        """How many of another worker's latest minibatches w_p may miss, less one (None: any)."""
+        if self.staleness_bound is None:
+            return None
+        return (self.staleness_bound + 1) * (self.wave_size or self.num_in_flight) + self.s_local - 1
 
     def local_required(self, p):
         """Own minibatches whose updates w_p must hold."""
@@ -41,21 +52,25 @@ class Bounds:
 
     def waves_required(self, p):
         """Waves of every other worker that w_p must hold."""
-        if p <= (self.staleness_bound + 1) * (self.s_local + 1) + self.s_local:
+        if self.staleness_bound is None:
             return set()
-        last = p - (self.s_global + 1)
-        return set(range(math.ceil(last / self.num_in_flight)))
+        return set(range(max((p - self.num_in_flight) // (self.wave_size or self.num_in_flight)
+                             - self.staleness_bound, 0)))
 
 
-def check(records, num_in_flight, staleness_bound, num_workers):
+def check(records, num_in_flight, staleness_bound, num_workers, sync="wsp"):
     """Raises StalenessViolation listing every minibatch whose weights broke a bound.
 
     Args:
       records: {(worker, minibatch): (local minibatch ids, {(worker, wave), ...})}.
+      staleness_bound: the `staleness_bound` the run was given (D of WSP, s of SSP).
+      sync: the run's scheme, of the parameter servers' (a registered name or the scheme): its
+        wave size and the bound it keeps for `staleness_bound`.
     Returns:
       The number of (worker, minibatch) records checked.
     """
-    bounds = Bounds(num_in_flight, staleness_bound)
+    scheme = get_sync(sync)
+    bounds = Bounds(num_in_flight, scheme.checked_bound(staleness_bound), scheme.wave_size(num_in_flight))
     problems = []
     for (w, p), (local, pushed) in sorted(records.items()):
         missing_local = sorted(bounds.local_required(p) - set(local))
@@ -66,6 +81,7 @@ def check(records, num_in_flight, staleness_bound, num_workers):
         if missing:
             problems.append(f"worker {w} minibatch {p}: global updates (worker, wave) {missing} missing")
     if problems:
-        raise StalenessViolation(f"{len(problems)} minibatch(es) broke the WSP bounds (Nm={num_in_flight}, "
-                                 f"D={staleness_bound}, s_global={bounds.s_global}): " + "; ".join(problems[:10]))
+        raise StalenessViolation(f"{len(problems)} minibatch(es) broke the {scheme.name.upper()} bounds "
+                                 f"(Nm={num_in_flight}, D={bounds.staleness_bound}, s_global={bounds.s_global}): "
+                                 + "; ".join(problems[:10]))
     return len(records)

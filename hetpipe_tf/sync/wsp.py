@@ -20,6 +20,10 @@ Pure Python. Everything WSP adds between virtual workers is here, as a
 * **how the simulator models them**: :class:`ParameterServerModel`.
 * **what the planner charges**: one more copy of a stage's weights (those at the last
   push), and the push and pull transfers of each wave.
+
+The rules above are written for a wave of any size and any gate: :mod:`hetpipe_tf.sync.ssp`
+registers BSP, SSP and ASP as WSP with a wave of one minibatch (:meth:`WSP.wave_size`) and
+their own bounds (:meth:`WSP.checked_bound`; None: pulls never wait).
 """
 from dataclasses import dataclass, field
 
@@ -35,8 +39,8 @@ PLACEMENTS = ("default", "local")
 
 @dataclass(frozen=True, repr=False)
 class WaveInstruction(Instruction):
-    """An instruction about wave c (minibatches c*Nm+1 .. (c+1)*Nm), §5. `minibatch` is the
-    wave's last minibatch, after whose update it runs."""
+    """An instruction about wave c (minibatches c*g+1 .. (c+1)*g; g = Nm under WSP, §5, and 1
+    under BSP, SSP and ASP). `minibatch` is the wave's last minibatch, after whose update it runs."""
     wave: int = field(default=0, kw_only=True)
 
     def __repr__(self):
@@ -115,58 +119,75 @@ class PushBase:
 
 @dataclass(frozen=True)
 class WorkerSync:
-    """One virtual worker's binding to the parameter servers under WSP: its index, the
-    servers (:class:`hetpipe_tf.sync.parameter_server.ParameterServers`), D and the longest
-    a pull may wait. `pull_waits` records (stage, wave, asked, answered) of every pull."""
+    """One virtual worker's binding to the parameter servers under WSP (or another scheme of
+    its family, `scheme`): its index, the servers
+    (:class:`hetpipe_tf.sync.parameter_server.ParameterServers`), the bound its pulls keep (D;
+    None: they never wait) and the longest a pull may wait. `pull_waits` records (stage, wave,
+    asked, answered) of every pull."""
+    scheme: object
     worker: int
     servers: object
-    staleness_bound: int
+    staleness_bound: object
     timeout_s: float = 300.0
     pull_waits: list = field(default_factory=list, compare=False)
 
-    @property
-    def scheme(self):
-        return WSP_SCHEME
-
 
 class WSP(SyncScheme):
-    """Wave Synchronous Parallel: one push per wave of Nm minibatches, pulls gated by D (§5)."""
+    """Wave Synchronous Parallel: one push per wave of Nm minibatches, pulls gated by D (§5).
+
+    Written for a wave of g minibatches (:meth:`wave_size`): the push of wave c follows update
+    (c+1)·g; the first weight version stashed after it is that of minibatch (c+1)·g + Nm (§4),
+    which waits for the merge of wave c. With g = Nm: minibatch (c+2)·Nm."""
 
     name = "wsp"
     instructions = frozenset({PushUpdate, PullWeights, MergePulled})
     apply_like = frozenset({MergePulled})
     weight_copies = 1  # the weights at the last push
 
+    def wave_size(self, num_in_flight):
+        """Minibatches per push, that is per clock: a wave of Nm (§5)."""
+        return num_in_flight
+
+    def checked_bound(self, staleness_bound):
+        """The bound the pulls keep for the `staleness_bound` a user gave: D itself (§5)."""
+        if staleness_bound < 0:
+            raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
+        return int(staleness_bound)
+
+    def first_merged(self, wave, num_in_flight):
+        """The first minibatch whose weight version must hold the global weights pulled at wave c."""
+        return (wave + 1) * self.wave_size(num_in_flight) + num_in_flight
+
     # The schedule ---------------------------------------------------------------------------
     def after_update(self, minibatch, steps, num_in_flight):
-        p, n, nm = minibatch, steps, num_in_flight
-        if not (p % nm == 0 or p == n):
+        p, n, g = minibatch, steps, self.wave_size(num_in_flight)
+        if not (p % g == 0 or p == n):
             return ()
-        wave = (p - 1) // nm
+        wave = (p - 1) // g
         out = (PushUpdate(p, wave=wave),)
-        if (wave + 2) * nm <= n:  # some later minibatch needs this wave's pull
+        if self.first_merged(wave, num_in_flight) <= n:  # some later minibatch needs this wave's pull
             out += (PullWeights(p, wave=wave),)
         return out
 
     def forward_waits(self, minibatch, num_in_flight):
-        p, nm = minibatch, num_in_flight
-        return ((MERGED, p // nm - 2),) if p % nm == 0 and p > nm else ()
+        after, g = minibatch - num_in_flight, self.wave_size(num_in_flight)
+        return ((MERGED, after // g - 1),) if after > 0 and after % g == 0 else ()
 
     def streams(self, stage, steps, num_in_flight):
-        nm = num_in_flight
+        g = self.wave_size(num_in_flight)
 
         def merge(c):
-            return Task(stage, "merge", (c + 1) * nm, (MergePulled((c + 1) * nm, wave=c),))
+            return Task(stage, "merge", (c + 1) * g, (MergePulled((c + 1) * g, wave=c),))
 
-        # Only merges that a later minibatch waits for: wave c gates minibatch (c+2)*Nm.
-        return (TaskStream("merge", max(steps // nm - 1, 0), lambda i: merge(i - 1)),)
+        # Only merges that a later minibatch waits for: wave c gates minibatch (c+1)*g + Nm.
+        return (TaskStream("merge", max((steps - num_in_flight) // g, 0), lambda i: merge(i - 1)),)
 
     # The executor -----------------------------------------------------------------------------
     def stage_state(self, runtime):
         return PushBase(runtime)
 
     def bind(self, worker, servers, staleness_bound, timeout_s):
-        return WorkerSync(worker, servers, staleness_bound, timeout_s)
+        return WorkerSync(self, worker, servers, self.checked_bound(staleness_bound), timeout_s)
 
     def handlers(self, binding):
         """Instruction type -> handler(executor, stage, instruction, *taken keys) for one run of a
@@ -182,7 +203,7 @@ class WSP(SyncScheme):
 
         def pull(ex, s, ins):
             base, asked = ex.runtimes[s].sync_state, ex.clock()
-            wave = ins.wave - binding.staleness_bound
+            wave = gate(ins.wave, binding.staleness_bound)
 
             def answer():
                 values, clocks = binding.servers.pull(base.paths, first_wave + wave if wave >= 0 else -1,
@@ -195,7 +216,7 @@ class WSP(SyncScheme):
 
             ex.in_background(s, ins, (PULLED, ins.wave), answer)
 
-        return {PushUpdate: push, PullWeights: pull, MergePulled: _merge}
+        return {PushUpdate: push, PullWeights: pull, MergePulled: self.merge}
 
     def run_ended(self, binding):
         """A worker that ended its run pushes no more waves of it: retired at the clock, it no
@@ -214,27 +235,34 @@ class WSP(SyncScheme):
             base = ex.runtimes[s].sync_state
             ex.in_background(s, ins, (PULLED, ins.wave), lambda: (base.values, ()))
 
-        return {PushUpdate: push, PullWeights: pull, MergePulled: _merge}
+        return {PushUpdate: push, PullWeights: pull, MergePulled: self.merge}
 
     # The simulator and the planner ------------------------------------------------------------
     def simulation_model(self, staleness_bound, push_time, pull_time):
-        return ParameterServerModel(staleness_bound, push_time=push_time, pull_time=pull_time)
+        return ParameterServerModel(self.checked_bound(staleness_bound), push_time=push_time, pull_time=pull_time)
+
+    def merge(self, ex, s, ins, pulled):
+        """MergePulled(c): into the versions of minibatches >= :meth:`first_merged` (c)."""
+        values, clocks = pulled
+        ex.runtimes[s].sync_state.merge(values, clocks,
+                                        first_minibatch=self.first_merged(ins.wave, ex.schedule.num_in_flight))
 
 
-def _merge(ex, s, ins, pulled):
-    """MergePulled(c): the first minibatch whose version must hold wave c is (c + 2)·Nm."""
-    values, clocks = pulled
-    ex.runtimes[s].sync_state.merge(values, clocks, first_minibatch=(ins.wave + 2) * ex.schedule.num_in_flight)
+def gate(wave, staleness_bound):
+    """The wave every worker must have pushed before a pull of clock `wave` is answered: wave - D
+    (§5); a negative one (and any, when the bound is None) needs no wait."""
+    return -1 if staleness_bound is None else wave - staleness_bound
 
 
 class ParameterServerModel:
     """Simulated WSP parameter servers: clocks from pushes, pulls answered under bound D.
 
     A push of wave c arrives after its transfer time; a pull of clock c is answered once
-    every stage of every worker has pushed wave c - D, and arrives after its transfer time."""
+    every stage of every worker has pushed wave c - D (:func:`gate`; D = None: at once), and
+    arrives after its transfer time."""
 
     def __init__(self, staleness_bound, push_time=lambda agent, ins: 0.0, pull_time=lambda agent, ins: 0.0):
-        if staleness_bound < 0:
+        if staleness_bound is not None and staleness_bound < 0:
             raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
         self.staleness_bound = staleness_bound
         self.push_time = push_time
@@ -255,7 +283,7 @@ class ParameterServerModel:
         """Keys that arrive now: (agent, key, requested, arrival) of every pull that can be answered."""
         ready, still = [], []
         for agent, wave, asked, ins in self.pending:
-            needed = wave - self.staleness_bound
+            needed = gate(wave, self.staleness_bound)
             pushed = self.pushes.get(needed, {}) if needed >= 0 else None
             if needed < 0 or len(pushed) == len(agents):
                 start = max([asked] + (list(pushed.values()) if pushed else []))

@@ -216,3 +216,74 @@ def test_bad_arguments_are_named():
     runner = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=LOSS)
     with pytest.raises(ValueError, match="2 workers but data for 1"):
         runner.train([_batches(model, 4)], 4)
+
+
+# BSP, SSP and ASP (§2.2): WSP's machinery with per-minibatch clocks ------------------------------
+
+def _missed(records, nm):
+    """Per (worker, minibatch p): the most of another worker's minibatches 1 .. p - Nm that its
+    weights did not hold (a clock is a minibatch: wave c is minibatch c + 1)."""
+    workers = {w for w, _ in records}
+    return {(w, p): max(max(p - nm, 0) - len({c for v, c in pushed if v == other and c < p - nm})
+                        for other in workers - {w})
+            for (w, p), (_, pushed) in records.items()}
+
+
+def _slow(batches, seconds):
+    """`batches`, each after `seconds` more: a worker far slower than one that has none."""
+    for b in batches:
+        time.sleep(seconds)
+        yield b
+
+
+@pytest.mark.parametrize("sync,s,nm", [("bsp", 0, 1), ("ssp", 1, 1), ("ssp", 2, 2)])
+def test_bsp_and_ssp_keep_their_bound_and_a_slow_worker_makes_the_fast_one_reach_it(sync, s, nm):
+    # Minibatch p's weights hold every other worker's minibatches 1 .. p - Nm - s (with Nm = 1
+    # and s = 0, BSP: no worker starts p + 1 before every worker pushed p). Worker 1 is far slower,
+    # so worker 0 runs into the bound: some minibatch of it misses exactly s of worker 1's.
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    n = 10
+    runner = _runner(model, ("1,1", "1,1"), nm, s, loss=LOSS, record_provenance=True, sync=sync, dilation=1)
+    runner.train([_batches(model, n, seed=0), _slow(_batches(model, n, seed=1), 0.2)], n)
+    for stage in range(2):
+        records = runner.provenance(stage)
+        assert staleness.check(records, nm, s, 2, sync=sync) == 2 * n
+        assert max(m for (w, _), m in _missed(records, nm).items() if w == 0) == s
+    assert runner.servers.clock.clocks() == ((n, n), n)  # a clock per minibatch, not per wave
+
+
+def test_asp_a_stopped_worker_does_not_hold_back_the_others():
+    # Worker 1 stops after its first minibatch until worker 0 has done all of its own: under
+    # ASP every pull is answered at once, so worker 0 finishes (under BSP or SSP it would wait).
+    model = constant_gradient_model()
+    data, expected = exact_sgd_case(model, 8)
+    release, seen = threading.Event(), {}
+
+    def stopped(batches):
+        yield batches[0]
+        release.wait(120)
+        yield from batches[1:]
+
+    def done(w, p, logs):
+        if w == 0 and p == 8:
+            seen["clocks"] = runner.servers.clock.clocks()[0]
+            release.set()
+
+    runner = _runner(model, ("1", "1"), 1, 0, loss=mean_output, sync="asp", dilation=1, record_provenance=True)
+    runner.train([data[0], stopped(data[1])], 8, on_minibatch_done=done)
+    assert seen["clocks"][0] >= 7 and seen["clocks"][1] <= 1, seen
+    assert staleness.check(runner.provenance(0), 1, 0, 2, sync="asp") == 16  # the local bound only
+    for v in model.trainable_variables:
+        np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
+
+
+@pytest.mark.parametrize("sync,s", [("bsp", 0), ("ssp", 1), ("asp", 0)])
+def test_bsp_ssp_and_asp_apply_every_update_of_every_worker_exactly_once(sync, s):
+    model = constant_gradient_model()
+    data, expected = exact_sgd_case(model, 7)
+    runner = _runner(model, ("1,1", "0.5,0.5"), 2, s, loss=mean_output, sync=sync, dilation=1)
+    runner.train(data, 7)
+    for v in model.trainable_variables:
+        np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
+    assert runner.servers.clock.clocks() == ((7, 7), 7)

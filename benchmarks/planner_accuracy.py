@@ -146,12 +146,9 @@ def local_part(rounds):
 
 # Part 2 ---------------------------------------------------------------------------------
 def _sub_cluster(types):
-    from hetpipe_tf.planning.cluster import PRESETS, load_cluster
+    from hetpipe_tf.planning.cluster import with_device_types
 
-    spec = json.loads(json.dumps(PRESETS["paper"]))
-    spec["nodes"] = [n for n in spec["nodes"] if n["device_type"] in types]
-    spec["name"] = "paper-" + types
-    return load_cluster(spec)
+    return with_device_types("paper", types)
 
 
 def _paper_cell(profile, column, assume):

@@ -266,6 +266,20 @@ def load_cluster(name_or_path):
     return from_dict(spec, where=str(name_or_path))
 
 
+def with_device_types(name_or_path, types):
+    """The cluster (a preset's name or a file) with only the nodes of the device types named in
+    `types` (e.g. ``"VR"``), as the paper's Table 4 runs on 1, 2, 3 or 4 of its node types."""
+    cluster = load_cluster(name_or_path)
+    nodes = tuple(n for n in cluster.nodes if n.device_type in types)
+    if not nodes:
+        raise ClusterError(f"cluster '{cluster.name}' has no nodes of the device types {types!r}")
+    return Cluster(name=f"{cluster.name}-{types}", device_types={t: cluster.device_types[t] for t in
+                                                                 {n.device_type for n in nodes}},
+                   nodes=nodes, intra_node_bandwidth=cluster.intra_node_bandwidth,
+                   inter_node_bandwidth=cluster.inter_node_bandwidth, inter_node_latency=cluster.inter_node_latency,
+                   emulate_links=cluster.emulate_links)
+
+
 def from_device_specs(specs, name="devices"):
     """A cluster of emulated devices given as DeviceSpecs (``--devices``): one node per distinct
     (speed, memory), joined by host-memory links. Real devices have no specs to plan with."""

@@ -12,7 +12,11 @@ in flight:
   a stashed version shares the old one) + the executor's cost of the stage's
   non-compute instructions (their number per minibatch comes from the schedule). Communication over a link follows §7: inside a
   node, bytes / (bandwidth x a scaling-down constant); between nodes, a linear fit
-  ``intercept + slope x bytes`` (:class:`LinkModel`);
+  ``intercept + slope x bytes`` (:class:`LinkModel`). Each node has one inter-node link
+  (§8.1: the nodes are connected by one 56 Gb/s InfiniBand network), so the virtual workers
+  that send between the same two nodes at once share it: with ``link_flows`` (from
+  :func:`link_flows`) each of them gets its share of the bandwidth. Inside a node every
+  device has a PCIe link of its own (§8.1), which is not shared;
 * **memory** = live weights and non-trainable state, the stashed weight versions,
   optimizer slots, the synchronisation scheme's copies, and the activations of the
   minibatches in flight at that stage, plus a reserve for the framework's own memory on
@@ -44,13 +48,25 @@ class LinkModel:
     intra_intercept: float = 0.0
     source: str = "assumed (not calibrated): 0.8 of PCIe, 50 us + bytes / (0.9 x InfiniBand)"
 
-    def seconds(self, nbytes, src, dst, cluster):
+    def seconds(self, nbytes, src, dst, cluster, flows=1):
+        """Seconds for `nbytes` from device `src` to `dst`; between nodes, `flows` transfers share
+        the link at once and each moves at its share of the bandwidth."""
         if nbytes <= 0 or src == dst:
             return 0.0
+        shared = 1 if src.node == dst.node else max(flows, 1)
+        return self.intercept(src, dst, cluster) + nbytes * shared / self.bandwidth(src, dst, cluster)
+
+    def bandwidth(self, src, dst, cluster):
+        """Bytes/s one transfer reaches from device `src` to device `dst` alone."""
         if src.node == dst.node:
-            return self.intra_intercept + nbytes / (cluster.intra_node_bandwidth * self.intra_scale)
-        return (self.inter_intercept + cluster.inter_node_latency
-                + nbytes / (cluster.inter_node_bandwidth * self.inter_scale))
+            return cluster.intra_node_bandwidth * self.intra_scale
+        return cluster.inter_node_bandwidth * self.inter_scale
+
+    def intercept(self, src, dst, cluster):
+        """Seconds a transfer from `src` to `dst` takes besides its bytes."""
+        if src.node == dst.node:
+            return self.intra_intercept
+        return self.inter_intercept + cluster.inter_node_latency
 
     def calibrated(self, cluster, intra_samples=None, inter_samples=None):
         """This model with the intra-node and/or inter-node lines fitted to (bytes, seconds)
@@ -84,6 +100,20 @@ def fit_line(samples):
     if slope <= 0:
         raise ValueError(f"transfer times do not grow with size: {samples}")
     return max(mean_t - slope * mean_b, 0.0), slope
+
+
+def link_flows(workers):
+    """For every pair of nodes, how many of the virtual workers (tuples of cluster devices) have
+    devices on both, so that their transfers between those nodes share the inter-node link at
+    once (equal workers run in step): ``((node_a, node_b), flows)`` pairs, sorted, for
+    :class:`CostModel`'s ``link_flows``."""
+    counts = {}
+    for w in workers:
+        nodes = sorted({d.node for d in w})
+        for i, a in enumerate(nodes):
+            for b in nodes[i + 1:]:
+                counts[(a, b)] = counts.get((a, b), 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 def non_compute_instructions(position, num_stages, schedule=HETPIPE):
@@ -132,6 +162,13 @@ class CostModel:
     schedule: object = HETPIPE  # the PipelineSchedule: activations and weight versions a stage holds
     sync: object = NO_SYNC  # the SyncScheme between virtual workers: its weight copies per stage
     analytic: object = None  # AnalyticAssumptions for device types that are not measured
+    link_flows: tuple = ()  # ((node_a, node_b), workers sending between them at once), see link_flows
+
+    def link_seconds(self, nbytes, src, dst):
+        """Seconds for `nbytes` from device `src` to device `dst`, sharing an inter-node link with
+        the other virtual workers that cross it (``link_flows``)."""
+        flows = dict(self.link_flows).get(tuple(sorted((src.node, dst.node))), 1)
+        return self.links.seconds(nbytes, src, dst, self.cluster, flows=flows)
 
     def times(self, device_type):
         """SegmentTimes of a device type, and the factor its compute is scaled by."""
@@ -177,9 +214,8 @@ class CostModel:
         weights = sum(p.weight_bytes[lo:hi])
         cut_in = p.cut_bytes[lo] if lo > 0 else 0
         cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0
-        recv_act = self.links.seconds(cut_in, devices[position - 1], device, self.cluster) if position > 0 else 0.0
-        recv_grad = (self.links.seconds(cut_out, devices[position + 1], device, self.cluster)
-                     if position < k - 1 else 0.0)
+        recv_act = self.link_seconds(cut_in, devices[position - 1], device) if position > 0 else 0.0
+        recv_grad = self.link_seconds(cut_out, devices[position + 1], device) if position < k - 1 else 0.0
         apply = self.apply_seconds(device.type, weights, num_in_flight)
         held = self.schedule.activations_held(position, k, num_in_flight)
         memory = {

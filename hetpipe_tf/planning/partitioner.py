@@ -103,10 +103,10 @@ class _Coefficients:
         self.cut = p.cut_bytes
         # link[q][c]: seconds for the bytes crossing cut c to reach stage q from stage q - 1
         self.link_in = [[0.0] * (n + 1)] + [
-            [model.links.seconds(p.cut_bytes[c] if c < n else 0, devices[q - 1], devices[q], model.cluster)
+            [model.link_seconds(p.cut_bytes[c] if c < n else 0, devices[q - 1], devices[q])
              for c in range(n + 1)] for q in range(1, k)]
-        self.link_grad = [[model.links.seconds(p.cut_bytes[c] if c < n else 0, devices[q + 1], devices[q],
-                                               model.cluster) for c in range(n + 1)]
+        self.link_grad = [[model.link_seconds(p.cut_bytes[c] if c < n else 0, devices[q + 1], devices[q])
+                           for c in range(n + 1)]
                           for q in range(k - 1)] + [[0.0] * (n + 1)]
 
     def time(self, q, lo, hi):

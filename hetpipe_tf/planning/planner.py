@@ -16,16 +16,18 @@ Pure Python, over a :class:`hetpipe_tf.planning.profile.Profile`:
    model's times, under WSP with staleness bound D when there are several workers.
    Parameters are placed on one parameter server per node: ``default`` spreads the
    layers round-robin over them, ``local`` (ED only) keeps a stage's layers on the
-   server of its own node, so pushes and pulls stay inside the node (§8.1).
+   server of its own node, so pushes and pulls stay inside the node (§8.1). Transfers between
+   nodes share each node's one inter-node link with the other workers that cross it at once
+   (:func:`hetpipe_tf.planning.cost_model.link_flows`).
 """
 from dataclasses import dataclass
 
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
-from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward, RecvActivation, RecvGradient
+from hetpipe_tf.pipeline.instructions import Backward, Forward, Recompute, RecvActivation, RecvGradient
 from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule, get_sync
 from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.planning.allocation import AllocationError, allocate, candidate_allocations, describe
-from hetpipe_tf.planning.cost_model import CostModel, LinkModel
+from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, distinct_orders, fits
 from hetpipe_tf.planning.profile import coarsen
 from hetpipe_tf.sync.wsp import PLACEMENTS, WSP_SCHEME
@@ -197,17 +199,27 @@ def _ps_nodes(cluster):
     return [n.name for n in cluster.nodes]
 
 
-def _push_seconds(model, stage, placement):
-    """Seconds for a stage to send its layers' update to their parameter servers (or pull them)."""
+def _server(model, segment, device, placement):
+    """The node whose parameter server holds `segment`'s weights when `device` trains it (§8.1)."""
+    nodes = _ps_nodes(model.cluster)
+    return device.node if placement == "local" else nodes[segment % len(nodes)]
+
+
+def _push_seconds(model, stage, placement, workers):
+    """Seconds for a stage to send its layers' update to their parameter servers (or pull them).
+
+    The workers push a wave at about the same time, so the devices of other nodes that push
+    the same segment to a server share that server's inter-node link (§8.1: one per node)."""
     cluster, links, p = model.cluster, model.links, model.profile
-    nodes = _ps_nodes(cluster)
-    host = {n: next(d for d in cluster.devices() if d.node == n) for n in nodes}
+    host = {n: next(d for d in cluster.devices() if d.node == n) for n in _ps_nodes(cluster)}
     total = 0.0
     for seg in range(*stage.segments):
         if not p.weight_bytes[seg]:
             continue
-        server = stage.device.node if placement == "local" else nodes[seg % len(nodes)]
-        total += links.seconds(p.weight_bytes[seg], stage.device, host[server], cluster)
+        server = _server(model, seg, stage.device, placement)
+        holders = [st.device for w in workers for st in w.stages if st.segments[0] <= seg < st.segments[1]]
+        flows = sum(1 for d in holders if d.node != server)
+        total += links.seconds(p.weight_bytes[seg], stage.device, host[server], cluster, flows=flows)
     return total
 
 
@@ -219,17 +231,17 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
     def duration(agent, ins):
         st = workers[agent[0]].stages[agent[1]]
         kind = type(ins)
-        if kind is Forward:
+        if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
             return st.forward
         if kind is Backward:
             return st.backward
-        if kind is ApplyUpdate or kind in model.sync.apply_like:
+        if ins.applies() or kind in model.sync.apply_like:
             return st.apply
         link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
         return link + per_instruction
 
     def transfer(agent, ins):  # a push or a pull moves the stage's weights to or from the servers
-        return _push_seconds(model, workers[agent[0]].stages[agent[1]], placement)
+        return _push_seconds(model, workers[agent[0]].stages[agent[1]], placement, workers)
 
     servers = model.sync.simulation_model(staleness_bound, push_time=transfer, pull_time=transfer)
     return simulate_workers(schedules, duration, parameter_servers=servers)
@@ -344,7 +356,8 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     for label, group in candidates:
         several = len(group) > 1
         cm = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
-                       schedule=schedule, sync=sync if several else NO_SYNC, analytic=analytic)
+                       schedule=schedule, sync=sync if several else NO_SYNC, analytic=analytic,
+                       link_flows=link_flows(group))
         try:
             p = _plan_workers(cm, group, label.lower() if policy.lower() != "auto" else f"auto: {label}",
                               placement if several else "default", staleness_bound, num_in_flight,
@@ -363,7 +376,8 @@ def simulate_plan(p, steps=400):
     """A plan's schedules in the simulator, longer than the planner runs them: a report dict
     with images/s, and per worker its devices' busy fractions and its average wait for pulled
     weights and idle time of its first stage during those waits (§8.4)."""
-    model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic)
+    model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic,
+                      link_flows=link_flows([w.devices for w in p.workers]))
     parts = [w.partition for w in p.workers]
     result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps)
     alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]

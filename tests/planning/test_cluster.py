@@ -57,3 +57,13 @@ def test_bad_descriptions_say_what_is_wrong(change, match):
 def test_unknown_name():
     with pytest.raises(ClusterError, match="no cluster preset or file named 'moon'; presets: \\['local', 'local_cpu', 'paper'\\]"):
         load_cluster("moon")
+
+
+def test_with_device_types_keeps_those_nodes():
+    from hetpipe_tf.planning.cluster import with_device_types
+
+    vr = with_device_types("paper", "VR")
+    assert [n.name for n in vr.nodes] == ["node-V", "node-R"] and set(vr.device_types) == {"V", "R"}
+    assert len(vr.devices()) == 8 and vr.inter_node_bandwidth == load_cluster("paper").inter_node_bandwidth
+    with pytest.raises(ClusterError, match="no nodes"):
+        with_device_types("paper", "X")

@@ -4,7 +4,7 @@ import pytest
 
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
-from hetpipe_tf.planning.cost_model import CostModel, LinkModel, fit_line, non_compute_instructions
+from hetpipe_tf.planning.cost_model import CostModel, LinkModel, fit_line, link_flows, non_compute_instructions
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 
 
@@ -101,3 +101,17 @@ def test_links_are_calibrated_from_transfer_samples():
     assert fit_line([(0, 1.0), (2, 3.0)]) == pytest.approx((1.0, 1.0))
     with pytest.raises(ValueError, match="two sizes"):
         fit_line([(5, 1.0)])
+
+
+def test_workers_crossing_the_same_nodes_share_the_inter_node_link():
+    cluster = load_cluster("paper")
+    v0, v1, v2, v3, r0, r1, r2, r3 = cluster.devices()[:8]
+    links = LinkModel(inter_intercept=0.0, inter_scale=1.0)
+    assert links.seconds(7e9, v0, r0, cluster, flows=4) == pytest.approx(4.0)
+    assert links.seconds(15.75e9, v0, v1, cluster, flows=4) == pytest.approx(1 / 0.8)  # a PCIe link each
+    workers = [(v0, r0), (v1, r1), (v2, r2), (v3,)]
+    assert link_flows(workers) == ((("node-R", "node-V"), 3),)
+    model = CostModel(toy_profile(), cluster, links=links, link_flows=link_flows(workers))
+    assert model.link_seconds(7e9, r0, v0) == pytest.approx(3.0)
+    assert model.link_seconds(7e9, v0, v1) == pytest.approx(7e9 / (15.75e9 * 0.8))
+    assert CostModel(toy_profile(), cluster, links=links).link_seconds(7e9, r0, v0) == pytest.approx(1.0)

@@ -1,0 +1,88 @@
+"""Data parallelism by all-reduce, the paper's Horovod baseline (HetPipe §8.3, Table 4).
+
+Pure Python. Every device holds the whole model and trains its own minibatch; the
+gradients are summed by AllReduce (§8.3: Horovod "uses AllReduce communication"), here
+the bandwidth-optimal ring, in which every device sends and receives 2 (N - 1) / N times
+the gradients' bytes; every device then applies the same update. So a step lasts the
+slowest device's compute and update plus the all-reduce, and the throughput is
+N x batch / step. The ring visits the devices node by node: it crosses each node's
+inter-node link once, and moves at its slowest edge, ``min`` of the link model's
+bandwidth (§7) and ``bandwidth``, the rate the all-reduce implementation itself reaches
+(copies through the host, reductions); that rate is not in the paper and is calibrated.
+
+A device that cannot hold the whole model with one minibatch is left out (§8.3: "the
+whole model is too large to be loaded into a single GPU with G type, and thus, Horovod
+uses only 12 GPUs"); with none left there is no prediction (Table 4's X).
+"""
+from dataclasses import dataclass
+
+from hetpipe_tf.planning.cost_model import CostModel, LinkModel
+
+
+class DataParallelError(ValueError):
+    """No device of the cluster can hold the whole model."""
+
+
+@dataclass(frozen=True)
+class AllReduceModel:
+    """What a ring all-reduce reaches: a cap on its edges' bandwidth (bytes/s; None: the
+    links' own) and a fixed cost per ring step (seconds)."""
+    bandwidth: float | None = None
+    step_seconds: float = 0.0
+    source: str = "assumed: the links' bandwidth"
+
+
+@dataclass(frozen=True)
+class DataParallelPrediction:
+    devices: tuple  # the devices that train
+    left_out: tuple  # those that cannot hold the model
+    compute_seconds: float  # the slowest device's forward, backward and update
+    allreduce_seconds: float
+    gradient_bytes: int
+    bytes_sent_per_device: float  # 2 (N - 1) / N x gradient bytes
+    batch_size: int
+
+    @property
+    def step_seconds(self):
+        return self.compute_seconds + self.allreduce_seconds
+
+    @property
+    def images_per_s(self):
+        return len(self.devices) * self.batch_size / self.step_seconds
+
+
+def ring_allreduce_seconds(nbytes, devices, cluster, links=LinkModel(), allreduce=AllReduceModel()):
+    """Seconds to all-reduce `nbytes` over `devices` (in ring order) by the ring algorithm."""
+    n = len(devices)
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    edges = [(devices[i], devices[(i + 1) % n]) for i in range(n)]
+    bandwidth = min(links.bandwidth(a, b, cluster) for a, b in edges)
+    if allreduce.bandwidth:
+        bandwidth = min(bandwidth, allreduce.bandwidth)
+    hop = max(links.intercept(a, b, cluster) for a, b in edges) + allreduce.step_seconds
+    steps = 2 * (n - 1)
+    return steps * hop + steps / n * nbytes / bandwidth
+
+
+def predict_data_parallel(profile, cluster, devices=None, links=None, allreduce=AllReduceModel(),
+                          optimizer_slots=1, analytic=None):
+    """A :class:`DataParallelPrediction` for `devices` (default: every device of `cluster`,
+    node by node) training `profile`'s model, each on a minibatch of its batch size."""
+    links = links or LinkModel()
+    model = CostModel(profile, cluster, links=links, optimizer_slots=optimizer_slots, analytic=analytic)
+    devices = tuple(devices or cluster.devices())
+    whole = {d: model.stage(0, profile.num_segments, [d], 0, 1) for d in devices}
+    kept = tuple(d for d in devices if whole[d].memory_total <= whole[d].capacity)
+    left_out = tuple(d for d in devices if d not in kept)
+    if not kept:
+        need = min(st.memory_total for st in whole.values())
+        raise DataParallelError(f"no device holds the whole of {profile.model} at batch {profile.batch_size} "
+                                f"(it needs {need / 2 ** 30:.1f} GiB)")
+    gradient_bytes = sum(profile.weight_bytes)
+    n = len(kept)
+    return DataParallelPrediction(
+        devices=kept, left_out=left_out, compute_seconds=max(whole[d].time for d in kept),
+        allreduce_seconds=ring_allreduce_seconds(gradient_bytes, kept, cluster, links, allreduce),
+        gradient_bytes=gradient_bytes, bytes_sent_per_device=2 * (n - 1) / n * gradient_bytes if n > 1 else 0.0,
+        batch_size=profile.batch_size)

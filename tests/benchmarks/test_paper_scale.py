@@ -1,0 +1,37 @@
+"""benchmarks/paper_scale.py without Keras: its transcription of the paper, its calibration
+search and its all-reduce cells on a toy profile."""
+import importlib.util
+import os
+
+import pytest
+
+from hetpipe_tf.planning.profile import Profile
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "paper_scale.py")
+spec = importlib.util.spec_from_file_location("paper_scale", _PATH)
+paper_scale = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(paper_scale)
+
+
+def test_table_4_as_the_paper_prints_it():
+    t = paper_scale.TABLE_4
+    assert [t["vgg19"]["horovod"][c] for c in ("V", "VR", "VRQ", "VRQG")] == [164, 205, 265, 339]
+    assert [t["resnet152"]["hetpipe"][c] for c in ("V", "VR", "VRQ", "VRQG")] == [
+        (256, 5), (516, 20), (538, 24), (580, 28)]
+    assert t["resnet152"]["horovod"]["VRQG"] is None  # the paper's X
+
+
+def test_bisect_finds_the_value_that_meets_the_target():
+    box = {}
+    found = paper_scale._bisect(lambda v: box.__setitem__("v", v), lambda: 3 * box["v"], 1.5, 0.0, 2.0, rounds=30)
+    assert found == pytest.approx(0.5) and box["v"] == found
+
+
+def test_horovod_cells_leave_out_gpus_too_small():
+    n = 2
+    toy = Profile(model="toy", batch_size=32, starts=(0, 1), weight_bytes=(2 ** 27,) * n, state_bytes=(0,) * n,
+                  activation_bytes=(7 * 2 ** 29,) * n, cut_bytes=(0, 1000), forward_flops=(1e12,) * n,
+                  backward_flops=(2e12,) * n, traffic_bytes=(1e8,) * n, kernels=(5,) * n)
+    model = paper_scale.Model({"toy": toy})
+    h = model.horovod("toy", "VRQG")
+    assert {d.type.name for d in h.left_out} == {"G", "Q"} and h.images_per_s > 0

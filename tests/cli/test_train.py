@@ -78,6 +78,17 @@ CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoc
                "--momentum=0", "--learning_rate=0.1"]
 
 
+def test_cluster_flags_train_under_ssp_whose_clocks_count_minibatches(tmp_path):
+    # --sync=ssp pushes after every minibatch: each worker's clock counts its 4 minibatches
+    # (WSP's, waves of Nm = 2, would be 2).
+    run = _train(tmp_path, "--cluster=local", "--model=mlp", "--epochs=1", "--steps_per_epoch=8", "--dilation=2",
+                 "--num_in_flight=2", "--policy=ed", "--sync=ssp", "--staleness_bound=1", "--launch=in_process")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert summary["staleness_bound"] == 1 and [w["clock"] for w in summary["virtual_workers"]] == [4, 4]
+    assert "overrun_fraction" in summary["emulation"]
+
+
 @pytest.mark.slow
 def test_cluster_flags_train_virtual_workers_on_ps_and_worker_processes(tmp_path):
     trace, tb = tmp_path / "trace.json", tmp_path / "tb"

@@ -1,5 +1,11 @@
 """BSP, SSP and ASP behind the synchronisation seam (§2.2): WSP's instructions with a wave of one
-minibatch, the simulated servers' gate, the bounds each keeps and the ones each refuses."""
+minibatch, the simulated servers' gate, the bounds each keeps and the ones each refuses, and one
+run with a process per virtual worker (the runs in one process are in tests/runtime/test_wsp_runner.py)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hetpipe_tf.pipeline.hetpipe import hetpipe_schedule
@@ -89,3 +95,45 @@ def test_per_minibatch_bounds_require_every_other_workers_minibatches_up_to_p_mi
     assert check({(0, 9): ((1, 2, 3, 4, 5, 6, 7), set())}, 2, 0, 2, sync="asp") == 1
     with pytest.raises(StalenessViolation, match=r"local updates \[7\] missing"):
         check({(0, 9): ((1, 2, 3, 4, 5, 6), set())}, 2, 0, 2, sync="asp")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TRAIN = """
+import json, sys
+import numpy as np, keras, tensorflow as tf
+from hetpipe_tf import HetPipeStrategy
+
+strategy = HetPipeStrategy(cluster="local", policy="ed", vw_size=2, num_in_flight=2, staleness_bound=1,
+                           dilation=1.0, launch="processes", timeout_s=60, sync="ssp")
+keras.utils.set_random_seed(3)
+x = np.random.default_rng(0).normal(size=(128, 6)).astype("float32")
+with strategy.scope():
+    data = tf.data.Dataset.from_tensor_slices((x, np.full((128, 4), -1000.0, "float32"))).batch(8, drop_remainder=True)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, name="first"),
+                              keras.layers.Dense(4, name="frozen", trainable=False)])
+    # |y_pred + 1000| = y_pred + 1000: the gradients depend on the data only, not on the weights seen
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mean_absolute_error")
+start = [v.numpy() for v in model.trainable_variables]
+with tf.GradientTape() as tape:
+    loss = tf.add_n([tf.reduce_mean(model(x[i:i + 8])) for i in range(0, 128, 8)])
+grads = tape.gradient(loss, model.trainable_variables)
+model.fit(data, epochs=1, verbose=0)
+error = max(float(np.abs(v.numpy() - (w - 0.05 * g.numpy())).max())
+            for v, w, g in zip(model.trainable_variables, start, grads))
+print("RESULT " + json.dumps({"error": error, "clocks": list(strategy.runner.servers.clock.clocks()[0]),
+                              "processes": type(strategy.runner).__name__}))
+"""
+
+
+@pytest.mark.slow
+def test_ssp_with_a_process_per_virtual_worker_applies_every_minibatch_once_and_clocks_count_minibatches():
+    # 16 minibatches, 8 per virtual worker, each in its own process attached to the chief's servers:
+    # the global weights are the start minus lr times every minibatch's gradient, and the clocks
+    # count minibatches (WSP's, waves of Nm = 2, would be 4).
+    proc = subprocess.run([sys.executable, "-c", TRAIN], cwd=ROOT, capture_output=True, text=True, timeout=500)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["processes"] == "ProcessRunner" and result["clocks"] == [8, 8]
+    assert result["error"] < 1e-5

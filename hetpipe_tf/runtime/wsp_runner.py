@@ -1,4 +1,5 @@
-"""Several virtual workers trained together by Wave Synchronous Parallel (HetPipe §3, §5).
+"""Several virtual workers trained together by Wave Synchronous Parallel (HetPipe §3, §5), or by
+another scheme on the parameter servers (BSP, SSP, ASP: per-minibatch clocks, §2.2).
 
 Every virtual worker is a :class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker` whose schedule
 pushes each wave's aggregated update to the parameter servers and pulls the global
@@ -41,12 +42,13 @@ class WSPRunner:
       model: a built Keras model (every worker cuts it into its own stages).
       workers: a WorkerSpec per virtual worker.
       num_in_flight: Nm, the same for every worker (§4).
-      staleness_bound: D (§5).
+      staleness_bound: D (§5) of WSP, s of SSP; BSP's is 0 and ASP has none, so under either it must
+        be 0 (:meth:`hetpipe_tf.sync.wsp.WSP.checked_bound`).
       ps_devices: the parameter-server devices.
       placement: "default" (layers round-robin over the servers) or "local" (every layer on the
         server of the node that trains it in worker 0: `stage_servers` of its stage, §8.1).
-      sync: the synchronisation scheme between the workers, a registered name or a
-        :class:`hetpipe_tf.pipeline.schedule.SyncScheme` (default: WSP, §5).
+      sync: the synchronisation scheme between the workers, a registered name ("wsp", "bsp", "ssp",
+        "asp", ...) or a :class:`hetpipe_tf.pipeline.schedule.SyncScheme` (default: WSP, §5).
       schedule: every worker's pipelining schedule (default: HetPipe's, §4).
       optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
         VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe

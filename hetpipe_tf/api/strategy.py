@@ -45,6 +45,13 @@ With ``checkpoint_dir``, ``fit`` saves the run at epochs' ends and ``resume=True
 the newest checkpoint, exactly for deterministic data and D = 0
 (:mod:`hetpipe_tf.runtime.checkpoint`: what is saved, the drain at every epoch's end, why
 it is exact); ``keras.callbacks.BackupAndRestore`` gets an error that says so.
+
+A virtual worker's process that is lost (killed, or stopped past ``timeout_s``) ends the run
+with an error naming it, unless ``on_worker_failure="continue"``: the run then goes on without
+it (retired at the WSP clock, so it holds no one back; one line says so), and a new process
+takes its place at the epoch's end, from the global weights, rejoining at the global clock
+(:mod:`hetpipe_tf.distributed.process_runner`). A lost parameter-server or worker task always
+ends the run; with ``checkpoint_dir``, ``resume=True`` continues from the last checkpoint.
 """
 import atexit
 import contextlib
@@ -101,11 +108,17 @@ class HetPipeStrategy:
         :class:`hetpipe_tf.pipeline.schedule.SyncScheme` or its name (default: WSP, §5). A scheme
         that cannot synchronise the schedule gets a ValueError listing the combinations that exist
         (:func:`hetpipe_tf.pipeline.schedule.combinations`).
+      on_worker_failure: when a virtual worker's process is lost (launch "processes" or
+        "tf_config"): "stop" (default) ends the run with an error naming it; "continue" goes on
+        without it and restarts it at the epoch's end (its untrained minibatches count as steps
+        of that epoch without an update). Such a run drains its pipelines at every epoch's end, as
+        a checkpointing one does. ``runner.lost_workers`` lists the workers lost.
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
-                 checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp"):
+                 checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
+                 on_worker_failure="stop"):
         from hetpipe_tf.pipeline.schedule import check_combination
         from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.runtime.checkpoint import Checkpoints
@@ -146,6 +159,13 @@ class HetPipeStrategy:
         if resume and not checkpoint_dir:
             raise ValueError(f"resume=True needs the checkpoint_dir to resume from, got checkpoint_dir="
                              f"{checkpoint_dir!r}")
+        if on_worker_failure not in ("stop", "continue"):
+            raise ValueError(f"unknown on_worker_failure {on_worker_failure!r}; allowed: 'stop', 'continue'")
+        if on_worker_failure == "continue" and launch == "in_process":
+            raise ValueError("on_worker_failure='continue' goes on without a virtual worker whose process was lost; "
+                             "launch='in_process' runs every worker in this process: use launch='processes' or "
+                             "'tf_config', or on_worker_failure='stop'")
+        self.on_worker_failure = on_worker_failure
         self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
         self._resume = bool(resume)
         self.plan = None  # the planner's Plan, once fit has run
@@ -281,7 +301,8 @@ class HetPipeStrategy:
                 num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
                 ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
                 loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
-                dilation=self.dilation, timeout_s=self.timeout_s, schedule=self.schedule, sync=self.sync)
+                dilation=self.dilation, timeout_s=self.timeout_s, schedule=self.schedule, sync=self.sync,
+                on_worker_failure=self.on_worker_failure)
             self._runner_key = key
             return self.runner
         workers = [spec for spec, _ in workers]
@@ -363,8 +384,9 @@ class HetPipeStrategy:
         else:
             cluster = TFConfigCluster(num_ps=want[0], num_workers=want[0], timeout_s=self.timeout_s,
                                       start_timeout=max(self.timeout_s, START_TIMEOUT_S)).connect()
-        # A lost task stops training at once (the heartbeat monitor found it).
-        cluster.on_lost(lambda lost: _connected["strategy"].runner.abort()
+        # A lost task stops training at once (the heartbeat monitor found it), or, a virtual worker's
+        # process under on_worker_failure="continue", training goes on without it.
+        cluster.on_lost(lambda lost: _connected["strategy"].runner.task_lost(lost)
                         if _connected["strategy"].runner else None)
         _connected.update(shape=want, launch=self.launch, cluster=cluster, strategy=self)
 

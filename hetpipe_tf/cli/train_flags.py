@@ -80,6 +80,11 @@ def define_flags():
                                                "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")
     flags.DEFINE_string("sync", "wsp", "With --cluster: how the virtual workers synchronise, a registered scheme "
                                        "(default: WSP, §5).")
+    flags.DEFINE_enum("on_worker_failure", "stop", ["stop", "continue"],
+                      "With --cluster and --launch=processes or tf_config, when a virtual worker's process is lost "
+                      "(killed, or no heartbeat for --timeout_s): stop (end the run with an error naming it) or "
+                      "continue (go on without it; a new process takes its place at the epoch's end, from the "
+                      "global weights; the pipelines then drain at every epoch's end).")
     flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
     flags.register_validator("boundaries", _integers,
                              message="--boundaries must be integers (each stage's first layer call), e.g. 0,5,9")
@@ -103,6 +108,11 @@ def define_flags():
         ["cluster", "sync"], lambda v: v["cluster"] is not None or v["sync"] == "wsp",
         message="--sync chooses how several virtual workers synchronise: give --cluster too (e.g. --cluster=local), "
                 "or drop --sync")
+    flags.register_multi_flags_validator(
+        ["cluster", "launch", "on_worker_failure"],
+        lambda v: v["on_worker_failure"] == "stop" or (v["cluster"] is not None and v["launch"] != "in_process"),
+        message="--on_worker_failure=continue goes on without a lost virtual worker's process: give --cluster with "
+                "--launch=processes or tf_config, or drop --on_worker_failure")
     flags.register_multi_flags_validator(["schedule", "sync"], _registered_combination)
     flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)

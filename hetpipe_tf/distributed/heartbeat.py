@@ -8,8 +8,10 @@ answers heartbeats on a TCP port of its own (:class:`HeartbeatResponder`, starte
 
 * no answer within ``timeout_s`` (the task is stopped, hung or unreachable), or the
   connection closes (the task exited): the task is **lost**. The monitor calls its
-  ``on_lost`` once, with a :class:`LostTask` naming the job, index and address; the chief
-  then stops training and every task (:class:`hetpipe_tf.distributed.launch.LocalCluster`).
+  ``on_lost`` once per task, with a :class:`LostTask` naming the job, index and address; the
+  chief then stops training and every task (:class:`hetpipe_tf.distributed.launch.LocalCluster`),
+  or, for a virtual worker's process under ``on_worker_failure="continue"``, goes on without it
+  and forgets the task (:meth:`HeartbeatMonitor.forget`).
 * the other way round, a task that hears no ping for ``timeout_s`` has lost its chief and
   ends itself, so no task is left behind a chief that vanished on another machine.
 
@@ -116,8 +118,8 @@ class Watched:
 
 
 class HeartbeatMonitor:
-    """The chief's side: pings every task; calls `on_lost(LostTask)` once, for the first task
-    lost. `exit_status(job, index)` (optional) says how a task this machine started ended."""
+    """The chief's side: pings every task; calls `on_lost(LostTask)` once for each task lost.
+    `exit_status(job, index)` (optional) says how a task this machine started ended."""
 
     def __init__(self, tasks, timeout_s, on_lost, exit_status=None):
         self.tasks = tuple(tasks)
@@ -125,10 +127,36 @@ class HeartbeatMonitor:
         self.interval_s = min(1.0, self.timeout_s / 10)
         self.on_lost = on_lost
         self.exit_status = exit_status
-        self.lost = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._conns = {}
+        self._reported = {}  # Watched -> LostTask, in the order found
+        self._forgotten = set()
+
+    @property
+    def lost(self):
+        """The first task found lost and not forgotten (a :class:`LostTask`), or None."""
+        with self._lock:
+            return next(iter(self._reported.values()), None)
+
+    def reported(self, job, index):
+        """The :class:`LostTask` reported for task (job, index) and not forgotten, or None."""
+        with self._lock:
+            return next((lost for task, lost in self._reported.items() if (task.job, task.index) == (job, index)),
+                        None)
+
+    def forget(self, job, index):
+        """Stops watching task (job, index) and forgets that it was lost: a virtual worker's
+        process the run goes on without (a new one for it is watched by :meth:`add`)."""
+        with self._lock:
+            tasks = [t for t in self.tasks if (t.job, t.index) == (job, index)]
+            self._forgotten.update(tasks)
+            for task in tasks:
+                self._reported.pop(task, None)
+            self.tasks = tuple(t for t in self.tasks if t not in tasks)
+            conns = [self._conns.pop(t) for t in tasks if t in self._conns]
+        for conn in conns:
+            _close(conn)
 
     def start(self):
         for task in self.tasks:
@@ -137,13 +165,16 @@ class HeartbeatMonitor:
 
     def add(self, task):
         """Watches one more task (a :class:`Watched`) from now on."""
-        self.tasks += (task,)
+        with self._lock:
+            self.tasks += (task,)
+            self._forgotten.discard(task)
         self._connect(task)
 
     def _connect(self, task):
         host, port = task.heartbeat.rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self.timeout_s)
-        self._conns[task] = conn
+        with self._lock:
+            self._conns[task] = conn
         threading.Thread(target=self._watch, args=(task, conn), name=f"hetpipe-monitor-{task.job}-{task.index}",
                          daemon=True).start()
 
@@ -161,8 +192,8 @@ class HeartbeatMonitor:
             except OSError as e:
                 reason = f"its heartbeat connection failed ({e})"
             if reason is not None:
-                if not self._stopped.is_set():
-                    self._report(LostTask(task.job, task.index, task.address, self._ended_how(task) or reason))
+                if not self._stopped.is_set() and task not in self._forgotten:
+                    self._report(task, LostTask(task.job, task.index, task.address, self._ended_how(task) or reason))
                 return
             self._stopped.wait(self.interval_s)
 
@@ -173,18 +204,20 @@ class HeartbeatMonitor:
             return None
         return poll(lambda: self.exit_status(task.job, task.index), wait_s, 0.05)
 
-    def _report(self, lost):
+    def _report(self, task, lost):
         with self._lock:
-            if self.lost is not None:
+            if task in self._reported or task in self._forgotten:
                 return
-            self.lost = lost
+            self._reported[task] = lost
         self.on_lost(lost)
 
     def tell_lost(self, lost):
         """Tells every task still connected that `lost` (a :class:`LostTask`) was lost; each
         logs it (and ends with the chief)."""
         line = f"lost {lost.job}:{lost.index} {lost.address} {lost.reason}\n".encode()
-        for conn in self._conns.values():
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
             try:
                 conn.settimeout(1.0)
                 conn.sendall(line)
@@ -193,12 +226,18 @@ class HeartbeatMonitor:
 
     def stop(self):
         self._stopped.set()
-        for conn in self._conns.values():
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-                conn.close()
-            except OSError:
-                pass
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            _close(conn)
+
+
+def _close(conn):
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    except OSError:
+        pass
 
 
 def poll(get, wait_s, interval_s):

@@ -223,13 +223,29 @@ class LocalCluster:
         killed can fail (its sockets close) before its exit can be seen."""
         return poll(lambda: self.lost, wait_s, 0.1)
 
+    def lost_task(self, job, index, wait_s=0.0):
+        """The :class:`hetpipe_tf.distributed.heartbeat.LostTask` of task (job, index), waiting up
+        to `wait_s` for its heartbeat to say so (how it ended, or why it was given up), or None."""
+        return poll(lambda: self.monitor.reported(job, index) if self.monitor else None, wait_s, 0.05)
+
+    def forget(self, job, index):
+        """Ends task (job, index) if it still runs and forgets it: it no longer counts as lost
+        (:attr:`lost`), and a task started for it anew is watched afresh (a virtual worker's
+        process the run went on without, :class:`hetpipe_tf.distributed.process_runner.ProcessRunner`)."""
+        if self.monitor is not None:
+            self.monitor.forget(job, index)
+        proc = self._procs.pop((job, index), None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
     def _lost(self, lost):
         """A task is lost: says so in one line, ends it (gRPC calls waiting on a stopped task
         then fail instead of hanging), tells the other tasks, and calls the callbacks (which
-        stop training)."""
+        stop training, or go on without a virtual worker's process)."""
         print(f"hetpipe: {lost}", file=sys.stderr, flush=True)
-        proc = self._procs[(lost.job, lost.index)]
-        if proc.poll() is None:
+        proc = self._procs.get((lost.job, lost.index))
+        if proc is not None and proc.poll() is None:
             proc.kill()
         self.monitor.tell_lost(lost)
         for callback in self._on_lost:
@@ -384,6 +400,19 @@ class TFConfigCluster:
         self.monitor.tell_lost(lost)
         for callback in self._on_lost:
             callback(lost)
+
+    def lost_task(self, job, index, wait_s=0.0):
+        """As :meth:`LocalCluster.lost_task`, for a task this chief started."""
+        return poll(lambda: self.monitor.reported(job, index) if self.monitor else None, wait_s, 0.05)
+
+    def forget(self, job, index):
+        """As :meth:`LocalCluster.forget`: the task is ended by the worker task that started it."""
+        if self.monitor is not None:
+            self.monitor.forget(job, index)
+        node = self._started_by.pop((job, index), None)
+        if node is not None:
+            with contextlib.suppress(OSError, EOFError, TimeoutError):
+                self._starters[node].end(job, index)
 
     def find_lost(self, wait_s=2.0):
         """The task lost, or None: one that ``hetpipe launch`` reported (a ps or worker task:

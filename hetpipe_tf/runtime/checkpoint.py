@@ -180,13 +180,14 @@ class Checkpoints:
 
 
 class EpochSegments:
-    """A fit that checkpoints, trained epoch by epoch (see the module docstring): the training
+    """A fit that checkpoints (or may restart a lost worker, :mod:`hetpipe_tf.distributed.process_runner`),
+    trained epoch by epoch (see the module docstring): the training
     thread trains one epoch's share of every worker, drains, reports a ``segment`` event and
     waits until the caller's thread has saved and run the epoch's callbacks
     (:func:`hetpipe_tf.runtime.fit_loop.run_fit`'s `epoch_end` and `after_epoch`).
 
     Args:
-      checkpoints: the run's :class:`Checkpoints`.
+      checkpoints: the run's :class:`Checkpoints` (None: drained at every epoch's end, never saved).
       steps_per_epoch, workers: minibatches per epoch of all workers together, and the workers.
       initial_epoch, epochs: as for ``fit``.
       positions: the minibatches each worker has consumed of its shard when the fit starts.
@@ -213,14 +214,16 @@ class EpochSegments:
             if self._gate.get():
                 return
 
-    def epoch_end(self, epoch, stopped, events, state):
-        """On the caller's thread, at `epoch`'s end: waits for the drain and saves when due;
-        state(epoch, positions) -> the :class:`RunState` to save. A stopped epoch (its share not
-        trained) is not saved."""
+    def epoch_end(self, epoch, stopped, events, state, drained=None):
+        """On the caller's thread, at `epoch`'s end: waits for the drain, calls drained(positions)
+        (if given) and saves when due; state(epoch, positions) -> the :class:`RunState` to save. A
+        stopped epoch (its share not trained) is not saved."""
         if stopped:
             return
         events.get("segment")
-        if self.checkpoints.due(epoch, self.epochs):
+        if drained is not None:
+            drained(self.positions)
+        if self.checkpoints is not None and self.checkpoints.due(epoch, self.epochs):
             self.checkpoints.save(state(epoch + 1, self.positions))
 
     def after_epoch(self, epoch, stopped):

@@ -1,7 +1,9 @@
 """A Keras-like ``fit`` driven by pipelines that train in other threads.
 
 Training threads (one per virtual worker) put events on an :class:`Events` queue:
-``started``, ``done`` (a minibatch's update is in: its logs and when it completed),
+``started``, ``done`` (a minibatch's update is in: its logs and when it completed; logs None
+for a minibatch that a lost virtual worker will not train, which counts as a step of the
+epoch, without an update, in no mean and in no throughput),
 ``snapshot`` and ``finished``. :func:`run_fit` runs on the caller's thread: Keras
 callbacks, History and progress bar, running epoch means like Keras's, throughput
 from completion times (not from when this loop saw them), the learning rate that
@@ -139,11 +141,13 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
                         raise
                     events.forgive(exc)
                     stopped = True
-                completed += 0 if stopped else 1  # the optimizers' iterations count applied updates
-                for k, v in logs.items():
+                # Logs None: a minibatch that a lost virtual worker will not train, a step without an update.
+                trained = logs is not None
+                completed += 1 if trained and not stopped else 0  # the optimizers' iterations count applied updates
+                for k, v in (logs or {}).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-                cbs.on_train_batch_end(step, {k: v / count for k, v in sums.items()})
+                count += trained
+                cbs.on_train_batch_end(step, {k: v / max(count, 1) for k, v in sums.items()})
                 sync_optimizer(completed)
                 if model.stop_training or stopped:
                     if not stopped:

@@ -105,6 +105,9 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
     ({"emulate_links": True}, "emulated links join the tasks that launch='processes' starts"),
     ({"schedule": "gpipe-typo"}, "unknown schedule 'gpipe-typo'; the registered ones are: .*hetpipe"),
     ({"sync": "bsp-typo"}, "unknown sync 'bsp-typo'; the registered ones are: .*wsp"),
+    ({"on_worker_failure": "retry"}, "unknown on_worker_failure 'retry'; allowed: 'stop', 'continue'"),
+    ({"on_worker_failure": "continue"}, "launch='in_process' runs every worker in this process: use "
+                                        "launch='processes' or 'tf_config', or on_worker_failure='stop'"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -62,7 +62,7 @@ def test_a_chief_killed_mid_run_and_resumed_ends_with_the_weights_of_an_uninterr
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_checkpoint_flags_say_what_they_need(tmp_path):
+def test_checkpoint_and_failure_flags_say_what_they_need(tmp_path):
     def run(*flags):
         return subprocess.run(_command(tmp_path, "--epochs=1", *flags), cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
@@ -72,3 +72,7 @@ def test_checkpoint_flags_say_what_they_need(tmp_path):
     out = run(f"--checkpoint_dir={tmp_path}")
     assert out.returncode == 2 and "--checkpoint_dir checkpoints runs of virtual workers under WSP: give " \
                                    "--cluster too" in out.stderr, out.stderr
+    out = run("--on_worker_failure=continue")
+    assert out.returncode == 2 and "--on_worker_failure=continue goes on without a lost virtual worker's " \
+                                   "process: give --cluster with --launch=processes or tf_config" in out.stderr, \
+        out.stderr

@@ -116,6 +116,10 @@ class SyncScheme:
     weight_copies = 0
     #: The names of the schedules this scheme works with (None: every registered one).
     schedules = None
+    #: Whether it bounds how far a worker runs ahead of the slowest, so that in the long run
+    #: every worker goes at the slowest one's pace (any finite staleness bound does; ASP not):
+    #: what the planner predicts for each worker.
+    bounded = True
 
     def after_update(self, minibatch, steps, num_in_flight):
         """Instructions a stage runs right after applying `minibatch`'s update."""

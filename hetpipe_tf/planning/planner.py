@@ -250,16 +250,22 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
 def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None):
     """Predicted minibatches/s of the cluster and of each worker, by simulation.
 
-    `workers` are Partitions; with several, they synchronise by WSP (§5), and in the
-    long run every worker goes at the pace of the slowest (a finite staleness bound
-    only lets the others run ahead by D waves), which is what each worker is given.
+    `workers` are Partitions; with several, they synchronise by `model.sync` (WSP, §5), and
+    in the long run every worker goes at the pace of the slowest (a finite staleness bound
+    only lets the others run ahead by D waves), which is what each worker is given; under a
+    scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`).
     """
     n = steps or max(6 * num_in_flight, 32)
     result = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
-    alone = [result.steady_throughput((w, 0)) for w in range(len(workers))]
-    # With any finite staleness bound, the slowest worker sets everyone's pace in the long run.
-    pace = min(alone)
-    return pace * len(workers), tuple([pace] * len(workers))
+    per = long_run_pace(model.sync, [result.steady_throughput((w, 0)) for w in range(len(workers))])
+    return sum(per), per
+
+
+def long_run_pace(sync, alone):
+    """Each worker's minibatches/s in the long run, of its simulated ones `alone`: the slowest's
+    under a scheme that bounds staleness (:attr:`hetpipe_tf.pipeline.schedule.SyncScheme.bounded`),
+    its own under one that does not."""
+    return tuple(alone) if not sync.bounded else (min(alone),) * len(alone)
 
 
 def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, max_nm, method, notes):
@@ -391,5 +397,6 @@ def simulate_plan(p, steps=400):
             "busy_fraction": [busy[result.agents.index((w, s))] for s in range(len(part.stages))],
             "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
             "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0})
-    return {"images_per_s": len(parts) * min(alone) * p.profile.batch_size, "staleness_bound": p.staleness_bound,
+    return {"images_per_s": sum(long_run_pace(p.sync, alone)) * p.profile.batch_size,
+            "staleness_bound": p.staleness_bound,
             "steps_per_worker": steps, "virtual_workers": workers}

@@ -58,6 +58,7 @@ class ASP(SSP):
     """Asynchronous Parallel: a push after every minibatch, pulls that never wait (§2.2)."""
 
     name = "asp"
+    bounded = False  # every worker at its own pace
 
     def checked_bound(self, staleness_bound):
         """None: no bound."""

@@ -137,3 +137,19 @@ def test_ssp_with_a_process_per_virtual_worker_applies_every_minibatch_once_and_
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["processes"] == "ProcessRunner" and result["clocks"] == [8, 8]
     assert result["error"] < 1e-5
+
+
+def test_the_planner_gives_each_worker_its_own_pace_under_asp_and_the_slowest_one_under_bsp_and_ssp():
+    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.planner import plan, simulate_plan
+    from tests.planning.test_planner import model_profile
+
+    plans = {sync: plan(model_profile(), load_cluster("paper"), policy="np", num_in_flight=1, sync=sync)
+             for sync in ("bsp", "ssp", "asp")}
+    for sync in ("bsp", "ssp"):  # NP's workers differ (§8.1): every one at the slowest's pace
+        assert len(set(plans[sync].per_worker)) == 1
+    asp = plans["asp"]
+    assert len(set(asp.per_worker)) == 4 and asp.minibatches_per_s == pytest.approx(sum(asp.per_worker))
+    assert min(asp.per_worker) == pytest.approx(plans["bsp"].per_worker[0], rel=0.05)
+    assert asp.minibatches_per_s > 1.2 * plans["bsp"].minibatches_per_s
+    assert simulate_plan(asp, steps=40)["images_per_s"] > 1.2 * simulate_plan(plans["bsp"], steps=40)["images_per_s"]

@@ -113,7 +113,7 @@ def define_flags():
         lambda v: v["on_worker_failure"] == "stop" or (v["cluster"] is not None and v["launch"] != "in_process"),
         message="--on_worker_failure=continue goes on without a lost virtual worker's process: give --cluster with "
                 "--launch=processes or tf_config, or drop --on_worker_failure")
-    flags.register_multi_flags_validator(["schedule", "sync"], _registered_combination)
+    flags.register_multi_flags_validator(["schedule", "sync", "staleness_bound"], _registered_combination)
     flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
 
@@ -132,9 +132,10 @@ def _registered_combination(values):
     from hetpipe_tf.pipeline.schedule import check_combination
 
     try:
-        check_combination(values["schedule"], values["sync"])
+        check_combination(values["schedule"], values["sync"])[1].checked_bound(values["staleness_bound"])
     except ValueError as exc:
-        raise flags.ValidationError(f"--schedule={values['schedule']} --sync={values['sync']}: {exc}") from None
+        raise flags.ValidationError(f"--schedule={values['schedule']} --sync={values['sync']} "
+                                    f"--staleness_bound={values['staleness_bound']}: {exc}") from None
     return True
 
 

@@ -133,6 +133,11 @@ class SyncScheme:
         """Task streams a stage runs beside its pipeline's own."""
         return ()
 
+    def checked_bound(self, staleness_bound):
+        """The bound the scheme keeps for the `staleness_bound` a user gave, or a ValueError that
+        names the bounds it can keep. This base (no workers to synchronise) keeps none."""
+        return None
+
     def stage_state(self, runtime):
         """What the scheme keeps on each stage (`runtime`, a stage runtime of
         :mod:`hetpipe_tf.runtime.stage_runtime`) for its handlers, or None. It has

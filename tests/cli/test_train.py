@@ -41,6 +41,8 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path):
     assert run.returncode != 0 and "unknown schedule 'gpipe-typo'; the registered ones are: " in run.stderr
     run = _train(tmp_path, "--sync=wsp-typo")
     assert run.returncode != 0 and "--sync chooses how several virtual workers synchronise" in run.stderr
+    run = _train(tmp_path, "--cluster=local", "--sync=asp", "--staleness_bound=2")
+    assert run.returncode != 0 and "ASP bounds no staleness" in run.stderr and "sync='ssp' for a bound of 2" in run.stderr
 
 
 def test_plan_auto_profiles_plans_and_trains(tmp_path):

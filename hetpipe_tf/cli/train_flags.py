@@ -62,7 +62,8 @@ def define_flags():
                                                                    "virtual workers (§8.1).")
     flags.DEFINE_integer("num_vws", None, "With --cluster: the number of virtual workers (default: the policy's).",
                          lower_bound=1)
-    flags.DEFINE_integer("staleness_bound", 0, "With --cluster: D of Wave Synchronous Parallel (§5).",
+    flags.DEFINE_integer("staleness_bound", 0, "With --cluster: D of Wave Synchronous Parallel (§5), in waves; "
+                         "s of --sync=ssp, in minibatches; --sync=bsp and asp take only 0.",
                          lower_bound=0)
     flags.DEFINE_enum("placement", None, ["default", "local"],
                       "With --cluster: parameter placement on the servers (default: local for ED, else default).")
@@ -79,7 +80,7 @@ def define_flags():
     flags.DEFINE_string("schedule", "hetpipe", "How each virtual worker pipelines its minibatches: a registered "
                                                "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")
     flags.DEFINE_string("sync", "wsp", "With --cluster: how the virtual workers synchronise, a registered scheme "
-                                       "(default: WSP, §5).")
+                                       "(default: WSP, §5; also bsp, ssp, asp: per-minibatch clocks, §2.2).")
     flags.DEFINE_enum("on_worker_failure", "stop", ["stop", "continue"],
                       "With --cluster and --launch=processes or tf_config, when a virtual worker's process is lost "
                       "(killed, or no heartbeat for --timeout_s): stop (end the run with an error naming it) or "

@@ -3,3 +3,4 @@ the simulator, the executor that carries a schedule out with one thread per stag
 emulation rules and the trace (HetPipe §4)."""
 
 from hetpipe_tf.pipeline import hetpipe  # noqa: E402,F401 - registers the "hetpipe" schedule
+from hetpipe_tf.pipeline import gpipe, naivepipe, pipedream  # noqa: E402,F401 - and the classic ones

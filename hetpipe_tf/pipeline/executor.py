@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, ApplyUpdate, Backward, Forward, LoadMinibatch,
-    RecvActivation, RecvGradient, RecvInputs, RecvLabels, ReleaseWeights, SendActivation, SendGradient,
-    SnapshotState, StashWeights)
+    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, AccumulateGradient, ApplyAccumulated, ApplyUpdate,
+    Backward, Forward, LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
+    ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
@@ -102,7 +102,8 @@ class PipelineExecutor:
         RecvActivation: "_recv_activation", SendActivation: "_send_activation",
         RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", Forward: "_forward",
         Backward: "_backward", ApplyUpdate: "_apply_update", StashWeights: "_stash_weights",
-        ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state",
+        ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state", Recompute: "_recompute",
+        AccumulateGradient: "_accumulate_gradient", ApplyAccumulated: "_apply_accumulated",
     }
 
     def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
@@ -253,7 +254,8 @@ class PipelineExecutor:
         try:
             for ins in prog.prologue:
                 self._execute(s, ins)
-            # The stash is fullest now (the op refuses more than Nm versions): ask it once.
+            # HetPipe's stash is fullest now: ask it once. (A schedule that stashes at its forward
+            # passes, PipeDream's, holds more later; the op refuses more than Nm versions.)
             stats = self.runtimes[s].stash.stats()
             self.reports[s].stash_peak_versions = stats.num_versions
             self.reports[s].stash_bytes_peak = stats.bytes
@@ -284,7 +286,12 @@ class PipelineExecutor:
 
         def heads():
             for i, stream in enumerate(prog.streams):
-                if pos[i] < len(stream) and stream[pos[i]].minibatch <= self._limit:
+                # After a stop, a stream skips the tasks of minibatches past the limit: in a
+                # stream that interleaves passes (1F1B), the backward passes of those already
+                # started come after the next forward pass.
+                while pos[i] < len(stream) and stream[pos[i]].minibatch > self._limit:
+                    pos[i] += 1
+                if pos[i] < len(stream):
                     yield i, stream[pos[i]]
 
         def choose():
@@ -376,7 +383,7 @@ class PipelineExecutor:
     def _forward(self, s, ins, *keys):  # the keys say w_p is stashed (and a slot is free)
         rt = self.runtimes[s]
         t0 = self._clock()
-        out = rt.forward(ins.minibatch)
+        out = rt.forward(ins.minibatch, live=ins.live, recompute=ins.recompute)
         self._paced(s, Forward, t0, ins.minibatch)
         if rt.is_last:
             self._logs[ins.minibatch] = out
@@ -389,10 +396,27 @@ class PipelineExecutor:
         rt.backward(ins.minibatch, None if rt.is_last else self._handoff[s].pop(("grad", ins.minibatch)))
         self._paced(s, Backward, t0, ins.minibatch)
 
+    def _recompute(self, s, ins):  # a forward pass again: paced like one
+        t0 = self._clock()
+        self.runtimes[s].recompute(ins.minibatch)
+        self._paced(s, Forward, t0, ins.minibatch)
+
     def _apply_update(self, s, ins):
         self.runtimes[s].apply_update(ins.minibatch)
+        self._report_done(s, ins)
+
+    def _accumulate_gradient(self, s, ins):
+        self.runtimes[s].accumulate_gradient(ins.minibatch)
+
+    def _apply_accumulated(self, s, ins):
+        self.runtimes[s].apply_accumulated(ins.first, ins.minibatch)
+        self._report_done(s, ins)
+
+    def _report_done(self, s, ins):
+        """The first stage, the last to apply a minibatch's update, reports every minibatch `ins` applied."""
         if s == 0 and self._on_done:
-            self._on_done(ins.minibatch, self._logs.pop(ins.minibatch, {}))
+            for p in ins.applies():
+                self._on_done(p, self._logs.pop(p, {}))
 
     def _stash_weights(self, s, ins):
         self.runtimes[s].stash_weights(ins.minibatch)

@@ -20,6 +20,7 @@ from hetpipe_tf.pipeline.instructions import (
     ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights, Task, TaskStream)
 from hetpipe_tf.pipeline.schedule import (
     NO_SYNC, PipelineSchedule, Schedule, StageProgram, get_sync, register_schedule)
+from hetpipe_tf.pipeline.stage_programs import after_update, check_run, entry
 
 
 class HetPipeSchedule(PipelineSchedule):
@@ -48,38 +49,16 @@ class HetPipeSchedule(PipelineSchedule):
           snapshot_after: minibatch ids after whose update every stage records its state.
           sync: the synchronisation scheme between virtual workers (default: none).
         """
-        k, n, nm = int(num_stages), int(steps), int(num_in_flight)
-        if k < 1:
-            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-        if n < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
-        if nm < 1:
-            raise ValueError(f"num_in_flight (Nm) must be >= 1, got {num_in_flight}")
-        input_stages = tuple(sorted(set(input_stages)))
-        if 0 not in input_stages or input_stages[-1] >= k:
-            raise ValueError(f"input_stages must include 0 and lie in 0..{k - 1}, got {list(input_stages)}")
+        k, n, nm, input_stages = check_run(num_stages, steps, num_in_flight, input_stages)
         snapshots = frozenset(snapshot_after)
         last = k - 1
-
-        def entry(s, p):
-            ins = []
-            if s == 0:
-                ins.append(LoadMinibatch(p, inputs_to=input_stages[1:], labels_to=last))
-            elif s in input_stages:
-                ins.append(RecvInputs(p))
-            if s > 0:
-                ins.append(RecvActivation(p))
-            return ins
 
         def update(s, p):
             ins = [SendGradient(p, to=s - 1)] if s > 0 else []
             ins += [ReleaseWeights(p), ApplyUpdate(p)]
             if p + nm <= n:
                 ins.append(StashWeights(p + nm))
-            ins += sync.after_update(p, n, nm)
-            if p in snapshots:
-                ins.append(SnapshotState(p))
-            return ins
+            return ins + after_update(sync, (p,), n, nm, snapshots)
 
         programs = []
         for s in range(k):
@@ -88,7 +67,7 @@ class HetPipeSchedule(PipelineSchedule):
                 window = k - s if k - s < nm else 0  # only where it is tighter than Nm itself
 
                 def forward(p, s=s, w=window):
-                    return Task(s, "forward", p, tuple(entry(s, p) + [
+                    return Task(s, "forward", p, tuple(entry(s, p, input_stages, last) + [
                         Forward(p, window=w, waits=sync.forward_waits(p, nm)), SendActivation(p, to=s + 1)]))
 
                 def backward(p, s=s, w=window):
@@ -98,7 +77,7 @@ class HetPipeSchedule(PipelineSchedule):
             else:
                 def forward_backward(p, s=s):
                     return Task(s, "forward_backward", p, tuple(
-                        entry(s, p) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)), Backward(p)]
+                        entry(s, p, input_stages, last) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)), Backward(p)]
                         + update(s, p)))
 
                 streams = (TaskStream("forward_backward", n, forward_backward),)

@@ -40,6 +40,10 @@ class Instruction:
         """(stage, key) pairs this instruction makes present when it is done."""
         return ()
 
+    def applies(self):
+        """The minibatches whose updates this instruction puts into the stage's live weights."""
+        return ()
+
     def __repr__(self):
         return f"{type(self).__name__}({self.minibatch})"
 
@@ -117,16 +121,35 @@ class Forward(Instruction):
 
     With a `window` w, the stage holds at most w minibatches' activations: Forward(p)
     also waits for Backward(p - w) on the same stage. `waits`: further keys it waits for,
-    from the synchronisation scheme between virtual workers.
+    from the synchronisation scheme between virtual workers. With `live`, the pass uses the
+    stage's live weights as they are, and no stashed version (GPipe, NaivePipe). With
+    `recompute`, the stage keeps only the pass's inputs, not its activations:
+    :class:`Recompute` rebuilds them before :class:`Backward`.
     """
     window: int = field(default=0, kw_only=True)
     waits: tuple = field(default=(), kw_only=True)
+    live: bool = field(default=False, kw_only=True)
+    recompute: bool = field(default=False, kw_only=True)
 
     def requires(self):
-        keys = ((WEIGHTS, self.minibatch),)
+        keys = () if self.live else ((WEIGHTS, self.minibatch),)
         if self.window and self.minibatch > self.window:
             keys += ((SLOT, self.minibatch),)
         return keys + tuple(self.waits)
+
+    def __repr__(self):
+        flags = "".join(f", {name}=True" for name in ("live", "recompute") if getattr(self, name))
+        return f"Forward({self.minibatch}{flags})"
+
+
+@dataclass(frozen=True, repr=False)
+class Recompute(Instruction):
+    """Runs minibatch p's forward pass on the stage again, from the inputs its
+    ``Forward(p, recompute=True)`` kept, with the stage's live weights, and keeps its
+    activations for Backward(p): GPipe's re-materialisation (paper 000 §2.3; the live weights
+    are the forward pass's, no update comes in between) and NaivePipe's backward against the
+    live weights, whatever updates came in between (seed 003). The stage's non-trainable
+    state is not updated twice."""
 
 
 @dataclass(frozen=True, repr=False)
@@ -144,6 +167,27 @@ class Backward(Instruction):
 @dataclass(frozen=True, repr=False)
 class ApplyUpdate(Instruction):
     """Applies minibatch p's update to the stage's local weights: w_local += u_p (§4)."""
+
+    def applies(self):
+        return (self.minibatch,)
+
+
+@dataclass(frozen=True, repr=False)
+class AccumulateGradient(Instruction):
+    """Adds minibatch p's weight gradients to the stage's running sum; applies nothing (GPipe)."""
+
+
+@dataclass(frozen=True, repr=False)
+class ApplyAccumulated(Instruction):
+    """GPipe's flush (paper 000 §2.3): one update from the mean of the accumulated gradients of
+    microbatches `first`..p, w_local += u(mean); the sum starts again from zero."""
+    first: int = field(default=1, kw_only=True)
+
+    def applies(self):
+        return tuple(range(self.first, self.minibatch + 1))
+
+    def __repr__(self):
+        return f"ApplyAccumulated({self.minibatch}, first={self.first})"
 
 
 @dataclass(frozen=True, repr=False)

@@ -15,7 +15,7 @@ what instructions send to ``PARAMETER_SERVER`` and says when its answers arrive.
 """
 from dataclasses import dataclass, field
 
-from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, ApplyUpdate
+from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
 
@@ -62,10 +62,13 @@ class SimulationResult:
         return tuple(self.busy_time(a) / m if m else 0.0 for a in self.agents)
 
     def completion_times(self, agent=0, instruction_type=None):
-        """When each minibatch's update finished on `agent` (the first stage applies last)."""
-        kind = instruction_type or ApplyUpdate
-        return {s.instruction.minibatch: s.end for s in self.spans
-                if s.stage == agent and type(s.instruction) is kind}
+        """When each minibatch's update finished on `agent` (the first stage applies last): the
+        end of the instruction that applied it (``applies()``; a GPipe flush applies several), or
+        with `instruction_type`, of that type's instruction about it."""
+        if instruction_type is not None:
+            return {s.instruction.minibatch: s.end for s in self.spans
+                    if s.stage == agent and type(s.instruction) is instruction_type}
+        return {p: s.end for s in self.spans if s.stage == agent for p in s.instruction.applies()}
 
     def steady_throughput(self, agent=0, skip=None):
         """Minibatches per second between the completions of minibatch `skip` and the last,

@@ -7,10 +7,16 @@ to the stage:
 
 * ``stash_weights(p)``: w_p := w_local, kept in the C++ weight stash;
 * ``forward(p)``: runs the stage on minibatch p with w_p, under a gradient tape
-  that keeps the minibatch's activations until its backward pass (activations
-  are not recomputed; GPipe's recomputation is not used, as in the paper);
-* ``backward(p)``: gradients of p against w_p, the version its forward used;
+  that keeps the minibatch's activations until its backward pass (the backward pass
+  does not recompute them); ``forward(p, live=True)`` uses the live weights instead of
+  a stashed version, and ``forward(p, recompute=True)`` runs without a tape and keeps
+  only the pass's inputs, for ``recompute(p)``: the same pass again, with the live
+  weights, under a tape (GPipe's re-materialisation; NaivePipe's backward against
+  the live weights);
+* ``backward(p)``: gradients of p against the weights its taped pass used (w_p);
 * ``apply_update(p)``: w_local := w_local + u_p with the stage's optimizer;
+* ``accumulate_gradient(p)`` and ``apply_accumulated(first, p)``: GPipe's sum of
+  microbatch gradients, and one update from their mean at the flush;
 * ``release_weights(p)``: drops w_p.
 
 A non-finite loss (last stage, checked after the forward pass) or weight gradient
@@ -124,12 +130,16 @@ class StageRuntime:
         self._shift_version_fn = tf.function(functools.partial(self._shift_version_graph))
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
         self._sum_fn = tf.function(functools.partial(_sum_graph))
+        self._mean_fn = tf.function(functools.partial(_mean_graph))
+        self._read_weights_fn = tf.function(functools.partial(self._read_weights_graph))
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
         self._inflight = {}
+        self._kept = {}  # p -> (entering, labels) of a forward pass to recompute
         self._weight_grads = {}
+        self._accumulated = None  # GPipe: the sum of the microbatch gradients since the last flush
         self._input_grads = {}
         self.applied = []  # minibatch ids whose updates w_local holds, in order
         self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
@@ -189,10 +199,13 @@ class StageRuntime:
         self.memory.free("stashed versions", self.version_bytes)
 
     # Compute -----------------------------------------------------------------------------
-    def _forward_graph(self, weights, entering, labels, training):
+    def _read_weights_graph(self):
+        return [tf.identity(v.value) for v in self.trainable]
+
+    def _forward_graph(self, weights, entering, labels, training, update_state=True):
         state = [v.value for v in self.non_trainable]
         sent, new_state, reg = self.stage.stateless_call(weights, state, entering, training)
-        for v, value in zip(self.non_trainable, new_state):
+        for v, value in zip(self.non_trainable, new_state) if update_state else ():
             v.assign(value)
         if not self.is_last:
             return sent, reg, {}
@@ -202,31 +215,33 @@ class StageRuntime:
             metrics = self.loss_head.metrics(labels, [tf.stop_gradient(o) for o in sent])
         return [loss], reg, dict(metrics, loss=loss)
 
-    def forward(self, p, training=True):
-        """Forward pass of minibatch p with its stashed weight version w_p."""
-        entering = self._entering.pop(p)
-        entering = [entering[i] for i in range(len(entering))]
-        weights = self.stash.get(p, self._dtypes)
+    def _weights(self, p, live):
+        """The weights minibatch p's pass uses: the live ones, or its stashed version w_p."""
+        if live:
+            with tf.device(self.device):
+                weights = self._read_weights_fn()
+            if self.record_provenance:
+                self.used_versions[p] = tuple(self.applied)
+                self.used_globals[p] = self.global_included
+            return weights
         if self.record_provenance:
             self.used_versions[p] = self.version_updates.pop(p)
             self.used_globals[p] = self.version_globals.pop(p, frozenset())
-        self.memory.allocate("activations", self.activation_bytes)
-        # Differentiate with respect to what the previous stage sent (its gradient goes back)
-        # and the weights; model inputs loaded here need no gradient.
-        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
-        sources = [entering[i] for i in float_pos] + list(weights)
+        return self.stash.get(p, self._dtypes)
+
+    def forward(self, p, training=True, live=False, recompute=False):
+        """Forward pass of minibatch p with its stashed weight version w_p (`live`: with the live
+        weights); with `recompute`, untaped, keeping only its inputs for :meth:`recompute`."""
+        entering = self._entering.pop(p)
+        entering = [entering[i] for i in range(len(entering))]
+        weights = self._weights(p, live)
         labels = self._labels.pop(p) if self.is_last else None
-        with tf.device(self.device):
-            tape = tf.GradientTape(watch_accessed_variables=False)
-            with tape:
-                tape.watch(sources)
+        if recompute:
+            self._kept[p] = (entering, labels)
+            with tf.device(self.device):
                 targets, reg, logs = self._forward_fn(weights, entering, labels, training)
-        position = {i: k for k, i in enumerate(float_pos)}
-        n_received = len(self.stage.io.received)
-        record = _InFlight(tape=tape, sources=sources, num_entering=len(float_pos),
-                           received_float=[position.get(i) for i in range(n_received)],
-                           targets=list(targets) + ([] if self.is_last else [reg]))
-        self._inflight[p] = record
+        else:
+            targets, logs = self._taped_forward(p, weights, entering, labels, training, update_state=True)
         if self.is_last:
             loss = float(logs["loss"])
             if not np.isfinite(loss):
@@ -238,6 +253,33 @@ class StageRuntime:
             self.logs[p] = logs
             return logs
         return targets
+
+    def recompute(self, p, training=True):
+        """Runs minibatch p's forward pass again from the inputs its untaped pass kept, with the
+        live weights, under a tape for :meth:`backward`; the non-trainable state is not updated again."""
+        entering, labels = self._kept.pop(p)
+        with tf.device(self.device):
+            weights = self._read_weights_fn()
+        self._taped_forward(p, weights, entering, labels, training, update_state=False)
+
+    def _taped_forward(self, p, weights, entering, labels, training, update_state):
+        """Runs the pass under a tape and keeps it, with its activations, until :meth:`backward`."""
+        self.memory.allocate("activations", self.activation_bytes)
+        # Differentiate with respect to what the previous stage sent (its gradient goes back)
+        # and the weights; model inputs loaded here need no gradient.
+        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
+        sources = [entering[i] for i in float_pos] + list(weights)
+        with tf.device(self.device):
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                tape.watch(sources)
+                targets, reg, logs = self._forward_fn(weights, entering, labels, training, update_state)
+        position = {i: k for k, i in enumerate(float_pos)}
+        n_received = len(self.stage.io.received)
+        self._inflight[p] = _InFlight(tape=tape, sources=sources, num_entering=len(float_pos),
+                                      received_float=[position.get(i) for i in range(n_received)],
+                                      targets=list(targets) + ([] if self.is_last else [reg]))
+        return targets, logs
 
     def backward(self, p, output_grads=None):
         """Backward pass of minibatch p against w_p; keeps the weight gradients for apply_update."""
@@ -273,18 +315,40 @@ class StageRuntime:
 
     def apply_update(self, p):
         """w_local := w_local + u_p, unless u_p is not finite (then NonFiniteError)."""
-        grads = self._weight_grads.pop(p)
+        self._apply(self._weight_grads.pop(p), (p,))
+
+    def accumulate_gradient(self, p):
+        """Adds minibatch p's weight gradients to the sum since the last flush (GPipe)."""
+        grads = [tf.convert_to_tensor(g) for g in self._weight_grads.pop(p)]
+        self._accumulated = (grads, [p]) if self._accumulated is None else (
+            self.sum(self._accumulated[0], grads), self._accumulated[1] + [p])
+
+    def apply_accumulated(self, first, p):
+        """GPipe's flush: one update from the mean of the gradients of microbatches `first`..p."""
+        total, summed = self._accumulated
+        if summed != list(range(first, p + 1)):
+            raise RuntimeError(f"stage {self.index}: the flush of microbatches {first}..{p} found the "
+                               f"gradients of {summed}; the schedule must accumulate each microbatch once")
+        self._accumulated = None
+        with tf.device(self.device):
+            mean = self._mean_fn(total, tf.constant(len(summed), total[0].dtype)) if total else []
+        self._apply(mean, tuple(summed))
+
+    def _apply(self, grads, minibatches):
+        """Applies `grads`, the update of `minibatches`, to w_local unless one is not finite."""
         if self.trainable:  # a stage may have no weights (pooling, activations)
             with tf.device(self.device):
                 finite = self._apply_fn(grads)
             if not bool(finite):
                 bad = [v.path for v, g in zip(self.stage.trainable_variables, grads) if not np.all(np.isfinite(
                     tf.convert_to_tensor(g).numpy()))]
+                which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
+                         else f"minibatches {minibatches[0]}..{minibatches[-1]}")
                 raise NonFiniteError(
-                    f"minibatch {p}: the gradient of stage {self.index} is not finite (NaN or Inf in "
+                    f"{which}: the gradient of stage {self.index} is not finite (NaN or Inf in "
                     f"{', '.join(bad)}); nothing of it was applied or pushed. Lower the learning rate or "
-                    f"clip gradients (the optimizer's clipnorm)", p, self.index)
-        self.applied.append(p)
+                    f"clip gradients (the optimizer's clipnorm)", minibatches[-1], self.index)
+        self.applied.extend(minibatches)
 
     # Synchronisation ---------------------------------------------------------------------
     def _read_synchronised_graph(self):
@@ -338,8 +402,9 @@ class StageRuntime:
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)
         for pending in (self._entering, self._labels, self._weight_grads, self._input_grads,
-                        self.version_updates, self.version_globals):
+                        self.version_updates, self.version_globals, self._kept):
             pending.clear()
+        self._accumulated = None
 
     # State -------------------------------------------------------------------------------
     def snapshot(self):
@@ -392,6 +457,10 @@ def _subtract_graph(a, b):
 
 def _sum_graph(a, b):
     return [x + y for x, y in zip(a, b)]
+
+
+def _mean_graph(total, count):
+    return [x / count for x in total]
 
 
 def _block(tensors):

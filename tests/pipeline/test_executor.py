@@ -196,7 +196,7 @@ def test_unknown_instruction_is_refused_before_running():
     vw = VirtualWorker(model, "1", num_in_flight=1, optimizer="sgd", loss=LOSS)
     vw.train(iter(_batches(model, 1)), 1)
     bad = Schedule("bad", 1, 1, 1, (StageProgram(0, (Teleport(1),), ()),))
-    with pytest.raises(UnknownInstructionError, match=r"Teleport\(1\).*it knows: ApplyUpdate"):
+    with pytest.raises(UnknownInstructionError, match=r"Teleport\(1\).*it knows: .*ApplyUpdate"):
         PipelineExecutor(bad, vw.runtimes, iter([]), vw.staged.split_inputs)
 
 

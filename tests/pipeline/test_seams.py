@@ -119,8 +119,8 @@ TOY_SYNC = register_sync(EveryWave())
 
 def test_registered_by_name_and_unknown_names_say_what_exists():
     assert get_schedule("toy-one-at-a-time") is TOY_SCHEDULE and get_sync("toy-every-wave") is TOY_SYNC
-    with pytest.raises(ValueError, match="unknown schedule 'gpipe'; the registered ones are: .*hetpipe"):
-        get_schedule("gpipe")
+    with pytest.raises(ValueError, match="unknown schedule 'gpipe-typo'; the registered ones are: .*hetpipe"):
+        get_schedule("gpipe-typo")
 
 
 def test_a_scheme_names_the_schedules_it_works_with_and_other_pairs_get_the_list_of_those_that_exist():

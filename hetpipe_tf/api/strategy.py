@@ -100,8 +100,10 @@ class HetPipeStrategy:
         epoch's end. None: no checkpoints (the pipelines run across epochs).
       save_every_epochs: see `checkpoint_dir`.
       resume: the first ``fit`` continues from the newest checkpoint in `checkpoint_dir`
-        (weights, optimizer state, clocks, each worker's data position, the epoch), under the
-        same plan; a clear error if there is none.
+        (weights, optimizer state, clocks, each worker's data position, the epoch); a clear error
+        if there is none. Under the same shape of plan (workers, stages, Nm) it keeps the saved
+        cuts and is exact; under another (allocation, partition, Nm, number of workers) it
+        maps the optimizer state per variable (:func:`hetpipe_tf.runtime.checkpoint.for_workers`).
       schedule: how each virtual worker pipelines its minibatches, a registered
         :class:`hetpipe_tf.pipeline.schedule.PipelineSchedule` or its name (default: HetPipe's, §4).
       sync: how the virtual workers synchronise, a registered
@@ -242,6 +244,10 @@ class HetPipeStrategy:
             if initial_epoch not in (0, resumed.epoch):
                 raise ValueError(f"the checkpoint ends at epoch {resumed.epoch}, fit was given initial_epoch="
                                  f"{initial_epoch}: leave initial_epoch out to resume")
+            from hetpipe_tf.runtime.checkpoint import for_workers
+            from hetpipe_tf.runtime.fit_loop import epoch_steps
+
+            resumed = for_workers(resumed, len(self.plan.workers), steps_per_epoch or epoch_steps(data))
             initial_epoch, positions = resumed.epoch, resumed.positions
             runner.resume(resumed)
             self._resume = False
@@ -272,7 +278,7 @@ class HetPipeStrategy:
             return self.runner
         from hetpipe_tf.planning.planner import plan
         from hetpipe_tf.runtime.optimizers import slots_per_weight
-        from hetpipe_tf.runtime.checkpoint import plan_signature
+        from hetpipe_tf.runtime.checkpoint import plan_shape, plan_signature
         from hetpipe_tf.runtime.profiler import measure_profile
         from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
@@ -286,9 +292,13 @@ class HetPipeStrategy:
                          optimizer_slots=slots_per_weight(model.optimizer), schedule=self.schedule, sync=self.sync)
         self._cuts = plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
                                                               for w in range(len(self.plan.workers))])
-        if saved_cuts is not None:  # a resumed run keeps the cuts its optimizer state belongs to
-            self.checkpoints.check_plan(saved_cuts, self._cuts)
+        if saved_cuts is not None and plan_shape(saved_cuts) == plan_shape(self._cuts):
+            # The same shape of plan: the saved cuts, whichever the profile (measured anew) now gives.
             self._cuts = saved_cuts
+        elif saved_cuts is not None:
+            print(f"hetpipe: resuming {self.checkpoints.latest_path()}, saved under the plan {saved_cuts}, under "
+                  f"this run's plan {self._cuts}: weights and optimizer state per variable (every new worker from "
+                  f"the saved workers' mean when their number changed)", flush=True)
         devices = self._devices()
         workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
         if self.launch != "in_process":

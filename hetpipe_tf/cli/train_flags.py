@@ -75,7 +75,7 @@ def define_flags():
                         "data positions, plan) every --save_every_epochs epochs and at the end; the pipelines "
                         "drain at every epoch's end (hetpipe_tf.runtime.checkpoint).")
     flags.DEFINE_integer("save_every_epochs", 1, "With --checkpoint_dir: save every this many epochs.", lower_bound=1)
-    flags.DEFINE_bool("resume", False, "With --checkpoint_dir: continue from its newest checkpoint (same plan) up "
+    flags.DEFINE_bool("resume", False, "With --checkpoint_dir: continue from its newest checkpoint (under any plan) up "
                                        "to --epochs.")
     flags.DEFINE_string("schedule", "hetpipe", "How each virtual worker pipelines its minibatches: a registered "
                                                "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")

@@ -390,7 +390,7 @@ class ProcessRunner:
         weights in the Keras model, each worker's stages' optimizer state asked of its process."""
         self.servers.write_to(self.model)
         return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables],
-                        optimizers=[[] if c.worker in self._lost else c.ask(self.timeout_s, "optimizer_state")[0]
+                        optimizers=[None if c.worker in self._lost else c.ask(self.timeout_s, "optimizer_state")[0]
                     for c in self._conns],  # a worker that could not restart: fresh on resume
                         clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
 

@@ -32,9 +32,9 @@ on the same connection (a failed order by ``("error", kind, message, logs)``):
   it ended (a checkpointing run's next epoch)
 * ``("drain",)``: after a train, every stage takes the global weights
   (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.drain`) -> ``("drained",)``
-* ``("optimizer_state",)`` -> ``("optimizer_state", values)``: every stage's optimizer
-  variables' values, for a checkpoint; ``("set_optimizer_state", values)``: a resumed run's
-  -> ``("optimizer_state_set",)``
+* ``("optimizer_state",)`` -> ``("optimizer_state", state)``: its optimizer state per model
+  variable (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`), for a checkpoint;
+  ``("set_optimizer_state", state)``: a resumed run's -> ``("optimizer_state_set",)``
 * ``("stop",)``, ``("abort",)``, ``("learning_rate", value)``: as in ``fit``;
   ``("stats", since)`` -> ``("stats", list)``; ``("report",)`` -> ``("report", EmulationReport)``
 

@@ -3,10 +3,17 @@
 **What is saved**, at the end of every `save_every_epochs`-th epoch and of the last one:
 the global weights (every variable of the Keras model, trainable and not, in the model's
 order: the parameter servers' values and worker 0's random-seed state), every virtual
-worker's every stage's optimizer variables (iterations, learning rate, slots), each
-worker's clock at the servers, the number of epochs completed, each worker's position in
-its shard of the data (the minibatches it has consumed) and the plan (each worker's stage
-boundaries and Nm, which the optimizer state belongs to).
+worker's optimizer state per model variable (its slots, e.g. momentum, by the variable's position)
+and its optimizer's own variables (iterations, learning rate), each worker's clock at the
+servers, the number of epochs completed, each worker's position in its shard of the data
+(the minibatches it has consumed) and the plan (each worker's stage boundaries and Nm).
+
+**Under another plan**: weights and optimizer state are per model variable, not per stage, so
+a checkpoint resumes under another allocation, partition or Nm (each stage takes its variables'
+slots wherever the cuts now fall), or another number of virtual workers (:func:`for_workers`:
+every new worker starts from the mean of the saved workers' optimizer state, at the global
+clock, at its shard's position after the epochs done). With the same number of workers, the
+same number of stages in each and the same Nm, the saved cuts are kept (resuming is exact).
 
 **When**: at consistent points only. A run that checkpoints trains epoch by epoch: at
 each epoch's end every worker has pushed its last, partial wave, so the servers hold
@@ -31,13 +38,15 @@ are kept.
 import json
 import os
 import queue
+import re
 from dataclasses import dataclass
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 #: The checkpoint format this module writes and reads.
-FORMAT = 1
+FORMAT = 2
 _PREFIX = "ckpt"
 _KEY = "{}/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -45,7 +54,7 @@ _KEY = "{}/.ATTRIBUTES/VARIABLE_VALUE"
 @dataclass
 class RunState:
     """A run at an epoch's end. `weights`: the Keras model's variables' values in its order;
-    `optimizers`: per worker, per stage, its optimizer variables' values; `clocks`: each worker's
+    `optimizers`: per worker, its :func:`stage_optimizer_state` (None: a fresh optimizer); `clocks`: each worker's
     clock; `positions`: the minibatches each worker has consumed of its shard; `plan`: what
     :func:`plan_signature` gives."""
     epoch: int
@@ -62,19 +71,90 @@ def plan_signature(num_in_flight, boundaries):
     return {"num_in_flight": int(num_in_flight), "boundaries": [[int(b) for b in w] for w in boundaries]}
 
 
-def stage_optimizer_state(runtimes):
-    """The optimizer variables' values of each of `runtimes` (StageRuntimes)."""
-    return [[v.numpy() for v in rt.optimizer.variables] for rt in runtimes]
+def plan_shape(plan):
+    """Nm and each worker's number of stages of a :func:`plan_signature`."""
+    return plan["num_in_flight"], [len(b) for b in plan["boundaries"]]
 
 
-def set_stage_optimizer_state(runtimes, states):
-    """Gives each of `runtimes` its saved optimizer variables' values."""
-    for rt, values in zip(runtimes, states):
-        if len(values) != len(rt.optimizer.variables):
-            raise ValueError(f"stage {rt.index}'s optimizer has {len(rt.optimizer.variables)} variables, the "
-                             f"checkpoint {len(values)}: it was saved with another optimizer")
-        for v, value in zip(rt.optimizer.variables, values):
+def _optimizer_keys(runtime, model):
+    """What each optimizer variable of a stage runtime is: a name of the optimizer's own
+    ("iteration", "learning_rate") or (the variable's position among `model`'s trainable ones, slot
+    name): positions, not paths, which a model rebuilt elsewhere may name otherwise (as the
+    parameter servers do). Keras names a slot after its variable, so the same optimizer is built
+    on scalar stand-ins named by position."""
+    optimizer = runtime.optimizer
+    probe = type(optimizer).from_config(optimizer.get_config())
+    probe.build([keras.Variable(np.zeros((), np.dtype(v.dtype)), name=f"v{i}") for i, v in enumerate(runtime.trainable)])
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    paths = [position[id(v)] for v in runtime.stage.trainable_variables]
+    keys = []
+    for v in probe.variables:
+        name = v.path.rsplit("/", 1)[-1]
+        slot = re.fullmatch(r"v(\d+)_(.+)", name)
+        keys.append((paths[int(slot.group(1))], slot.group(2)) if slot else name)
+    if len(keys) != len(optimizer.variables):
+        raise ValueError(f"stage {runtime.index}'s optimizer has {len(optimizer.variables)} variables, the same "
+                         f"optimizer built on its {len(paths)} weights {len(keys)}: it cannot be checkpointed")
+    return keys
+
+
+def stage_optimizer_state(runtimes, model):
+    """A worker's optimizer state from its stages (`runtimes`, StageRuntimes of `model`), per model
+    variable: ``{"scalars": {name: value}, "slots": {position: {slot: value}}}`` (a variable's
+    position among the model's trainable ones); the scalars
+    (iterations, learning rate) are every stage's, which all apply every minibatch."""
+    state = {"scalars": {}, "slots": {}}
+    for rt in runtimes:
+        for key, v in zip(_optimizer_keys(rt, model), rt.optimizer.variables):
+            if isinstance(key, str):
+                state["scalars"].setdefault(key, v.numpy())
+            else:
+                state["slots"].setdefault(key[0], {})[key[1]] = v.numpy()
+    return state
+
+
+def set_stage_optimizer_state(runtimes, state, model):
+    """Gives each of `runtimes` its variables' saved optimizer state (`state` as
+    :func:`stage_optimizer_state` gives it, wherever the stages' cuts then were; None: leave
+    them fresh)."""
+    if state is None:
+        return
+    for rt in runtimes:
+        for key, v in zip(_optimizer_keys(rt, model), rt.optimizer.variables):
+            value = state["scalars"].get(key) if isinstance(key, str) else state["slots"].get(key[0], {}).get(key[1])
+            if value is None:
+                raise ValueError(f"stage {rt.index}'s optimizer has {key!r}, the checkpoint none (it holds "
+                                 f"{sorted(state['scalars'])} and slots of {len(state['slots'])} variables): it was "
+                                 f"saved with another optimizer; resume with the optimizer it was saved with")
             v.assign(value)
+
+
+def for_workers(state, workers, steps_per_epoch):
+    """`state` (a :class:`RunState`) for a run of `workers` virtual workers. With the saved number,
+    itself. Otherwise each new worker starts from the mean of the saved workers' optimizer state
+    (every slot and iteration count averaged: each saved worker's slots estimate the same moments
+    of the same global model's gradients, so none is preferred and none is thrown away), at the
+    saved global clock (the slowest worker's), and at its new shard's position after the epochs
+    done (the data order of shards of another number of workers cannot go on where the old
+    ones were)."""
+    if len(state.clocks) == workers:
+        return state
+    saved = [o for o in state.optimizers if o is not None]
+    mean = None
+    if saved:
+        mean = {"scalars": {k: _mean([o["scalars"][k] for o in saved]) for k in saved[0]["scalars"]},
+                "slots": {p: {s: _mean([o["slots"][p][s] for o in saved]) for s in slots}
+                          for p, slots in saved[0]["slots"].items()}}
+    return RunState(epoch=state.epoch, weights=state.weights, optimizers=[mean] * workers,
+                    clocks=[min(state.clocks)] * workers,
+                    positions=[epoch_share(state.epoch, steps_per_epoch, workers)] * workers, plan=state.plan)
+
+
+def _mean(values):
+    """The elementwise mean of `values`, in their dtype (integers rounded)."""
+    values = np.asarray(values)
+    mean = values.mean(axis=0)
+    return np.rint(mean).astype(values.dtype) if np.issubdtype(values.dtype, np.integer) else mean.astype(values.dtype)
 
 
 def skip_consumed(shards, positions):
@@ -86,6 +166,18 @@ def epoch_share(epoch, steps_per_epoch, workers):
     """The minibatches each worker has consumed after `epoch` epochs of `steps_per_epoch`
     minibatches of all workers together (each worker trains the same number)."""
     return -(-epoch * steps_per_epoch // workers)
+
+
+def _flat_keys(worker):
+    """A worker's optimizer state's entries as JSON keys: ["scalar", name], ["slot", position, slot]."""
+    if worker is None:
+        return []
+    return ([["scalar", k] for k in worker["scalars"]]
+            + [["slot", p, s] for p, slots in worker["slots"].items() for s in slots])
+
+
+def _value(worker, key):
+    return worker["scalars"][key[1]] if key[0] == "scalar" else worker["slots"][key[1]][key[2]]
 
 
 class Checkpoints:
@@ -113,11 +205,12 @@ class Checkpoints:
 
     def save(self, state):
         """Writes `state` as the newest checkpoint; returns its path."""
-        optimizers = [np.asarray(v) for worker in state.optimizers for stage in worker for v in stage]
+        keys = [_flat_keys(worker) for worker in state.optimizers]
+        optimizers = [np.asarray(_value(worker, key)) for worker, ks in zip(state.optimizers, keys) for key in ks]
         meta = {"format": FORMAT, "epoch": int(state.epoch), "clocks": [int(c) for c in state.clocks],
                 "positions": [int(p) for p in state.positions], "plan": state.plan,
                 "weights": [[list(np.shape(w)), str(np.asarray(w).dtype)] for w in state.weights],
-                "optimizers": [[len(stage) for stage in worker] for worker in state.optimizers]}
+                "optimizers": [None if worker is None else ks for worker, ks in zip(state.optimizers, keys)]}
         with tf.device("/device:CPU:0"):
             checkpoint = tf.train.Checkpoint(
                 meta=tf.Variable(json.dumps(meta)), weights=[tf.Variable(np.asarray(w)) for w in state.weights],
@@ -144,9 +237,17 @@ class Checkpoints:
             raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}; this version reads format "
                              f"{FORMAT}")
         weights = [reader.get_tensor(_KEY.format(f"weights/{i}")) for i in range(len(meta["weights"]))]
-        flat = iter(range(sum(sum(w) for w in meta["optimizers"])))
-        optimizers = [[[reader.get_tensor(_KEY.format(f"optimizers/{next(flat)}")) for _ in range(n)]
-                       for n in worker] for worker in meta["optimizers"]]
+        flat = iter(range(sum(len(ks or ()) for ks in meta["optimizers"])))
+        optimizers = []
+        for ks in meta["optimizers"]:
+            worker = None if ks is None else {"scalars": {}, "slots": {}}
+            for key in ks or ():
+                value = reader.get_tensor(_KEY.format(f"optimizers/{next(flat)}"))
+                if key[0] == "scalar":
+                    worker["scalars"][key[1]] = value
+                else:
+                    worker["slots"].setdefault(key[1], {})[key[2]] = value
+            optimizers.append(worker)
         return RunState(epoch=meta["epoch"], weights=weights, optimizers=optimizers, clocks=meta["clocks"],
                         positions=meta["positions"], plan=meta["plan"])
 
@@ -168,15 +269,6 @@ class Checkpoints:
             v.assign(value)
         return state
 
-    def check_plan(self, saved, planned):
-        """A clear error unless `saved` (a :func:`plan_signature`) fits the run `planned`: the
-        same number of workers, of stages in each and Nm, whose optimizer state it holds (the
-        cuts may differ: the planner's profile is measured anew, and the run keeps the saved ones)."""
-        shape = lambda plan: (plan["num_in_flight"], [len(b) for b in plan["boundaries"]])  # noqa: E731
-        if shape(saved) != shape(planned):
-            raise ValueError(f"checkpoint {self.latest_path()} was saved under the plan {saved}, this run's "
-                             f"plan is {planned}: resuming needs the same number of virtual workers, of stages in "
-                             f"each and Nm; give the run's cluster, policy, vw_size and num_in_flight again")
 
 
 class EpochSegments:

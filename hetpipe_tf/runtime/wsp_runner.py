@@ -281,15 +281,15 @@ class WSPRunner:
         self.set_optimizer_states(state.optimizers)
 
     def optimizer_states(self):
-        """Per worker, per stage, its optimizer variables' values."""
-        return [stage_optimizer_state(vw.runtimes) for vw in self.vws]
+        """Per worker, its optimizer state per model variable (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
+        return [stage_optimizer_state(vw.runtimes, self.model) for vw in self.vws]
 
     def set_optimizer_states(self, states):
         """Gives every worker's stages their optimizer variables' values (`states` as
         :meth:`optimizer_states` gives them): now if they are built, else once they are."""
         if all(vw.runtimes is not None for vw in self.vws):
             for vw, values in zip(self.vws, states):
-                set_stage_optimizer_state(vw.runtimes, values)
+                set_stage_optimizer_state(vw.runtimes, values, self.model)
         else:
             self._optimizer_states = states
 

@@ -11,15 +11,17 @@ import tensorflow as tf
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from hetpipe_tf.cli import models
 from hetpipe_tf.data import datasets
-from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState
+from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState, for_workers
 from tests.runtime.test_wsp_runner import constant_gradient_model, mean_output
 
 
-def _two_workers(directory, resume=False):
+def _two_workers(directory, resume=False, **plan):
     """2 virtual workers of 2 host-CPU stages (no pacing), D = 0, Adam on a model whose gradients depend on
-    the data only, so that the result does not depend on the threads' timing."""
-    strategy = HetPipeStrategy(cluster="local_cpu", policy="np", vw_size=2, staleness_bound=0, num_in_flight=2,
-                               launch="in_process", dilation=1, checkpoint_dir=directory, resume=resume)
+    the data only, so that the result does not depend on the threads' timing (nor on Nm or the cuts);
+    `plan` overrides the plan's arguments."""
+    strategy = HetPipeStrategy(**dict(dict(cluster="local_cpu", policy="np", vw_size=2, staleness_bound=0,
+                                           num_in_flight=2, launch="in_process", dilation=1,
+                                           checkpoint_dir=directory, resume=resume), **plan))
     with strategy.scope():
         x = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
         data = tf.data.Dataset.from_tensor_slices((x, np.zeros(64, "int64"))).batch(4, drop_remainder=True)
@@ -64,7 +66,9 @@ def test_two_workers_resumed_end_with_the_weights_of_an_uninterrupted_run(tmp_pa
                      "ckpt-4.index"], saved  # every epoch, the newest two kept
     state = Checkpoints(str(tmp_path / "whole")).latest()
     assert state.epoch == 4 and state.positions == [32, 32] and state.clocks == [16, 16]
-    assert len(state.optimizers) == 2 and all(len(w) == 2 for w in state.optimizers)
+    # Optimizer state per model variable: Adam's two slots of each of the 3 trainable variables.
+    assert all(len(w["slots"]) == 3 and all(set(s) == {"momentum", "velocity"} for s in w["slots"].values())
+               and int(w["scalars"]["iteration"]) == 32 for w in state.optimizers)
 
 
 def test_one_worker_at_nm_2_resumed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
@@ -73,7 +77,8 @@ def test_one_worker_at_nm_2_resumed_ends_with_the_weights_of_an_uninterrupted_ru
 
 
 def _state(epoch, weights):
-    return RunState(epoch=epoch, weights=weights, optimizers=[[[np.int64(epoch), np.ones(3, "float32")]]],
+    return RunState(epoch=epoch, weights=weights, optimizers=[
+        {"scalars": {"iteration": np.int64(epoch)}, "slots": {"d/kernel": {"momentum": np.ones(3, "float32")}}}],
                     clocks=[epoch], positions=[4 * epoch], plan={"num_in_flight": 2, "boundaries": [[0]]})
 
 
@@ -86,13 +91,14 @@ def test_a_save_that_did_not_complete_leaves_the_previous_checkpoint_usable(tmp_
     state = checkpoints.latest()
     assert state.epoch == 1 and state.positions == [4] and state.clocks == [1]
     np.testing.assert_array_equal(state.weights[0], np.full(3, 1.0, "float32"))
-    assert [int(v) if np.ndim(v) == 0 else list(v) for v in state.optimizers[0][0]] == [1, [1.0, 1.0, 1.0]]
+    assert int(state.optimizers[0]["scalars"]["iteration"]) == 1
+    np.testing.assert_array_equal(state.optimizers[0]["slots"]["d/kernel"]["momentum"], np.ones(3, "float32"))
 
 
 KILLED_SAVE = """
 import sys, numpy as np
 from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState
-state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[[[]]], clocks=[e], positions=[e], plan={})
+state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e], positions=[e], plan={})
 checkpoints = Checkpoints(sys.argv[1])
 checkpoints.save(state(1, [np.ones(3, "float32")]))
 print("saving", flush=True)
@@ -136,12 +142,52 @@ def test_resuming_from_nothing_or_from_another_model_says_what_was_given_and_wha
                                          r"differs \(\(\(6, 7\), 'float32'\) saved, \(\(6, 5\), 'float32'\) in the "
                                          r"model: shape, dtype\); give the checkpoint_dir of this model's run"):
         model.fit(data, epochs=1, verbose=0)
-    with pytest.raises(ValueError, match=r"was saved under the plan \{'num_in_flight': 2, 'boundaries': \[\[0\]\]\}, "
-                                         r"this run's plan is \{'num_in_flight': 3, .*resuming needs the same number "
-                                         r"of virtual workers, of stages in each and Nm"):
-        Checkpoints(str(tmp_path / "other")).check_plan(_state(1, []).plan, {"num_in_flight": 3, "boundaries": [[0]]})
     with pytest.raises(ValueError, match="BackupAndRestore cannot restore a HetPipeStrategy run .* give "
                                          r"HetPipeStrategy\(checkpoint_dir=..., resume=True\)"):
         model.fit(data, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "b"))])
     with pytest.raises(ValueError, match="save_every_epochs must be an integer >= 1, got 0"):
         Checkpoints(str(tmp_path), save_every_epochs=0)
+
+
+def test_resumed_under_another_allocation_and_nm_it_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, capsys):
+    # Saved by 2 workers of 2 stages at Nm = 2 (NP), resumed by 2 workers of 2 stages at Nm = 1 (ED):
+    # every stage takes its variables' optimizer slots wherever the cuts fall. Gradients that depend
+    # on the data only make the result independent of Nm, so it must equal the run never stopped.
+    whole, model, data = _two_workers(str(tmp_path / "whole"))
+    model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
+    expected = [v.numpy() for v in model.variables]
+    _, model, data = _two_workers(str(tmp_path / "stopped"))
+    model.fit(data, epochs=1, steps_per_epoch=16, verbose=0)
+    resumed, model, data = _two_workers(str(tmp_path / "stopped"), resume=True, policy="ed", num_in_flight=1)
+    history = model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
+    assert len(history.history["loss"]) == 1 and resumed.runner.num_in_flight == 1
+    nodes = lambda strategy: [d.node for d in strategy.plan.workers[0].devices]  # noqa: E731
+    assert nodes(whole) == ["host-A", "host-A"] and nodes(resumed) == ["host-A", "host-B"]  # NP, then ED
+    assert "saved under the plan {'num_in_flight': 2, " in capsys.readouterr().out
+    diff = max(float(np.max(np.abs(v.numpy() - e))) for v, e in zip(model.variables, expected))
+    assert diff <= 1e-6, diff
+
+
+def test_resumed_by_another_number_of_workers_each_starts_from_the_saved_workers_mean(tmp_path):
+    directory = str(tmp_path / "stopped")
+    _, model, data = _two_workers(directory)
+    model.fit(data, epochs=1, steps_per_epoch=16, verbose=0)
+    saved = Checkpoints(directory).latest()
+    assert len(saved.optimizers) == 2 and saved.positions == [8, 8] and saved.clocks == [4, 4]
+    # The rule: every new worker's slots and iterations are the saved workers' mean, its clock the
+    # global clock, its position its new shard's after the epochs done.
+    assert for_workers(saved, 2, 16) is saved
+    four = for_workers(saved, 4, 16)
+    assert four.clocks == [4] * 4 and four.positions == [4] * 4
+    for path, slots in saved.optimizers[0]["slots"].items():
+        for slot, value in slots.items():
+            mean = (value + saved.optimizers[1]["slots"][path][slot]) / 2
+            for worker in four.optimizers:
+                np.testing.assert_allclose(worker["slots"][path][slot], mean, rtol=1e-6)
+    # Resumed by 4 workers of 1 stage each (another partition), it trains epoch 1 from there.
+    resumed, model, data = _two_workers(directory, resume=True, vw_size=1)
+    history = model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
+    assert len(history.history["loss"]) == 1 and len(resumed.plan.workers) == 4
+    final = Checkpoints(directory).latest()
+    assert final.epoch == 2 and final.positions == [8] * 4 and final.clocks == [6] * 4
+    assert [int(w["scalars"]["iteration"]) for w in final.optimizers] == [8 + 4] * 4

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+from hetpipe_tf.sync import staleness
 from tests.cli import test_models
 from tests.pipeline.test_executor import LOSS, _batches, _clone
 from tests.runtime.test_wsp_runner import _runner, constant_gradient_model, constant_gradients, exact_sgd_case, mean_output
@@ -85,9 +86,10 @@ def test_which_weights_a_backward_pass_uses_by_hand(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "gpipe-recompute", "pipedream", "pipedream-vsync", "naivepipe"])
-def test_two_virtual_workers_under_wsp_lose_no_update(schedule):
+def test_two_virtual_workers_under_wsp_lose_no_update_and_keep_its_bounds(schedule):
     # Data-only gradients: whatever weights a minibatch saw, the servers must end with w0 - lr x
     # every update; GPipe's update of a minibatch is the mean of its microbatches' gradients.
+    # The weights every forward pass used hold the local and global updates WSP requires (§4, §5).
     model = constant_gradient_model()
     n, nm = 6, 2
     data, _ = exact_sgd_case(model, n)
@@ -97,8 +99,11 @@ def test_two_virtual_workers_under_wsp_lose_no_update(schedule):
         for x, _ in batches:
             for path, g in constant_gradients(model, x).items():
                 expected[path] -= 0.05 * g / group
-    runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, dilation=1.0, schedule=schedule)
+    runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, dilation=1.0, schedule=schedule,
+                     record_provenance=True)
     runner.train(data, n)
+    for stage in range(2):
+        assert staleness.check(runner.provenance(stage), nm, 0, 2) == 2 * n
     for v in model.trainable_variables:
         np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
     assert runner.servers.clock.clocks()[0] == (n // nm, n // nm)

@@ -18,9 +18,14 @@ Pure Python, over a :class:`hetpipe_tf.planning.profile.Profile`:
    layers round-robin over them, ``local`` (ED only) keeps a stage's layers on the
    server of its own node, so pushes and pulls stay inside the node (§8.1). Transfers between
    nodes share each node's one inter-node link with the other workers that cross it at once
-   (:func:`hetpipe_tf.planning.cost_model.link_flows`).
+   (:func:`hetpipe_tf.planning.cost_model.link_flows`);
+5. **minibatch sizes** (beyond the paper, optional): every worker trains the profile's batch
+   size, or, with ``minibatch_sizes="proportional"``, a share of the global batch (the batch
+   size times the number of workers) proportional to its predicted images/s alone, within its
+   stages' memory at its cut and Nm (:mod:`hetpipe_tf.planning.uneven`); the prediction is
+   then made again with every worker's stages costed at its own size.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import Backward, Forward, Recompute, RecvActivation, RecvGradient
@@ -29,7 +34,10 @@ from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.planning.allocation import AllocationError, allocate, candidate_allocations, describe
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, distinct_orders, fits
+from hetpipe_tf.planning.partitioner import Partition
 from hetpipe_tf.planning.profile import coarsen
+from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
+                                        proportional_sizes)
 from hetpipe_tf.sync.wsp import PLACEMENTS, WSP_SCHEME
 
 MAX_SEGMENTS = 48
@@ -67,6 +75,12 @@ class Plan:
     analytic: object = None  # the AnalyticAssumptions the plan used
     schedule: object = HETPIPE  # the PipelineSchedule planned for
     sync: object = NO_SYNC  # the SyncScheme between its virtual workers
+    minibatch_sizes: tuple = ()  # each worker's minibatch size when uneven; () when all train batch_size
+
+    @property
+    def sizes(self):
+        """Each worker's minibatch size (the profile's batch size unless uneven)."""
+        return self.minibatch_sizes or (self.profile.batch_size,) * len(self.workers)
 
     @property
     def allocation(self):
@@ -76,7 +90,7 @@ class Plan:
 
     @property
     def images_per_s(self):
-        return self.minibatches_per_s * self.profile.batch_size
+        return sum(rate * size for rate, size in zip(self.per_worker, self.sizes))
 
     def node_boundaries(self, worker=0):
         """First layer call of each stage of `worker`, for VirtualWorker(boundaries=...)."""
@@ -99,9 +113,10 @@ class Plan:
                                 "receive": (st.recv_activation + st.recv_gradient) * 1e3, "apply": st.apply * 1e3},
                     "memory_bytes": {**st.memory, "total": st.memory_total}, "capacity_bytes": st.capacity})
             workers.append({"index": i, "devices": [d.name for d in w.devices], "device_types": w.device_types,
-                            "max_num_in_flight": w.max_num_in_flight,
+                            "max_num_in_flight": w.max_num_in_flight, "minibatch_size": self.sizes[i],
                             "predicted_minibatches_per_s": self.per_worker[i], "stages": stages})
         return {"cluster": self.cluster.name, "model": self.profile.model, "batch_size": self.profile.batch_size,
+                "uneven_minibatches": bool(self.minibatch_sizes),
                 "policy": self.policy, "placement": self.placement, "staleness_bound": self.staleness_bound,
                 "num_in_flight": self.num_in_flight, "allocation": self.allocation,
                 "predicted_images_per_s": self.images_per_s,
@@ -112,14 +127,17 @@ class Plan:
     def format(self):
         from hetpipe_tf.pipeline.emulation import format_bytes
         d = self.to_dict()
+        batch = (f"minibatches {'+'.join(map(str, self.sizes))} (uneven)" if self.minibatch_sizes
+                 else f"batch {d['batch_size']}")
         lines = [f"{self.cluster.describe()}",
-                 f"model {d['model']}, batch {d['batch_size']}; policy {self.policy.upper()} "
+                 f"model {d['model']}, {batch}; policy {self.policy.upper()} "
                  f"({d['allocation']}), placement {self.placement}, D={self.staleness_bound}",
                  f"Nm = {self.num_in_flight}; predicted {self.images_per_s:.1f} images/s "
                  f"({self.minibatches_per_s:.3f} minibatches/s)", ""]
         for w in d["virtual_workers"]:
             lines.append(f"virtual worker {w['index']}: {''.join(w['device_types'])}  Max_m={w['max_num_in_flight']}"
-                         f"  predicted {w['predicted_minibatches_per_s'] * self.profile.batch_size:.1f} images/s")
+                         f"  minibatch {w['minibatch_size']}"
+                         f"  predicted {w['predicted_minibatches_per_s'] * w['minibatch_size']:.1f} images/s")
             lines.append(f"  {'stage':<5} {'device':<12} {'layers':<34} {'time ms':>9} {'memory':>11} {'capacity':>10}")
             for q, st in enumerate(w["stages"]):
                 layers = f"{st['layers'][0]}..{st['layers'][1]} ({st['layer_names'][0]}..{st['layer_names'][1]})"
@@ -268,7 +286,41 @@ def long_run_pace(sync, alone):
     return tuple(alone) if not sync.bounded else (min(alone),) * len(alone)
 
 
-def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, max_nm, method, notes):
+def _at_sizes(model, parts, sizes):
+    """`parts` with every worker's stages costed at its own minibatch size (the same cuts and Nm)."""
+    out = []
+    for p, b in zip(parts, sizes):
+        at = replace(model, profile=at_batch_size(model.profile, b))
+        out.append(Partition(devices=p.devices, boundaries=p.boundaries, num_in_flight=p.num_in_flight,
+                             stages=tuple(at.stages(p.boundaries, p.devices, p.num_in_flight))))
+    return tuple(out)
+
+
+def uneven_sizes(model, parts, minibatch_sizes):
+    """Each worker's minibatch size (:mod:`hetpipe_tf.planning.uneven`): "proportional" splits a
+    global batch of the profile's batch size times the number of workers by each worker's
+    predicted images/s alone (simulated without the other workers) within its memory cap; a
+    tuple is checked against the caps. Raises PlanError naming the worker that does not fit."""
+    batch = model.profile.batch_size
+    caps = [memory_cap(p, batch) for p in parts]
+    names = [f"virtual worker {i} ({describe([p.devices])})" for i, p in enumerate(parts)]
+    try:
+        if isinstance(minibatch_sizes, str):
+            if minibatch_sizes != "proportional":
+                raise UnevenMinibatchError(f"unknown minibatch_sizes {minibatch_sizes!r}; allowed: None (every "
+                                           f"worker the batch size), 'proportional', or one size per worker")
+            alone = replace(model, sync=NO_SYNC)
+            rates = [predict(alone, [p], p.num_in_flight)[0] * batch for p in parts]
+            return proportional_sizes(rates, batch * len(parts), caps)
+        sizes = tuple(minibatch_sizes)
+        check_sizes(sizes, caps, names)
+        return sizes
+    except UnevenMinibatchError as e:
+        raise PlanError(str(e)) from e
+
+
+def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, max_nm, method, notes,
+                  minibatch_sizes=None):
     if placement not in PLACEMENTS:
         raise PlanError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
     if placement == "local" and len({tuple(d.type.name for d in w) for w in workers}) > 1:
@@ -304,16 +356,23 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
     best = max(v[0] for v in results.values())
     chosen = min(nm for nm, v in results.items() if v[0] >= 0.98 * best)
     total, per, parts = results[chosen]
+    sizes = ()
+    if minibatch_sizes is not None:
+        sizes = uneven_sizes(model, parts, minibatch_sizes)
+        parts = _at_sizes(model, parts, sizes)
+        total, per = predict(model, parts, chosen, staleness_bound, placement)
+        notes = list(notes) + [f"uneven minibatches {list(sizes)} (global batch {sum(sizes)}): stage times "
+                               f"scaled from batch {model.profile.batch_size}, task overheads kept"]
     plans = tuple(WorkerPlan(devices=p.devices, partition=p, max_num_in_flight=m) for p, m in zip(parts, max_m))
     return Plan(cluster=model.cluster, profile=model.profile, policy=policy, placement=placement,
                 staleness_bound=staleness_bound, num_in_flight=chosen, workers=plans, minibatches_per_s=total,
                 per_worker=per, by_num_in_flight={nm: v[0] for nm, v in results.items()}, notes=tuple(notes),
-                analytic=model.analytic, schedule=model.schedule, sync=model.sync)
+                analytic=model.analytic, schedule=model.schedule, sync=model.sync, minibatch_sizes=sizes)
 
 
 def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, staleness_bound=0, placement="default",
          dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None,
-         analytic=None, schedule=HETPIPE, sync=WSP_SCHEME):
+         analytic=None, schedule=HETPIPE, sync=WSP_SCHEME, minibatch_sizes=None):
     """Plans training `profile`'s model on `cluster`; see the module docstring.
 
     Args:
@@ -331,6 +390,9 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
       schedule: the pipelining schedule, a registered name or object (its memory facts and
         programs are what is charged and simulated).
       sync: the synchronisation scheme between virtual workers when there are several.
+      minibatch_sizes: None (every worker trains the profile's batch size), "proportional" (a
+        global batch of the batch size times the number of workers, split by predicted throughput
+        within memory) or one size per worker (checked against memory): see step 5 above.
     """
     schedule, sync = get_schedule(schedule), get_sync(sync)
     notes = []
@@ -367,7 +429,7 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
         try:
             p = _plan_workers(cm, group, label.lower() if policy.lower() != "auto" else f"auto: {label}",
                               placement if several else "default", staleness_bound, num_in_flight,
-                              max_num_in_flight, method, notes)
+                              max_num_in_flight, method, notes, minibatch_sizes)
         except PlanError as e:
             errors.append(f"{label} {describe(group)}: {e}")
             continue
@@ -397,6 +459,6 @@ def simulate_plan(p, steps=400):
             "busy_fraction": [busy[result.agents.index((w, s))] for s in range(len(part.stages))],
             "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
             "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0})
-    return {"images_per_s": sum(long_run_pace(p.sync, alone)) * p.profile.batch_size,
+    return {"images_per_s": sum(r * b for r, b in zip(long_run_pace(p.sync, alone), p.sizes)),
             "staleness_bound": p.staleness_bound,
             "steps_per_worker": steps, "virtual_workers": workers}

@@ -6,6 +6,12 @@ pushes each wave's aggregated update to the parameter servers and pulls the glob
 weights, waiting until every worker has pushed wave c - D; the workers run concurrently,
 each on its own devices (which may be remote tasks of TensorFlow's distributed runtime),
 and the global weights end in the Keras model.
+
+With uneven minibatches (``minibatch_sizes``, beyond the paper; :mod:`hetpipe_tf.planning.uneven`)
+worker i trains b_i samples per minibatch (:func:`hetpipe_tf.runtime.worker_data.worker_shards`)
+and the servers weight its pushes by n · b_i / B, so that with D = 0 and Nm = 1 the global
+step is SGD's on the concatenated batch of the round
+(:mod:`hetpipe_tf.sync.parameter_server`).
 """
 import time
 from dataclasses import dataclass
@@ -15,8 +21,10 @@ from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.runtime.checkpoint import (EpochSegments, RunState, set_stage_optimizer_state, skip_consumed,
                                            stage_optimizer_state)
+from hetpipe_tf.planning.uneven import push_weights
 from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit, start_thread
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
+from hetpipe_tf.runtime.worker_data import worker_shards
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
 from hetpipe_tf.pipeline.schedule import check_combination
 from hetpipe_tf.sync.wsp import WSP_SCHEME
@@ -58,11 +66,15 @@ class WSPRunner:
         runner creates them for `model`.
       worker_ids: the run's index of each worker in `workers` (default 0, 1, ...): a process
         that drives worker 3 of a run gives [3].
+      minibatch_sizes: each worker's minibatch size, uneven (None: every worker the data's batch
+        size): ``fit`` splits the data so, and the servers this runner creates weight the pushes
+        by :func:`hetpipe_tf.planning.uneven.push_weights`. ``train`` takes the data as given.
     """
 
     def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
                  optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
-                 record_provenance=False, sync=WSP_SCHEME, schedule="hetpipe", servers=None, worker_ids=None):
+                 record_provenance=False, sync=WSP_SCHEME, schedule="hetpipe", servers=None, worker_ids=None,
+                 minibatch_sizes=None):
         if staleness_bound < 0:
             raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
         self.model = model
@@ -79,6 +91,10 @@ class WSPRunner:
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
         self._scheme = check_combination(self.vws[0].pipeline_schedule, sync)[1]
+        if minibatch_sizes is not None and len(minibatch_sizes) != len(self.vws):
+            raise ValueError(f"{len(minibatch_sizes)} minibatch sizes {list(minibatch_sizes)} for {len(self.vws)} "
+                             f"virtual workers: give one per worker, or None for the data's batch size")
+        self.minibatch_sizes = tuple(minibatch_sizes) if minibatch_sizes is not None else None
         self._new_servers = None
         if servers is None:
             layer_devices = None
@@ -86,8 +102,9 @@ class WSPRunner:
                 if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
                     raise ValueError("local placement needs worker 0's stage_servers, one per stage")
                 layer_devices = stage_layer_servers(self.vws[0].staged, workers[0].stage_servers)
+            weights = push_weights(self.minibatch_sizes) if self.minibatch_sizes else None
             self._new_servers = lambda: ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws],
-                                                         placement, layer_devices)
+                                                         placement, layer_devices, push_weights=weights)
             servers = self._new_servers()
         self._bind(servers)
         self.aborted = None  # why the last run was aborted, if it was
@@ -98,7 +115,7 @@ class WSPRunner:
         self._completions = {}  # worker -> when each of its updates completed (perf_counter)
         self._started = None
         self._optimizer_states = None  # to give the stages once they are built (a resumed run)
-        self.batch_size = None
+        self.batch_sizes = None  # each worker's, once train() has built it
 
     def _bind(self, servers):
         self.servers = servers
@@ -144,8 +161,8 @@ class WSPRunner:
             self._renew_after_abort()
         iterators = [iter(d) for d in data]
         firsts = [next(it) for it in iterators]
-        for vw, first in zip(self.vws, firsts):  # build and trace one worker at a time
-            self.batch_size = vw.prepare(*first)
+        # Build and trace one worker at a time.
+        self.batch_sizes = [vw.prepare(*first) for vw, first in zip(self.vws, firsts)]
         if self._optimizer_states is not None:
             self.set_optimizer_states(self._optimizer_states)
             self._optimizer_states = None
@@ -193,10 +210,11 @@ class WSPRunner:
         return reports
 
     def images_per_s(self):
-        """Images per second of the current (or last) run, every worker together: the updates
-        completed so far over the time since the run started."""
+        """Images per second of the current (or last) run, every worker together: the samples of
+        the updates completed so far over the time since the run started."""
         ends = [t for times in self._completions.values() for t in times]
-        return len(ends) * self.batch_size / (max(ends) - self._started) if ends else 0.0
+        images = sum(len(self._completions[i]) * b for i, b in enumerate(self.batch_sizes or ()))
+        return images / (max(ends) - self._started) if ends else 0.0
 
     def abort(self, reason="the run was stopped"):
         """Stops every worker now, and ends the run at the servers: every pull, waiting or later,
@@ -305,7 +323,7 @@ class WSPRunner:
         k = self.num_workers
         per_worker = -(-(epochs - initial_epoch) * steps_per_epoch // k)
         positions = positions or [0] * k
-        shards = skip_consumed([x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()], positions)
+        shards = skip_consumed(worker_shards(x, k, self.minibatch_sizes), positions)
         segments = None if checkpoints is None else EpochSegments(checkpoints, steps_per_epoch, k, initial_epoch,
                                                                   epochs, positions)
 
@@ -339,7 +357,8 @@ class WSPRunner:
 
         history = run_fit(
             self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
+            verbose=verbose, batch_size=sum(self.minibatch_sizes) / k if self.minibatch_sizes else batch_size_of(x),
+            epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
             stage_optimizers=lambda: [rt.optimizer for vw in self.vws for rt in vw.runtimes or []],
             request_stop=self.request_stop, abort=lambda: (segments and segments.release(), self.abort()),
             timeout_s=self.timeout_s, initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
@@ -377,7 +396,7 @@ class WSPRunner:
             out.append({"worker": w, "clock": clocks[w], "clock_distance": clocks[w] - global_clock,
                         "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
                         "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0,
-                        "minibatches_per_s": rate, "images_per_s": rate * (self.batch_size or 0)})
+                        "minibatches_per_s": rate, "images_per_s": rate * (self.batch_sizes or [0] * (i + 1))[i]})
         return out
 
 

@@ -13,7 +13,16 @@ creates them, and the process that drives a virtual worker attaches to them by n
 (``variable_devices``), so that every process reads and updates the same global weights.
 
 A stage pushes the aggregated update of a wave, ``w_global += u`` for its layers, then
-records the push on the clock. A pull waits on the clock until every worker has pushed
+records the push on the clock. With uneven minibatches (beyond the paper) the servers weight
+every push by its worker's share of the samples, ``w_global += a_i · u`` with
+``a_i = n · b_i / B`` for n workers of minibatch sizes b_i, B = Σ b_j
+(:func:`hetpipe_tf.planning.uneven.push_weights`): u is the sum of the worker's local updates,
+each from the gradient of its mean loss over b_i samples, so with D = 0 and Nm = 1 under SGD
+at rate η the global step is -η·n·(gradient of the mean loss over all B samples of the
+round), SGD on the concatenated batch at rate n·η, which is exactly what the unweighted sum
+does with even sizes (every a_i = 1, the paper's rule). Each push is applied once, scaled once:
+the global weights are the initial ones plus Σ a_i · (worker i's updates), nothing lost and
+nothing applied twice. A pull waits on the clock until every worker has pushed
 wave c - D, reads the workers' clocks, then reads the stage's layers: the weights read
 hold at least every wave below each worker's clock read before them.
 
@@ -44,13 +53,16 @@ class ParameterServers:
       layer_devices: for "local", {layer name: server device}.
       run: the name of the run the resources carry (default: one of this object's own).
       variable_devices: to attach to the resources another process created for `run`, its
-        :meth:`variable_devices` (then `placement` and `layer_devices` are not used). Variables
+        :meth:`variable_devices` (then `placement`, `layer_devices` and `push_weights` are not
+        used: the run's push weights are read from the first server). Variables
         are named by their position in the model, so a copy of the model rebuilt in another
         process, whose paths may differ, finds them.
+      push_weights: the weight a_i of each worker's pushes (see the module docstring; None:
+        every weight 1, the paper's unweighted sum).
     """
 
     def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None, run=None,
-                 variable_devices=None):
+                 variable_devices=None, push_weights=None):
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if not devices:
@@ -82,13 +94,25 @@ class ParameterServers:
             self.device_of[v.path] = device
         self.clock = WspClock(stages_per_worker, device=self.devices[0], shared_name=f"hetpipe/{self.run}/wsp_clock",
                               create=variable_devices is None)
+        workers = len(stages_per_worker)
+        weights = (1.0,) * workers if push_weights is None else tuple(float(a) for a in push_weights)
+        if len(weights) != workers or not all(a > 0 for a in weights):
+            raise ValueError(f"push_weights must be one positive weight per virtual worker ({workers}), got "
+                             f"{list(push_weights)}: give n * b_i / B for minibatch sizes b_i "
+                             f"(hetpipe_tf.planning.uneven.push_weights)")
+        stored = GlobalVariable(f"hetpipe/{self.run}/push_weights", tf.constant(weights, tf.float32),
+                                self.devices[0], create=variable_devices is None)
+        self.push_weights = tuple(float(a) for a in stored.numpy())
         self._push_fns = {}
         self._pull_fns = {}
 
-    def _push_graph(self, paths, worker, stage, wave, deltas):
+    def _push_graph(self, paths, worker, stage, wave, weight, deltas):
         updates = []
+        weighted = any(a != 1.0 for a in self.push_weights)  # even sizes: the update as it is, bit for bit
         for path, delta in zip(paths, deltas):
             with tf.device(self.device_of[path]):
+                if weighted:
+                    delta = delta * tf.cast(weight, delta.dtype)
                 updates.append(self.variables[path].assign_add(delta))
         with tf.control_dependencies(updates):
             self.clock.push_graph(worker, stage, wave)
@@ -105,14 +129,16 @@ class ParameterServers:
         return values, clocks
 
     def push(self, worker, stage, wave, paths, deltas):
-        """w_global += u for these variables (on their servers), then the clock records the push."""
+        """w_global += a_worker · u for these variables (on their servers), then the clock records
+        the push."""
         paths = tuple(paths)
         if paths not in self._push_fns:
             # A partial, not a lambda: TensorFlow keys its retracing warning on a function's code,
             # which one lambda per stage would share.
             self._push_fns[paths] = tf.function(functools.partial(self._push_graph, paths))
         self._push_fns[paths](tf.constant(worker, tf.int64), tf.constant(stage, tf.int64),
-                              tf.constant(wave, tf.int64), list(deltas))
+                              tf.constant(wave, tf.int64), tf.constant(self.push_weights[worker], tf.float32),
+                              list(deltas))
 
     def pull(self, paths, wave, timeout):
         """Waits until every worker pushed `wave` (none when wave < 0), then reads `paths`.

@@ -48,6 +48,8 @@ _EXPORTS = {
     "balanced_boundaries": "hetpipe_tf.planning.partitioner",
     # Schedules and simulation
     "hetpipe_schedule": "hetpipe_tf.pipeline.hetpipe",
+    "TaylorPipeSchedule": "hetpipe_tf.pipeline.taylorpipe",
+    "HetPipeTaylorSchedule": "hetpipe_tf.pipeline.taylorpipe",
     "Schedule": "hetpipe_tf.pipeline.schedule",
     # The seams: a schedule and a synchronisation scheme are registered objects
     "PipelineSchedule": "hetpipe_tf.pipeline.schedule",
@@ -64,6 +66,7 @@ _EXPORTS = {
     "EmulationReport": "hetpipe_tf.pipeline.emulation",
     # Parameter servers and clusters (§5, §8.1)
     "ParameterServers": "hetpipe_tf.sync.parameter_server",
+    "PipeSGD": "hetpipe_tf.sync.pipe_sgd",
     "LocalCluster": "hetpipe_tf.distributed.launch",
     "TFConfigCluster": "hetpipe_tf.distributed.launch",
     # Custom ops

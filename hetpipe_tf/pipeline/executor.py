@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.instructions import (
     ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, AccumulateGradient, ApplyAccumulated, ApplyUpdate,
-    Backward, Forward, LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
-    ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
+    Backward, CompensateGradient, Forward, LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs,
+    RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
@@ -104,6 +104,7 @@ class PipelineExecutor:
         Backward: "_backward", ApplyUpdate: "_apply_update", StashWeights: "_stash_weights",
         ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state", Recompute: "_recompute",
         AccumulateGradient: "_accumulate_gradient", ApplyAccumulated: "_apply_accumulated",
+        CompensateGradient: "_compensate_gradient",
     }
 
     def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
@@ -404,6 +405,9 @@ class PipelineExecutor:
     def _apply_update(self, s, ins):
         self.runtimes[s].apply_update(ins.minibatch)
         self._report_done(s, ins)
+
+    def _compensate_gradient(self, s, ins):
+        self.runtimes[s].compensate_gradient(ins.minibatch, ins.variance_control)
 
     def _accumulate_gradient(self, s, ins):
         self.runtimes[s].accumulate_gradient(ins.minibatch)

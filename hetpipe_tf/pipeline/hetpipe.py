@@ -55,7 +55,7 @@ class HetPipeSchedule(PipelineSchedule):
 
         def update(s, p):
             ins = [SendGradient(p, to=s - 1)] if s > 0 else []
-            ins += [ReleaseWeights(p), ApplyUpdate(p)]
+            ins += [*self.before_update(p), ReleaseWeights(p), ApplyUpdate(p)]
             if p + nm <= n:
                 ins.append(StashWeights(p + nm))
             return ins + after_update(sync, (p,), n, nm, snapshots)

@@ -173,6 +173,20 @@ class ApplyUpdate(Instruction):
 
 
 @dataclass(frozen=True, repr=False)
+class CompensateGradient(Instruction):
+    """TaylorPipe's delay compensation (seed 003 §3.2, Algorithm 1) of minibatch p's weight
+    gradient g, computed against the version w_p its forward pass used (the local model W_t):
+    g := g + λ·g⊙g⊙(W̄ − W_t), the first-order Taylor prediction of the gradient at the stage's
+    live (master) weights W̄, with the Hessian approximated by λ·g⊙g. It runs after
+    Backward(p) and before ReleaseWeights(p) drops W_t and ApplyUpdate(p) applies the result.
+    `variance_control` is λ."""
+    variance_control: float = field(default=2.0, kw_only=True)
+
+    def __repr__(self):
+        return f"CompensateGradient({self.minibatch}, variance_control={self.variance_control:g})"
+
+
+@dataclass(frozen=True, repr=False)
 class AccumulateGradient(Instruction):
     """Adds minibatch p's weight gradients to the stage's running sum; applies nothing (GPipe)."""
 

@@ -35,14 +35,17 @@ def one_f_one_b(admitted, steps, i):
 
 
 def one_f_one_b_programs(name, num_stages, steps, num_in_flight, input_stages, prologue, forward, backward,
-                         forward_backward, sync):
-    """The :class:`Schedule` whose stage q runs 1F1B with min(Nm, k - q) admitted minibatches.
+                         forward_backward, sync, admitted=None):
+    """The :class:`Schedule` whose stage q runs 1F1B with `admitted(q, k, Nm)` admitted minibatches
+    (default PipeDream's min(Nm, k - q); a count that never grows from one stage to the next
+    cannot deadlock: stage q's backward pass j follows its forward pass w_q + j - 1).
 
     `forward(s, p)`, `backward(s, p)` and `forward_backward(s, p)` (the last stage) give a
     task's instructions after its entry (inputs, activations) and before its update's followers;
     `prologue(s)` what a stage runs first."""
     k, n, nm, input_stages = check_run(num_stages, steps, num_in_flight, input_stages)
     last = k - 1
+    admitted = admitted or (lambda q, k, nm: min(nm, k - q))
     make = {
         "forward": lambda s, p: entry(s, p, input_stages, last) + forward(s, p),
         "backward": lambda s, p: [RecvGradient(p)] + backward(s, p),
@@ -54,7 +57,7 @@ def one_f_one_b_programs(name, num_stages, steps, num_in_flight, input_stages, p
             stream = TaskStream("1f1b", n, lambda p, s=s: Task(s, "forward_backward", p, tuple(
                 make["forward_backward"](s, p))))
         else:
-            def task(i, s=s, w=min(nm, k - s)):
+            def task(i, s=s, w=admitted(s, k, nm)):
                 kind, p = one_f_one_b(w, n, i)
                 return Task(s, kind, p, tuple(make[kind](s, p)))
 
@@ -74,9 +77,13 @@ class PipeDreamSchedule(PipelineSchedule):
             LoadMinibatch, RecvInputs, RecvLabels, RecvActivation, SendActivation, RecvGradient, SendGradient,
             Forward, Backward, ApplyUpdate, StashWeights, ReleaseWeights, SnapshotState})
 
-    def activations_held(self, position, num_stages, num_in_flight):
+    def admitted(self, position, num_stages, num_in_flight):
         """min(Nm, k - q): the minibatches stage q admits before its first backward pass."""
         return max(1, min(num_in_flight, num_stages - position))
+
+    def activations_held(self, position, num_stages, num_in_flight):
+        """What the stage admits (:meth:`admitted`) before its first backward pass."""
+        return self.admitted(position, num_stages, num_in_flight)
 
     def weight_versions(self, num_in_flight):
         """Nm: weight stashing holds one per admitted minibatch (min(Nm, k - q) <= Nm); vertical
@@ -97,7 +104,7 @@ class PipeDreamSchedule(PipelineSchedule):
 
         def update(s, p):
             ins = [SendGradient(p, to=s - 1)] if s > 0 else []
-            ins += [ReleaseWeights(p), ApplyUpdate(p)]
+            ins += [*self.before_update(p), ReleaseWeights(p), ApplyUpdate(p)]
             if vsync and p + nm <= n:
                 ins.append(StashWeights(p + nm))
             return ins + after_update(sync, (p,), n, nm, snapshots)
@@ -107,7 +114,8 @@ class PipeDreamSchedule(PipelineSchedule):
             return stash + [Forward(p, waits=sync.forward_waits(p, nm)), Backward(p)] + update(s, p)
 
         return one_f_one_b_programs(self.name, num_stages, steps, num_in_flight, input_stages, prologue, forward,
-                                    lambda s, p: [Backward(p)] + update(s, p), forward_backward, sync)
+                                    lambda s, p: [Backward(p)] + update(s, p), forward_backward, sync,
+                                    admitted=self.admitted)
 
 
 PIPEDREAM = register_schedule(PipeDreamSchedule(vertical_sync=False))

@@ -92,6 +92,13 @@ class PipelineSchedule:
         """The most stashed weight versions a stage holds at once (besides its live weights)."""
         raise NotImplementedError
 
+    def before_update(self, minibatch):
+        """Instructions a stage runs on minibatch p's weight gradient after its backward pass,
+        while the version w_p it used is still stashed, before its update is applied (the
+        schedules that stash versions, HetPipe's and PipeDream's, ask; TaylorPipe's
+        compensation, :mod:`hetpipe_tf.pipeline.taylorpipe`). None by default."""
+        return ()
+
 
 class SyncScheme:
     """The synchronisation seam: everything between virtual workers.

@@ -14,6 +14,8 @@ to the stage:
   weights, under a tape (GPipe's re-materialisation; NaivePipe's backward against
   the live weights);
 * ``backward(p)``: gradients of p against the weights its taped pass used (w_p);
+* ``compensate_gradient(p, λ)``: TaylorPipe's delay compensation (seed 003 §3.2) of p's
+  weight gradient g, computed against w_p: g := g + λ·g⊙g⊙(w_local − w_p);
 * ``apply_update(p)``: w_local := w_local + u_p with the stage's optimizer;
 * ``accumulate_gradient(p)`` and ``apply_accumulated(first, p)``: GPipe's sum of
   microbatch gradients, and one update from their mean at the flush;
@@ -131,6 +133,7 @@ class StageRuntime:
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
         self._sum_fn = tf.function(functools.partial(_sum_graph))
         self._mean_fn = tf.function(functools.partial(_mean_graph))
+        self._compensate_fn = tf.function(functools.partial(self._compensate_graph))
         self._read_weights_fn = tf.function(functools.partial(self._read_weights_graph))
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
@@ -316,6 +319,23 @@ class StageRuntime:
     def apply_update(self, p):
         """w_local := w_local + u_p, unless u_p is not finite (then NonFiniteError)."""
         self._apply(self._weight_grads.pop(p), (p,))
+
+    def _compensate_graph(self, grads, version, variance_control):
+        return [g + tf.cast(variance_control, g.dtype) * g * g * (w.value - v)
+                for g, w, v in zip(grads, self.trainable, version)]
+
+    def compensate_gradient(self, p, variance_control):
+        """TaylorPipe (seed 003 §3.2, Algorithm 1): replaces minibatch p's weight gradient g, computed
+        against its stashed version W_t = w_p (the local model), by the first-order Taylor prediction
+        of the gradient at the live weights W̄ (the master model), g + λ·g⊙g⊙(W̄ − W_t), with
+        λ = `variance_control`; one compiled call on the stage's device. w_p must still be stashed
+        (before ``release_weights(p)``); a sparse gradient (an embedding's) becomes dense."""
+        if not self.trainable:  # a stage may have no weights (pooling, activations)
+            return
+        with tf.device(self.device):
+            grads = [tf.convert_to_tensor(g) for g in self._weight_grads[p]]
+            version = self.stash.get(p, self._dtypes)
+            self._weight_grads[p] = self._compensate_fn(grads, version, tf.constant(variance_control, tf.float32))
 
     def accumulate_gradient(self, p):
         """Adds minibatch p's weight gradients to the sum since the last flush (GPipe)."""

@@ -4,3 +4,4 @@ global weights."""
 
 from hetpipe_tf.sync import wsp  # noqa: E402,F401 - registers the "wsp" scheme
 from hetpipe_tf.sync import ssp  # noqa: E402,F401 - registers "bsp", "ssp" and "asp"
+from hetpipe_tf.sync import pipe_sgd  # noqa: E402,F401 - registers "pipe-sgd"

@@ -1,0 +1,138 @@
+"""Pipe-SGD's all-reduce on TensorFlow's collective ops (seed 002, Algorithm 1, communication
+thread line 4: g_sum[t] = Σ g_local[t] over the workers).
+
+Stage s of every virtual worker is one collective group; a stage's all-reduce of minibatch j is
+one collective instance of its group, run on the stage's device, with what the stage
+communicates compressed (:mod:`hetpipe_tf.sync.compression`):
+
+* ``none``: the stage's float32 values, flattened into one vector, ``CollectiveReduceV2``
+  (merge Add): the sum.
+* ``truncate16``: the truncated values as bfloat16, reduced as bfloat16 (Algorithm 1 sums the
+  compressed gradients, g^c_sum = Σ g^c_local), then widened: half the bytes of ``none``.
+* ``quant8``: int8 values cannot be summed in 8 bits (every worker has its own scale), and the
+  collectives carry no int8: each worker's payload (its scales, then its int8 values packed four
+  to an int32) is gathered with ``CollectiveGatherV2``, and every worker decodes and sums them:
+  a quarter of the bytes of ``none`` per worker sent.
+
+A group knows its members by their devices: every worker's stage s must be on a device of its
+own and hold the same variables (the workers cut the model at the same boundaries).
+"""
+import functools
+import threading
+import weakref
+import zlib
+
+import tensorflow as tf
+
+from hetpipe_tf.sync.compression import decode_quant8, encode_quant8, truncate16, untruncate16
+from hetpipe_tf.sync.pipe_sgd import get_compression
+
+_groups = weakref.WeakValueDictionary()
+_groups_lock = threading.Lock()
+
+
+def group_of(servers, compression, timeout_s):
+    """The all-reduce group of the run `servers` (its :class:`ParameterServers`) belong to, in this
+    process: one per run and `compression`, with a member per virtual worker of the run."""
+    key = (servers.run, compression)
+    with _groups_lock:
+        group = _groups.get(key)
+        if group is None:
+            group = AllReduceGroup(servers.run, len(servers.clock.stages_per_worker), compression, timeout_s)
+            _groups[key] = group
+        return group
+
+
+class AllReduceGroup:
+    """The collectives of one run: per stage, one group of `num_workers` members.
+
+    Args:
+      run: the run's name (the same in every process of the run); the group keys derive from it.
+      num_workers: the virtual workers of the run.
+      compression: a name of :data:`hetpipe_tf.sync.pipe_sgd.COMPRESSIONS`.
+      timeout_s: the longest a collective waits for the other members.
+    """
+
+    def __init__(self, run, num_workers, compression, timeout_s=300.0):
+        self.run = run
+        self.num_workers = int(num_workers)
+        self.compression = get_compression(compression).name
+        self.timeout_s = float(timeout_s)
+        self._members = {}  # stage -> {worker: (device, paths)}
+        self._functions = {}  # (worker, stage) -> its tf.function
+        self._lock = threading.Lock()
+
+    def group_key(self, stage):
+        """Stage `stage`'s collective group key: the same in every process of the run."""
+        return 1 + zlib.crc32(f"hetpipe/{self.run}/{self.compression}/stage{stage}".encode()) % (2 ** 30)
+
+    def join(self, worker, stage, device, paths):
+        """Records `worker`'s stage `stage` as a member on `device` holding `paths`; a ValueError if
+        another worker's same stage is on that device or holds other variables."""
+        with self._lock:
+            members = self._members.setdefault(stage, {})
+            if worker in members:
+                return
+            for other, (other_device, other_paths) in members.items():
+                if other_device == device:
+                    raise ValueError(
+                        f"Pipe-SGD all-reduces stage {stage} of every virtual worker with TensorFlow's collectives, "
+                        f"which need a device per member, but workers {other} and {worker} both have it on {device}; "
+                        f"give each worker its own devices (emulated devices get one logical device each)")
+                if list(other_paths) != list(paths):
+                    raise ValueError(
+                        f"Pipe-SGD all-reduces stage {stage} of every virtual worker with the same stage of the "
+                        f"others, so every worker must cut the model at the same boundaries: worker {other}'s stage "
+                        f"{stage} holds {list(other_paths)}, worker {worker}'s {list(paths)}; give every worker the same "
+                        f"boundaries (an ED allocation, or equal WorkerSpec.boundaries)")
+            members[worker] = (device, tuple(paths))
+
+    def all_reduce(self, worker, stage, device, instance, tensors, paths):
+        """Σ over the workers of their `tensors` (worker `worker`'s stage `stage`, on `device`),
+        communicated compressed; collective instance `instance` (>= 1) of the stage's group, the
+        same on every worker for the same minibatch. Blocks until every member has contributed."""
+        tensors = list(tensors)
+        if not tensors:
+            return []
+        self.join(worker, stage, device, paths)
+        fn = self._functions.get((worker, stage))
+        if fn is None:
+            fn = tf.function(functools.partial(self._reduce_graph, self.group_key(stage)))
+            self._functions[(worker, stage)] = fn
+        with tf.device(device):
+            return fn(tf.constant(instance, tf.int32), tensors)
+
+    def payload(self, tensors):
+        """What one worker sends of its `tensors` (float32, as its stage holds them): the flat
+        float32 values (``none``), their truncation as bfloat16 (``truncate16``), or its scales and
+        packed int8 values as int32 words (``quant8``)."""
+        if self.compression == "quant8":
+            return encode_quant8(tensors)
+        if self.compression == "truncate16":
+            return tf.concat([tf.reshape(truncate16(x), [-1]) for x in tensors], 0)
+        dtypes = {x.dtype for x in tensors}
+        if len(dtypes) > 1:
+            raise ValueError(f"the all-reduce of a stage sums one floating-point type, this stage holds "
+                             f"{sorted(d.name for d in dtypes)}")
+        return tf.concat([tf.reshape(x, [-1]) for x in tensors], 0)
+
+    def _reduce_graph(self, group_key, instance, tensors):
+        size, key = tf.constant(self.num_workers), tf.constant(group_key)
+        sent = self.payload(tensors)
+        if self.compression == "quant8":
+            gathered = tf.raw_ops.CollectiveGatherV2(input=sent, group_size=size, group_key=key, instance_key=instance,
+                                                     ordering_token=[], timeout_seconds=self.timeout_s)
+            payloads = tf.reshape(gathered, [self.num_workers, -1])
+            decoded = [decode_quant8(payloads[w], tensors) for w in range(self.num_workers)]
+            return [tf.add_n(list(parts)) for parts in zip(*decoded)]
+        total = tf.raw_ops.CollectiveReduceV2(
+            input=sent, group_size=size, group_key=key, instance_key=instance, ordering_token=[],
+            merge_op="Add", final_op="Id", timeout_seconds=self.timeout_s)
+        if self.compression == "truncate16":
+            total = untruncate16(total)
+        out, at = [], 0
+        for x in tensors:
+            n = x.shape.num_elements()
+            out.append(tf.reshape(total[at:at + n], x.shape))
+            at += n
+        return out

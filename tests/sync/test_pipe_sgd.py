@@ -1,0 +1,139 @@
+"""Pipe-SGD behind the synchronisation seam (seed 002, Algorithm 1): the schedule's waits, the
+weights every minibatch computed its gradient at (Algorithm 1 recomputed by hand from the same
+gradients), the timing model in the simulator, and the errors for what it cannot do."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetpipe_tf.pipeline.hetpipe import hetpipe_schedule
+from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
+from hetpipe_tf.pipeline.schedule import check_combination, get_sync
+from hetpipe_tf.pipeline.simulator import simulate_workers
+from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+from hetpipe_tf.sync.pipe_sgd import (MERGED_AGGREGATE, AllReduceModel, ContributeUpdate, MergeAggregate, PipeSGD,
+                                      iteration_seconds, ring_allreduce_seconds, scaling_efficiency)
+from tests.cli import test_models
+from tests.pipeline.test_executor import LOSS, _batches
+
+LR = 0.05
+
+
+def test_minibatch_t_waits_for_the_merge_of_the_aggregate_of_t_minus_k_plus_1():
+    for k, nm in [(0, 1), (1, 1), (1, 3), (3, 1)]:
+        s = hetpipe_schedule(num_stages=2, steps=6, num_in_flight=nm, sync=PipeSGD(staleness=k))
+        for program in s.programs:
+            tasks = [t for stream in program.streams for t in stream]
+            waits = {i.minibatch: i.waits for t in tasks for i in t.instructions if isinstance(i, Forward)}
+            assert waits == {t: ((MERGED_AGGREGATE, t - k - 1),) if t - k - 1 >= 1 else () for t in range(1, 7)}
+            ins = [i for t in tasks for i in t.instructions]
+            assert [i.minibatch for i in ins if isinstance(i, ContributeUpdate)] == list(range(1, 7))
+            assert [i.minibatch for i in ins if isinstance(i, MergeAggregate)] == list(range(1, 7))  # all T merged
+            # k > Nm: merge j waits until this stage contributed j + k - Nm (version j + k is stashed then)
+            assert [i.after for i in ins if isinstance(i, MergeAggregate)] == [
+                j + k - nm if k > nm and j + k - nm <= 6 else 0 for j in range(1, 7)]
+
+
+def _workers(stages):
+    return [WorkerSpec(",".join(["cpu"] * stages), tuple(f"/device:CPU:{w * stages + s}" for s in range(stages)))
+            for w in range(2)]
+
+
+def _algorithm_1(model, data, k):
+    """Algorithm 1 by hand: w[t] = w[0] + Σ_{j <= t-(k+1)} A_j, where A_j = -lr·Σ_workers g_w[j] and
+    g_w[j] is worker w's gradient of minibatch j at w[j]; the run ends with every aggregate in."""
+    w0 = [v.numpy().copy() for v in model.trainable_variables]
+    ref = keras.models.clone_model(model)
+    aggregates = []
+    for t in range(1, len(data[0]) + 1):
+        w_t = [a + sum(agg[i] for agg in aggregates[:max(t - k - 1, 0)]) for i, a in enumerate(w0)]
+        for v, value in zip(ref.trainable_variables, w_t):
+            v.assign(value)
+        total = [np.zeros_like(a) for a in w0]
+        for batches in data:
+            x, y = batches[t - 1]
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, ref(x))
+            total = [s + g.numpy() for s, g in zip(total, tape.gradient(loss, ref.trainable_variables))]
+        aggregates.append([-LR * g for g in total])
+    return [a + sum(agg[i] for agg in aggregates) for i, a in enumerate(w0)]
+
+
+@pytest.mark.parametrize("k,nm,stages", [(0, 1, 1), (1, 2, 2), (2, 1, 1)])
+def test_the_weights_are_those_of_algorithm_1_and_k_0_is_synchronous_all_reduce_sgd(k, nm, stages):
+    keras.utils.set_random_seed(1)
+    model = test_models.mlp()
+    data = [_batches(model, 6, seed=w) for w in range(2)]
+    want = _algorithm_1(model, data, k)
+    runner = WSPRunner(model, _workers(stages), num_in_flight=nm, staleness_bound=0, ps_devices=["/device:CPU:0"],
+                       optimizer=keras.optimizers.SGD(LR), loss=LOSS, timeout_s=60, sync=PipeSGD(staleness=k),
+                       record_provenance=True)
+    runner.train([iter(d) for d in data], 6)
+    for v, expected in zip(model.trainable_variables, want):  # the servers mirror worker 0's replica
+        np.testing.assert_allclose(v.numpy(), expected, atol=1e-6, err_msg=v.path)
+    final = {v.path: v.numpy() for v in model.trainable_variables}
+    for vw in runner.vws:  # and every replica is that one
+        for rt in vw.runtimes:
+            for v, got in zip(rt.stage.trainable_variables, rt.trainable):
+                np.testing.assert_allclose(got.numpy(), final[v.path], atol=1e-6)
+    # the update applied at iteration t is the aggregate of t - (k + 1): minibatch t's weights on every
+    # stage held exactly the aggregates of 1 .. t-(k+1), of both workers
+    for stage in range(stages):
+        for (w, t), (_, merged) in runner.provenance(stage).items():
+            assert merged == {(v, j) for v in (0, 1) for j in range(1, t - k)}, (stage, w, t)
+
+
+def test_the_simulated_iteration_time_is_the_seeds_max_of_compute_and_communicate():
+    """Seed 002: l_total = T·max(l_up + l_comp, l_comm) for k >= 1; k = 0 overlaps nothing."""
+    forward, backward, update = 1.0, 2.0, 0.5
+
+    def duration(agent, ins):
+        return {Forward: forward, Backward: backward, MergeAggregate: update}.get(type(ins), 0.0)
+
+    for k, communicate in [(1, 2.0), (1, 6.0), (0, 2.0)]:
+        steps = 40
+        schedules = [hetpipe_schedule(1, steps, 1, sync=PipeSGD(staleness=k)) for _ in range(2)]
+        result = simulate_workers(schedules, duration, parameter_servers=AllReduceModel(lambda a, i, p: communicate))
+        done = result.completion_times((0, 0), MergeAggregate)
+        period = (done[30] - done[10]) / 20  # the steady state, away from the start and the final merges
+        assert period == pytest.approx(iteration_seconds(update, forward + backward, communicate, staleness=k))
+    assert iteration_seconds(0.5, 3.0, 2.0) == 3.5 and iteration_seconds(0.5, 3.0, 6.0) == 6.0
+    # scaling efficiency: linear speed-up once compute bound, (l_up + l_comp) / l_comm when not
+    assert scaling_efficiency(0.5, 3.0, 2.0) == 1.0 and scaling_efficiency(0.5, 3.0, 7.0) == 0.5
+
+
+def test_the_ring_all_reduce_time_is_the_seeds_formula():
+    # 2(p-1)α + 2((p-1)/p)nβ + ((p-1)/p)nγ + S for p = 4, n = 1000
+    assert ring_allreduce_seconds(4, 1000, 0.01, 1e-3, 1e-4, 0.2) == pytest.approx(
+        6 * 0.01 + 1.5 * 1000 * 1e-3 + 0.75 * 1000 * 1e-4 + 0.2)
+    assert ring_allreduce_seconds(1, 1000, 0.01, 1e-3) == 0.0
+
+
+def test_the_planners_model_charges_the_ring_share_of_the_compressed_bytes():
+    for compression, ratio in [("none", 1.0), ("truncate16", 0.5), ("quant8", 0.25)]:
+        model = PipeSGD(compression=compression).simulation_model(0, push_time=lambda a, i: 8.0, pull_time=None)
+        for w in (0, 1):
+            model.receive((w, 0), ("allreduce", 1), ContributeUpdate(1), 1.0)
+        assert {a: t for a, _, _, t in model.answers([(0, 0), (1, 0)])} == {
+            (0, 0): 1.0 + 2 * 1 / 2 * ratio * 8.0, (1, 0): 1.0 + 2 * 1 / 2 * ratio * 8.0}
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: PipeSGD(staleness=-1), r"staleness k must be an integer >= 0, got -1; the seed's optimum is k = 1"),
+    (lambda: PipeSGD(staleness=1.5), r"staleness k must be an integer >= 0, got 1.5"),
+    (lambda: PipeSGD(compression="zip"), r"unknown compression 'zip'; Pipe-SGD's are: none, truncate16, quant8"),
+    (lambda: check_combination("gpipe", "pipe-sgd"),
+     r"the synchronisation scheme 'pipe-sgd' does not work with the schedule 'gpipe'; the combinations that exist"),
+    (lambda: get_sync("pipe-sgd").checked_bound(2),
+     r"no parameter-server staleness bound: staleness_bound must be 0, got 2; its gradient staleness is k"),
+])
+def test_what_pipe_sgd_cannot_do_is_refused_naming_what_is_allowed(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_the_registered_scheme_is_the_seeds_default():
+    scheme = get_sync("pipe-sgd")
+    assert (scheme.staleness, scheme.compression.name) == (1, "none")
+    assert check_combination("hetpipe", "pipe-sgd")[1] is scheme
+    assert ApplyUpdate not in scheme.apply_like

@@ -98,7 +98,8 @@ def _train_virtual_workers():
                                dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s,
                                emulate_links=FLAGS.emulate_links, checkpoint_dir=FLAGS.checkpoint_dir,
                                save_every_epochs=FLAGS.save_every_epochs, resume=FLAGS.resume,
-                               schedule=FLAGS.schedule, sync=FLAGS.sync, on_worker_failure=FLAGS.on_worker_failure)
+                               schedule=FLAGS.schedule, sync=train_flags.chosen_sync(FLAGS),
+                               on_worker_failure=FLAGS.on_worker_failure)
     with strategy.scope():
         train, test, model = _data_and_model()
         model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -80,7 +80,14 @@ def define_flags():
     flags.DEFINE_string("schedule", "hetpipe", "How each virtual worker pipelines its minibatches: a registered "
                                                "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")
     flags.DEFINE_string("sync", "wsp", "With --cluster: how the virtual workers synchronise, a registered scheme "
-                                       "(default: WSP, §5; also bsp, ssp, asp: per-minibatch clocks, §2.2).")
+                                       "(default: WSP, §5; also bsp, ssp, asp: per-minibatch clocks, §2.2; "
+                                       "pipe-sgd: all-reduce, no servers, seed 002).")
+    flags.DEFINE_integer("pipe_sgd_staleness", 1, "With --sync=pipe-sgd: the gradient staleness k (seed 002, "
+                         "Algorithm 1: minibatch t waits for the aggregate of t - (k + 1); 1 is the seed's optimum, "
+                         "0 is synchronous all-reduce SGD).", lower_bound=0)
+    flags.DEFINE_enum("compression", "none", ["none", "truncate16", "quant8"],
+                      "With --sync=pipe-sgd: what the all-reduce communicates (seed 002): float32 as it is, "
+                      "truncated to its 16 high bits, or 8-bit scalar quantisation.")
     flags.DEFINE_enum("on_worker_failure", "stop", ["stop", "continue"],
                       "With --cluster and --launch=processes or tf_config, when a virtual worker's process is lost "
                       "(killed, or no heartbeat for --timeout_s): stop (end the run with an error naming it) or "
@@ -115,6 +122,10 @@ def define_flags():
         message="--on_worker_failure=continue goes on without a lost virtual worker's process: give --cluster with "
                 "--launch=processes or tf_config, or drop --on_worker_failure")
     flags.register_multi_flags_validator(["schedule", "sync", "staleness_bound"], _registered_combination)
+    flags.register_multi_flags_validator(
+        ["sync", "pipe_sgd_staleness", "compression"],
+        lambda v: v["sync"] == "pipe-sgd" or (v["pipe_sgd_staleness"], v["compression"]) == (1, "none"),
+        message="--pipe_sgd_staleness and --compression are Pipe-SGD's: give --sync=pipe-sgd too, or drop them")
     flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
 
@@ -138,6 +149,15 @@ def _registered_combination(values):
         raise flags.ValidationError(f"--schedule={values['schedule']} --sync={values['sync']} "
                                     f"--staleness_bound={values['staleness_bound']}: {exc}") from None
     return True
+
+
+def chosen_sync(values):
+    """The synchronisation scheme the flags name: --sync, with Pipe-SGD's k and compression."""
+    if values.sync != "pipe-sgd":
+        return values.sync
+    from hetpipe_tf.sync.pipe_sgd import PipeSGD
+
+    return PipeSGD(staleness=values.pipe_sgd_staleness, compression=values.compression)
 
 
 def _one_device_per_stage(values):

@@ -1,0 +1,18 @@
+"""hetpipe-train --sync=pipe-sgd: virtual workers that all-reduce (seed 002) train the bundled digits."""
+import json
+
+from tests.cli.test_train import CLUSTER_RUN, _train
+
+
+def test_virtual_workers_train_with_pipe_sgd_and_its_compression(tmp_path):
+    run = _train(tmp_path, *CLUSTER_RUN, "--launch=in_process", "--sync=pipe-sgd", "--pipe_sgd_staleness=1",
+                 "--compression=quant8", "--num_vws=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert [w["worker"] for w in summary["virtual_workers"]] == [0, 1] and summary["test_accuracy"] > 0.2
+
+
+def test_pipe_sgds_flags_without_it_are_refused(tmp_path):
+    run = _train(tmp_path, *CLUSTER_RUN, "--launch=in_process", "--compression=quant8")
+    assert run.returncode != 0
+    assert "--pipe_sgd_staleness and --compression are Pipe-SGD's: give --sync=pipe-sgd too" in run.stderr

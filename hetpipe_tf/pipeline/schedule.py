@@ -77,6 +77,9 @@ class PipelineSchedule:
     name = None
     #: The instruction types its programs contain (the executor must carry out each).
     instructions = frozenset()
+    #: Its instructions that cost about an update (elementwise work over the stage's weights):
+    #: the planner charges each the stage's apply time.
+    apply_like = frozenset()
 
     def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
                  sync=None):

@@ -253,7 +253,7 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
             return st.forward
         if kind is Backward:
             return st.backward
-        if ins.applies() or kind in model.sync.apply_like:
+        if ins.applies() or kind in model.sync.apply_like or kind in model.schedule.apply_like:
             return st.apply
         link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
         return link + per_instruction

@@ -320,9 +320,10 @@ class StageRuntime:
         """w_local := w_local + u_p, unless u_p is not finite (then NonFiniteError)."""
         self._apply(self._weight_grads.pop(p), (p,))
 
-    def _compensate_graph(self, grads, version, variance_control):
-        return [g + tf.cast(variance_control, g.dtype) * g * g * (w.value - v)
-                for g, w, v in zip(grads, self.trainable, version)]
+    def _compensate_graph(self, p, grads, variance_control):
+        version = self.stash.get(p, self._dtypes)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        return [g + variance_control * g * g * (w.value - v) for g, w, v in zip(grads, self.trainable, version)]
 
     def compensate_gradient(self, p, variance_control):
         """TaylorPipe (seed 003 §3.2, Algorithm 1): replaces minibatch p's weight gradient g, computed
@@ -333,9 +334,8 @@ class StageRuntime:
         if not self.trainable:  # a stage may have no weights (pooling, activations)
             return
         with tf.device(self.device):
-            grads = [tf.convert_to_tensor(g) for g in self._weight_grads[p]]
-            version = self.stash.get(p, self._dtypes)
-            self._weight_grads[p] = self._compensate_fn(grads, version, tf.constant(variance_control, tf.float32))
+            self._weight_grads[p] = self._compensate_fn(tf.constant(p, tf.int64), self._weight_grads[p],
+                                                        float(variance_control))
 
     def accumulate_gradient(self, p):
         """Adds minibatch p's weight gradients to the sum since the last flush (GPipe)."""

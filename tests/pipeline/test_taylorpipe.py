@@ -21,6 +21,7 @@ from hetpipe_tf.pipeline.simulator import simulate, simulate_workers
 from hetpipe_tf.pipeline.taylorpipe import DEFAULT_VARIANCE_CONTROL, HetPipeTaylorSchedule, TaylorPipeSchedule
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
+from hetpipe_tf.planning.planner import plan
 from hetpipe_tf.sync.wsp import WSP_SCHEME, ParameterServerModel
 from tests.pipeline.test_classic_schedules import _run
 from tests.pipeline.test_schedule_properties import _check_across_stages, _check_stage, runs
@@ -140,6 +141,16 @@ def test_the_planner_charges_the_seeds_replicas_for_taylorpipe_and_hetpipes_memo
     assert taylor[0]["weights and versions"] == pipedream[0]["weights and versions"]
     assert taylor[1] == pipedream[1]
     assert _charged("hetpipe-taylor") == _charged("hetpipe")
+
+
+@pytest.mark.parametrize("name,plain", [("taylorpipe", "pipedream"), ("hetpipe-taylor", "hetpipe")])
+def test_the_planner_charges_each_compensation_an_updates_time(name, plain):
+    # Nm = 2 on two stages: TaylorPipe's order is PipeDream's, HetPipe-Taylor's HetPipe's; only
+    # the compensation before every update (an update's time each) makes them slower.
+    taylor, uncompensated = (plan(toy_profile(), load_cluster("local"), policy="ed", num_in_flight=2,
+                                  schedule=get_schedule(s)) for s in (name, plain))
+    assert get_schedule(name).apply_like == {CompensateGradient}
+    assert taylor.minibatches_per_s < uncompensated.minibatches_per_s
 
 
 def test_both_work_with_wsp_and_alone():

@@ -1,0 +1,310 @@
+"""HetPipe against the all-reduce baselines on the same EMULATED devices, in one run (issue 13):
+the pieces that benchmarks/throughput_vs_horovod.py (Fig. 4) and benchmarks/whimpy_devices.py
+(Table 4) share.
+
+The devices: one emulated device per node, one node per device type (HetPipe §3: a node's
+devices are of one type), with the types named as the paper's Table 1 (V, R, Q, G) and their
+memories Table 1's in MiB instead of GiB (12, 24, 8, 6). Their speeds are issue 13's example
+(1, 0.67, 0.4, 0.33: slowdowns 3 / 4.5 / 7.5 / 9 at a dilation of 3): the paper's relative
+speeds at this machine's scale are not known, so the issue's example stands in for them.
+
+Every system emulates them with one time rule (:mod:`hetpipe_tf.pipeline.emulation`): a task of
+a device of speed v takes max(actual, dilation / v x its solo time on this host), communication
+(HetPipe's activations and parameter-server traffic, the baselines' all-reduce) is not padded.
+HetPipe's stages measure their own solo times in their processes (the minimum of 7 runs before
+training). The baselines pace a whole step's compute to one reference that the first HetPipe run
+of the script measured the same way: the shortest Forward plus Backward span of a virtual worker
+of one stage (the whole model) in its trace, x speed / dilation (:func:`trace_figures`,
+:func:`whole_model_reference_ms`), given to them with ``--reference_ms``: the same reference, not
+two measurements that the load of the moment moves apart (on this shared machine a solo step
+moves with the other jobs' load). One
+dilation for every system of a run: the first HetPipe run calibrates it
+(:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`: probes until fewer than 2.5 % of
+tasks overran, then one step more) unless ``--dilation`` gives it; every row reports its own
+overrun fraction and is faithful below 5 %.
+
+HetPipe runs with ``launch="processes"`` (one process per virtual worker, a worker and a
+parameter-server task per node), each configuration in a fresh process (a process joins one
+cluster), which this module runs as ``python benchmarks/comparison.py --child=JSON``.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# name, relative speed, memory (Table 1's GiB as MiB), the paper's GPU it stands for
+DEVICE_TYPES = (("V", 1.0, "12M", "TITAN V"), ("R", 0.6667, "24M", "TITAN RTX"),
+                ("Q", 0.4, "8M", "Quadro P4000"), ("G", 0.3333, "6M", "GeForce RTX 2060"))
+BATCH_SIZE = 32
+MARK = "ROW "
+
+
+def arguments(doc, benchmark, calibrated_by):
+    """The flags both comparison scripts take, parsed and checked; `calibrated_by` names the run
+    that calibrates the dilation."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of every run (the first is left out)")
+    parser.add_argument("--dilation", type=float, default=None, help=f"default: calibrated by the {calibrated_by} run")
+    parser.add_argument("--memory", default="", help="override device memories, e.g. G=4M (Horovod then "
+                        "leaves G out: the whole cnn needs 4.9 MiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline_s", type=float, default=900.0, help="of each system's run")
+    parser.add_argument("--out", default=f"benchmarks/results/{benchmark}.jsonl")
+    parser.add_argument("--png", default=f"benchmarks/results/{benchmark}.png")
+    args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error(f"--epochs={args.epochs}: images/s leaves the first epoch out, give at least 2")
+    try:
+        args.memory = parse_memory(args.memory)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def emit(out, benchmark, **fields):
+    """Prints one JSON line (``"benchmark": benchmark`` first) and writes it to `out` if given."""
+    line = json.dumps({"benchmark": benchmark, **fields})
+    print(line, flush=True)
+    if out:
+        out.write(line + "\n")
+        out.flush()
+
+
+def machine():
+    """This host: logical CPUs, CPU model, load average now."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": model,
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def device_types(types, memory=None):
+    """The DEVICE_TYPES named by `types` (e.g. "VRQ"), in DEVICE_TYPES' order, with memories from
+    `memory` ({name: "8M"}) where given."""
+    known = {t[0]: t for t in DEVICE_TYPES}
+    unknown = [t for t in types if t not in known]
+    if unknown or not types or len(set(types)) != len(types):
+        raise ValueError(f"device types {types!r}: give each of {''.join(known)} at most once, e.g. 'VRQG'")
+    memory = memory or {}
+    return tuple((name, speed, memory.get(name, mem), label) for name, speed, mem, label in DEVICE_TYPES
+                 if name in types)
+
+
+def parse_memory(text):
+    """--memory='G=4M,Q=6M' as {"G": "4M", "Q": "6M"}."""
+    out = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        name, _, size = item.partition("=")
+        if name not in {t[0] for t in DEVICE_TYPES} or not size:
+            raise ValueError(f"--memory item {item!r}: write TYPE=SIZE with TYPE one of "
+                             f"{''.join(t[0] for t in DEVICE_TYPES)}, e.g. G=4M")
+        out[name] = size
+    return out
+
+
+def cluster_spec(types):
+    """The HetPipe cluster description of `types` (from :func:`device_types`): one node of one
+    device per type, joined by host-memory links (the ``local`` preset's)."""
+    return {"name": "emulated-" + "".join(t[0] for t in types),
+            "device_types": {name: {"label": f"emulated {label} (speed {speed:g})", "emulated_speed": speed,
+                                    "memory": mem} for name, speed, mem, label in types},
+            "nodes": [{"name": f"node-{name}", "device_type": name, "count": 1} for name, *_ in types],
+            "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0}}
+
+
+def whole_model_reference_ms(row):
+    """The baselines' reference from a HetPipe row: the smallest solo time of a whole model's
+    forward and backward pass among its virtual workers of one stage (the baselines' rule takes
+    the minimum over ranks), as that run's own worker processes measured it."""
+    whole = [w[0] for w in row["stage_reference_ms"] if len(w) == 1]
+    if not whole:
+        raise ValueError(f"{row['system']} has no virtual worker of one stage (stages per worker: "
+                         f"{[len(w) for w in row['stage_reference_ms']]}); run a configuration with one, such as "
+                         f"NP or a single device type, first")
+    return min(whole)
+
+
+def _baseline_common(line, system):
+    keep = ("ranks", "ranks_started", "speeds", "left_out", "images_per_s", "reference_ms", "emulated", "dilation",
+            "paced_tasks", "overran_tasks", "overrun_fraction", "emulation_faithful", "epoch_wall_s")
+    return {"system": system, "processes": line["ranks_started"], **{k: line[k] for k in keep if k in line}}
+
+
+def baseline_argv(types, dilation, reference_ms, epochs, seed=0):
+    """The baselines' flags for `types` (one rank per device) at this dilation and reference."""
+    return [f"--speeds={','.join(f'{t[1]:g}' for t in types)}", f"--memory={','.join(t[2] for t in types)}",
+            f"--dilation={dilation:g}", f"--reference_ms={reference_ms:.3f}", f"--epochs={epochs}",
+            "--warmup_epochs=1", f"--batch_size={BATCH_SIZE}", f"--seed={seed}"]
+
+
+def horovod_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
+    """Horovod (horovodrun --gloo, one rank per device; too small ones left out by the leave-out
+    rule) on `types`: its row, or a row saying why it could not run."""
+    from benchmarks.baselines import horovod_run
+
+    reason = horovod_run.missing()
+    if reason:
+        return {"system": "Horovod", "skipped": reason}
+    started = time.perf_counter()
+    line = horovod_run.run(len(types), baseline_argv(types, dilation, reference_ms, epochs, seed), deadline_s)
+    return {**_baseline_common(line, "Horovod"), "run_s": round(time.perf_counter() - started, 1)}
+
+
+def mwms_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
+    """TensorFlow's MultiWorkerMirroredStrategy on `types`, as :func:`horovod_row`."""
+    from benchmarks.baselines import mwms
+
+    started = time.perf_counter()
+    line = mwms.run([f"--workers={len(types)}", f"--deadline_s={deadline_s:g}",
+                     *baseline_argv(types, dilation, reference_ms, epochs, seed)])
+    return {**_baseline_common(line, "MWMS"), "run_s": round(time.perf_counter() - started, 1)}
+
+
+def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, deadline_s=900, seed=0):
+    """One HetPipe configuration on `types` in a fresh process (one process per virtual worker
+    under it); `dilation` None: calibrated by that run. Returns its row."""
+    from benchmarks.baselines import processes
+
+    started = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    with tempfile.TemporaryDirectory(prefix="hetpipe-comparison-") as folder:
+        config = {"name": name, "cluster": cluster_spec(types), "policy": policy, "placement": placement,
+                  "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder}
+        (stdout,) = processes.run_all([[sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"]],
+                                      deadline_s, [env])
+    (row,) = [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
+    return {**row, "run_s": round(time.perf_counter() - started, 1)}
+
+
+def trace_figures(events, speeds, dilation):
+    """From a run's trace (Chrome trace events; pid: virtual worker, tid: stage), per worker and
+    stage: the solo reference (ms) of its forward plus backward pass, (shortest Forward span +
+    shortest Backward span) x speed / dilation (a paced task lasts at least its target, so the
+    shortest shows it, and its reference is target x speed / dilation), and its busy fraction:
+    time in Forward and Backward spans over the worker's traced time. `speeds[w][s]` is the
+    speed of worker w's stage s (workers in the order of their pids)."""
+    spans = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("Forward", "Backward"):
+            spans.setdefault(e["pid"], {}).setdefault(e["tid"], []).append(e)
+    if len(spans) != len(speeds):
+        raise ValueError(f"the trace has compute spans of {len(spans)} virtual workers, the plan {len(speeds)}")
+    references, busy = [], []
+    for (pid, stages), worker_speeds in zip(sorted(spans.items()), speeds):
+        every = [e for stage in stages.values() for e in stage]
+        wall = max(e["ts"] + e["dur"] for e in every) - min(e["ts"] for e in every)
+        references.append([round(sum(min(e["dur"] for e in stages[s] if e["cat"] == kind)
+                                     for kind in ("Forward", "Backward")) / 1e3 * worker_speeds[s] / dilation, 3)
+                           for s in sorted(stages)])
+        busy.append([round(sum(e["dur"] for e in stages[s]) / wall, 3) for s in sorted(stages)])
+    return {"stage_reference_ms": references, "stage_busy_fraction": busy}
+
+
+def _hetpipe_child(config):
+    """Runs one HetPipe configuration in this process (the chief) and prints its row."""
+    import keras
+
+    from hetpipe_tf import HetPipeStrategy
+    from hetpipe_tf.cli.models import build_model
+    from hetpipe_tf.data import datasets
+    from hetpipe_tf.planning.planner import simulate_plan
+    from benchmarks.baselines import ranks
+
+    strategy = HetPipeStrategy(cluster=config["cluster"], policy=config["policy"], placement=config["placement"],
+                               vw_size=config["vw_size"], staleness_bound=0, launch="processes",
+                               dilation=config["dilation"], timeout_s=300)
+    with strategy.scope():
+        train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,
+                                                   seed=config["seed"])
+        keras.utils.set_random_seed(config["seed"])
+        model = build_model("cnn", tuple(train.element_spec[0].shape[1:]),
+                            datasets.dataset_info("hetpipe_digits").num_classes)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    seconds = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.t0)
+
+    trace_path = os.path.join(config["trace_dir"], "trace.json")
+    model.fit(train, epochs=config["epochs"], callbacks=[Clock()], verbose=0, trace_path=trace_path)
+    plan = strategy.plan
+    predicted = simulate_plan(plan)  # at dilation 1 unless one was given (the planner's rule)
+    workers = [{k: round(v, 4) if isinstance(v, float) else v for k, v in st.items()}
+               for st in strategy.runner.stats()]
+    images_per_epoch = int(train.cardinality()) * BATCH_SIZE
+    report = strategy.runner.emulation_report().as_dict()
+    plan_dilation = config["dilation"] or 1.0
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    wall, elapsed = [], 0.0
+    for s in seconds:
+        elapsed += s
+        wall.append(round(elapsed, 3))
+    row = {"system": f"HetPipe {config['name']}", "policy": config["policy"], "placement": plan.placement,
+           "processes": len(plan.workers), "virtual_workers": [w.device_types for w in plan.workers],
+           "num_in_flight": plan.num_in_flight, "concurrent_minibatches": plan.num_in_flight * len(plan.workers),
+           "images_per_s": round(ranks.images_per_second(images_per_epoch, seconds, 1), 2),
+           "planned_at_dilation": plan_dilation,
+           "predicted_images_per_s": round(predicted["images_per_s"] * plan_dilation / report["dilation"], 2),
+           "predicted_busy_fraction": [[round(b, 3) for b in w["busy_fraction"]] for w in predicted["virtual_workers"]],
+           "stage_segments": [[list(s.segments) for s in w.partition.stages] for w in plan.workers],
+           **trace_figures(events, [[d.type.emulated_speed for d in w.devices] for w in plan.workers],
+                           report["dilation"]),
+           "worker_stats": workers, "epoch_wall_s": wall, **report}
+    print(MARK + json.dumps(row), flush=True)
+
+
+def ratio(numerator, denominator):
+    """numerator / denominator images/s, rounded, or None when either is missing."""
+    if not numerator or not denominator:
+        return None
+    return round(numerator / denominator, 3)
+
+
+def bar_plot(rows, path, title, label=lambda r: r["system"]):
+    """Bars of images/s, one per row, each labelled with its overrun fraction (and NOT faithful
+    where it was not); the title says EMULATED."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [r for r in rows if r.get("images_per_s")]
+    fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = ["tab:grey" if not r["system"].startswith("HetPipe") else "tab:blue" for r in rows]
+    bars = ax.bar(range(len(rows)), [r["images_per_s"] for r in rows], color=colours)
+    for bar, r in zip(bars, rows):
+        note = f"{r['images_per_s']:.0f}\noverrun {r['overrun_fraction']:.1%}"
+        if not r["emulation_faithful"]:
+            note += "\nNOT faithful"
+        ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([label(r) for r in rows], fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel("images/s (EMULATED devices)")
+    ax.set_ylim(0, 1.25 * max([r["images_per_s"] for r in rows] or [1]))
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130, metadata={"Title": title, "Description": "EMULATED devices"})
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="one HetPipe configuration (run by the comparison scripts)")
+    parser.add_argument("--child", required=True, help="the configuration as JSON")
+    _hetpipe_child(json.loads(parser.parse_args().child))

@@ -1,0 +1,110 @@
+"""Allocation policies against Horovod (HetPipe Fig. 4), multi-process, on the same EMULATED devices.
+
+Issue 13's 4-type cluster at this machine's scale (:mod:`benchmarks.comparison`): one emulated
+device of each of the types V, R, Q, G (speeds 1, 0.67, 0.4, 0.33; memories 12, 24, 8 and 6
+MiB), each a node of its own. Measured side by side in one run, D = 0, Nm chosen by the
+planner per policy (§8.1):
+
+* HetPipe **NP** (each node a virtual worker: four of one device), **ED** (every node gives each
+  worker the same devices: one worker of all four), **HD** (nodes in pairs, the pairing whose
+  workers are most alike, two devices per worker: two workers) with the default parameter
+  placement, and **ED-local** (ED with each stage's layers on its node's server, §8.3). Each
+  with ``launch="processes"``: one process per virtual worker (a plan of one worker still runs
+  it in a process of its own), a worker and a parameter-server task per node.
+* **Horovod** (``horovodrun --gloo``, one rank per device; a device too small for the whole
+  model is left out, the leave-out rule) and TensorFlow's **MultiWorkerMirroredStrategy**.
+
+Same devices (the time rule of :mod:`hetpipe_tf.pipeline.emulation`, one reference, one
+dilation: the NP run, first, calibrates the dilation unless ``--dilation`` gives it, and measures
+the whole model's reference the baselines are given, see :mod:`benchmarks.comparison`), same minibatch of 32
+per device (per rank; per pipeline slot), same data (the bundled digits, 44 minibatches an
+epoch in every system), plain SGD; communication is not padded. images/s: over the epochs after
+the first. JSON lines: a setup line (the machine and its load average at start), one row per
+system (its overrun fraction, whether the emulation was faithful), the ratio HetPipe / Horovod
+and HetPipe / MWMS per policy and a summary against issue 13's target (best policy >= 1.5x
+Horovod; the ceiling on these devices is sum(v) / (n x min(v)) = 1.8x).
+
+    python benchmarks/throughput_vs_horovod.py [--epochs=4] [--dilation=D]
+        [--memory=G=4M] [--out=benchmarks/results/throughput_vs_horovod.jsonl]
+        [--png=benchmarks/results/throughput_vs_horovod.png]
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import comparison  # noqa: E402
+
+BENCHMARK = "throughput_vs_horovod"
+TYPES = "VRQG"
+# name, policy, parameter placement, devices per virtual worker (None: the policy's default).
+# HD's default (the smallest node's count, 1 here) makes no pairs: two devices per worker.
+# NP runs first: it calibrates the dilation and, its workers being one stage each, measures the
+# whole model's reference that the baselines are given.
+POLICIES = (("NP", "np", "default", None), ("HD", "hd", "default", 2), ("ED", "ed", "default", None),
+            ("ED-local", "ed", "local", None))
+TARGET, CEILING_NOTE = 1.5, "sum(v) / (n x min(v)) of the devices"
+
+
+def ceiling(types):
+    """What an ideal heterogeneous pipeline gains over synchronous data parallelism on `types`:
+    sum of speeds over (ranks x the slowest speed)."""
+    speeds = [t[1] for t in types]
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def ratios(rows):
+    """Per HetPipe row: its images/s over Horovod's and over MWMS's (None where one is missing)."""
+    by = {r["system"]: r.get("images_per_s") for r in rows}
+    return [{"system": r["system"], "hetpipe_over_horovod": comparison.ratio(r["images_per_s"], by.get("Horovod")),
+             "hetpipe_over_mwms": comparison.ratio(r["images_per_s"], by.get("MWMS"))}
+            for r in rows if r["system"].startswith("HetPipe") and r.get("images_per_s")]
+
+
+def summary(rows, types):
+    """The best HetPipe policy against Horovod, issue 13's target and the ceiling."""
+    table = ratios(rows)
+    measured = [t for t in table if t["hetpipe_over_horovod"] is not None]
+    best = max(measured, key=lambda t: t["hetpipe_over_horovod"], default=None)
+    ratio = best["hetpipe_over_horovod"] if best else None
+    return {"summary": True, "best_policy": best["system"] if best else None, "best_over_horovod": ratio,
+            "target": TARGET, "target_met": bool(ratio is not None and ratio >= TARGET),
+            "short_of_target_by": None if ratio is None else round(max(0.0, TARGET - ratio), 3),
+            "ceiling": round(ceiling(types), 3), "ceiling_is": CEILING_NOTE, "emulated": True,
+            "all_faithful": all(r.get("emulation_faithful", False) for r in rows if "images_per_s" in r)}
+
+
+def main():
+    args = comparison.arguments(__doc__, BENCHMARK, "NP")
+    types = comparison.device_types(TYPES, args.memory)
+    rows = []
+    with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
+        comparison.emit(out, BENCHMARK, setup={
+            "machine": comparison.machine(), "cluster": comparison.cluster_spec(types), "model": "cnn",
+            "dataset": "hetpipe_digits", "batch_size_per_device": comparison.BATCH_SIZE, "staleness_bound": 0,
+            "epochs": args.epochs, "emulated": True,
+            "reference": "the baselines': HetPipe NP's whole-model solo time (comparison.whole_model_reference_ms)",
+            "dilation": args.dilation if args.dilation else "calibrated by the first HetPipe run (NP)"})
+        dilation = args.dilation
+        for name, policy, placement, vw_size in POLICIES:
+            row = comparison.hetpipe_row(name, types, policy, placement, dilation, args.epochs, vw_size,
+                                         args.deadline_s, args.seed)
+            dilation = row["dilation"]
+            rows.append(row)
+            comparison.emit(out, BENCHMARK, **row)
+        reference_ms = comparison.whole_model_reference_ms(rows[0])
+        for run in (comparison.horovod_row, comparison.mwms_row):
+            rows.append(run(types, dilation, reference_ms, args.epochs, args.deadline_s, args.seed))
+            comparison.emit(out, BENCHMARK, **rows[-1])
+        for line in ratios(rows):
+            comparison.emit(out, BENCHMARK, **line)
+        comparison.emit(out, BENCHMARK, **summary(rows, types))
+    if args.png:
+        comparison.bar_plot(rows, args.png, f"cnn on digits, D=0: HetPipe policies vs Horovod and MWMS, 4 EMULATED "
+                                            f"devices V/R/Q/G (speeds 1/0.67/0.4/0.33), dilation {dilation:g}")
+
+
+if __name__ == "__main__":
+    main()

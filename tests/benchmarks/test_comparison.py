@@ -1,0 +1,69 @@
+"""benchmarks/comparison.py without training: the devices, the cluster the policies allocate,
+the figures read from a trace, the reference the baselines get, the picture."""
+import pytest
+
+from benchmarks import comparison
+from hetpipe_tf.planning.allocation import allocate, describe
+from hetpipe_tf.planning.cluster import from_dict
+
+
+def test_device_types_keep_table_1s_order_and_take_memory_overrides():
+    assert [t[0] for t in comparison.device_types("GQV")] == ["V", "Q", "G"]
+    assert [t[2] for t in comparison.device_types("VRQG", {"G": "4M"})] == ["12M", "24M", "8M", "4M"]
+    for bad in ("VX", "", "VV"):
+        with pytest.raises(ValueError, match="at most once"):
+            comparison.device_types(bad)
+    assert comparison.parse_memory("G=4M, Q=6M") == {"G": "4M", "Q": "6M"}
+    with pytest.raises(ValueError, match="TYPE=SIZE"):
+        comparison.parse_memory("X=4M")
+
+
+def test_the_policies_make_different_workers_on_the_four_types():
+    cluster = from_dict(comparison.cluster_spec(comparison.device_types("VRQG")))
+    assert describe(allocate(cluster, "np")) == "V R Q G"
+    assert describe(allocate(cluster, "ed")) == "VRQG"
+    # The memories decide HD's pairs: V+Q and R+G hold 20 and 30 MiB; V+G and R+Q, closer in
+    # compute, 18 and 32 MiB.
+    assert describe(allocate(cluster, "hd", vw_size=2)) == "VQ RG"
+
+
+def span(pid, tid, cat, ts, dur):
+    return {"ph": "X", "cat": cat, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": cat}
+
+
+def test_trace_figures_read_each_stage_s_reference_and_busy_fraction():
+    events = [span(0, 0, "Forward", 0, 31000), span(0, 0, "Backward", 31000, 60000),
+              span(0, 0, "Forward", 100000, 30000), span(0, 0, "Backward", 130000, 70000),
+              span(0, 0, "PushWave", 200000, 5000),  # not compute
+              span(1, 0, "Forward", 0, 10000), span(1, 1, "Forward", 10000, 20000),
+              span(1, 1, "Backward", 30000, 20000), span(1, 0, "Backward", 50000, 10000),
+              {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "w0"}}]
+    out = comparison.trace_figures(events, [[0.5], [1.0, 0.25]], 3.0)
+    # shortest Forward 30 ms + shortest Backward 60 ms, x 0.5 / 3
+    assert out["stage_reference_ms"][0] == [15.0]
+    assert out["stage_reference_ms"][1] == [pytest.approx(20 / 3, abs=1e-3), pytest.approx(40 / 12, abs=1e-3)]
+    assert out["stage_busy_fraction"][0] == [pytest.approx(191000 / 200000, abs=1e-3)]
+    assert out["stage_busy_fraction"][1] == [pytest.approx(20 / 60, abs=1e-3), pytest.approx(40 / 60, abs=1e-3)]
+    with pytest.raises(ValueError, match="2 virtual workers, the plan 3"):
+        comparison.trace_figures(events, [[1.0], [1.0], [1.0]], 3.0)
+
+
+def test_the_baselines_reference_is_the_fastest_whole_model_worker():
+    assert comparison.whole_model_reference_ms({"system": "NP", "stage_reference_ms": [[12.5], [11.0], [14.0]]}) == 11.0
+    with pytest.raises(ValueError, match="no virtual worker of one stage"):
+        comparison.whole_model_reference_ms({"system": "HetPipe ED", "stage_reference_ms": [[3.0, 4.0]]})
+
+
+def test_ratio_is_none_when_a_side_is_missing():
+    assert comparison.ratio(300.0, 200.0) == 1.5
+    assert comparison.ratio(300.0, None) is None and comparison.ratio(None, 2.0) is None
+
+
+def test_bar_plot_writes_a_png_that_says_emulated(tmp_path):
+    rows = [{"system": "HetPipe NP", "images_per_s": 500.0, "overrun_fraction": 0.01, "emulation_faithful": True},
+            {"system": "Horovod", "images_per_s": 400.0, "overrun_fraction": 0.07, "emulation_faithful": False},
+            {"system": "MWMS", "skipped": "not built"}]
+    path = tmp_path / "b.png"
+    comparison.bar_plot(rows, str(path), "4 EMULATED devices")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"EMULATED" in data

@@ -1,0 +1,42 @@
+"""benchmarks/throughput_vs_horovod.py's own logic, without training: the ceiling, the ratios and
+the summary against issue 13's target."""
+import pytest
+
+from benchmarks import comparison
+from benchmarks import throughput_vs_horovod as fig4
+
+
+def row(system, images, faithful=True):
+    return {"system": system, "images_per_s": images, "overrun_fraction": 0.01, "emulation_faithful": faithful}
+
+
+def test_the_ceiling_on_issue_13s_cluster_is_1_8():
+    assert fig4.ceiling(comparison.device_types("VRQG")) == pytest.approx(1.8, abs=1e-3)
+    assert fig4.ceiling(comparison.device_types("V")) == 1.0
+
+
+def test_np_runs_first_it_gives_the_baselines_their_reference():
+    assert [p[0] for p in fig4.POLICIES] == ["NP", "HD", "ED", "ED-local"]
+    assert fig4.POLICIES[0][1] == "np"
+
+
+def test_ratios_and_summary():
+    rows = [row("HetPipe NP", 500.0), row("HetPipe ED", 720.0, faithful=False), row("Horovod", 400.0),
+            row("MWMS", 360.0)]
+    ratios = {r["system"]: r for r in fig4.ratios(rows)}
+    assert ratios["HetPipe NP"]["hetpipe_over_horovod"] == 1.25
+    assert ratios["HetPipe ED"]["hetpipe_over_mwms"] == 2.0
+    s = fig4.summary(rows, comparison.device_types("VRQG"))
+    assert s["best_policy"] == "HetPipe ED" and s["best_over_horovod"] == 1.8
+    assert s["target_met"] and s["short_of_target_by"] == 0.0
+    assert not s["all_faithful"] and s["emulated"]
+    rows[1]["images_per_s"] = 520.0
+    s = fig4.summary(rows, comparison.device_types("VRQG"))
+    assert not s["target_met"] and s["short_of_target_by"] == 0.2
+
+
+def test_without_horovod_there_is_no_ratio_and_no_target_met():
+    rows = [row("HetPipe NP", 500.0), {"system": "Horovod", "skipped": "the Horovod venv is not built"}]
+    assert fig4.ratios(rows)[0]["hetpipe_over_horovod"] is None
+    s = fig4.summary(rows, comparison.device_types("VRQG"))
+    assert s["best_policy"] is None and not s["target_met"]

@@ -82,9 +82,9 @@ class AllReduceGroup:
                 if list(other_paths) != list(paths):
                     raise ValueError(
                         f"Pipe-SGD all-reduces stage {stage} of every virtual worker with the same stage of the "
-                        f"others, so every worker must cut the model at the same boundaries: worker {other}'s stage "
-                        f"{stage} holds {list(other_paths)}, worker {worker}'s {list(paths)}; give every worker the same "
-                        f"boundaries (an ED allocation, or equal WorkerSpec.boundaries)")
+                        f"others, so every worker must cut the model at the same boundaries: worker {other}'s "
+                        f"stage {stage} holds {list(other_paths)}, worker {worker}'s {list(paths)}; give every "
+                        f"worker the same boundaries (an ED allocation, or equal WorkerSpec.boundaries)")
             members[worker] = (device, tuple(paths))
 
     def all_reduce(self, worker, stage, device, instance, tensors, paths):
@@ -99,8 +99,27 @@ class AllReduceGroup:
         if fn is None:
             fn = tf.function(functools.partial(self._reduce_graph, self.group_key(stage)))
             self._functions[(worker, stage)] = fn
-        with tf.device(device):
+        with tf.device(self.member_device(worker, device)):
             return fn(tf.constant(instance, tf.int32), tensors)
+
+    def member_device(self, worker, device):
+        """Where `worker`'s collectives run. In one process: its stage's `device`. In a run of one
+        process per virtual worker (`device` is a task's of a cluster), each process is a client of
+        its own, and collectives between clients cannot meet (a client's cluster names no other
+        client: two clients naming each other hang TensorFlow 2.21's connect), while those between
+        the cluster's tasks do: worker w's collectives then run on the w-th CPU of the worker tasks
+        (by task, then index), one per virtual worker, for every stage."""
+        if tf.DeviceSpec.from_string(device).job in (None, "localhost"):
+            return device
+        specs = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices("CPU")]
+        cpus = sorted((d.task, d.device_index) for d in specs if d.job == "worker")
+        if len(cpus) < self.num_workers:
+            raise ValueError(f"Pipe-SGD runs the collectives of a run of several processes on the CPUs of the "
+                             f"cluster's worker tasks, one per virtual worker: {self.num_workers} workers, but the "
+                             f"worker tasks have {len(cpus)} CPU device(s); give the worker tasks more logical CPUs "
+                             f"or run fewer virtual workers")
+        task, index = cpus[worker]
+        return f"/job:worker/replica:0/task:{task}/device:CPU:{index}"
 
     def payload(self, tensors):
         """What one worker sends of its `tensors` (float32, as its stage holds them): the flat

@@ -32,6 +32,10 @@ k + 1 gradients; here the run's end merges them too, so that every minibatch a r
 applied (a run split into epochs would otherwise drop k + 1 minibatches per worker per epoch),
 and k = 0 equals synchronous SGD over all T minibatches.
 
+In one process the workers' stages meet on their own devices; with one process per virtual
+worker they meet on the cluster's worker tasks
+(:meth:`hetpipe_tf.sync.allreduce.AllReduceGroup.member_device`).
+
 The seed's light compressions (:data:`COMPRESSIONS`; the TensorFlow side is
 :mod:`hetpipe_tf.sync.compression`) are applied to what is communicated, and its timing
 model (:func:`ring_allreduce_seconds`, :func:`iteration_seconds`) is what the simulator's
@@ -258,6 +262,11 @@ class PipeSGD(SyncScheme):
         """The binding of `worker` to the all-reduce group of the run `servers` belong to (its
         collectives are TensorFlow's: :mod:`hetpipe_tf.sync.allreduce`, loaded here)."""
         self.checked_bound(staleness_bound)
+        if any(a != 1.0 for a in servers.push_weights):
+            raise ValueError(f"Pipe-SGD sums every worker's update as it is (Algorithm 1: g_sum = Σ g_local), but "
+                             f"this run weights the workers' pushes by their minibatch sizes "
+                             f"({list(servers.push_weights)}): uneven minibatches are for the parameter-server "
+                             f"schemes (wsp, bsp, ssp, asp); give one of those, or even minibatches")
         allreduce = importlib.import_module("hetpipe_tf.sync.allreduce")
         group = allreduce.group_of(servers, self.compression.name, timeout_s)
         return AllReduceBinding(self, worker, servers, group, timeout_s)

@@ -11,6 +11,7 @@ from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
 from hetpipe_tf.pipeline.schedule import check_combination, get_sync
 from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+from hetpipe_tf.sync.parameter_server import ParameterServers
 from hetpipe_tf.sync.pipe_sgd import (MERGED_AGGREGATE, AllReduceModel, ContributeUpdate, MergeAggregate, PipeSGD,
                                       iteration_seconds, ring_allreduce_seconds, scaling_efficiency)
 from tests.cli import test_models
@@ -137,3 +138,10 @@ def test_the_registered_scheme_is_the_seeds_default():
     assert (scheme.staleness, scheme.compression.name) == (1, "none")
     assert check_combination("hetpipe", "pipe-sgd")[1] is scheme
     assert ApplyUpdate not in scheme.apply_like
+
+
+def test_uneven_minibatches_are_refused_since_algorithm_1_sums_every_update_as_it_is():
+    servers = ParameterServers(test_models.mlp(), ["/device:CPU:0"], [1, 1], push_weights=(1.5, 0.5))
+    with pytest.raises(ValueError, match=r"weights the workers' pushes by their minibatch sizes \(\[1.5, 0.5\]\): "
+                                         r"uneven minibatches are for the parameter-server schemes"):
+        PipeSGD().bind(0, servers, 0, 5.0)

@@ -46,6 +46,10 @@ _EXPORTS = {
     "StagedModel": "hetpipe_tf.runtime.stage_rewrite",
     "ModelGraph": "hetpipe_tf.planning.model_graph",
     "balanced_boundaries": "hetpipe_tf.planning.partitioner",
+    # Uneven minibatches per virtual worker (beyond the paper)
+    "proportional_sizes": "hetpipe_tf.planning.uneven",
+    "push_weights": "hetpipe_tf.planning.uneven",
+    "worker_shards": "hetpipe_tf.runtime.worker_data",
     # Schedules and simulation
     "hetpipe_schedule": "hetpipe_tf.pipeline.hetpipe",
     "TaylorPipeSchedule": "hetpipe_tf.pipeline.taylorpipe",
@@ -80,6 +84,7 @@ _EXPORTS = {
     "ClusterConfigError": "hetpipe_tf.distributed.launch",
     "DeviceOutOfMemoryError": "hetpipe_tf.pipeline.emulation",
     "DeviceSpecError": "hetpipe_tf.planning.devices",
+    "UnevenMinibatchError": "hetpipe_tf.planning.uneven",
     "SharedLayerError": "hetpipe_tf.planning.model_graph",
     "PartitionError": "hetpipe_tf.planning.model_graph",
     "UnsupportedModelError": "hetpipe_tf.runtime.stage_rewrite",

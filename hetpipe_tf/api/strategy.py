@@ -46,6 +46,16 @@ the newest checkpoint, exactly for deterministic data and D = 0
 (:mod:`hetpipe_tf.runtime.checkpoint`: what is saved, the drain at every epoch's end, why
 it is exact); ``keras.callbacks.BackupAndRestore`` gets an error that says so.
 
+With ``uneven_minibatches=True`` (beyond the paper; Whale, Cannikin and Poplar do this for
+plain data parallelism) the planner gives each virtual worker a minibatch size proportional to
+its predicted throughput, within its stages' memory, out of a global batch of the dataset's
+batch size times the number of workers (:mod:`hetpipe_tf.planning.uneven`); each worker then
+takes its share of every round of that many samples
+(:func:`hetpipe_tf.runtime.worker_data.worker_shards`), and the servers weight its pushes by
+n · b_i / B so that the global update stays an unbiased average: with D = 0 and Nm = 1, SGD on
+the round's concatenated batch (:mod:`hetpipe_tf.sync.parameter_server`). It pays off where the
+workers are unequal, as under NP; ``describe()`` and the plan show each worker's size.
+
 A virtual worker's process that is lost (killed, or stopped past ``timeout_s``) ends the run
 with an error naming it, unless ``on_worker_failure="continue"``: the run then goes on without
 it (retired at the WSP clock, so it holds no one back; one line says so), and a new process
@@ -115,12 +125,17 @@ class HetPipeStrategy:
         without it and restarts it at the epoch's end (its untrained minibatches count as steps
         of that epoch without an update). Such a run drains its pipelines at every epoch's end, as
         a checkpointing one does. ``runner.lost_workers`` lists the workers lost.
+      uneven_minibatches: True: give each virtual worker a minibatch size proportional to its
+        predicted throughput within its memory, and weight the servers' pushes by it (see the
+        module docstring); a list of sizes, one per worker: those (checked against each worker's
+        memory; a run that must not depend on a measured profile); False (default): every worker
+        trains the dataset's batch size (§3).
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
-                 on_worker_failure="stop"):
+                 on_worker_failure="stop", uneven_minibatches=False):
         from hetpipe_tf.pipeline.schedule import check_combination
         from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.runtime.checkpoint import Checkpoints
@@ -168,6 +183,11 @@ class HetPipeStrategy:
                              "launch='in_process' runs every worker in this process: use launch='processes' or "
                              "'tf_config', or on_worker_failure='stop'")
         self.on_worker_failure = on_worker_failure
+        if not isinstance(uneven_minibatches, (bool, list, tuple)):
+            raise ValueError(f"uneven_minibatches must be True, False or a list of minibatch sizes (one per virtual "
+                             f"worker), got {uneven_minibatches!r}")
+        self.uneven_minibatches = (tuple(uneven_minibatches) if isinstance(uneven_minibatches, (list, tuple))
+                                   else uneven_minibatches)
         self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
         self._resume = bool(resume)
         self.plan = None  # the planner's Plan, once fit has run
@@ -289,12 +309,19 @@ class HetPipeStrategy:
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
-                         optimizer_slots=slots_per_weight(model.optimizer), schedule=self.schedule, sync=self.sync)
+                         optimizer_slots=slots_per_weight(model.optimizer), schedule=self.schedule, sync=self.sync,
+                         minibatch_sizes=_planned_sizes(self.uneven_minibatches))
         self._cuts = plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
                                                               for w in range(len(self.plan.workers))])
+        if self.plan.minibatch_sizes:  # saved with the plan: a resumed run keeps its split of the data
+            self._cuts["minibatch_sizes"] = list(self.plan.minibatch_sizes)
         if saved_cuts is not None and plan_shape(saved_cuts) == plan_shape(self._cuts):
-            # The same shape of plan: the saved cuts, whichever the profile (measured anew) now gives.
-            self._cuts = saved_cuts
+            # The same shape of plan: the saved cuts, whichever the profile (measured anew) now gives,
+            # and the saved minibatch sizes when the run is still uneven.
+            sizes = saved_cuts.get("minibatch_sizes", self._cuts.get("minibatch_sizes"))
+            self._cuts = {k: v for k, v in saved_cuts.items() if k != "minibatch_sizes"}
+            if self.uneven_minibatches:
+                self._cuts["minibatch_sizes"] = sizes
         elif saved_cuts is not None:
             print(f"hetpipe: resuming {self.checkpoints.latest_path()}, saved under the plan {saved_cuts}, under "
                   f"this run's plan {self._cuts}: weights and optimizer state per variable (every new worker from "
@@ -312,7 +339,7 @@ class HetPipeStrategy:
                 ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
                 loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
                 dilation=self.dilation, timeout_s=self.timeout_s, schedule=self.schedule, sync=self.sync,
-                on_worker_failure=self.on_worker_failure)
+                on_worker_failure=self.on_worker_failure, minibatch_sizes=self._cuts.get("minibatch_sizes"))
             self._runner_key = key
             return self.runner
         workers = [spec for spec, _ in workers]
@@ -321,7 +348,7 @@ class HetPipeStrategy:
             ps_devices=devices["ps"], placement=self.plan.placement,
             optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
             loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s,
-            schedule=self.schedule, sync=self.sync)
+            schedule=self.schedule, sync=self.sync, minibatch_sizes=self._cuts.get("minibatch_sizes"))
         self._runner_key = key
         return self.runner
 
@@ -404,6 +431,9 @@ class HetPipeStrategy:
         """The chosen plan and where its tasks run, as text."""
         lines = [self.plan.format() if self.plan else "(no plan yet: fit plans the run)",
                  f"launch: {self.launch}"]
+        sizes = self._cuts and self._cuts.get("minibatch_sizes")
+        if sizes and list(sizes) != list(self.plan.minibatch_sizes):
+            lines.append(f"minibatch sizes {sizes} (resumed from the checkpoint)")
         cluster = _connected.get("cluster")
         if cluster is not None and hasattr(cluster, "log_dir"):
             lines.append(f"task logs: {cluster.log_dir}")
@@ -412,6 +442,13 @@ class HetPipeStrategy:
             dilation = report.dilation if report else self.dilation
             lines.append(f"EMULATED devices (dilation {'calibrated at fit' if dilation is None else f'{dilation:g}'})")
         return "\n".join(lines)
+
+
+def _planned_sizes(uneven_minibatches):
+    """What the planner is asked for: None (even), "proportional" (True) or the sizes given."""
+    if uneven_minibatches is True:
+        return "proportional"
+    return uneven_minibatches or None
 
 
 def _device_spec(device):

@@ -99,7 +99,8 @@ def _train_virtual_workers():
                                emulate_links=FLAGS.emulate_links, checkpoint_dir=FLAGS.checkpoint_dir,
                                save_every_epochs=FLAGS.save_every_epochs, resume=FLAGS.resume,
                                schedule=FLAGS.schedule, sync=train_flags.chosen_sync(FLAGS),
-                               on_worker_failure=FLAGS.on_worker_failure)
+                               on_worker_failure=FLAGS.on_worker_failure,
+                               uneven_minibatches=FLAGS.uneven_minibatches)
     with strategy.scope():
         train, test, model = _data_and_model()
         model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -115,6 +116,7 @@ def _train_virtual_workers():
     summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "cluster": strategy.cluster.name,
                "policy": FLAGS.policy, "allocation": strategy.plan.allocation,
                "staleness_bound": FLAGS.staleness_bound, "num_in_flight": runner.num_in_flight,
+               "minibatch_sizes": list(strategy.plan.sizes),
                "test_accuracy": final.get("val_accuracy"), "images_per_s": final.get("images_per_s"),
                "virtual_workers": runner.stats()}
     if strategy.cluster.emulated:

@@ -93,6 +93,11 @@ def define_flags():
                       "(killed, or no heartbeat for --timeout_s): stop (end the run with an error naming it) or "
                       "continue (go on without it; a new process takes its place at the epoch's end, from the "
                       "global weights; the pipelines then drain at every epoch's end).")
+    flags.DEFINE_bool("uneven_minibatches", False,
+                      "With --cluster: give each virtual worker a minibatch size proportional to its predicted "
+                      "throughput (within its memory) out of --batch_size times the number of workers, and weight "
+                      "the servers' pushes by it (beyond the paper; pays off where workers are unequal, as under "
+                      "--policy=np).")
     flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
     flags.register_validator("boundaries", _integers,
                              message="--boundaries must be integers (each stage's first layer call), e.g. 0,5,9")
@@ -121,6 +126,10 @@ def define_flags():
         lambda v: v["on_worker_failure"] == "stop" or (v["cluster"] is not None and v["launch"] != "in_process"),
         message="--on_worker_failure=continue goes on without a lost virtual worker's process: give --cluster with "
                 "--launch=processes or tf_config, or drop --on_worker_failure")
+    flags.register_multi_flags_validator(
+        ["cluster", "uneven_minibatches"], lambda v: v["cluster"] is not None or not v["uneven_minibatches"],
+        message="--uneven_minibatches sizes the minibatches of several virtual workers: give --cluster too (e.g. "
+                "--cluster=local --policy=np), or drop --uneven_minibatches")
     flags.register_multi_flags_validator(["schedule", "sync", "staleness_bound"], _registered_combination)
     flags.register_multi_flags_validator(
         ["sync", "pipe_sgd_staleness", "compression"],

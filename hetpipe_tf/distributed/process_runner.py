@@ -53,7 +53,9 @@ from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.runtime.checkpoint import EpochSegments, RunState, skip_consumed
+from hetpipe_tf.planning.uneven import push_weights
 from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit
+from hetpipe_tf.runtime.worker_data import worker_shards
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
@@ -169,11 +171,15 @@ class ProcessRunner:
       on_worker_failure: "stop" (a lost worker's process ends the run with an error) or
         "continue" (the run goes on without it and restarts it at the epoch's end; see the
         module docstring). :attr:`lost_workers` lists the workers lost.
+      minibatch_sizes: each worker's minibatch size, uneven (None: the data's batch size), as for
+        :class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`: each process gets its share of every
+        round of the data, and the servers weight its pushes (the processes read the weights there).
     """
 
     def __init__(self, model, cluster, workers, local_devices, num_in_flight, staleness_bound, ps_devices,
                  placement="default", optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None,
-                 timeout_s=300.0, home_nodes=None, schedule="hetpipe", sync="wsp", on_worker_failure="stop"):
+                 timeout_s=300.0, home_nodes=None, schedule="hetpipe", sync="wsp", on_worker_failure="stop",
+                 minibatch_sizes=None):
         import keras
 
         from hetpipe_tf.pipeline.schedule import check_combination
@@ -209,7 +215,10 @@ class ProcessRunner:
         layer_devices = None
         if placement == "local":
             layer_devices = stage_layer_servers(staged, self.workers[0].stage_servers)
-        self._new_servers = lambda: ParameterServers(model, self.ps_devices, stages, placement, layer_devices)
+        self.minibatch_sizes = tuple(minibatch_sizes) if minibatch_sizes is not None else None
+        weights = push_weights(self.minibatch_sizes) if self.minibatch_sizes else None
+        self._new_servers = lambda: ParameterServers(model, self.ps_devices, stages, placement, layer_devices,
+                                                     push_weights=weights)
         self.servers = self._new_servers()
         self.aborted = None  # why the last run was aborted, if it was
         self.trace = None
@@ -406,7 +415,7 @@ class ProcessRunner:
         k = self.num_workers
         per_worker = -(-(epochs - initial_epoch) * steps_per_epoch // k)
         positions = positions or [0] * k
-        self._shards = [x.shard(k, i).repeat() for i in range(k)] if k > 1 else [x.repeat()]
+        self._shards = worker_shards(x, k, self.minibatch_sizes)
         shards = [dataset_to_bytes(s) for s in skip_consumed(self._shards, positions)]
         if not self._conns:
             self._start(shards)
@@ -465,7 +474,8 @@ class ProcessRunner:
 
         history = run_fit(
             self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
+            verbose=verbose, batch_size=sum(self.minibatch_sizes) / k if self.minibatch_sizes else batch_size_of(x),
+            epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
             stage_optimizers=lambda: [self._learning_rate], request_stop=lambda: self.broadcast("stop"),
             abort=lambda: (segments and segments.release(), self.abort()), timeout_s=self.timeout_s,
             initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)

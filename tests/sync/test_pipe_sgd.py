@@ -1,6 +1,11 @@
 """Pipe-SGD behind the synchronisation seam (seed 002, Algorithm 1): the schedule's waits, the
 weights every minibatch computed its gradient at (Algorithm 1 recomputed by hand from the same
 gradients), the timing model in the simulator, and the errors for what it cannot do."""
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -145,3 +150,54 @@ def test_uneven_minibatches_are_refused_since_algorithm_1_sums_every_update_as_i
     with pytest.raises(ValueError, match=r"weights the workers' pushes by their minibatch sizes \(\[1.5, 0.5\]\): "
                                          r"uneven minibatches are for the parameter-server schemes"):
         PipeSGD().bind(0, servers, 0, 5.0)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TRAIN = """
+import json
+import numpy as np, keras, tensorflow as tf
+from hetpipe_tf import HetPipeStrategy, PipeSGD
+
+K, LR = 1, 0.1
+strategy = HetPipeStrategy(cluster="local", policy="ed", vw_size=2, num_in_flight=2, dilation=1.0,
+                           launch="processes", timeout_s=60, sync=PipeSGD(staleness=K))
+keras.utils.set_random_seed(3)
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(128, 6)).astype("float32"), rng.integers(0, 4, size=128)
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+with strategy.scope():
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss)
+# Algorithm 1 by hand; worker i of 2 trains minibatches i, i + 2, ... (the even split)
+ref = keras.models.clone_model(model)
+w0 = [v.numpy() for v in model.trainable_variables]
+aggregates = []
+for t in range(1, 9):
+    for i, v in enumerate(ref.trainable_variables):
+        v.assign(w0[i] + sum((agg[i] for agg in aggregates[:max(t - K - 1, 0)]), np.zeros_like(w0[i])))
+    total = [np.zeros_like(a) for a in w0]
+    for w in range(2):
+        b = 2 * (t - 1) + w
+        with tf.GradientTape() as tape:
+            value = loss(y[8 * b:8 * b + 8], ref(x[8 * b:8 * b + 8]))
+        total = [s + g.numpy() for s, g in zip(total, tape.gradient(value, ref.trainable_variables))]
+    aggregates.append([-LR * g for g in total])
+want = [a + sum(agg[i] for agg in aggregates) for i, a in enumerate(w0)]
+model.fit(data, epochs=1, verbose=0)
+error = max(float(np.abs(v.numpy() - e).max()) for v, e in zip(model.trainable_variables, want))
+moved = max(float(np.abs(e - a).max()) for e, a in zip(want, w0))
+print("RESULT " + json.dumps({"error": error, "moved": moved, "processes": type(strategy.runner).__name__}))
+"""
+
+
+@pytest.mark.slow
+def test_with_a_process_per_virtual_worker_the_weights_are_those_of_algorithm_1():
+    # 16 minibatches, 8 per virtual worker of 2 stages, each worker in its own process, k = 1
+    proc = subprocess.run([sys.executable, "-c", TRAIN], cwd=ROOT, capture_output=True, text=True, timeout=500)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["processes"] == "ProcessRunner"
+    assert result["error"] < 1e-5 and result["moved"] > 1e-2

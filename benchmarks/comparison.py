@@ -4,9 +4,11 @@ the pieces that benchmarks/throughput_vs_horovod.py (Fig. 4) and benchmarks/whim
 
 The devices: one emulated device per node, one node per device type (HetPipe §3: a node's
 devices are of one type), with the types named as the paper's Table 1 (V, R, Q, G) and their
-memories Table 1's in MiB instead of GiB (12, 24, 8, 6). Their speeds are issue 13's example
-(1, 0.67, 0.4, 0.33: slowdowns 3 / 4.5 / 7.5 / 9 at a dilation of 3): the paper's relative
-speeds at this machine's scale are not known, so the issue's example stands in for them.
+memories Table 1's in MiB instead of GiB (12, 24, 8, 6). Their speeds are issue 13's example,
+1, 0.67, 0.4 and 0.33 (slowdowns 3 / 4.5 / 7.5 / 9 at a dilation of 3), given in the order of
+Table 1's peak FP32 (V and R, then G, then Q: V 1, R 0.67, G 0.4, Q 0.33, as
+benchmarks/nm_sweep.py has them): the paper's relative speeds at this machine's scale are not
+known, so the issue's example stands in for them.
 
 Every system emulates them with one time rule (:mod:`hetpipe_tf.pipeline.emulation`): a task of
 a device of speed v takes max(actual, dilation / v x its solo time on this host), communication
@@ -41,14 +43,14 @@ if ROOT not in sys.path:
 
 # name, relative speed, memory (Table 1's GiB as MiB), the paper's GPU it stands for
 DEVICE_TYPES = (("V", 1.0, "12M", "TITAN V"), ("R", 0.6667, "24M", "TITAN RTX"),
-                ("Q", 0.4, "8M", "Quadro P4000"), ("G", 0.3333, "6M", "GeForce RTX 2060"))
+                ("Q", 0.3333, "8M", "Quadro P4000"), ("G", 0.4, "6M", "GeForce RTX 2060"))
 BATCH_SIZE = 32
 MARK = "ROW "
 
 
-def arguments(doc, benchmark, calibrated_by):
+def arguments(doc, benchmark, calibrated_by, **switches):
     """The flags both comparison scripts take, parsed and checked; `calibrated_by` names the run
-    that calibrates the dilation."""
+    that calibrates the dilation; `switches` are a script's own flags (name: help), off unless given."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4, help="epochs of every run (the first is left out)")
     parser.add_argument("--dilation", type=float, default=None, help=f"default: calibrated by the {calibrated_by} run")
@@ -58,6 +60,8 @@ def arguments(doc, benchmark, calibrated_by):
     parser.add_argument("--deadline_s", type=float, default=900.0, help="of each system's run")
     parser.add_argument("--out", default=f"benchmarks/results/{benchmark}.jsonl")
     parser.add_argument("--png", default=f"benchmarks/results/{benchmark}.png")
+    for name, text in switches.items():
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error(f"--epochs={args.epochs}: images/s leaves the first epoch out, give at least 2")
@@ -171,16 +175,19 @@ def mwms_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
     return {**_baseline_common(line, "MWMS"), "run_s": round(time.perf_counter() - started, 1)}
 
 
-def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, deadline_s=900, seed=0):
-    """One HetPipe configuration on `types` in a fresh process (one process per virtual worker
-    under it); `dilation` None: calibrated by that run. Returns its row."""
+def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, deadline_s=900, seed=0,
+                launch="processes"):
+    """One HetPipe configuration on `types` in a fresh process (with launch "processes", one
+    process per virtual worker under it; "in_process": every stage in that process, a figure to
+    stand beside, never instead); `dilation` None: calibrated by that run. Returns its row."""
     from benchmarks.baselines import processes
 
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryDirectory(prefix="hetpipe-comparison-") as folder:
         config = {"name": name, "cluster": cluster_spec(types), "policy": policy, "placement": placement,
-                  "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder}
+                  "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder,
+                  "launch": launch}
         (stdout,) = processes.run_all([[sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"]],
                                       deadline_s, [env])
     (row,) = [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
@@ -222,7 +229,7 @@ def _hetpipe_child(config):
     from benchmarks.baselines import ranks
 
     strategy = HetPipeStrategy(cluster=config["cluster"], policy=config["policy"], placement=config["placement"],
-                               vw_size=config["vw_size"], staleness_bound=0, launch="processes",
+                               vw_size=config["vw_size"], staleness_bound=0, launch=config["launch"],
                                dilation=config["dilation"], timeout_s=300)
     with strategy.scope():
         train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,
@@ -256,7 +263,8 @@ def _hetpipe_child(config):
     for s in seconds:
         elapsed += s
         wall.append(round(elapsed, 3))
-    row = {"system": f"HetPipe {config['name']}", "policy": config["policy"], "placement": plan.placement,
+    row = {"system": f"HetPipe {config['name']}", "launch": config["launch"], "policy": config["policy"],
+           "placement": plan.placement,
            "processes": len(plan.workers), "virtual_workers": [w.device_types for w in plan.workers],
            "num_in_flight": plan.num_in_flight, "concurrent_minibatches": plan.num_in_flight * len(plan.workers),
            "images_per_s": round(ranks.images_per_second(images_per_epoch, seconds, 1), 2),

@@ -2,7 +2,7 @@
 
 The paper adds GPU types one at a time, 4[V], 4[VR], 4[VRQ], 4[VRQG], and compares HetPipe
 ED-local with Horovod. At this machine's scale (2 cores) each type is ONE emulated device, a
-node of its own (:mod:`benchmarks.comparison`: V, R, Q, G of speeds 1, 0.67, 0.4, 0.33 and
+node of its own (:mod:`benchmarks.comparison`: V, R, Q, G of speeds 1, 0.67, 0.33, 0.4 and
 12, 24, 8, 6 MiB), so the rows have 1, 2, 3 and 4 devices: HetPipe ED-local is then one
 virtual worker pipelined over every device (ED gives each worker one device of each node), with
 the planner's cut and Nm, D = 0, in a process of its own (``launch="processes"``); Horovod

@@ -22,8 +22,8 @@ def test_the_policies_make_different_workers_on_the_four_types():
     cluster = from_dict(comparison.cluster_spec(comparison.device_types("VRQG")))
     assert describe(allocate(cluster, "np")) == "V R Q G"
     assert describe(allocate(cluster, "ed")) == "VRQG"
-    # The memories decide HD's pairs: V+Q and R+G hold 20 and 30 MiB; V+G and R+Q, closer in
-    # compute, 18 and 32 MiB.
+    # HD pairs the nodes whose workers are most alike in compute and memory: V+Q (1.33, 20 MiB)
+    # and R+G (1.07, 30 MiB), not V+G (1.4, 18 MiB) and R+Q (1.0, 32 MiB).
     assert describe(allocate(cluster, "hd", vw_size=2)) == "VQ RG"
 
 

@@ -40,3 +40,11 @@ def test_without_horovod_there_is_no_ratio_and_no_target_met():
     assert fig4.ratios(rows)[0]["hetpipe_over_horovod"] is None
     s = fig4.summary(rows, comparison.device_types("VRQG"))
     assert s["best_policy"] is None and not s["target_met"]
+
+
+def test_a_row_run_in_one_process_stands_beside_and_does_not_count():
+    rows = [row("HetPipe NP", 420.0), dict(row("HetPipe ED-local in one process (beside)", 900.0), launch="in_process"),
+            row("Horovod", 400.0)]
+    assert len(fig4.ratios(rows)) == 2  # its ratio is printed beside
+    s = fig4.summary(rows, comparison.device_types("VRQG"))
+    assert s["best_policy"] == "HetPipe NP" and s["best_over_horovod"] == 1.05 and not s["target_met"]

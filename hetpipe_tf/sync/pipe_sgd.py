@@ -44,6 +44,13 @@ model (:func:`ring_allreduce_seconds`, :func:`iteration_seconds`) is what the si
 loaded when a worker is bound. Worker 0 also adds every merged aggregate to the parameter
 servers' global weights, which thus mirror its replica, so that what the runner writes into
 the Keras model (at every epoch's end and the run's) is the trained replica; nothing waits on them.
+
+Limits: every worker cuts the model at the same boundaries (stage s all-reduces with stage s;
+an ED allocation, or one device per worker), the minibatches are even (Algorithm 1 sums every
+update unweighted), and every worker trains the same minibatches of a run: a stop (Keras's
+``stop_training``, an EarlyStopping callback) that ends the workers at different minibatches
+leaves the others' later all-reduces unanswered until the run's ``timeout_s``, and so does a
+lost worker (``on_worker_failure="continue"`` does not apply).
 """
 import importlib
 import threading

@@ -4,7 +4,7 @@ import pytest
 
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel
-from hetpipe_tf.planning.planner import PlanError, plan
+from hetpipe_tf.planning.planner import PlanError, plan, simulate_plan
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, memory_cap, proportional_sizes,
                                         push_weights)
@@ -88,6 +88,7 @@ def test_np_workers_of_speed_1_and_0_5_get_sizes_about_2_to_1_within_their_memor
     # The slow worker no longer holds the fast one back: the predicted throughput grows.
     assert even.sizes == (32, 32) and not even.to_dict()["uneven_minibatches"]
     assert p.images_per_s > 1.2 * even.images_per_s
+    assert simulate_plan(p, steps=60)["images_per_s"] > 1.2 * simulate_plan(even, steps=60)["images_per_s"]
 
 
 def test_a_worker_whose_memory_cannot_take_its_share_gets_what_fits_and_the_rest_goes_to_the_other():

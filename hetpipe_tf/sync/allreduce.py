@@ -99,8 +99,16 @@ class AllReduceGroup:
         if fn is None:
             fn = tf.function(functools.partial(self._reduce_graph, self.group_key(stage)))
             self._functions[(worker, stage)] = fn
-        with tf.device(self.member_device(worker, device)):
-            return fn(tf.constant(instance, tf.int32), tensors)
+        try:
+            with tf.device(self.member_device(worker, device)):
+                return fn(tf.constant(instance, tf.int32), tensors)
+        except tf.errors.DeadlineExceededError as exc:
+            raise TimeoutError(
+                f"Pipe-SGD: all-reduce {instance} of stage {stage} (virtual worker {worker}) did not hear from all "
+                f"{self.num_workers} workers within {self.timeout_s:g} s. Every worker must train the same "
+                f"minibatches of a run: a stop that ends them at different ones (stop_training, EarlyStopping), or "
+                f"a lost worker, leaves an all-reduce unanswered. TensorFlow then aborts every later collective of "
+                f"this process: start a new process to train again") from exc
 
     def member_device(self, worker, device):
         """Where `worker`'s collectives run. In one process: its stage's `device`. In a run of one

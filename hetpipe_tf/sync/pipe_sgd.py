@@ -50,7 +50,8 @@ an ED allocation, or one device per worker), the minibatches are even (Algorithm
 update unweighted), and every worker trains the same minibatches of a run: a stop (Keras's
 ``stop_training``, an EarlyStopping callback) that ends the workers at different minibatches
 leaves the others' later all-reduces unanswered until the run's ``timeout_s``, and so does a
-lost worker (``on_worker_failure="continue"`` does not apply).
+lost worker (``on_worker_failure="continue"`` does not apply): a TimeoutError says so, and
+TensorFlow then aborts every later collective of that process.
 """
 import importlib
 import threading

@@ -1,5 +1,8 @@
 """Pipe-SGD's all-reduce on TensorFlow's collective ops, two members in threads of one process on
 logical CPU devices: the sum, and what each compression sends and costs in accuracy."""
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -80,3 +83,25 @@ def test_members_on_one_device_or_with_other_variables_are_refused():
     with pytest.raises(ValueError, match=r"must cut the model at the same boundaries: worker 0's stage 0 holds "
                                          r"\['dense/kernel', 'dense/bias'\], worker 1's \['dense/kernel'\]"):
         group.join(1, 0, DEVICES[1], PATHS[:1])
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ALONE = """
+import tensorflow as tf
+from hetpipe_tf.sync.allreduce import AllReduceGroup
+
+group = AllReduceGroup("alone", 2, "none", timeout_s=1)
+try:
+    group.all_reduce(0, 3, "/device:CPU:0", 7, [tf.ones([3])], ["dense/bias"])
+except TimeoutError as exc:
+    print("TIMEOUT", exc)
+"""
+
+
+def test_an_all_reduce_that_a_worker_never_joins_times_out_saying_why():
+    # in a process of its own: after a collective timed out, TensorFlow aborts the process's later ones
+    run = subprocess.run([sys.executable, "-c", ALONE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("TIMEOUT Pipe-SGD: all-reduce 7 of stage 3 (virtual worker 0) did not hear from all 2 workers within "
+            "1 s. Every worker must train the same minibatches of a run") in run.stdout

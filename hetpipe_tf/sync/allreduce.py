@@ -12,7 +12,8 @@ communicates compressed (:mod:`hetpipe_tf.sync.compression`):
 * ``quant8``: int8 values cannot be summed in 8 bits (every worker has its own scale), and the
   collectives carry no int8: each worker's payload (its scales, then its int8 values packed four
   to an int32) is gathered with ``CollectiveGatherV2``, and every worker decodes and sums them:
-  a quarter of the bytes of ``none`` per worker sent.
+  a payload is a quarter of ``none``'s, and a worker's link carries p - 1 of them, fewer bytes
+  than ``none``'s ring all-reduce (2(p-1)/p of its values) below 8 workers.
 
 A group knows its members by their devices: every worker's stage s must be on a device of its
 own and hold the same variables (the workers cut the model at the same boundaries).

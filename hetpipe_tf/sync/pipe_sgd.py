@@ -70,10 +70,20 @@ CONTRIBUTED = "contributed"
 class Compression:
     """One of the seed's light compressions ("Compression": "floating-point truncation on 16-bit
     LSBs, and scalar 8-bit quantization"), as communicated: `wire_bytes` per float32 element,
+    whether the compressed values are summed as they travel (a ring all-reduce) or `gathered`
+    and summed by each worker (8-bit values with one scale per worker cannot be summed in 8 bits),
     and the error bound of one compressed element x: ``|x - D(C(x))| <= bound`` (see each)."""
     name: str
     wire_bytes: float
     bound: str
+    gathered: bool = False
+
+    def link_share(self, workers):
+        """The bytes a worker's link carries per all-reduce, as a multiple of its float32 values'
+        bytes n: a ring all-reduce 2(p-1)/p·n (seed 002, Ring-AllReduce), compressed; a ring
+        all-gather of the compressed payloads (p-1)·n_c."""
+        p, ratio = int(workers), self.wire_bytes / 4.0
+        return (p - 1) * ratio if self.gathered else 2 * (p - 1) / p * ratio
 
 
 COMPRESSIONS = {
@@ -81,7 +91,8 @@ COMPRESSIONS = {
     # The 16 low bits of the float32 dropped: the 7 mantissa bits of bfloat16 remain.
     "truncate16": Compression("truncate16", 2.0, "|x| * 2**-7 (the 16 low bits of the float32 dropped)"),
     # One scale per tensor, s = max|x| / 127; x -> round(x / s) in -127..127.
-    "quant8": Compression("quant8", 1.0, "s / 2 with s = max|x| / 127 of the tensor (8-bit scalar quantisation)"),
+    "quant8": Compression("quant8", 1.0, "s / 2 with s = max|x| / 127 of the tensor (8-bit scalar quantisation)",
+                          gathered=True),
 }
 
 
@@ -337,12 +348,12 @@ class PipeSGD(SyncScheme):
     # The simulator and the planner ------------------------------------------------------------
     def simulation_model(self, staleness_bound, push_time, pull_time):
         """The all-reduces in simulated time. `push_time(agent, instruction)` is the seconds for the
-        stage's weights to cross its link once (n·β + α); a ring all-reduce moves 2(p-1)/p of
-        them (:func:`ring_allreduce_seconds`, level of pipeline 1), compressed to
-        ``wire_bytes / 4`` (γ and S not modelled here)."""
+        stage's weights to cross its link once (n·β + α); an all-reduce moves
+        :meth:`Compression.link_share` of them (a ring all-reduce 2(p-1)/p, as
+        :func:`ring_allreduce_seconds` at level of pipeline 1; γ and S not modelled here)."""
         self.checked_bound(staleness_bound)
-        ratio = self.compression.wire_bytes / 4.0
-        return AllReduceModel(lambda agent, ins, p: 2 * (p - 1) / p * ratio * push_time(agent, ins))
+        share = self.compression.link_share
+        return AllReduceModel(lambda agent, ins, p: share(p) * push_time(agent, ins))
 
 
 class AllReduceModel:

@@ -115,13 +115,18 @@ def test_the_ring_all_reduce_time_is_the_seeds_formula():
     assert ring_allreduce_seconds(1, 1000, 0.01, 1e-3) == 0.0
 
 
-def test_the_planners_model_charges_the_ring_share_of_the_compressed_bytes():
-    for compression, ratio in [("none", 1.0), ("truncate16", 0.5), ("quant8", 0.25)]:
+def test_the_planners_model_charges_each_links_share_of_the_compressed_bytes():
+    # ring all-reduce: 2(p-1)/p of the (compressed) bytes; quant8's ring all-gather: (p-1) payloads of a quarter
+    for compression, share in [("none", 1.5), ("truncate16", 0.75), ("quant8", 0.75)]:
         model = PipeSGD(compression=compression).simulation_model(0, push_time=lambda a, i: 8.0, pull_time=None)
-        for w in (0, 1):
-            model.receive((w, 0), ("allreduce", 1), ContributeUpdate(1), 1.0)
-        assert {a: t for a, _, _, t in model.answers([(0, 0), (1, 0)])} == {
-            (0, 0): 1.0 + 2 * 1 / 2 * ratio * 8.0, (1, 0): 1.0 + 2 * 1 / 2 * ratio * 8.0}
+        agents = [(w, 0) for w in range(4)]
+        for w, time in zip(range(4), (1.0, 3.0, 2.0, 0.5)):
+            model.receive((w, 0), ("allreduce", 1), ContributeUpdate(1), time)
+            if w < 3:
+                assert model.answers(agents) == []  # every worker's contribution is needed
+        assert {a: t for a, _, _, t in model.answers(agents)} == {a: 3.0 + share * 8.0 for a in agents}
+        assert model.answers(agents) == []  # once
+    assert PipeSGD(compression="quant8").compression.link_share(2) == PipeSGD().compression.link_share(2) / 4
 
 
 @pytest.mark.parametrize("make,message", [

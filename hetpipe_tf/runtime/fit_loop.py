@@ -65,8 +65,8 @@ class Events:
         self.errors.remove(error)
 
     def wait_finished(self, timeout):
-        """Waits for every training thread to finish; re-raises the first error, or raises
-        TimeoutError when they did not finish within `timeout` seconds."""
+        """Waits for every training thread to finish, keeping their other events; re-raises the
+        first error, or raises TimeoutError when they did not finish within `timeout` seconds."""
         while self._finished < self._producers:
             try:
                 got, payload = self._queue.get(timeout=timeout)
@@ -77,6 +77,8 @@ class Events:
                 self._finished += 1
                 if payload is not None:
                     self.errors.append(payload)
+            else:  # kept for a later get (the last epoch's snapshot, say)
+                self._pending[got].append(payload)
         if self.errors:
             raise self.errors[0]
 
@@ -158,6 +160,11 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
             if t_done > t_epoch:
                 epoch_logs["images_per_s"] = count * batch_size / (t_done - t_epoch)
             t_epoch = t_done
+            if after_epoch is None and (stopped or epoch + 1 == epochs):
+                # The run's last pushes land before its last logs are taken and the global
+                # weights go into the model (a minibatch is counted before its wave is pushed).
+                # Training that waits for after_epoch has drained before its epoch_end instead.
+                events.wait_finished(timeout_s)
             epoch_logs.update(epoch_end(epoch, stopped, events))
             cbs.on_epoch_end(epoch, epoch_logs)
             sync_optimizer(completed)

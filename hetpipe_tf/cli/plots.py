@@ -162,7 +162,9 @@ def plot_plan(plan, output_path):
     each stage's predicted time (left) and predicted memory against capacity (right).
 
     Returns what was drawn: {"workers": number of virtual workers, "stages": stages per
-    worker, "over_capacity": [(worker, stage)] whose predicted memory exceeds capacity}.
+    worker, "over_capacity": [(worker, stage)] whose predicted memory exceeds capacity,
+    "titles": each worker's panel title}. With uneven minibatches each worker's title gives its
+    own minibatch size, and its images/s count that size.
     """
     d = plan.to_dict()
     workers = d["virtual_workers"]
@@ -173,9 +175,9 @@ def plot_plan(plan, output_path):
     fig = _figure(figsize=(14, 1.9 + sum(0.62 * n + 0.75 for n in counts)))
     axes = fig.subplots(len(workers), 2, squeeze=False, sharex="col",
                         gridspec_kw={"width_ratios": [3, 2], "height_ratios": counts})
-    over = []
+    over, titles = [], []
     for i, (w, (time_ax, memory_ax)) in enumerate(zip(workers, axes)):
-        _time_panel(time_ax, w, d["batch_size"], legend=i == 0)
+        titles.append(_time_panel(time_ax, w, d["uneven_minibatches"], legend=i == 0))
         over += [(w["index"], q) for q in _memory_panel(memory_ax, w, unit, scale, legend=i == 0)]
     axes[-1][0].set_xlabel("predicted time per minibatch (ms)")
     axes[-1][1].set_xlabel(f"predicted memory ({unit})")
@@ -184,18 +186,21 @@ def plot_plan(plan, output_path):
     axes[0][0].legend(loc="lower left", bbox_to_anchor=(0.0, 1.12), ncols=len(PLAN_TIMES), fontsize=8)
     axes[0][1].legend(loc="lower left", bbox_to_anchor=(0.0, 1.12), ncols=2, fontsize=7)
     emulated = " (EMULATED devices)" if plan.cluster.emulated else ""
-    fig.suptitle(f"plan: {d['model']}, batch {d['batch_size']} on cluster {d['cluster']}{emulated}; policy "
+    batch = ("uneven minibatches " + "+".join(str(w["minibatch_size"]) for w in workers)
+             if d["uneven_minibatches"] else f"batch {d['batch_size']}")
+    fig.suptitle(f"plan: {d['model']}, {batch} on cluster {d['cluster']}{emulated}; policy "
                  f"{d['policy'].upper()} ({d['allocation']}), Nm={d['num_in_flight']}, D={d['staleness_bound']}; "
                  f"predicted {d['predicted_images_per_s']:.1f} images/s", fontsize=11)
     if d["notes"]:
         fig.supxlabel("\n".join(textwrap.fill(f"note: {n}", 170) for n in d["notes"]), fontsize=7,
                       color="#444444", ha="left", x=0.01)
     _save(fig, output_path)
-    return {"workers": len(workers), "stages": counts, "over_capacity": over}
+    return {"workers": len(workers), "stages": counts, "over_capacity": over, "titles": titles}
 
 
-def _time_panel(ax, worker, batch_size, legend):
-    """Stacked bars of each stage's predicted forward, backward, receive and apply time."""
+def _time_panel(ax, worker, uneven, legend):
+    """Stacked bars of each stage's predicted forward, backward, receive and apply time; returns
+    the panel's title."""
     stages = worker["stages"]
     left = [0.0] * len(stages)
     for part, colour in PLAN_TIMES.items():
@@ -210,10 +215,14 @@ def _time_panel(ax, worker, batch_size, legend):
               for q, st in enumerate(stages)]
     ax.set_yticks(range(len(stages)), labels, fontsize=8)
     ax.set_ylim(len(stages) - 0.5, -0.5)
-    ax.set_title(f"virtual worker {worker['index']}: {''.join(worker['device_types'])}, "
-                 f"Max_m={worker['max_num_in_flight']}, predicted "
-                 f"{worker['predicted_minibatches_per_s'] * batch_size:.1f} images/s", fontsize=9, loc="left")
+    size = worker["minibatch_size"]
+    title = (f"virtual worker {worker['index']}: {''.join(worker['device_types'])}, "
+             + (f"minibatch {size}, " if uneven else "")
+             + f"Max_m={worker['max_num_in_flight']}, predicted "
+             f"{worker['predicted_minibatches_per_s'] * size:.1f} images/s")
+    ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="x", alpha=0.3)
+    return title
 
 
 def _memory_panel(ax, worker, unit, scale, legend):

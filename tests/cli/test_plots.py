@@ -79,22 +79,44 @@ def test_without_matplotlib_the_error_names_the_install_command(tmp_path, monkey
 
 
 @pytest.fixture(scope="module")
-def paper_plan():
+def paper_profile():
     from hetpipe_tf.cli import models
-    from hetpipe_tf.planning.cluster import load_cluster
-    from hetpipe_tf.planning.planner import plan
     from hetpipe_tf.planning.profile import static_profile
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
-    profile = static_profile(describe_model(models.build_model("cnn", (32, 32, 3), 10)).graph, 32)
-    return plan(profile, load_cluster("paper"), policy="hd")
+    return static_profile(describe_model(models.build_model("cnn", (32, 32, 3), 10)).graph, 32)
+
+
+@pytest.fixture(scope="module")
+def paper_plan(paper_profile):
+    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.planner import plan
+
+    return plan(paper_profile, load_cluster("paper"), policy="hd")
 
 
 def test_plan_picture_has_a_row_of_panels_per_virtual_worker(tmp_path, paper_plan):
     drawn = plots.plot_plan(paper_plan, tmp_path / "plan.png")
     pixels = _png(tmp_path / "plan.png")
-    assert drawn == {"workers": 4, "stages": [4, 4, 4, 4], "over_capacity": []}
+    assert {k: drawn[k] for k in ("workers", "stages", "over_capacity")} == {
+        "workers": 4, "stages": [4, 4, 4, 4], "over_capacity": []}
     assert pixels.shape[0] > pixels.shape[1] / 2  # four rows of panels: taller than a one-row figure
+    rate = paper_plan.per_worker[0] * 32
+    assert drawn["titles"][0].endswith(f"predicted {rate:.1f} images/s") and "minibatch 32" not in drawn["titles"][0]
+
+
+def test_plan_picture_gives_each_worker_its_own_minibatch_size_when_uneven(tmp_path, paper_profile):
+    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.planner import plan
+
+    uneven = plan(paper_profile, load_cluster("paper"), policy="np", minibatch_sizes="proportional")
+    sizes = uneven.sizes
+    assert len(set(sizes)) > 1  # NP's workers are unequal: so are their minibatches
+    drawn = plots.plot_plan(uneven, tmp_path / "plan.png")
+    _png(tmp_path / "plan.png")
+    for w, (title, size) in enumerate(zip(drawn["titles"], sizes)):
+        assert f", minibatch {size}, " in title
+        assert title.endswith(f"predicted {uneven.per_worker[w] * size:.1f} images/s")
 
 
 def _hetpipe(*args):

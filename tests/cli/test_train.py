@@ -80,14 +80,16 @@ CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoc
                "--momentum=0", "--learning_rate=0.1"]
 
 
-def test_cluster_flags_train_under_ssp_whose_clocks_count_minibatches(tmp_path):
-    # --sync=ssp pushes after every minibatch: each worker's clock counts its 4 minibatches
-    # (WSP's, waves of Nm = 2, would be 2).
+@pytest.mark.parametrize("sync, bound", [("ssp", 1), ("bsp", 0), ("asp", 0)])
+def test_cluster_flags_train_under_per_minibatch_clocks(tmp_path, sync, bound):
+    # --sync=ssp, bsp and asp push after every minibatch: each worker's clock counts its 4
+    # minibatches (WSP's, waves of Nm = 2, would be 2).
     run = _train(tmp_path, "--cluster=local", "--model=mlp", "--epochs=1", "--steps_per_epoch=8", "--dilation=2",
-                 "--num_in_flight=2", "--policy=ed", "--sync=ssp", "--staleness_bound=1", "--launch=in_process")
+                 "--num_in_flight=2", "--policy=ed", f"--sync={sync}", f"--staleness_bound={bound}",
+                 "--launch=in_process")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
-    assert summary["staleness_bound"] == 1 and [w["clock"] for w in summary["virtual_workers"]] == [4, 4]
+    assert summary["staleness_bound"] == bound and [w["clock"] for w in summary["virtual_workers"]] == [4, 4]
     assert "overrun_fraction" in summary["emulation"]
 
 

@@ -135,6 +135,7 @@ class StageRuntime:
         self._mean_fn = tf.function(functools.partial(_mean_graph))
         self._compensate_fn = tf.function(functools.partial(self._compensate_graph))
         self._read_weights_fn = tf.function(functools.partial(self._read_weights_graph))
+        self._timed_pass_fn = tf.function(functools.partial(self._timed_pass_graph))
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
         self._entering = {}  # p -> {position: tensor}
@@ -256,6 +257,39 @@ class StageRuntime:
             self.logs[p] = logs
             return logs
         return targets
+
+    def _timed_pass_graph(self, weights, entering, labels):
+        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
+        sources = [entering[i] for i in float_pos] + list(weights)
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(sources)
+                targets, reg, _ = self._forward_graph(weights, entering, labels, True, update_state=False)
+            outputs = list(targets) if self.is_last else [t for t in targets if _is_float(t)] + [reg]
+        with tf.control_dependencies(outputs):
+            forwarded = tf.timestamp()
+        with tf.control_dependencies([forwarded]):
+            grads = tape.gradient(outputs, sources, output_gradients=[tf.ones_like(t) for t in outputs],
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with tf.control_dependencies(tf.nest.flatten(grads, expand_composites=True)):
+            done = tf.timestamp()
+        # The passes' values are returned too: a function runs only what its outputs need, and
+        # the timestamps' control dependencies alone did not keep the passes (measured: 0 ms).
+        return forwarded - start, done - forwarded, outputs, grads
+
+    def timed_solo_pass(self, p):
+        """Minibatch p's forward and backward times (seconds) as the stage's device measures them:
+        one compiled call that reads ``tf.timestamp`` before, between and after the two passes, so
+        that the time of the calls reaching the device is left out (on another task's device each
+        eager call is an RPC). Uses the version stashed for p and the inputs set for it, consumes
+        neither and changes no state; the backward pass is seeded with ones."""
+        entering = self._entering[p]
+        entering = [entering[i] for i in range(len(entering))]
+        labels = self._labels[p] if self.is_last else None
+        with tf.device(self.device):
+            forward, backward, _, _ = self._timed_pass_fn(self.stash.get(p, self._dtypes), entering, labels)
+        return float(forward), float(backward)
 
     def recompute(self, p, training=True):
         """Runs minibatch p's forward pass again from the inputs its untaped pass kept, with the
@@ -497,10 +531,15 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
     Runs minibatch (x, y) through the chain of `runtimes` (id 0, the weights as they
     are) `repeats` + 1 times; the first run traces the functions, and the minimum of the
     others is the result (interference from other work only ever adds time): a list
-    with, per stage, {Forward: seconds, Backward: seconds}.
+    with, per stage, {Forward: seconds, Backward: seconds}. A stage on a cluster's device
+    (a task's, not this process's ``localhost``) is timed on that device
+    (:meth:`StageRuntime.timed_solo_pass`): timed from here, its passes would also hold the
+    RPCs that drive them, which pacing (``dilation / speed x`` this time) would then dilate as
+    if they were compute.
     Nothing is applied, and the stages' non-trainable state is restored afterwards.
     """
     times = [{Forward: [], Backward: []} for _ in runtimes]
+    on_device = [{Forward: [], Backward: []} if _is_remote(rt.device) else None for rt in runtimes]
     saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
     for _ in range(repeats + 1):
         for rt in runtimes:
@@ -514,6 +553,11 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
                 rt.set_loaded(0, loaded[s])
             if rt.is_last:
                 rt.set_labels(0, y)
+            if on_device[s] is not None:
+                with rt.execution_scope():
+                    forward, backward = rt.timed_solo_pass(0)
+                on_device[s][Forward].append(forward)
+                on_device[s][Backward].append(backward)
             t0 = time.perf_counter()
             with rt.execution_scope():
                 carry = rt.forward(0)
@@ -536,4 +580,4 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
             v.assign(value)
         rt.version_updates.pop(0, None)
         rt.used_versions.pop(0, None)
-    return [{kind: min(ts[1:]) for kind, ts in stage.items()} for stage in times]
+    return [{kind: min(ts[1:]) for kind, ts in (device or stage).items()} for stage, device in zip(times, on_device)]

@@ -97,3 +97,30 @@ def test_terminate_on_nan_stops_fit_as_in_keras_and_the_model_keeps_finite_weigh
     assert len(history.history["loss"]) == 3 and np.isnan(history.history["loss"][-1])
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
     assert int(model.optimizer.iterations) <= 8  # applied updates only: not minibatch 9, whose loss was nan
+
+
+def test_a_pass_timed_on_the_stages_device_consumes_nothing_and_changes_no_state():
+    """StageRuntime.timed_solo_pass (the reference of a stage on another task's device): both
+    passes timed, the minibatch's inputs and stashed version still there for its real passes."""
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                       timeout_s=30)
+    (x, y), = _batches(model, 1)
+    vw.prepare(x, y)
+    first, last = vw.runtimes
+    for rt in vw.runtimes:
+        rt.stash_weights(0)
+    first.set_loaded(0, vw.staged.split_inputs(x)[0])
+    state = [v.numpy() for rt in vw.runtimes for v in rt.trainable + rt.non_trainable]
+    forward, backward = first.timed_solo_pass(0)
+    assert 0 < forward < 1 and 0 < backward < 1
+    carry = first.forward(0)  # its inputs and w_0 are still there
+    last.set_received(0, carry)
+    last.set_labels(0, y)
+    assert all(0 < t < 1 for t in last.timed_solo_pass(0))
+    last.forward(0)
+    last.backward(0)
+    first.backward(0, last.input_gradients(0))
+    after = [v.numpy() for rt in vw.runtimes for v in rt.trainable + rt.non_trainable]
+    assert all(np.array_equal(a, b) for a, b in zip(state, after))

@@ -2,37 +2,70 @@
 
 Four emulated devices, the ``local`` preset's: two of speed 1 (64 MiB) and two of speed
 0.5 (32 MiB), relative to this host running a task alone. Every system in a run emulates
-them with one dilation (``--dilation``) and one reference:
+them with one dilation (``--dilation``, default 16) and one reference. The dilation is
+large on purpose: on this 2-core machine the ``cnn``'s whole step takes a few ms alone, and
+at a dilation of 6 HetPipe's two-process workers ran at about a third of the pace they were
+padded to (their time going to gRPC, the parameter servers and the shared cores between
+tasks, which the overrun fraction does not see), so that the comparison measured this
+host's overheads more than the emulated devices; at 16 the emulated compute weighs more.
+Each row gives its measured images/s beside the pace it was padded to (Horovod:
+``emulated_pace_images_per_s`` = ranks x 32 / (dilation / slowest speed x reference);
+HetPipe: ``planner_images_per_s``, the planner's prediction).
 
+* **The reference** (the rule of benchmarks/comparison.py): a short run of HetPipe NP with
+  one device per virtual worker (one stage: the whole model), traced; the shortest Forward
+  plus Backward span of a worker x speed / dilation is the whole model's solo time as
+  HetPipe's own processes measured it (``setup.reference_run``). Horovod is paced to it, so
+  both systems are paced to one measurement, not to two that the load of the moment moves
+  apart (measured in this script's process, a solo step took 5 ms in one run and 37 ms in
+  another).
 * **Horovod** (``benchmarks/horovod/train_horovod.py`` by ``horovodrun --gloo``, 4 ranks,
   speeds 1, 1, 0.5, 0.5): each rank trains the whole ``cnn`` on its shard, a step's compute
-  padded to dilation / speed x reference, where reference is the solo compute time of a
-  whole step, measured once by this script in the main venv (``--reference_ms``, the
-  baselines' rule, benchmarks/horovod/README.md); the all-reduce is not padded.
-* **HetPipe** (``HetPipeStrategy``, launch "processes": one process per virtual worker),
-  ED with local placement (§8.1, as Fig. 6: ED-local): two virtual workers, each one device
-  of speed 1 and one of speed 0.5, pipelined with the planner's cut and Nm, under WSP with
-  D = 0, 4 and 32 (§5), one run each in a process of its own. Every stage's task is padded
-  to dilation / speed x its own solo time, which the executor measures in the same
-  TensorFlow as the reference above.
+  padded to dilation / speed x reference (``--reference_ms``); the all-reduce is not padded.
+  Two rows: ``Horovod lr x1``, the learning rate as given, and ``Horovod lr x4``, the
+  learning rate multiplied by the number of ranks as Horovod's documentation prescribes
+  ("scale the learning rate by the number of workers"): ``hvd.DistributedOptimizer``
+  averages the 4 ranks' gradients, so an epoch makes 11 updates of a global batch of 128,
+  where each HetPipe virtual worker applies every minibatch of 32 to its local weights (44
+  updates an epoch in all). The documentation pairs that scaling with a warm-up of the
+  learning rate over the first epochs, which the baseline script does not have.
+* **HetPipe** (``HetPipeStrategy``, launch "processes": one process per virtual worker)
+  under WSP with D = 0, 4 and 32 (§5), one run each in a process of its own, pipelined with
+  the planner's cut and Nm. Every stage's task is padded to dilation / speed x its own solo
+  time, which the executor measures in the same TensorFlow as the reference above. Two
+  allocations (§8.1):
+
+  - ``ed``: ED with local placement, as Fig. 6 (ED-local): two equal virtual workers, each
+    one device of speed 1 and one of speed 0.5. Equal workers keep pace with each other, so
+    at D = 0 a worker hardly waits (each row's ``workers`` gives every worker's measured
+    average wait for pulled weights, §8.4) and a larger D has nothing to hide: in the paper
+    D = 4 gains 28 % over D = 0 on ED-local from fluctuations and communication between
+    nodes that these emulated devices on one host do not have.
+  - ``np`` (``--np_bounds``): NP, virtual workers of unequal speed (F, F and S, S). This is
+    where D is expected to matter (§8.4: "using larger D has a greater effect for HetPipe
+    with NP"); but the bound still holds the fast worker within D + 1 waves of the slow
+    one, so once that lead is taken both go at the slow worker's pace whatever D is (the
+    ``persistent`` scenario of benchmarks/wsp_straggler.py): D only buys the lead's few
+    waves. The measured waits and times say how much that is here.
 
 Same training settings for all: the bundled digits (1437 train / 360 test images), the
-``cnn``, minibatches of 32 (one per rank or per pipeline slot), plain SGD with one learning
-rate (``--lr``; Horovod averages the 4 ranks' gradients, as ``hvd.DistributedOptimizer``
-does, and its learning rate is not scaled), an epoch = 44 minibatches in all systems (11
-steps of 4 ranks for Horovod). Each row: the accuracy curve (epoch, wall seconds since
-training began, test accuracy), the time and epoch at which test accuracy first reached
-``--target``, images/s, ``emulated: true``, the overrun fraction and whether the emulation
-was faithful (fewer than 5 % of paced tasks overran). HetPipe's wall time includes its
-validation, which runs while the workers go on training; Horovod's leaves its evaluation
-out (the baseline's ``epoch_wall_s``). A HetPipe run stops ``--epochs_after_target``
-epochs after it reaches the target. With ``--data_dir`` and ``--dataset`` the HetPipe rows
-train on a prepared TFDS data set (nothing is downloaded); Horovod's venv has no TFDS, so
-its row is then left out, with a line saying so.
+``cnn``, minibatches of 32 (one per rank or per pipeline slot), plain SGD (``--lr``), an
+epoch = 44 minibatches in all systems (11 steps of 4 ranks for Horovod). Each row: the
+accuracy curve (epoch, wall seconds since training began, test accuracy), the time and
+epoch at which test accuracy first reached ``--target``, images/s, ``emulated: true``, the
+overrun fraction and whether the emulation was faithful (fewer than 5 % of paced tasks
+overran). HetPipe's wall time includes its validation, which runs while the workers go on
+training; Horovod's leaves its evaluation out (the baseline's ``epoch_wall_s``). A HetPipe
+run stops ``--epochs_after_target`` epochs after it reaches the target; a Horovod run
+trains ``--horovod_epochs`` epochs (``--horovod_scaled_epochs`` with the scaled learning
+rate; the baseline has no early stop), and a row that never
+reaches the target says so (``time_to_target_s: null``). With ``--data_dir`` and
+``--dataset`` the HetPipe rows train on a prepared TFDS data set (nothing is downloaded);
+Horovod's venv has no TFDS, so its rows are then left out, with a line saying so.
 
-    python benchmarks/convergence.py [--epochs=40] [--horovod_epochs=60] [--target=0.9]
-        [--dilation=6] [--lr=0.1] [--out=benchmarks/results/convergence.jsonl]
-        [--png=benchmarks/results/convergence.png]
+    python benchmarks/convergence.py [--epochs=30] [--horovod_epochs=60] [--horovod_scaled_epochs=20]
+        [--target=0.9] [--dilation=16] [--lr=0.1] [--bounds=0,4,32] [--np_bounds=0,4]
+        [--out=benchmarks/results/convergence.jsonl] [--png=benchmarks/results/convergence.png]
 """
 import argparse
 import json
@@ -51,8 +84,9 @@ MEMORY = ("64M", "64M", "32M", "32M")
 BOUNDS = (0, 4, 32)
 
 
-def _emit(out, **fields):
-    line = json.dumps({"benchmark": "convergence", **fields})
+def emit(out, benchmark, **fields):
+    """Prints one JSON line (``"benchmark": benchmark`` first) and writes it to `out` if given."""
+    line = json.dumps({"benchmark": benchmark, **fields})
     print(line, flush=True)
     if out:
         out.write(line + "\n")
@@ -67,42 +101,42 @@ def time_to_target(curve, target):
     return None, None
 
 
-def measure_reference_ms(seed=0):
-    """The solo compute time (ms) of one whole step of the cnn on a minibatch of 32 digits in this
-    venv's TensorFlow, one intra-op thread (the baselines' rule: minimum of 10 runs after 3)."""
-    import tensorflow as tf
+def measure_reference_ms(args):
+    """Horovod's reference (ms): the solo time of the whole model's forward and backward pass as
+    HetPipe's own worker processes measure it, read from the trace of a short run of one-device
+    virtual workers (NP, one stage each) at this dilation: the rule of benchmarks/comparison.py
+    (:func:`benchmarks.comparison.whole_model_reference_ms`), so that both systems are paced to
+    one measurement, not to two that the load of the moment moves apart. Returns the reference
+    and that run's figures."""
+    import tempfile
 
-    from benchmarks.baselines import training
+    from benchmarks.comparison import whole_model_reference_ms
 
-    import keras
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    keras.utils.set_random_seed(seed)
-    x, y, _, _ = training.load_digits()
-    model = training.build_model()
-
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def compute(images, labels):
-        with tf.GradientTape() as tape:
-            value = loss(labels, model(images, training=True))
-        return tape.gradient(value, model.trainable_variables)
-
-    return training.solo_reference(compute, (tf.constant(x[:32]), tf.constant(y[:32]))) * 1e3
+    with tempfile.TemporaryDirectory(prefix="convergence-reference-") as folder:
+        row = hetpipe_row(args, "np", 0, vw_size=1, epochs=1, trace_dir=folder)
+    row["system"] = "HetPipe NP, one device per virtual worker (reference run)"
+    return whole_model_reference_ms(row), {k: row[k] for k in ("system", "stage_reference_ms", "overrun_fraction",
+                                                                "emulation_faithful", "images_per_s")}
 
 
-def horovod_row(args, reference_ms):
+def horovod_row(args, reference_ms, lr_scale):
+    """Horovod's row with the learning rate multiplied by `lr_scale` (1: as given; the number of
+    ranks: Horovod's documented scaling)."""
     from benchmarks.baselines import horovod_run
 
+    lr = args.lr * lr_scale
     line = horovod_run.run(4, [f"--speeds={','.join(f'{v:g}' for v in SPEEDS)}", f"--memory={','.join(MEMORY)}",
                                f"--dilation={args.dilation:g}", f"--reference_ms={reference_ms:.3f}",
-                               f"--epochs={args.horovod_epochs}", f"--lr={args.lr:g}", "--batch_size=32",
+                               f"--epochs={args.horovod_epochs if lr_scale == 1 else args.horovod_scaled_epochs}",
+                               f"--lr={lr:g}", "--batch_size=32",
                                f"--seed={args.seed}"], deadline_s=args.deadline_s)
     curve = [{"epoch": i + 1, "wall_s": w, "test_accuracy": a}
              for i, (w, a) in enumerate(zip(line["epoch_wall_s"], line["epoch_test_accuracy"]))]
-    return {"system": "Horovod", "processes": 4, "images_per_s": line["images_per_s"], "curve": curve,
-            **{k: line[k] for k in ("emulated", "dilation", "paced_tasks", "overran_tasks", "overrun_fraction",
+    return {"system": f"Horovod lr x{lr_scale:g}", "processes": 4, "lr": lr, "lr_scale": lr_scale,
+            "lr_rule": "scaled by the number of ranks (Horovod's documentation)" if lr_scale != 1 else "not scaled",
+            "images_per_s": line["images_per_s"],
+            "emulated_pace_images_per_s": round(len(SPEEDS) * 32 / (args.dilation / min(SPEEDS) * reference_ms / 1e3), 2),
+            "curve": curve, **{k: line[k] for k in ("emulated", "dilation", "paced_tasks", "overran_tasks", "overrun_fraction",
                                     "emulation_faithful", "reference_ms", "speeds", "left_out")}}
 
 
@@ -110,8 +144,8 @@ def hetpipe_child(args):
     """One HetPipe run (this process is its chief); prints its row as a JSON line."""
     from hetpipe_tf.api.strategy import HetPipeStrategy
 
-    strategy = HetPipeStrategy(cluster="local", policy="ed", staleness_bound=args.child_d, launch="processes",
-                               dilation=args.dilation)
+    strategy = HetPipeStrategy(cluster="local", policy=args.child_policy, staleness_bound=args.child_d,
+                               vw_size=args.child_vw_size, launch="processes", dilation=args.dilation)
     import keras
 
     from hetpipe_tf.cli.models import build_model
@@ -141,23 +175,43 @@ def hetpipe_child(args):
             if reached and epoch - reached[0] >= args.epochs_after_target:
                 self.model.stop_training = True
 
-    model.fit(train, epochs=args.epochs, validation_data=test, callbacks=[Clock()], verbose=0)
+    trace_path = os.path.join(args.child_trace_dir, "trace.json") if args.child_trace_dir else None
+    model.fit(train, epochs=args.epochs, validation_data=test, callbacks=[Clock()], verbose=0, trace_path=trace_path)
     report = strategy.runner.emulation_report().as_dict()
+    workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in w.items()} for w in strategy.stats()]
     plan = strategy.plan
     images = [r["images_per_s"] for r in curve[1:]] or [curve[0]["images_per_s"]]
-    row = {"system": f"HetPipe D={args.child_d}", "staleness_bound": args.child_d,
+    row = {"system": system_name(args.child_policy, args.child_d), "policy": args.child_policy,
+           "staleness_bound": args.child_d, "lr": args.lr, "workers": workers,
            "processes": len(plan.workers), "virtual_workers": [w.device_types for w in plan.workers],
            "num_in_flight": plan.num_in_flight, "placement": plan.placement,
-           "images_per_s": round(sum(images) / len(images), 2), "curve": curve, **report}
+           "images_per_s": round(sum(images) / len(images), 2),
+           "planner_images_per_s": round(plan.images_per_s, 2), "curve": curve, **report}
+    if trace_path:
+        from benchmarks.comparison import trace_figures
+
+        with open(trace_path) as f:
+            events = json.load(f)["traceEvents"]
+        row.update(trace_figures(events, [[d.type.emulated_speed for d in w.devices] for w in plan.workers],
+                                 report["dilation"]))
     print("ROW " + json.dumps(row), flush=True)
 
 
-def hetpipe_row(args, d):
-    argv = [sys.executable, os.path.abspath(__file__), f"--child_d={d}", f"--epochs={args.epochs}",
+def system_name(policy, d):
+    return f"HetPipe D={d}" if policy == "ed" else f"HetPipe {policy.upper()} D={d}"
+
+
+def hetpipe_row(args, policy, d, vw_size=None, epochs=None, trace_dir=None):
+    argv = [sys.executable, os.path.abspath(__file__), f"--child_d={d}", f"--child_policy={policy}",
+            f"--epochs={epochs or args.epochs}",
             f"--dilation={args.dilation:g}", f"--lr={args.lr:g}", f"--target={args.target:g}",
             f"--epochs_after_target={args.epochs_after_target}", f"--seed={args.seed}", f"--dataset={args.dataset}"]
     if args.data_dir:
         argv.append(f"--data_dir={args.data_dir}")
+    if vw_size:
+        argv.append(f"--child_vw_size={vw_size}")
+    if trace_dir:
+        argv.append(f"--child_trace_dir={trace_dir}")
     from benchmarks.baselines import processes
 
     (stdout,) = processes.run_all([argv], args.deadline_s)
@@ -186,58 +240,90 @@ def plot(rows, target, path, title):
     fig.savefig(path, dpi=130)
 
 
+def summarise(rows, target):
+    """The summary line: every row's time to target and the issue's targets: D = 4 sooner than
+    Horovod (at each learning rate, and at the better of the two, the fair comparison) and
+    sooner than D = 0, ED-local; NP's D = 4 against its D = 0 beside. A row that never reached
+    the target loses to one that did; a comparison with a row missing from the run is None."""
+    times = {r["system"]: r["time_to_target_s"] for r in rows}
+    horovod = [t for name, t in times.items() if name.startswith("Horovod")]
+    if horovod:
+        reached = [t for t in horovod if t is not None]
+        times["Horovod best lr"] = min(reached) if reached else None
+
+    def sooner(a, b):
+        if a not in times or b not in times:
+            return None
+        return times[a] is not None and (times[b] is None or times[a] < times[b])
+
+    def ratio(a, b):
+        return round(times[a] / times[b], 3) if times.get(a) and times.get(b) else None
+
+    pairs = {"D=4 sooner than Horovod (best lr)": ("HetPipe D=4", "Horovod best lr"),
+             "D=4 sooner than Horovod lr x4": ("HetPipe D=4", "Horovod lr x4"),
+             "D=4 sooner than Horovod lr x1": ("HetPipe D=4", "Horovod lr x1"),
+             "D=4 sooner than D=0 (ED-local)": ("HetPipe D=4", "HetPipe D=0"),
+             "NP D=4 sooner than NP D=0": ("HetPipe NP D=4", "HetPipe NP D=0")}
+    targets = {name: sooner(a, b) for name, (a, b) in pairs.items()}
+    ratios = {f"{a} / {b}": ratio(a, b) for a, b in pairs.values() if a in times and b in times}
+    return {"summary": True, "time_to_target_s": times, "target": target, "ratios": ratios, "targets": targets,
+            "emulated": True, "all_faithful": all(r["emulation_faithful"] for r in rows),
+            "overrun_fraction_max": max((r["overrun_fraction"] for r in rows), default=None),
+            "target_met": bool(targets["D=4 sooner than Horovod (best lr)"]
+                               and targets["D=4 sooner than D=0 (ED-local)"])}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40, help="most epochs of a HetPipe run")
-    parser.add_argument("--horovod_epochs", type=int, default=60)
+    parser.add_argument("--epochs", type=int, default=30, help="most epochs of a HetPipe run")
+    parser.add_argument("--horovod_epochs", type=int, default=60, help="epochs of Horovod with the lr as given")
+    parser.add_argument("--horovod_scaled_epochs", type=int, default=20, help="epochs of Horovod with lr x ranks")
     parser.add_argument("--epochs_after_target", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.9)
-    parser.add_argument("--dilation", type=float, default=6.0)
+    parser.add_argument("--dilation", type=float, default=16.0)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dataset", default="hetpipe_digits")
     parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--bounds", default=",".join(map(str, BOUNDS)), help="HetPipe's D values")
+    parser.add_argument("--bounds", default=",".join(map(str, BOUNDS)), help="D values of HetPipe ED-local")
+    parser.add_argument("--np_bounds", default="0,4", help="D values of HetPipe NP (unequal workers); '' for none")
     parser.add_argument("--skip_horovod", action="store_true")
     parser.add_argument("--deadline_s", type=float, default=1800.0, help="of each system's run")
     parser.add_argument("--out", default="benchmarks/results/convergence.jsonl")
     parser.add_argument("--png", default="benchmarks/results/convergence.png")
     parser.add_argument("--child_d", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child_policy", default="ed", help=argparse.SUPPRESS)
+    parser.add_argument("--child_vw_size", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child_trace_dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_d is not None:
         return hetpipe_child(args)
 
-    reference_ms = measure_reference_ms(args.seed)
+    load = os.getloadavg()
+    started = time.perf_counter()
+    reference_ms, reference_run = measure_reference_ms(args)
     rows = []
     with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
-        _emit(out, setup={"devices": {"speeds": SPEEDS, "memory": MEMORY}, "dilation": args.dilation,
-                          "reference_ms": round(reference_ms, 3), "model": "cnn", "dataset": args.dataset,
+        emit(out, "convergence", setup={"devices": {"speeds": SPEEDS, "memory": MEMORY}, "dilation": args.dilation,
+                          "reference_ms": round(reference_ms, 3), "reference_run": reference_run, "model": "cnn", "dataset": args.dataset,
                           "batch_size": 32, "optimizer": f"SGD lr={args.lr:g}, no momentum", "target": args.target,
-                          "emulated": True, "load_average_at_start": os.getloadavg()})
+                          "horovod_lr": {"x1": args.lr, "x4": args.lr * 4},
+                          "emulated": True, "load_average_at_start": [round(x, 2) for x in load]})
         if args.skip_horovod or args.dataset != "hetpipe_digits":
-            _emit(out, system="Horovod", skipped=("--skip_horovod" if args.skip_horovod else
+            emit(out, "convergence", system="Horovod", skipped=("--skip_horovod" if args.skip_horovod else
                                                   "the Horovod baseline trains on the bundled digits only"))
         else:
-            rows.append(horovod_row(args, reference_ms))
-        for d in (int(x) for x in args.bounds.split(",") if x.strip()):
-            rows.append(hetpipe_row(args, d))
+            rows += [horovod_row(args, reference_ms, scale) for scale in (1, len(SPEEDS))]
+        runs = [("ed", int(x)) for x in args.bounds.split(",") if x.strip()]
+        runs += [("np", int(x)) for x in args.np_bounds.split(",") if x.strip()]
+        rows += [hetpipe_row(args, policy, d) for policy, d in runs]
         for row in rows:
             row["time_to_target_s"], row["epochs_to_target"] = time_to_target(row["curve"], args.target)
-            _emit(out, **row)
-        times = {r["system"]: r["time_to_target_s"] for r in rows}
-        summary = {"time_to_target_s": times, "target": args.target,
-                   "emulated": True, "all_faithful": all(r["emulation_faithful"] for r in rows)}
-        d4, d0, hv = times.get("HetPipe D=4"), times.get("HetPipe D=0"), times.get("Horovod")
-        if d4 is not None:
-            if hv is not None:
-                summary["D4_over_horovod"] = round(d4 / hv, 3)
-            if d0 is not None:
-                summary["D4_over_D0"] = round(d4 / d0, 3)
-        summary["target_met"] = bool(d4 is not None and (hv is None or d4 < hv) and (d0 is None or d4 < d0))
-        _emit(out, summary=True, **summary)
+            emit(out, "convergence", **row)
+        emit(out, "convergence", **summarise(rows, args.target), run_wall_s=round(time.perf_counter() - started, 1))
     if args.png:
-        plot(rows, args.target, args.png, f"{args.dataset} cnn: Horovod vs HetPipe (ED-local, 2 virtual workers), "
-                                          f"4 EMULATED devices 1/1/0.5/0.5, dilation {args.dilation:g}")
+        plot(rows, args.target, args.png, f"{args.dataset} cnn: Horovod vs HetPipe (ED-local and NP, 2 virtual "
+                                          f"workers), 4 EMULATED devices 1/1/0.5/0.5, dilation {args.dilation:g}")
 
 
 if __name__ == "__main__":

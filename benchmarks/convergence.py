@@ -219,6 +219,10 @@ def hetpipe_row(args, policy, d, vw_size=None, epochs=None, trace_dir=None):
     return row
 
 
+def title(dataset, dilation):
+    return f"{dataset} cnn: Horovod vs HetPipe (ED-local, NP; 2 VWs)\n4 EMULATED devices 1/1/0.5/0.5, dilation {dilation:g}"
+
+
 def plot(rows, target, path, title):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -322,8 +326,7 @@ def main():
             emit(out, "convergence", **row)
         emit(out, "convergence", **summarise(rows, args.target), run_wall_s=round(time.perf_counter() - started, 1))
     if args.png:
-        plot(rows, args.target, args.png, f"{args.dataset} cnn: Horovod vs HetPipe (ED-local and NP, 2 virtual "
-                                          f"workers), 4 EMULATED devices 1/1/0.5/0.5, dilation {args.dilation:g}")
+        plot(rows, args.target, args.png, title(args.dataset, args.dilation))
 
 
 if __name__ == "__main__":

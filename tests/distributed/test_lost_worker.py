@@ -116,9 +116,10 @@ def _check_continued(proc, result, why):
     assert result["epochs"] == 3
     [lost] = result["lost"]
     assert lost["worker"] == 1
-    # Worker 0 trained all its 12 minibatches (6 waves); worker 1 rejoined at worker 0's clock at
-    # epoch 1's end (4) and pushed epoch 2's 2 waves from there.
-    assert result["clocks"] == [6, lost["rejoined_at"] + 2] and lost["rejoined_at"] == 4, result["clocks"]
+    # Worker 0 trained all its 12 minibatches (6 waves); worker 1, restarted at epoch 1's end, rejoined
+    # at the global clock when its new process was up: worker 0's at that end (4) or a wave later, when
+    # worker 0 went on into epoch 2 alone while the process started; it pushed epoch 2's 2 waves from there.
+    assert result["clocks"] == [6, lost["rejoined_at"] + 2] and lost["rejoined_at"] in (4, 5), result["clocks"]
     # Every wave pushed is applied once, and nothing else: the global weights are the start minus
     # lr * g for every minibatch of every wave pushed (worker 1's before it was lost and after).
     waves = result["clocks"][0] + lost["clock"] + result["clocks"][1] - lost["rejoined_at"]

@@ -51,6 +51,11 @@ def _is_remote(device):
     return job not in (None, "localhost")
 
 
+def _in_order(entering):
+    """The tensors a pass enters with, from {position: tensor}, in position order."""
+    return [entering[i] for i in range(len(entering))]
+
+
 def _is_float(t):
     """Whether a tensor holds floating-point values."""
     return tf.as_dtype(t.dtype).is_floating
@@ -236,8 +241,7 @@ class StageRuntime:
     def forward(self, p, training=True, live=False, recompute=False):
         """Forward pass of minibatch p with its stashed weight version w_p (`live`: with the live
         weights); with `recompute`, untaped, keeping only its inputs for :meth:`recompute`."""
-        entering = self._entering.pop(p)
-        entering = [entering[i] for i in range(len(entering))]
+        entering = _in_order(self._entering.pop(p))
         weights = self._weights(p, live)
         labels = self._labels.pop(p) if self.is_last else None
         if recompute:
@@ -259,8 +263,7 @@ class StageRuntime:
         return targets
 
     def _timed_pass_graph(self, weights, entering, labels):
-        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
-        sources = [entering[i] for i in float_pos] + list(weights)
+        _, sources = self._differentiated(weights, entering)
         start = tf.timestamp()
         with tf.control_dependencies([start]):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -284,8 +287,7 @@ class StageRuntime:
         that the time of the calls reaching the device is left out (on another task's device each
         eager call is an RPC). Uses the version stashed for p and the inputs set for it, consumes
         neither and changes no state; the backward pass is seeded with ones."""
-        entering = self._entering[p]
-        entering = [entering[i] for i in range(len(entering))]
+        entering = _in_order(self._entering[p])
         labels = self._labels[p] if self.is_last else None
         with tf.device(self.device):
             forward, backward, _, _ = self._timed_pass_fn(self.stash.get(p, self._dtypes), entering, labels)
@@ -299,13 +301,17 @@ class StageRuntime:
             weights = self._read_weights_fn()
         self._taped_forward(p, weights, entering, labels, training, update_state=False)
 
+    def _differentiated(self, weights, entering):
+        """What a pass is differentiated with respect to: what the previous stage sent (its gradient
+        goes back; model inputs loaded here need no gradient) and the weights. Returns the
+        positions of the received floating-point tensors and the sources (those, then the weights)."""
+        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
+        return float_pos, [entering[i] for i in float_pos] + list(weights)
+
     def _taped_forward(self, p, weights, entering, labels, training, update_state):
         """Runs the pass under a tape and keeps it, with its activations, until :meth:`backward`."""
         self.memory.allocate("activations", self.activation_bytes)
-        # Differentiate with respect to what the previous stage sent (its gradient goes back)
-        # and the weights; model inputs loaded here need no gradient.
-        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
-        sources = [entering[i] for i in float_pos] + list(weights)
+        float_pos, sources = self._differentiated(weights, entering)
         with tf.device(self.device):
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:

@@ -175,22 +175,27 @@ def mwms_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
     return {**_baseline_common(line, "MWMS"), "run_s": round(time.perf_counter() - started, 1)}
 
 
+def child_rows(argv, deadline_s, env=None):
+    """Runs `argv` (a script's child mode) in a process of its own; the rows it printed after MARK."""
+    from benchmarks.baselines import processes
+
+    (stdout,) = processes.run_all([argv], deadline_s, None if env is None else [env])
+    return [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
+
+
 def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, deadline_s=900, seed=0,
                 launch="processes"):
     """One HetPipe configuration on `types` in a fresh process (with launch "processes", one
     process per virtual worker under it; "in_process": every stage in that process, a figure to
     stand beside, never instead); `dilation` None: calibrated by that run. Returns its row."""
-    from benchmarks.baselines import processes
-
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryDirectory(prefix="hetpipe-comparison-") as folder:
         config = {"name": name, "cluster": cluster_spec(types), "policy": policy, "placement": placement,
                   "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder,
                   "launch": launch}
-        (stdout,) = processes.run_all([[sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"]],
-                                      deadline_s, [env])
-    (row,) = [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
+        (row,) = child_rows([sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"], deadline_s,
+                            env)
     return {**row, "run_s": round(time.perf_counter() - started, 1)}
 
 

@@ -70,7 +70,6 @@ Horovod's venv has no TFDS, so its rows are then left out, with a line saying so
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -79,18 +78,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.comparison import MARK, child_rows, emit  # noqa: E402
+
 SPEEDS = (1.0, 1.0, 0.5, 0.5)  # the local preset's devices: F, F, S, S
 MEMORY = ("64M", "64M", "32M", "32M")
 BOUNDS = (0, 4, 32)
-
-
-def emit(out, benchmark, **fields):
-    """Prints one JSON line (``"benchmark": benchmark`` first) and writes it to `out` if given."""
-    line = json.dumps({"benchmark": benchmark, **fields})
-    print(line, flush=True)
-    if out:
-        out.write(line + "\n")
-        out.flush()
 
 
 def time_to_target(curve, target):
@@ -194,7 +186,7 @@ def hetpipe_child(args):
             events = json.load(f)["traceEvents"]
         row.update(trace_figures(events, [[d.type.emulated_speed for d in w.devices] for w in plan.workers],
                                  report["dilation"]))
-    print("ROW " + json.dumps(row), flush=True)
+    print(MARK + json.dumps(row), flush=True)
 
 
 def system_name(policy, d):
@@ -212,10 +204,7 @@ def hetpipe_row(args, policy, d, vw_size=None, epochs=None, trace_dir=None):
         argv.append(f"--child_vw_size={vw_size}")
     if trace_dir:
         argv.append(f"--child_trace_dir={trace_dir}")
-    from benchmarks.baselines import processes
-
-    (stdout,) = processes.run_all([argv], args.deadline_s)
-    (row,) = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
+    (row,) = child_rows(argv, args.deadline_s)
     return row
 
 

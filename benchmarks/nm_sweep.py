@@ -51,13 +51,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.convergence import emit  # noqa: E402
+from benchmarks.comparison import emit  # noqa: E402
 
 # Issue 13's emulated 4-type cluster: speeds 1, 0.67, 0.4, 0.33; memory in Table 1's proportions.
 DEVICE_TYPES = {"V": (1.0, "48M"), "R": (0.67, "96M"), "G": (0.4, "24M"), "Q": (0.33, "32M")}
 POLICIES = ("np", "ed", "hd")
 BATCH = 32
-FAITHFUL = 0.05
 DILATIONS = (6, 8, 12, 16, 24, 32)
 
 
@@ -148,6 +147,8 @@ def measure(vw, data):
 
 def sweep(label, built, data, rounds, dilation):
     """Runs every Nm of one virtual worker `rounds` times, interleaved; one row per Nm."""
+    from hetpipe_tf.pipeline.emulation import FAITHFUL_OVERRUN
+
     runs = {nm: [] for nm in built}
     for _ in range(rounds):
         for nm, (vw, _) in built.items():
@@ -167,7 +168,7 @@ def sweep(label, built, data, rounds, dilation):
                      "boundaries": list(vw.staged.boundaries),
                      "emulated": True, "dilation": dilation, "overrun_fraction": round(worst, 4),
                      "overran_tasks": sum(r["overran_tasks"] for r in rs),
-                     "paced_tasks": sum(r["paced_tasks"] for r in rs), "emulation_faithful": worst < FAITHFUL})
+                     "paced_tasks": sum(r["paced_tasks"] for r in rs), "emulation_faithful": worst < FAITHFUL_OVERRUN})
     return normalise(rows)
 
 

@@ -65,12 +65,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.convergence import emit, time_to_target  # noqa: E402
+from benchmarks.comparison import MARK, child_rows, emit  # noqa: E402
+from benchmarks.convergence import time_to_target  # noqa: E402
 
 PIPELINE_DEVICES = "1@64M,1@64M,0.5@32M,0.5@32M"  # the local preset's devices, F F S S
 SGD_DEVICE = "1@64M"
 BATCH = 32
-MARK = "ROW "
 DILATIONS = (4, 6, 8, 12, 16)  # the calibration's candidates (--dilation=0)
 
 
@@ -210,11 +210,10 @@ def run_child(config, deadline_s):
 
     argv = [sys.executable, os.path.abspath(__file__), "--child=" + json.dumps(config)]
     try:
-        (stdout,) = processes.run_all([argv], deadline_s)
+        rows = child_rows(argv, deadline_s)
     except processes.BaselineRunError as e:
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         return {"scheme": config["scheme"], "kind": config["kind"], "failed": " | ".join(lines[-3:])[-600:]}
-    rows = [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
     if len(rows) != 1:
         return {"scheme": config["scheme"], "kind": config["kind"], "failed": "the run printed no row"}
     return rows[0]

@@ -42,11 +42,11 @@ def test_a_chief_killed_mid_run_and_resumed_ends_with_the_weights_of_an_uninterr
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_command(tmp_path, *RUN, f"--checkpoint_dir={killed}"), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline, seen = time.monotonic() + 600, {}
-    while _newest(killed) != "ckpt-2" and proc.poll() is None and time.monotonic() < deadline:
+    deadline, seen = time.monotonic() + 600, {}  # checkpoint -> when it was first seen
+    while "ckpt-2" not in seen and proc.poll() is None and time.monotonic() < deadline:
         seen.setdefault(_newest(killed), time.monotonic())
         time.sleep(0.02)
-    epoch_s = time.monotonic() - seen["ckpt-1"]  # epoch 2, from its checkpoint to the next
+    epoch_s = seen["ckpt-2"] - seen["ckpt-1"]  # epoch 2, from its checkpoint to the next
     time.sleep(epoch_s / 2)  # half-way into epoch 3
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL

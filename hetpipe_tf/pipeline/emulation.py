@@ -9,7 +9,8 @@ Time rule. A task on an emulated device of relative speed ``v`` takes
 
 where ``reference`` is the same task's compute time measured alone at start-up
 (the minimum over a few solo runs, so the target does not inflate when several
-emulated devices share the host's cores or other work interferes) and ``dilation``
+emulated devices share the host's cores or other work interferes; with what the task
+receives already on its device, since moving it is communication, which is not padded) and ``dilation``
 multiplies every device's slowdown alike. The rule holds
 only while the actual time stays below the target; a task that overran means
 the host could not keep up. The fraction of tasks that overran is the

@@ -531,6 +531,16 @@ def _block(tensors):
             return
 
 
+def _moved(tensors, device):
+    """`tensors` (any structure; None entries kept) copied onto `device`, there when this returns."""
+    with tf.device(device):
+        moved = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
+    for t in tf.nest.flatten(moved):
+        if t is not None:
+            np.asarray(tf.reshape(t, [-1])[:1])
+    return moved
+
+
 def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
     """Each stage's forward and backward time, measured alone, one stage at a time.
 
@@ -541,7 +551,9 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
     (a task's, not this process's ``localhost``) is timed on that device
     (:meth:`StageRuntime.timed_solo_pass`): timed from here, its passes would also hold the
     RPCs that drive them, which pacing (``dilation / speed x`` this time) would then dilate as
-    if they were compute.
+    if they were compute. For the same reason what a stage receives (the previous stage's
+    activations, the next one's gradients, inputs and labels) is on its device before its pass is timed: moving it
+    is communication, which the emulation does not pad.
     Nothing is applied, and the stages' non-trainable state is restored afterwards.
     """
     times = [{Forward: [], Backward: []} for _ in runtimes]
@@ -554,11 +566,11 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
         carry = None
         for s, rt in enumerate(runtimes):
             if carry is not None:
-                rt.set_received(0, carry)
+                rt.set_received(0, _moved(carry, rt.device))
             if s in loaded:
-                rt.set_loaded(0, loaded[s])
+                rt.set_loaded(0, _moved(loaded[s], rt.device))
             if rt.is_last:
-                rt.set_labels(0, y)
+                rt.set_labels(0, _moved(y, rt.device))
             if on_device[s] is not None:
                 with rt.execution_scope():
                     forward, backward = rt.timed_solo_pass(0)
@@ -572,6 +584,7 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
         grads = None
         for s in reversed(range(len(runtimes))):
             rt = runtimes[s]
+            grads = _moved(grads, rt.device)
             t0 = time.perf_counter()
             with rt.execution_scope():
                 rt.backward(0, grads)

@@ -3,6 +3,7 @@ the virtual worker and the stage, and applies and pushes nothing of that minibat
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
@@ -124,3 +125,39 @@ def test_a_pass_timed_on_the_stages_device_consumes_nothing_and_changes_no_state
     first.backward(0, last.input_gradients(0))
     after = [v.numpy() for rt in vw.runtimes for v in rt.trainable + rt.non_trainable]
     assert all(np.array_equal(a, b) for a, b in zip(state, after))
+
+
+def test_solo_times_are_taken_with_what_a_stage_receives_already_on_its_device(monkeypatch):
+    """Moving activations, gradients and labels between devices is communication, which the
+    emulation does not pad: measure_stage_times puts them on the receiving stage's device before
+    it times the pass (timed with them elsewhere, the pass would hold the copy, which pacing
+    then dilates as if it were compute)."""
+    from hetpipe_tf.runtime.stage_runtime import StageRuntime, measure_stage_times
+
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                       timeout_s=30, tf_devices=("/device:CPU:0", "/device:CPU:1"))
+    (x, y), = _batches(model, 1)
+    vw.prepare(x, y)
+    assert len({rt.device for rt in vw.runtimes}) == 2
+    where = []
+
+    def recording(name):
+        original = getattr(StageRuntime, name)
+
+        def record(self, p, tensors=None, *rest):
+            placed = [tf.DeviceSpec.from_string(t.device) for t in tf.nest.flatten(tensors) if t is not None]
+            own = tf.DeviceSpec.from_string(self.device)
+            where.extend((name, self.index, (d.device_type, d.device_index) == (own.device_type, own.device_index))
+                         for d in placed)
+            return original(self, p, tensors, *rest)
+
+        monkeypatch.setattr(StageRuntime, name, record)
+
+    for name in ("set_received", "set_labels", "backward"):
+        recording(name)
+    times = measure_stage_times(vw.runtimes, vw.staged.split_inputs, x, y, repeats=2)
+    assert len(times) == 2 and all(t > 0 for stage in times for t in stage.values())
+    assert {(name, stage) for name, stage, _ in where} == {("set_received", 1), ("set_labels", 1), ("backward", 0)}
+    assert all(on_its_device for *_, on_its_device in where), where

@@ -303,9 +303,10 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
         compiled = self._compiled[id(model)]
-        # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure).
+        # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure);
+        # with stages on the cluster's tasks, timed on a task's CPU as their references will be.
         profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
-                                  sample=_first_batch(data, self.launch))
+                                  sample=_first_batch(data, self.launch), stage_device=self._profiling_device())
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
@@ -351,6 +352,15 @@ class HetPipeStrategy:
             schedule=self.schedule, sync=self.sync, minibatch_sizes=self._cuts.get("minibatch_sizes"))
         self._runner_key = key
         return self.runner
+
+    def _profiling_device(self):
+        """Where the profile times the stages: None (this process's CPU) in process; on a cluster,
+        the worker task's CPU of the first node with a host device (an emulated or CPU one), or None."""
+        if self.launch == "in_process":
+            return None
+        nodes = [n.name for n in self.cluster.nodes]
+        host = next((d for d in self.cluster.devices() if d.type.on_host), None)
+        return None if host is None else self._devices()["worker"](nodes.index(host.node), host)
 
     def _worker_spec(self, w, devices):
         """Worker w's WorkerSpec, and how many of its devices its own process holds: those on

@@ -5,7 +5,12 @@ same stage code the executor runs, and its forward and backward times are measur
 alone (:func:`hetpipe_tf.runtime.stage_runtime.measure_stage_times`). A trivial stage gives
 the fixed cost of a task, which is subtracted from every segment, so that a stage of
 several segments costs one task overhead plus its segments' compute. Emulated device
-types use these host times scaled by dilation / speed, as the emulation itself does.
+types use these host times scaled by dilation / speed, as the emulation itself does, so
+they are taken where and as the emulation takes its references: on a cluster's task
+(``stage_device``) when the stages will run on tasks, each pass timed on that device
+without the RPCs that drive it; a fixed cost per task measured from this process's clock
+(about 1 ms a stage here) would steer the cut away from the slow devices, whose paced
+tasks hold no such cost.
 The time to apply an update is fitted from applies of two sizes with the real
 optimizer. Profiles are cached as JSON, keyed by model, batch size and host.
 """
@@ -168,11 +173,13 @@ def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repe
 
 
 def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", optimizer="sgd",
-                    sample=None, device="/device:CPU:0", repeats=7, cache_dir=DEFAULT_CACHE_DIR):
+                    sample=None, device="/device:CPU:0", repeats=7, cache_dir=DEFAULT_CACHE_DIR, stage_device=None):
     """The profile of `model` at `batch_size`, with times measured on `device` of this host.
 
-    Times go under the key ``"host"``. With `cache_dir`, a profile measured before for
-    the same model graph, batch size, optimizer and host is read back instead.
+    Times go under the key ``"host"``. `stage_device`: where the segments' passes are timed
+    instead (a cluster task's CPU, for stages that will run on tasks); applies and the
+    executor's costs stay measured on `device`. With `cache_dir`, a profile measured before
+    for the same model graph, batch size, optimizer, host and stage device is read back instead.
     """
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
@@ -181,6 +188,9 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     optimizer = check_optimizer(optimizer)
     host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
     key = f"{graph.name}-{_fingerprint(graph)}-b{batch_size}-{type(optimizer).__name__}-{host}"
+    timed_on = stage_device or device
+    if stage_device:
+        key += "-stages-" + hashlib.sha1(stage_device.encode()).hexdigest()[:8]
     path = os.path.join(cache_dir, key + ".json") if cache_dir else None
     if path and os.path.exists(path):
         with open(path) as f:
@@ -190,16 +200,16 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     rows = {Forward: [], Backward: []}
     for grouping in [tuple(range(n))] + _groupings(n):
         starts = tuple(base.starts[i] for i in grouping)
-        staged = split_model(model, boundaries=starts, devices=[device] * len(starts))
+        staged = split_model(model, boundaries=starts, devices=[timed_on] * len(starts))
         ends = grouping[1:] + (n,)
-        for (lo, hi), measured in zip(zip(grouping, ends), _segment_times(staged, loss, x, y, device, repeats)):
+        for (lo, hi), measured in zip(zip(grouping, ends), _segment_times(staged, loss, x, y, timed_on, repeats)):
             for kind in rows:
                 rows[kind].append((lo, hi, measured[kind]))
     f_overhead, forward = _fit_segments(rows[Forward], n)
     b_overhead, backward = _fit_segments(rows[Backward], n)
     times = SegmentTimes(forward=forward, backward=backward, forward_overhead=f_overhead,
                          backward_overhead=b_overhead,
-                         source=f"measured on {host_name()} ({device}), batch {batch_size}")
+                         source=f"measured on {host_name()} ({timed_on}), batch {batch_size}")
     apply_base, apply_per_byte = _apply_seconds(optimizer, device, shared=False)
     _, shared_per_byte = _apply_seconds(optimizer, device, shared=True)
     weights = [v.numpy() for v in model.weights]

@@ -29,3 +29,15 @@ def test_synthetic_transfer_benchmark_measures_growing_times():
     from hetpipe_tf.runtime.profiler import measure_transfers
     samples = measure_transfers("/device:CPU:0", "/device:CPU:1", sizes=(2 ** 12, 2 ** 22), repeats=3)
     assert [b for b, _ in samples] == [2 ** 14, 2 ** 24] and samples[1][1] > samples[0][1] > 0
+
+
+def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path):
+    """stage_device: the segments' passes timed where the stages will run (a cluster task's CPU
+    for launch="processes"), not where the profile is taken; the cache keeps both."""
+    model = test_models.mlp()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    here = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3)
+    there = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3, stage_device="/device:CPU:1")
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert "(/device:CPU:0)" in here.times["host"].source and "(/device:CPU:1)" in there.times["host"].source
+    assert sum(there.times["host"].forward) > 0 and there.apply_per_byte > 0

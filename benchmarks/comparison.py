@@ -48,9 +48,10 @@ BATCH_SIZE = 32
 MARK = "ROW "
 
 
-def arguments(doc, benchmark, calibrated_by, **switches):
+def arguments(doc, benchmark, calibrated_by, options=None, **switches):
     """The flags both comparison scripts take, parsed and checked; `calibrated_by` names the run
-    that calibrates the dilation; `switches` are a script's own flags (name: help), off unless given."""
+    that calibrates the dilation; `options` are a script's own valued flags (name: (default,
+    help)), `switches` its own on/off flags (name: help), off unless given."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4, help="epochs of every run (the first is left out)")
     parser.add_argument("--dilation", type=float, default=None, help=f"default: calibrated by the {calibrated_by} run")
@@ -60,6 +61,8 @@ def arguments(doc, benchmark, calibrated_by, **switches):
     parser.add_argument("--deadline_s", type=float, default=900.0, help="of each system's run")
     parser.add_argument("--out", default=f"benchmarks/results/{benchmark}.jsonl")
     parser.add_argument("--png", default=f"benchmarks/results/{benchmark}.png")
+    for name, (default, text) in (options or {}).items():
+        parser.add_argument(f"--{name}", default=default, help=text)
     for name, text in switches.items():
         parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
@@ -184,16 +187,17 @@ def child_rows(argv, deadline_s, env=None):
 
 
 def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, deadline_s=900, seed=0,
-                launch="processes"):
+                launch="processes", num_in_flight=None):
     """One HetPipe configuration on `types` in a fresh process (with launch "processes", one
     process per virtual worker under it; "in_process": every stage in that process, a figure to
-    stand beside, never instead); `dilation` None: calibrated by that run. Returns its row."""
+    stand beside, never instead); `dilation` None: calibrated by that run; `num_in_flight` None:
+    the planner's Nm. Returns its row."""
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryDirectory(prefix="hetpipe-comparison-") as folder:
         config = {"name": name, "cluster": cluster_spec(types), "policy": policy, "placement": placement,
                   "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder,
-                  "launch": launch}
+                  "launch": launch, "num_in_flight": num_in_flight}
         (row,) = child_rows([sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"], deadline_s,
                             env)
     return {**row, "run_s": round(time.perf_counter() - started, 1)}
@@ -230,11 +234,12 @@ def _hetpipe_child(config):
     from hetpipe_tf import HetPipeStrategy
     from hetpipe_tf.cli.models import build_model
     from hetpipe_tf.data import datasets
-    from hetpipe_tf.planning.planner import simulate_plan
+    from hetpipe_tf.planning.planner import PlanError, simulate_plan
     from benchmarks.baselines import ranks
 
     strategy = HetPipeStrategy(cluster=config["cluster"], policy=config["policy"], placement=config["placement"],
                                vw_size=config["vw_size"], staleness_bound=0, launch=config["launch"],
+                               num_in_flight=config.get("num_in_flight"),
                                dilation=config["dilation"], timeout_s=300)
     with strategy.scope():
         train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,
@@ -254,7 +259,13 @@ def _hetpipe_child(config):
             seconds.append(time.perf_counter() - self.t0)
 
     trace_path = os.path.join(config["trace_dir"], "trace.json")
-    model.fit(train, epochs=config["epochs"], callbacks=[Clock()], verbose=0, trace_path=trace_path)
+    try:
+        model.fit(train, epochs=config["epochs"], callbacks=[Clock()], verbose=0, trace_path=trace_path)
+    except PlanError as e:  # a Nm asked for that some worker's memory does not admit
+        print(MARK + json.dumps({"system": f"HetPipe {config['name']}", "launch": config["launch"],
+                                 "policy": config["policy"], "num_in_flight": config["num_in_flight"],
+                                 "does_not_fit": str(e)}), flush=True)
+        return
     plan = strategy.plan
     predicted = simulate_plan(plan)  # at dilation 1 unless one was given (the planner's rule)
     workers = [{k: round(v, 4) if isinstance(v, float) else v for k, v in st.items()}

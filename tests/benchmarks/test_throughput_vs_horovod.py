@@ -48,3 +48,26 @@ def test_a_row_run_in_one_process_stands_beside_and_does_not_count():
     assert len(fig4.ratios(rows)) == 2  # its ratio is printed beside
     s = fig4.summary(rows, comparison.device_types("VRQG"))
     assert s["best_policy"] == "HetPipe NP" and s["best_over_horovod"] == 1.05 and not s["target_met"]
+
+
+def test_each_policy_s_figure_is_its_fastest_nm_and_the_planner_s_choice_is_kept():
+    """§8.2: Nm is set per policy so that throughput is highest; a Nm its memory does not admit
+    gives a row that says so and counts for nothing."""
+    rows = [dict(row("HetPipe HD (planner's Nm)", 480.0), policy_name="HD", planner_nm=True, num_in_flight=2),
+            dict(row("HetPipe HD, Nm=4", 560.0), policy_name="HD", num_in_flight=4),
+            dict(row("HetPipe HD, Nm=8", 660.0), policy_name="HD", num_in_flight=8),
+            dict(row("HetPipe NP (planner's Nm)", 420.0), policy_name="NP", planner_nm=True, num_in_flight=1),
+            {"system": "HetPipe NP, Nm=8", "policy_name": "NP", "num_in_flight": 8, "does_not_fit": "Nm <= 4"},
+            row("Horovod", 440.0)]
+    s = fig4.summary(rows, comparison.device_types("VRQG"))
+    assert s["best_policy"] == "HetPipe HD, Nm=8" and s["best_over_horovod"] == 1.5 and s["target_met"]
+    assert s["best_by_policy"]["HD"] == {"num_in_flight": 8, "images_per_s": 660.0, "system": "HetPipe HD, Nm=8",
+                                         "planner_num_in_flight": 2, "hetpipe_over_horovod": 1.5}
+    assert s["best_by_policy"]["NP"]["num_in_flight"] == 1 and s["all_faithful"]
+
+
+def test_nm_candidates_are_whole_numbers_or_none():
+    assert fig4.nm_candidates("4,8") == (4, 8) and fig4.nm_candidates("") == ()
+    for bad in ("0", "four", "4,-8"):
+        with pytest.raises(ValueError, match="whole numbers >= 1"):
+            fig4.nm_candidates(bad)

@@ -135,6 +135,8 @@ class StageRuntime:
         self._read_synchronised_fn = tf.function(functools.partial(self._read_synchronised_graph))
         self._add_fn = tf.function(functools.partial(self._add_graph))
         self._shift_version_fn = tf.function(functools.partial(self._shift_version_graph))
+        self._merge_fn = tf.function(functools.partial(self._merge_graph))
+        self._change_fn = tf.function(functools.partial(self._synchronised_change_graph))
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
         self._sum_fn = tf.function(functools.partial(_sum_graph))
         self._mean_fn = tf.function(functools.partial(_mean_graph))
@@ -143,6 +145,7 @@ class StageRuntime:
         self._timed_pass_fn = tf.function(functools.partial(self._timed_pass_graph))
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
+        self._stashed = set()  # minibatch ids whose versions the stash holds (no readback needed)
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
         self._inflight = {}
@@ -199,12 +202,14 @@ class StageRuntime:
         self.memory.allocate("stashed versions", self.version_bytes)
         with tf.device(self.device):
             self._stash_fn(tf.constant(p, tf.int64))
+        self._stashed.add(p)
         if self.record_provenance:
             self.version_updates[p] = tuple(self.applied)
             self.version_globals[p] = self.global_included
 
     def release_weights(self, p):
         self.stash.release(p)
+        self._stashed.discard(p)
         self.memory.free("stashed versions", self.version_bytes)
 
     # Compute -----------------------------------------------------------------------------
@@ -419,6 +424,16 @@ class StageRuntime:
         with tf.device(self.device):
             return self._read_synchronised_fn()
 
+    def _synchronised_change_graph(self, since):
+        now = self._read_synchronised_graph()
+        return now, [x - y for x, y in zip(now, since)]
+
+    def synchronised_change(self, since):
+        """(copies of the synchronised variables' values now, their change from `since`), in one
+        call on the stage's device."""
+        with tf.device(self.device):
+            return self._change_fn(list(since))
+
     def subtract(self, a, b):
         """[x - y for x, y in zip(a, b)], computed on the stage's device."""
         with tf.device(self.device):
@@ -438,26 +453,54 @@ class StageRuntime:
         self.stash.release(p)
         self.stash.put(p, [w + d for w, d in zip(version, deltas)])  # versions: trainable weights only
 
+    def _merge_graph(self, base, pulled, stashed):
+        deltas = [x - y for x, y in zip(pulled, base)]
+        self._add_graph(deltas)
+        for i in range(self.stash.capacity) if self.trainable else ():  # one trace: ids padded with -1
+            tf.cond(stashed[i] >= 0, lambda p=stashed[i]: self._shift_version_graph(p, deltas[:len(self.trainable)]),
+                    lambda: None)
+        return [x + d for x, d in zip(base, deltas)]
+
+    def _stashed_from(self, first_minibatch):
+        """The minibatch ids >= `first_minibatch` whose versions are stashed, in order."""
+        return sorted(p for p in self._stashed if p >= first_minibatch)
+
+    def _now_including(self, stashed, included):
+        self.global_included = frozenset(included)
+        if self.record_provenance:
+            for p in stashed:
+                self.version_globals[p] = self.global_included
+
     def add_to_weights(self, deltas, first_minibatch, included):
         """Adds `deltas` (one per synchronised variable) to the live variables and to the versions
         stashed for minibatches >= `first_minibatch`, which thereby hold the global updates
         `included` ((worker, clock) pushes), as the live weights now do."""
         deltas = list(deltas)
+        stashed = self._stashed_from(first_minibatch)
         with tf.device(self.device):
             self._add_fn(deltas)
-            stashed = [p for p in self.stash.stats().minibatches if p >= first_minibatch]
             for p in stashed if self.trainable else ():  # a stage without weights stashes nothing
                 self._shift_version_fn(tf.constant(p, tf.int64), deltas[:len(self.trainable)])
-        self.global_included = frozenset(included)
-        if self.record_provenance:
-            for p in stashed:
-                self.version_globals[p] = self.global_included
+        self._now_including(stashed, included)
+
+    def merge_pulled(self, base, pulled, first_minibatch, included):
+        """:meth:`add_to_weights` of ``pulled - base`` in one compiled call on the stage's device
+        (one RPC where the device is another task's, not one per step and version): the merge of
+        global weights pulled after the pushes `included` (§5). Returns ``base + (pulled - base)``,
+        the new base of the next push."""
+        stashed = self._stashed_from(first_minibatch)
+        padded = tf.constant(stashed + [-1] * (self.stash.capacity - len(stashed)), tf.int64)
+        with tf.device(self.device):
+            new_base = self._merge_fn(list(base), list(pulled), padded)
+        self._now_including(stashed, included)
+        return new_base
 
     def end_run(self):
         """Drops what a stopped or failed run left behind: versions stashed for minibatches
         that never ran, and their inputs, so that the next run starts clean."""
         for p in self.stash.stats().minibatches:
             self.release_weights(p)
+        self._stashed.clear()
         for p in list(self._inflight):
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)

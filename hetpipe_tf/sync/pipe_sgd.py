@@ -186,8 +186,7 @@ class ReplicaBase:
     def take_update(self, first_minibatch):
         """u = w_local - base; w_local and the versions stashed for minibatches >= `first_minibatch`
         go back to base. Returns u."""
-        now = self.runtime.synchronised_values()
-        update = self.runtime.subtract(now, self.values)
+        now, update = self.runtime.synchronised_change(self.values)
         self.runtime.add_to_weights(self.runtime.subtract(self.values, now), first_minibatch, self.included)
         return update
 

@@ -83,8 +83,8 @@ class PushBase:
     The next push sends ``w_local - base``, which is exactly the local updates made since the
     last push; a merge of pulled global weights adds ``pulled - base`` to the live weights and
     to the versions stashed since the push. Works on the synchronised variables of `runtime`
-    (a stage runtime: ``synchronised_values()``, ``synchronised_paths``, ``subtract()``,
-    ``sum()``, ``add_to_weights()``; each one call on the stage's device).
+    (a stage runtime: ``synchronised_values()``, ``synchronised_paths``,
+    ``synchronised_change()``, ``merge_pulled()``; each one call on the stage's device).
     """
 
     def __init__(self, runtime):
@@ -97,18 +97,14 @@ class PushBase:
 
     def wave_update(self):
         """The aggregated update of the wave, w_local - base; base := w_local."""
-        now = self.runtime.synchronised_values()
-        deltas = self.runtime.subtract(now, self.values)
-        self.values = now
+        self.values, deltas = self.runtime.synchronised_change(self.values)
         return deltas
 
     def merge(self, pulled, clocks, first_minibatch):
         """Takes global weights pulled after the workers' `clocks` in: w_local and the versions
         stashed for minibatches >= `first_minibatch` become them plus the local updates since."""
-        deltas = self.runtime.subtract(pulled, self.values)
-        self.values = self.runtime.sum(self.values, deltas)
         included = frozenset((w, c) for w, clock in enumerate(clocks) for c in range(clock))
-        self.runtime.add_to_weights(deltas, first_minibatch, included)
+        self.values = self.runtime.merge_pulled(self.values, pulled, first_minibatch, included)
 
     def snapshot(self):
         return self.values

@@ -161,3 +161,29 @@ def test_solo_times_are_taken_with_what_a_stage_receives_already_on_its_device(m
     assert len(times) == 2 and all(t > 0 for stage in times for t in stage.values())
     assert {(name, stage) for name, stage, _ in where} == {("set_received", 1), ("set_labels", 1), ("backward", 0)}
     assert all(on_its_device for *_, on_its_device in where), where
+
+
+def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_minibatch_only():
+    """§5: merging global weights pulled after wave c adds (pulled - base) to w_local and to the
+    versions of the minibatches that will run on them, not to those stashed before."""
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, timeout_s=30)
+    (x, y), = _batches(model, 1)
+    vw.prepare(x, y)
+    rt, = vw.runtimes
+    before = [v.numpy() for v in rt.trainable]
+    rt.stash_weights(3)
+    rt.stash_weights(5)
+    base = rt.synchronised_values()
+    pulled = [b + 0.5 for b in base]
+    new_base = rt.merge_pulled(base, pulled, first_minibatch=4, included={(0, 0), (1, 0)})
+    dtypes = [v.dtype for v in rt.trainable]
+    assert all(np.allclose(n, p) for n, p in zip(new_base, pulled))
+    assert all(np.allclose(v.numpy(), w + 0.5) for v, w in zip(rt.trainable, before))
+    assert all(np.array_equal(v, w) for v, w in zip(rt.stash.get(3, dtypes), before))
+    assert all(np.allclose(v, w + 0.5) for v, w in zip(rt.stash.get(5, dtypes), before))
+    assert rt.global_included == {(0, 0), (1, 0)}
+    rt.release_weights(3)
+    rt.release_weights(5)
+    assert rt.stash.stats().num_versions == 0

@@ -595,8 +595,8 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
     (:meth:`StageRuntime.timed_solo_pass`): timed from here, its passes would also hold the
     RPCs that drive them, which pacing (``dilation / speed x`` this time) would then dilate as
     if they were compute. For the same reason what a stage receives (the previous stage's
-    activations, the next one's gradients, inputs and labels) is on its device before its pass is timed: moving it
-    is communication, which the emulation does not pad.
+    activations, the next one's gradients, inputs and labels) is on its device before its pass
+    is timed: moving it is communication, which the emulation does not pad.
     Nothing is applied, and the stages' non-trainable state is restored afterwards.
     """
     times = [{Forward: [], Backward: []} for _ in runtimes]

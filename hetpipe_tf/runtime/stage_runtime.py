@@ -133,8 +133,7 @@ class StageRuntime:
         # one RPC, not one per variable and op).
         self._stash_fn = tf.function(functools.partial(self._stash_graph))
         self._read_synchronised_fn = tf.function(functools.partial(self._read_synchronised_graph))
-        self._add_fn = tf.function(functools.partial(self._add_graph))
-        self._shift_version_fn = tf.function(functools.partial(self._shift_version_graph))
+        self._add_to_weights_fn = tf.function(functools.partial(self._add_to_weights_graph))
         self._merge_fn = tf.function(functools.partial(self._merge_graph))
         self._change_fn = tf.function(functools.partial(self._synchronised_change_graph))
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
@@ -453,17 +452,22 @@ class StageRuntime:
         self.stash.release(p)
         self.stash.put(p, [w + d for w, d in zip(version, deltas)])  # versions: trainable weights only
 
-    def _merge_graph(self, base, pulled, stashed):
-        deltas = [x - y for x, y in zip(pulled, base)]
+    def _add_to_weights_graph(self, deltas, stashed):
         self._add_graph(deltas)
-        for i in range(self.stash.capacity) if self.trainable else ():  # one trace: ids padded with -1
+        for i in range(self.stash.capacity) if self.trainable else ():  # a stage without weights stashes nothing
             tf.cond(stashed[i] >= 0, lambda p=stashed[i]: self._shift_version_graph(p, deltas[:len(self.trainable)]),
                     lambda: None)
+
+    def _merge_graph(self, base, pulled, stashed):
+        deltas = [x - y for x, y in zip(pulled, base)]
+        self._add_to_weights_graph(deltas, stashed)
         return [x + d for x, d in zip(base, deltas)]
 
     def _stashed_from(self, first_minibatch):
-        """The minibatch ids >= `first_minibatch` whose versions are stashed, in order."""
-        return sorted(p for p in self._stashed if p >= first_minibatch)
+        """The minibatch ids >= `first_minibatch` whose versions are stashed, in order, and the same
+        ids padded with -1 to the stash's capacity (one tensor, so one trace of the compiled call)."""
+        ids = sorted(p for p in self._stashed if p >= first_minibatch)
+        return ids, tf.constant(ids + [-1] * (self.stash.capacity - len(ids)), tf.int64)
 
     def _now_including(self, stashed, included):
         self.global_included = frozenset(included)
@@ -474,22 +478,18 @@ class StageRuntime:
     def add_to_weights(self, deltas, first_minibatch, included):
         """Adds `deltas` (one per synchronised variable) to the live variables and to the versions
         stashed for minibatches >= `first_minibatch`, which thereby hold the global updates
-        `included` ((worker, clock) pushes), as the live weights now do."""
-        deltas = list(deltas)
-        stashed = self._stashed_from(first_minibatch)
+        `included` ((worker, clock) pushes), as the live weights now do; one compiled call on the
+        stage's device."""
+        stashed, padded = self._stashed_from(first_minibatch)
         with tf.device(self.device):
-            self._add_fn(deltas)
-            for p in stashed if self.trainable else ():  # a stage without weights stashes nothing
-                self._shift_version_fn(tf.constant(p, tf.int64), deltas[:len(self.trainable)])
+            self._add_to_weights_fn(list(deltas), padded)
         self._now_including(stashed, included)
 
     def merge_pulled(self, base, pulled, first_minibatch, included):
-        """:meth:`add_to_weights` of ``pulled - base`` in one compiled call on the stage's device
-        (one RPC where the device is another task's, not one per step and version): the merge of
-        global weights pulled after the pushes `included` (§5). Returns ``base + (pulled - base)``,
-        the new base of the next push."""
-        stashed = self._stashed_from(first_minibatch)
-        padded = tf.constant(stashed + [-1] * (self.stash.capacity - len(stashed)), tf.int64)
+        """:meth:`add_to_weights` of ``pulled - base`` in the same compiled call that computes it (one
+        RPC where the device is another task's): the merge of global weights pulled after the
+        pushes `included` (§5). Returns ``base + (pulled - base)``, the new base of the next push."""
+        stashed, padded = self._stashed_from(first_minibatch)
         with tf.device(self.device):
             new_base = self._merge_fn(list(base), list(pulled), padded)
         self._now_including(stashed, included)

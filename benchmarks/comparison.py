@@ -239,7 +239,7 @@ def _hetpipe_child(config):
 
     strategy = HetPipeStrategy(cluster=config["cluster"], policy=config["policy"], placement=config["placement"],
                                vw_size=config["vw_size"], staleness_bound=0, launch=config["launch"],
-                               num_in_flight=config.get("num_in_flight"),
+                               num_in_flight=config["num_in_flight"],
                                dilation=config["dilation"], timeout_s=300)
     with strategy.scope():
         train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,

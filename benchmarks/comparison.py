@@ -13,7 +13,7 @@ known, so the issue's example stands in for them.
 Every system emulates them with one time rule (:mod:`hetpipe_tf.pipeline.emulation`): a task of
 a device of speed v takes max(actual, dilation / v x its solo time on this host), communication
 (HetPipe's activations and parameter-server traffic, the baselines' all-reduce) is not padded.
-HetPipe's stages measure their own solo times in their processes (the minimum of 21 runs before
+HetPipe's stages measure their own solo times in their processes (the minimum of 63 runs before
 training). The baselines pace a whole step's compute to one reference that the first HetPipe run
 of the script measured the same way: the shortest Forward plus Backward span of a virtual worker
 of one stage (the whole model) in its trace, x speed / dilation (:func:`trace_figures`,

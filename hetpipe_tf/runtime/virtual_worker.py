@@ -162,11 +162,13 @@ class VirtualWorker:
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references. An
-        emulated worker paces its stages to them, so it takes the minimum of 21 runs, not 7: on
+        emulated worker paces its stages to them, so it takes the minimum of 63 runs, not 7: on
         issue 13's cluster the whole model's reference spread over 4.7-6.4 ms across four workers
-        measuring at once with 7 runs, over 4.3-5.0 ms with 21."""
+        with 7 runs, over 4.3-5.0 ms with 21; in three runs of one two-stage worker, its first
+        stage's reference spread over 3.01-3.24 ms with 21 (3.54 in a fourth), over 2.904-2.908
+        ms with 63 (about a second more per worker)."""
         self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y,
-                                              repeats=21 if self.emulated else 7)
+                                              repeats=63 if self.emulated else 7)
 
     def prepare(self, x, y):
         """Builds the stages for minibatches like (x, y) and measures their solo times (once);

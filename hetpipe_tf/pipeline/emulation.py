@@ -20,6 +20,16 @@ runners choose it with :func:`calibrate_dilation`: short probe runs of the real
 pipeline at growing dilations until one overran on fewer than half that limit,
 then one step more.
 
+Device timeline. An emulated device runs its tasks one after another, apart from the host
+thread that issues them, as a GPU's stream runs the kernels a host enqueued: a task occupies
+the device from when it was issued (or when the device's previous task ends, if later) for
+its time above (:meth:`Pacer.occupy`), and what it produces is there for the other devices
+when it ends. The host goes on meanwhile with work that reads nothing the device is still
+computing (issuing an optimizer step, releasing a stashed version); what reads a result of
+the device back waits for the device first (:meth:`Pacer.wait_idle`), as a host reading a GPU
+tensor does. A runner whose next step needs its device's result at once (a baseline's
+all-reduce of the gradients) therefore waits as if it had slept: :meth:`Pacer.pace`.
+
 Memory rule. Each emulated device has a capacity; what a stage holds (weights,
 optimizer slots, stashed versions, activations in flight) is accounted, and an
 allocation past the capacity fails like an out-of-memory on a real card.
@@ -30,6 +40,10 @@ from dataclasses import dataclass
 
 FAITHFUL_OVERRUN = 0.05
 """An emulated run is faithful while fewer than this fraction of its paced tasks overran."""
+
+HOST_SATURATED = 0.9
+"""Above this fraction of the host's CPU time busy, the host's own work (dispatch, RPCs), not the
+emulated devices, sets a run's pace: its figures do not show the devices (:class:`HostCpu`)."""
 
 DILATIONS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 """The dilations :func:`calibrate_dilation` tries, in order."""
@@ -124,6 +138,7 @@ class Pacer:
         self._lock = threading.Lock()
         self.tasks = 0
         self.overran = 0
+        self.free_at = float("-inf")  # when the device's last task ends (the device timeline)
 
     def target(self, reference, minibatch=None):
         """The time a task whose solo compute time is `reference` takes on this device."""
@@ -132,25 +147,76 @@ class Pacer:
             raise ValueError(f"a slowdown factor must be >= 1, got {factor} for minibatch {minibatch}")
         return self.dilation * reference * factor / self.speed
 
-    def pace(self, started, reference, minibatch=None):
-        """Waits until `started` + target; returns (actual, target) of the task."""
+    def occupy(self, started, reference, minibatch=None):
+        """Puts a task on the device's timeline without waiting: it ran on the host from `started`
+        until now, and occupies the device from max(`started`, the end of the device's previous
+        task) for its target. Counts it as overrun when the host took longer than the target.
+        Returns (begin, end) on the device (clock times)."""
         actual = self._clock() - started
         target = self.target(reference, minibatch)
         with self._lock:
             self.tasks += 1
             if actual > target:
                 self.overran += 1
-        deadline = started + target
+            begin = max(started, self.free_at)
+            self.free_at = begin + target
+            return begin, self.free_at
+
+    def wait_idle(self, stop=None):
+        """Waits until the device's last task ends (returns at once if it has); `stop`, a
+        threading.Event, ends the wait early when set."""
         while True:
-            left = deadline - self._clock()
-            if left <= 0:
-                break
-            self._sleep(left)
-        return actual, target
+            left = self.free_at - self._clock()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return
+            if stop is not None:
+                stop.wait(left)
+            else:
+                self._sleep(left)
+
+    def pace(self, started, reference, minibatch=None):
+        """A task whose result its runner reads at once: occupies the device (:meth:`occupy`) and
+        waits for its end. Returns (actual, target) of the task."""
+        actual = self._clock() - started
+        begin, end = self.occupy(started, reference, minibatch)
+        self.wait_idle()
+        return actual, end - begin
 
     def report(self):
         with self._lock:
             return EmulationReport(self.dilation, self.tasks, self.overran)
+
+
+class HostCpu:
+    """How busy the host's CPUs were (every core, from /proc/stat) since :meth:`start`.
+
+    The overrun fraction says whether the paced passes kept to their targets; it does not see
+    the work between them (a stage's RPCs, a rank's collective), which the host runs at its own
+    speed only while it has cores to spare. Time stolen by a hypervisor counts as busy."""
+
+    def __init__(self, path="/proc/stat"):
+        self._path = path
+        self._start = None
+
+    def _read(self):
+        try:
+            with open(self._path) as f:
+                ticks = [int(v) for v in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        idle = ticks[3] + ticks[4]  # idle, iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    def start(self):
+        self._start = self._read()
+        return self
+
+    def busy_fraction(self):
+        """The busy share of the host's CPU time since start(), or None where it cannot be read."""
+        now = self._read()
+        if self._start is None or now is None or now[1] <= self._start[1]:
+            return None
+        return round((now[0] - self._start[0]) / (now[1] - self._start[1]), 3)
 
 
 class MemoryAccount:

@@ -16,11 +16,23 @@ tensors, with no serialisation. Devices of another machine are reachable the
 same way, as remote TensorFlow devices. The process boundary is where the paper
 puts it, between virtual workers and parameter servers.
 
+An emulated device runs apart from its stage's thread (the device timeline of
+:mod:`hetpipe_tf.pipeline.emulation`): a forward or backward pass occupies the
+device for its emulated time while the thread goes on with the instructions that
+read nothing back (sending, releasing a version, issuing the optimizer step,
+stashing the next version); the activations and gradients a pass produced reach
+the other stages when it ends on its device, and the thread waits for its device
+before it picks the next task (so the FIFO rule picks among what has arrived by
+then), before an instruction of the synchronisation scheme or a snapshot (they
+read the stage's weights), and after the last stage's forward pass (its loss is
+read back).
+
 Nothing waits forever: each wait for a message has a timeout, and a watchdog
 stops the run when no stage has made progress for ``timeout_s``, naming what
 every stage was doing.
 """
-import queue
+import heapq
+import itertools
 import threading
 import time
 import traceback
@@ -36,6 +48,7 @@ from hetpipe_tf.pipeline.schedule import fifo_pick
 
 
 _FINISHED = object()
+_DEVICE_RESULTS = (ACTIVATION, GRADIENT)  # what a stage's device computes for another stage
 
 
 class PipelineError(RuntimeError):
@@ -75,6 +88,49 @@ class ExecutionReport:
     @property
     def emulation(self):
         return EmulationReport.combine(s.emulation for s in self.stages if s.emulation)
+
+
+class _Deliveries:
+    """Puts messages into mailboxes at given clock times, in time order, from a thread of its
+    own: what an emulated device computed reaches the other stages when its task ends."""
+
+    def __init__(self, clock, stop, on_error):
+        self._clock = clock
+        self._stop = stop
+        self._on_error = on_error
+        self._heap = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._main, name="hetpipe-deliveries", daemon=True)
+        self._thread.start()
+
+    def put_at(self, due, mailbox, key, value):
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._order), mailbox, key, value))
+            self._cond.notify()
+
+    def close(self):
+        with self._cond:
+            self._heap.clear()
+            self._cond.notify()
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _main(self):
+        while not self._stop.is_set():
+            with self._cond:
+                if not self._heap:
+                    self._cond.wait(0.2)
+                    continue
+                left = self._heap[0][0] - self._clock()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                _, _, mailbox, key, value = heapq.heappop(self._heap)
+            try:
+                mailbox.put(key, value)
+            except BaseException as exc:  # noqa: BLE001 - reported by the executor
+                self._on_error(exc)
 
 
 class PipelineExecutor:
@@ -141,6 +197,9 @@ class PipelineExecutor:
         self.reports = [StageReport(s, runtimes[s].device) for s in range(k)]
         self._sync_handlers = dict(sync_handlers or {})
         self._background = None
+        self._deliveries = None
+        self._device_span = [None] * k  # (begin, end) of the stage's last paced task on its device
+        self._done = []  # (minibatch, logs) the first stage applied, reported once its device is idle
         self.first_stage_busy = []  # (start, end) of the first stage's tasks (§8.4's idle time)
         self._check_instructions()
 
@@ -163,6 +222,9 @@ class PipelineExecutor:
                                                   thread_name_prefix=f"hetpipe-sync-w{self._pid}")
         threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
                                     daemon=True) for s in range(self.schedule.num_stages)]
+        if any(p is not None for p in self._pacers):
+            self._deliveries = _Deliveries(self._clock, threading.Event(),
+                                           lambda exc: self._fail(None, None, exc))
         start = self._clock()
         self._progress = start
         if self._trace:
@@ -184,6 +246,8 @@ class PipelineExecutor:
             mb.wake()
         for t in threads:
             t.join(timeout=5.0)
+        if self._deliveries is not None:
+            self._deliveries.close()
         if self._background is not None:
             self._background.shutdown(wait=False, cancel_futures=True)
         for rt in self.runtimes:
@@ -262,6 +326,7 @@ class PipelineExecutor:
             self.reports[s].stash_bytes_peak = stats.bytes
             pos = self._positions[s]
             while True:
+                self._device_idle(s)
                 chosen = self._next_task(s, prog, pos)
                 if chosen is None:
                     break
@@ -271,10 +336,14 @@ class PipelineExecutor:
                     self._execute(s, ins)
                 t1 = self._clock()
                 self.reports[s].tasks += 1
-                self.reports[s].busy_s += t1 - t0
-                if s == 0:
-                    self.first_stage_busy.append((t0, t1))
+                if self._pacers[s] is None:  # an emulated device's busy time is its timeline's
+                    self.reports[s].busy_s += t1 - t0
+                if s == 0:  # until its device ended the task
+                    pacer = self._pacers[0]
+                    self.first_stage_busy.append((t0, t1 if pacer is None else max(t1, pacer.free_at)))
                 pos[i] += 1
+            self._device_idle(s)
+            self.runtimes[s].check_applied()
             self._set_status(s, "done")
         except PipelineAborted:
             self._set_status(s, f"stopped at {ins!r}")
@@ -326,19 +395,40 @@ class PipelineExecutor:
         returns for them ({(stage, key): value}; keys without a value carry None)."""
         if ins.minibatch > self._limit and isinstance(ins, (StashWeights, SnapshotState)):
             return  # the run was stopped before this minibatch started
+        method = self._HANDLERS.get(type(ins))
+        if method is None or isinstance(ins, SnapshotState):  # they read the stage's weights
+            self._device_idle(s)
+            self.runtimes[s].check_applied()
         self._set_status(s, f"running {ins!r}")
         t0 = self._clock()
+        self._device_span[s] = None
         taken = [self._mailboxes[s].take(key) for key in ins.requires()]
-        method = self._HANDLERS.get(type(ins))
         values = (getattr(self, method)(s, ins, *taken) if method
                   else self._sync_handlers[type(ins)](self, s, ins, *taken)) or {}
+        pacer = self._pacers[s]
         for dst, key in ins.provides(s):
-            if dst != PARAMETER_SERVER:  # the method itself talked to the parameter servers
+            if dst == PARAMETER_SERVER:  # the method itself talked to the parameter servers
+                continue
+            if pacer is not None and dst != s and key[0] in _DEVICE_RESULTS and pacer.free_at > self._clock():
+                self._deliveries.put_at(pacer.free_at, self._mailboxes[dst], key, values.get((dst, key)))
+            else:
                 self._mailboxes[dst].put(key, values.get((dst, key)))
         t1 = self._clock()
         self._progress = t1
-        if self._trace:
-            self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__)
+        if self._trace:  # a paced pass shows its time on the device
+            begin, end = self._device_span[s] or (t0, t1)
+            self._trace.span(self._pid, s, repr(ins), begin, end, category=type(ins).__name__)
+
+    def _device_idle(self, s):
+        """Waits until stage `s`'s emulated device has ended its tasks; on the first stage, then
+        reports the minibatches it applied (their updates are in every stage's weights by now)."""
+        pacer = self._pacers[s]
+        if pacer is not None:
+            pacer.wait_idle(self._abort)
+        if s == 0 and self._done:
+            done, self._done = self._done, []
+            for p, logs in done:
+                self._on_done(p, logs)
 
     # Messages ---------------------------------------------------------------------------
     def _load_minibatch(self, s, ins):
@@ -376,17 +466,23 @@ class PipelineExecutor:
 
     # Compute ----------------------------------------------------------------------------
     def _paced(self, s, kind, start, minibatch):
+        """Puts a pass that ran on the host from `start` on its emulated device's timeline."""
         pacer = self._pacers[s]
-        if pacer is not None:
-            pacer.pace(start, self._references[s][kind], minibatch)
-        self.reports[s].compute_s += self._clock() - start
+        if pacer is None:
+            self.reports[s].compute_s += self._clock() - start
+            return
+        begin, end = pacer.occupy(start, self._references[s][kind], minibatch)
+        self._device_span[s] = (begin, end)
+        self.reports[s].compute_s += end - begin
+        self.reports[s].busy_s += end - begin
 
     def _forward(self, s, ins, *keys):  # the keys say w_p is stashed (and a slot is free)
         rt = self.runtimes[s]
         t0 = self._clock()
         out = rt.forward(ins.minibatch, live=ins.live, recompute=ins.recompute)
         self._paced(s, Forward, t0, ins.minibatch)
-        if rt.is_last:
+        if rt.is_last:  # its loss is read back: the host waits for the device
+            self._device_idle(s)
             self._logs[ins.minibatch] = out
         else:
             self._handoff[s][("sent", ins.minibatch)] = out
@@ -417,10 +513,13 @@ class PipelineExecutor:
         self._report_done(s, ins)
 
     def _report_done(self, s, ins):
-        """The first stage, the last to apply a minibatch's update, reports every minibatch `ins` applied."""
+        """The first stage, the last to apply a minibatch's update, reports every minibatch `ins`
+        applied: at once, or on an emulated device once the device has ended the update's pass."""
         if s == 0 and self._on_done:
             for p in ins.applies():
-                self._on_done(p, self._logs.pop(p, {}))
+                self._done.append((p, self._logs.pop(p, {})))
+            if self._pacers[0] is None:
+                self._device_idle(0)
 
     def _stash_weights(self, s, ins):
         self.runtimes[s].stash_weights(ins.minibatch)

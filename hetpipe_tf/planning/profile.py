@@ -17,8 +17,8 @@ a contiguous run of segments. For a batch size, a :class:`Profile` holds
   (Nm > 1: the update then writes a fresh buffer);
 * ``instruction_seconds``: what one non-compute instruction (receive, send, stash,
   release) costs the executor, and ``pacing_overshoot_seconds``: how late, on
-  average, a paced task on an emulated device ends after its target (waking from
-  its sleep needs the interpreter back).
+  average, the host goes on after its emulated device ended a task (waking from
+  its wait for the device needs the interpreter back).
 
 Memory is counted from tensor shapes (weights, optimizer slots, activations);
 frameworks add workspace on top, which the cost model reserves per device.

@@ -126,8 +126,8 @@ def _apply_seconds(optimizer, device, shared, sizes=(2 ** 14, 2 ** 22), repeats=
 def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_per_byte, steps=24):
     """What the executor adds around compute, measured by running `model` for real as a two-stage
     pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
-    instruction, how much slower an apply is there than alone, the mean time a paced task
-    ends after its target)."""
+    instruction, how much slower an apply is there than alone, the mean time the host takes
+    to go on after its emulated device ended a task)."""
     from hetpipe_tf.pipeline.instructions import ApplyUpdate
     from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
@@ -142,8 +142,13 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     events = [e for e in vw.trace.events() if e.get("ph") == "X"]
     compute = {Forward.__name__, Backward.__name__, ApplyUpdate.__name__}
     instruction = float(np.median([e["dur"] for e in events if e["cat"] not in compute])) * 1e-6
-    late = [e["dur"] * 1e-6 - vw.task_seconds(e["tid"], kind)
-            for kind in (Forward, Backward) for e in events if e["cat"] == kind.__name__]
+    # On its emulated device the last stage's backward pass follows its forward pass once the
+    # host, which waited for the device (the loss is read back), has issued it: the gap is how
+    # late the host goes on after its device ended a task.
+    last = {(e["cat"], e["name"].split("(")[1].split(")")[0].split(",")[0]): e for e in events
+            if e["tid"] == len(vw.runtimes) - 1 and e["cat"] in (Forward.__name__, Backward.__name__)}
+    late = [(last[(Backward.__name__, p)]["ts"] - f["ts"] - f["dur"]) * 1e-6
+            for (kind, p), f in last.items() if kind == Forward.__name__ and (Backward.__name__, p) in last]
     overshoot = max(0.0, float(np.mean(late)))
     ratios = []
     for rt in vw.runtimes:

@@ -24,7 +24,10 @@ to the stage:
 A non-finite loss (last stage, checked after the forward pass) or weight gradient
 (checked inside the apply function, which then applies nothing) raises
 :class:`NonFiniteError`: nothing of that minibatch reaches w_local, so nothing of it
-can be pushed to the parameter servers.
+can be pushed to the parameter servers. The apply's verdict is read back later, not in the
+apply's own call (a read back makes the host wait for the device): by the stage's next
+apply, or :meth:`StageRuntime.check_applied` (the executor calls it before anything reads
+the weights: a push, a snapshot, the end of the run).
 """
 import contextlib
 import functools
@@ -153,6 +156,7 @@ class StageRuntime:
         self._accumulated = None  # GPipe: the sum of the microbatch gradients since the last flush
         self._input_grads = {}
         self.applied = []  # minibatch ids whose updates w_local holds, in order
+        self._unchecked = []  # (finite flag, grads, minibatches) of applies not yet read back
         self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
         self.used_versions = {}  # p -> updates the version p's forward pass used
         self.global_included = frozenset()  # (worker, clock) pushes the live weights hold
@@ -399,20 +403,29 @@ class StageRuntime:
         self._apply(mean, tuple(summed))
 
     def _apply(self, grads, minibatches):
-        """Applies `grads`, the update of `minibatches`, to w_local unless one is not finite."""
+        """Applies `grads`, the update of `minibatches`, to w_local unless one is not finite; the
+        verdict is read back by the next apply or :meth:`check_applied`."""
+        self.check_applied()
         if self.trainable:  # a stage may have no weights (pooling, activations)
             with tf.device(self.device):
-                finite = self._apply_fn(grads)
-            if not bool(finite):
-                bad = [v.path for v, g in zip(self.stage.trainable_variables, grads) if not np.all(np.isfinite(
-                    tf.convert_to_tensor(g).numpy()))]
-                which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
-                         else f"minibatches {minibatches[0]}..{minibatches[-1]}")
-                raise NonFiniteError(
-                    f"{which}: the gradient of stage {self.index} is not finite (NaN or Inf in "
-                    f"{', '.join(bad)}); nothing of it was applied or pushed. Lower the learning rate or "
-                    f"clip gradients (the optimizer's clipnorm)", minibatches[-1], self.index)
+                self._unchecked.append((self._apply_fn(grads), grads, minibatches))
         self.applied.extend(minibatches)
+
+    def check_applied(self):
+        """Reads back whether the applies since the last check were finite; raises
+        :class:`NonFiniteError` for the first that was not (it applied nothing)."""
+        unchecked, self._unchecked = self._unchecked, []
+        for finite, grads, minibatches in unchecked:
+            if bool(finite):
+                continue
+            bad = [v.path for v, g in zip(self.stage.trainable_variables, grads) if not np.all(np.isfinite(
+                tf.convert_to_tensor(g).numpy()))]
+            which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
+                     else f"minibatches {minibatches[0]}..{minibatches[-1]}")
+            raise NonFiniteError(
+                f"{which}: the gradient of stage {self.index} is not finite (NaN or Inf in "
+                f"{', '.join(bad)}); nothing of it was applied or pushed. Lower the learning rate or "
+                f"clip gradients (the optimizer's clipnorm)", minibatches[-1], self.index)
 
     # Synchronisation ---------------------------------------------------------------------
     def _read_synchronised_graph(self):
@@ -505,7 +518,7 @@ class StageRuntime:
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)
         for pending in (self._entering, self._labels, self._weight_grads, self._input_grads,
-                        self.version_updates, self.version_globals, self._kept):
+                        self.version_updates, self.version_globals, self._kept, self._unchecked):
             pending.clear()
         self._accumulated = None
 

@@ -1,7 +1,10 @@
+import threading
+import time
+
 import pytest
 
 from hetpipe_tf.pipeline.emulation import (
-    DeviceOutOfMemoryError, EmulationReport, MemoryAccount, Pacer, calibrate_dilation)
+    DeviceOutOfMemoryError, EmulationReport, HostCpu, MemoryAccount, Pacer, calibrate_dilation)
 
 
 class FakeClock:
@@ -29,6 +32,38 @@ def test_pacer_pads_to_dilation_over_speed_times_reference():
     report = pacer.report()
     assert (report.tasks, report.overran, report.overrun_fraction) == (2, 1, 0.5)
     assert report.as_dict()["emulated"] is True
+
+
+def test_a_device_runs_its_tasks_one_after_another_apart_from_the_host():
+    clock = FakeClock()
+    pacer = Pacer(speed=0.5, dilation=2.0, clock=clock, sleep=clock.sleep)
+    clock.t = 0.25  # the host ran the first task for 0.25 s and goes on at once
+    assert pacer.occupy(started=0.0, reference=0.5) == (0.0, 2.0) and clock.slept == []
+    clock.t = 0.5  # a second task issued at 0.3 waits for the device: it starts when the first ends
+    assert pacer.occupy(started=0.3, reference=0.25) == (2.0, 3.0)
+    pacer.wait_idle()
+    assert clock.t == pytest.approx(3.0)
+    clock.t = 5.0  # issued after the device was idle: starts when issued
+    assert pacer.occupy(started=4.0, reference=0.25) == (4.0, 5.0)
+    assert pacer.report().tasks == 3 and pacer.report().overran == 0
+
+
+def test_waiting_for_the_device_ends_when_told_to_stop():
+    pacer = Pacer(speed=1.0)
+    pacer.occupy(started=time.perf_counter(), reference=30.0)  # busy for half a minute
+    stop = threading.Event()
+    stop.set()
+    pacer.wait_idle(stop)  # returns at once
+
+
+def test_host_cpu_reads_the_busy_share_of_every_core(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3\n")
+    host = HostCpu(str(stat)).start()
+    # 300 more ticks: 150 busy (user, system, steal), 150 idle or iowait
+    stat.write_text("cpu  200 0 130 820 130 0 0 20 0 0\n")
+    assert host.busy_fraction() == 0.5
+    assert HostCpu(str(tmp_path / "missing")).start().busy_fraction() is None
 
 
 def test_pacer_rejects_bad_settings():

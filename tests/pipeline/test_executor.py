@@ -219,6 +219,27 @@ def test_emulated_tasks_take_their_target_time_and_trace_says_emulated(tmp_path)
     assert report.tasks == 4 * 10 and 0.0 <= report.overrun_fraction <= 1.0
 
 
+def test_an_emulated_device_hands_on_its_results_when_its_pass_ends_and_its_host_goes_on_meanwhile(tmp_path):
+    model = test_models.mlp()
+    vw = VirtualWorker(model, "0.2,0.2", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=4.0, timeout_s=60)
+    vw.train(iter(_batches(model, 8)), 8, trace=True)
+    path = tmp_path / "trace.json"
+    vw.trace.write(str(path))
+    spans = {}
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e["ph"] == "X":
+            spans[(e["tid"], e["name"])] = (e["ts"], e["ts"] + e["dur"])
+    for p in range(1, 9):
+        # Stage 1's pass of p starts on its device after stage 0's pass of p ended on its own, and
+        # stage 0's backward pass after stage 1's (the activation and the gradient went on then).
+        assert spans[(1, f"Forward({p})")][0] >= spans[(0, f"Forward({p})")][1]
+        assert spans[(0, f"Backward({p})")][0] >= spans[(1, f"Backward({p})")][1]
+    # The host issued stage 0's update while its device still ran the backward pass.
+    overlapped = [p for p in range(1, 9) if spans[(0, f"ApplyUpdate({p})")][0] < spans[(0, f"Backward({p})")][1]]
+    assert len(overlapped) >= 6
+    assert vw.report.emulation.overrun_fraction < 0.25
+
+
 def test_stage_state_lives_on_its_device_apart_from_the_keras_model():
     model = test_models.cnn()
     before = [v.numpy() for v in model.weights]

@@ -64,10 +64,26 @@ def test_a_nan_gradient_with_a_finite_loss_is_refused_by_the_apply():
 
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1),
                        loss=finite_loss_nan_gradient, timeout_s=30)
-    with pytest.raises(PipelineError, match=r"stage (\d) failed at ApplyUpdate\(1\).*minibatch 1: the gradient of "
+    # The apply's verdict is read back by the stage's next apply (no wait for the device in the apply's own call).
+    with pytest.raises(PipelineError, match=r"stage (\d) failed at ApplyUpdate\(2\).*minibatch 1: the gradient of "
                                             r"stage \1 is not finite \(NaN or Inf in .*kernel"):
         vw.train(iter(_batches(model, 4)), 4)
     assert all(np.isfinite(w).all() for w in _weights(vw))
+
+
+def test_a_nan_gradient_of_the_last_minibatch_is_refused_before_the_run_ends():
+    keras.utils.set_random_seed(0)
+    model = test_models.mlp()
+
+    def finite_loss_nan_gradient(y_true, y_pred):
+        return LOSS(y_true, y_pred) + tf.reduce_mean(tf.sqrt(tf.square(y_pred) * 0.0))
+
+    vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1),
+                       loss=finite_loss_nan_gradient, timeout_s=30)
+    before = [v.numpy() for v in model.trainable_weights]
+    with pytest.raises(PipelineError, match=r"minibatch 1: the gradient of stage \d is not finite"):
+        vw.train(iter(_batches(model, 1)), 1)  # one minibatch: no next apply reads the verdict
+    assert all(np.array_equal(b, w) for b, w in zip(before, _weights(vw)))  # nothing of it was applied
 
 
 def test_a_nan_in_one_worker_pushes_nothing_of_it_to_the_parameter_servers():

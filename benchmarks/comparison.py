@@ -144,7 +144,8 @@ def whole_model_reference_ms(row):
 
 def _baseline_common(line, system):
     keep = ("ranks", "ranks_started", "speeds", "left_out", "images_per_s", "reference_ms", "emulated", "dilation",
-            "paced_tasks", "overran_tasks", "overrun_fraction", "emulation_faithful", "epoch_wall_s")
+            "paced_tasks", "overran_tasks", "overrun_fraction", "emulation_faithful", "host_cpu_busy",
+            "host_saturated", "epoch_wall_s")
     return {"system": system, "processes": line["ranks_started"], **{k: line[k] for k in keep if k in line}}
 
 
@@ -249,10 +250,12 @@ def _hetpipe_child(config):
                             datasets.dataset_info("hetpipe_digits").num_classes)
         model.compile(optimizer=keras.optimizers.SGD(0.1),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    seconds = []
+    seconds, host = [], ranks.emulation.HostCpu()
 
     class Clock(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:  # the epochs images/s counts
+                host.start()
             self.t0 = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
@@ -290,7 +293,7 @@ def _hetpipe_child(config):
            "stage_segments": [[list(s.segments) for s in w.partition.stages] for w in plan.workers],
            **trace_figures(events, [[d.type.emulated_speed for d in w.devices] for w in plan.workers],
                            report["dilation"]),
-           "worker_stats": workers, "epoch_wall_s": wall, **report}
+           "worker_stats": workers, "epoch_wall_s": wall, **report, **ranks.host_fields(host.busy_fraction())}
     print(MARK + json.dumps(row), flush=True)
 
 

@@ -202,9 +202,17 @@ def images_per_second(images_per_epoch, epoch_seconds, warmup_epochs):
     return images_per_epoch * len(measured) / sum(measured)
 
 
+def host_fields(busy):
+    """A row's fields on the host's CPU: its busy share and whether it was saturated (above
+    emulation.HOST_SATURATED: then the host, not the emulated devices, set the pace)."""
+    return {"host_cpu_busy": busy,
+            "host_saturated": None if busy is None else busy > emulation.HOST_SATURATED}
+
+
 def record(system, args, plan, reference_s, report, epoch_seconds, epoch_accuracy, images_per_epoch,
-           steps_per_epoch):
-    """The JSON line of one run (a dict); `report` is the training epochs' EmulationReport."""
+           steps_per_epoch, host_cpu_busy=None):
+    """The JSON line of one run (a dict); `report` is the training epochs' EmulationReport,
+    `host_cpu_busy` the host's busy CPU share over the epochs images/s counts (emulation.HostCpu)."""
     wall, elapsed = [], 0.0
     for seconds in epoch_seconds:
         elapsed += seconds
@@ -215,7 +223,7 @@ def record(system, args, plan, reference_s, report, epoch_seconds, epoch_accurac
             "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
             "reference_ms": round(reference_s * 1e3, 3), "reference_measured": args.reference_ms is None,
             "images_per_s": round(images_per_second(images_per_epoch, epoch_seconds, args.warmup_epochs), 2),
-            **report.as_dict(),
+            **report.as_dict(), **host_fields(host_cpu_busy),
             "epoch_test_accuracy": [round(a, 4) for a in epoch_accuracy], "epoch_wall_s": wall}
     warning = report.warning()
     if warning:

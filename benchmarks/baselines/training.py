@@ -133,10 +133,12 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
 
     def paced_epochs(dilation, epochs, steps_each, evaluate):
         pacer = ranks.emulation.Pacer(speeds[index], dilation)
-        seconds, accuracies = [], []
+        seconds, accuracies, host = [], [], ranks.emulation.HostCpu()
         for epoch in range(epochs):
             batches = epoch_batches(x, y, index, count, args, epoch, steps_each)
             barrier()
+            if epoch == args.warmup_epochs:  # the epochs images/s counts
+                host.start()
             started = time.perf_counter()
             for batch in batches:
                 paced_step(compute, apply, batch, pacer, reference)
@@ -145,7 +147,8 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
             if evaluate:
                 accuracies.append(accuracy(model, x_test, y_test))
         tasks, overran = all_sum([pacer.tasks, pacer.overran])
-        return ranks.emulation.EmulationReport(dilation, int(tasks), int(overran)), seconds, accuracies
+        report = ranks.emulation.EmulationReport(dilation, int(tasks), int(overran))
+        return report, seconds, accuracies, host.busy_fraction()
 
     dilation, calibration = plan.dilation, ()
     if dilation is None:
@@ -155,10 +158,11 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
         dilation, calibration = ranks.emulation.calibrate_dilation(
             lambda d: paced_epochs(d, probe_epochs, probe_steps, evaluate=False)[0])
         model.set_weights(initial)
-    report, seconds, accuracies = paced_epochs(dilation, args.epochs, steps, evaluate=index == 0)
+    report, seconds, accuracies, host_busy = paced_epochs(dilation, args.epochs, steps, evaluate=index == 0)
     report = ranks.emulation.EmulationReport(dilation, report.tasks, report.overran, calibration)
     return ranks.record(system, args, plan, reference, report, seconds, accuracies,
-                        images_per_epoch=steps * args.batch_size * count, steps_per_epoch=steps)
+                        images_per_epoch=steps * args.batch_size * count, steps_per_epoch=steps,
+                        host_cpu_busy=host_busy)
 
 
 def save_weights(model, folder, name):

@@ -23,6 +23,7 @@ def check_run(line, system, weights_out):
     assert (line["paced_tasks"], line["epochs"], line["steps_per_epoch"]) == (2 * EPOCHS * STEPS, EPOCHS, STEPS)
     assert 0 <= line["overran_tasks"] <= line["paced_tasks"]
     assert line["emulation_faithful"] == (line["overrun_fraction"] < 0.05)
+    assert 0 < line["host_cpu_busy"] <= 1 and line["host_saturated"] == (line["host_cpu_busy"] > 0.9)
     assert len(line["epoch_test_accuracy"]) == EPOCHS and all(0 <= a <= 1 for a in line["epoch_test_accuracy"])
     assert len(line["epoch_wall_s"]) == EPOCHS and 0 < line["epoch_wall_s"][0] < line["epoch_wall_s"][1]
     # The pacing held: no step was shorter than the slower rank's emulated compute.

@@ -86,6 +86,10 @@ def test_record_reports_images_per_second_over_the_measured_epochs():
     assert (line["system"], line["ranks"], line["speeds"], line["reference_ms"]) == ("mwms", 2, [1.0, 0.5], 2.0)
     assert line["emulated"] is True and line["emulation_faithful"] is False and line["overrun_fraction"] == 0.06
     assert "not faithful" in line["warning"]
+    assert (line["host_cpu_busy"], line["host_saturated"]) == (None, None)  # not measured
+    busy = ranks.record("mwms", a, plan, 0.002, report, [9.0, 2.0, 2.0], [0.5, 0.7, 0.8], images_per_epoch=640,
+                        steps_per_epoch=10, host_cpu_busy=0.95)
+    assert (busy["host_cpu_busy"], busy["host_saturated"]) == (0.95, True)
 
 
 def test_horovod_script_flags_and_its_ranks(monkeypatch):

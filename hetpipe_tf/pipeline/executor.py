@@ -94,9 +94,9 @@ class _Deliveries:
     """Puts messages into mailboxes at given clock times, in time order, from a thread of its
     own: what an emulated device computed reaches the other stages when its task ends."""
 
-    def __init__(self, clock, stop, on_error):
+    def __init__(self, clock, on_error):
         self._clock = clock
-        self._stop = stop
+        self._stop = threading.Event()
         self._on_error = on_error
         self._heap = []
         self._order = itertools.count()
@@ -112,8 +112,8 @@ class _Deliveries:
     def close(self):
         with self._cond:
             self._heap.clear()
+            self._stop.set()
             self._cond.notify()
-        self._stop.set()
         self._thread.join(timeout=5.0)
 
     def _main(self):
@@ -223,8 +223,7 @@ class PipelineExecutor:
         threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
                                     daemon=True) for s in range(self.schedule.num_stages)]
         if any(p is not None for p in self._pacers):
-            self._deliveries = _Deliveries(self._clock, threading.Event(),
-                                           lambda exc: self._fail(None, None, exc))
+            self._deliveries = _Deliveries(self._clock, lambda exc: self._fail(None, None, exc))
         start = self._clock()
         self._progress = start
         if self._trace:

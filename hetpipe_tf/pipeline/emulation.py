@@ -152,15 +152,7 @@ class Pacer:
         until now, and occupies the device from max(`started`, the end of the device's previous
         task) for its target. Counts it as overrun when the host took longer than the target.
         Returns (begin, end) on the device (clock times)."""
-        actual = self._clock() - started
-        target = self.target(reference, minibatch)
-        with self._lock:
-            self.tasks += 1
-            if actual > target:
-                self.overran += 1
-            begin = max(started, self.free_at)
-            self.free_at = begin + target
-            return begin, self.free_at
+        return self._place(started, self._clock() - started, self.target(reference, minibatch))
 
     def wait_idle(self, stop=None):
         """Waits until the device's last task ends (returns at once if it has); `stop`, a
@@ -175,12 +167,26 @@ class Pacer:
                 self._sleep(left)
 
     def pace(self, started, reference, minibatch=None):
-        """A task whose result its runner reads at once: occupies the device (:meth:`occupy`) and
-        waits for its end. Returns (actual, target) of the task."""
+        """A task whose result its runner reads at once: occupies the device as :meth:`occupy`
+        does and waits for its end. Returns (actual, target) of the task: `actual`, the host's
+        time, is the one its overrun was counted by."""
         actual = self._clock() - started
-        begin, end = self.occupy(started, reference, minibatch)
+        target = self.target(reference, minibatch)
+        self._place(started, actual, target)
         self.wait_idle()
-        return actual, end - begin
+        return actual, target
+
+    def _place(self, started, actual, target):
+        """Counts a task that ran on the host for `actual` seconds from `started` (an overrun when
+        that is over its `target`) and puts it on the device's timeline: from max(`started`, the
+        end of the device's previous task) for `target`. Returns (begin, end) on the device."""
+        with self._lock:
+            self.tasks += 1
+            if actual > target:
+                self.overran += 1
+            begin = max(started, self.free_at)
+            self.free_at = begin + target
+            return begin, self.free_at
 
     def report(self):
         with self._lock:

@@ -21,7 +21,8 @@ An emulated device runs apart from its stage's thread (the device timeline of
 device for its emulated time while the thread goes on with the instructions that
 read nothing back (sending, releasing a version, issuing the optimizer step,
 stashing the next version); the activations and gradients a pass produced reach
-the other stages when it ends on its device, and the thread waits for its device
+the other stages when it ends on its device (a delivery that fails, a key delivered
+twice, fails the stage it was for), and the thread waits for its device
 before it picks the next task (so the FIFO rule picks among what has arrived by
 then), before an instruction of the synchronisation scheme or a snapshot (they
 read the stage's weights), and after the last stage's forward pass (its loss is
@@ -90,12 +91,25 @@ class ExecutionReport:
         return EmulationReport.combine(s.emulation for s in self.stages if s.emulation)
 
 
-class _Deliveries:
-    """Puts messages into mailboxes at given clock times, in time order, from a thread of its
-    own: what an emulated device computed reaches the other stages when its task ends."""
+@dataclass(frozen=True)
+class _Delivery:
+    """What instruction `ins` of stage `source` computed for stage `stage` under `key`."""
+    stage: int
+    key: tuple
+    value: object
+    source: int
+    ins: object
 
-    def __init__(self, clock, on_error):
+
+class _Deliveries:
+    """Puts deliveries into their stages' mailboxes at given clock times, in time order, from a
+    thread of its own: what an emulated device computed reaches the other stages when its task
+    ends. A delivery that fails (a key delivered twice) is passed to `on_error(where, exc)`,
+    `where` naming the stage that was to receive it and the instruction that sent it."""
+
+    def __init__(self, clock, mailboxes, on_error):
         self._clock = clock
+        self._mailboxes = mailboxes
         self._stop = threading.Event()
         self._on_error = on_error
         self._heap = []
@@ -104,9 +118,9 @@ class _Deliveries:
         self._thread = threading.Thread(target=self._main, name="hetpipe-deliveries", daemon=True)
         self._thread.start()
 
-    def put_at(self, due, mailbox, key, value):
+    def put_at(self, due, delivery):
         with self._cond:
-            heapq.heappush(self._heap, (due, next(self._order), mailbox, key, value))
+            heapq.heappush(self._heap, (due, next(self._order), delivery))
             self._cond.notify()
 
     def close(self):
@@ -126,11 +140,12 @@ class _Deliveries:
                 if left > 0:
                     self._cond.wait(left)
                     continue
-                _, _, mailbox, key, value = heapq.heappop(self._heap)
+                _, _, delivery = heapq.heappop(self._heap)
             try:
-                mailbox.put(key, value)
+                self._mailboxes[delivery.stage].put(delivery.key, delivery.value)
             except BaseException as exc:  # noqa: BLE001 - reported by the executor
-                self._on_error(exc)
+                self._on_error(f"stage {delivery.stage} failed receiving {delivery.key} from stage "
+                               f"{delivery.source}'s {delivery.ins!r}", exc)
 
 
 class PipelineExecutor:
@@ -223,7 +238,7 @@ class PipelineExecutor:
         threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
                                     daemon=True) for s in range(self.schedule.num_stages)]
         if any(p is not None for p in self._pacers):
-            self._deliveries = _Deliveries(self._clock, lambda exc: self._fail(None, None, exc))
+            self._deliveries = _Deliveries(self._clock, self._mailboxes, self._fail)
         start = self._clock()
         self._progress = start
         if self._trace:
@@ -237,7 +252,7 @@ class PipelineExecutor:
                 break
             idle = self._clock() - self._progress
             if idle > self.timeout_s:
-                self._fail(None, None, TimeoutError(
+                self._fail("the pipeline stalled", TimeoutError(
                     f"no stage made progress for {idle:.0f} s (timeout_s={self.timeout_s:g})"))
                 break
         self._abort.set()
@@ -256,8 +271,7 @@ class PipelineExecutor:
                 if not self._errors:
                     raise
         if self._errors:
-            stage, ins, exc, tb = self._errors[0]
-            where = f"stage {stage} failed at {ins!r}" if stage is not None else "the pipeline stalled"
+            where, exc, tb = self._errors[0]
             where = f"virtual worker {self._pid}: {where}"
             raise PipelineError(f"{where}: {type(exc).__name__}: {exc}\n"
                                 f"stages: {self.describe_status()}\n{tb}") from exc
@@ -272,7 +286,7 @@ class PipelineExecutor:
 
     def abort(self):
         """Stops every stage now (for example when the caller was interrupted)."""
-        self._fail(None, None, KeyboardInterrupt("the run was aborted by its caller"))
+        self._fail("the pipeline stalled", KeyboardInterrupt("the run was aborted by its caller"))
 
     def request_stop(self):
         """Stops admitting minibatches: every stream ends at the last one already started.
@@ -298,8 +312,12 @@ class PipelineExecutor:
         return "; ".join(f"stage {s}: {st} ({now - self._since[s]:.1f} s)"
                          for s, st in enumerate(self._status))
 
-    def _fail(self, stage, ins, exc):
-        self._errors.append((stage, ins, exc, traceback.format_exc() if stage is not None else ""))
+    def _fail(self, where, exc):
+        """Stops every stage for `exc`; run() raises it as a PipelineError that starts with
+        `where`, what failed ("stage 1 failed at Forward(3)"), and shows the traceback it was
+        raised with, if it was raised."""
+        tb = "".join(traceback.format_exception(exc)) if exc.__traceback__ is not None else ""
+        self._errors.append((where, exc, tb))
         self._abort.set()
         for mb in self._mailboxes:
             mb.wake()
@@ -325,7 +343,8 @@ class PipelineExecutor:
             self.reports[s].stash_bytes_peak = stats.bytes
             pos = self._positions[s]
             while True:
-                self._device_idle(s)
+                self._wait_for_device(s)  # so that the FIFO rule picks among what arrived meanwhile
+                self._flush_reports(s)
                 chosen = self._next_task(s, prog, pos)
                 if chosen is None:
                     break
@@ -341,14 +360,13 @@ class PipelineExecutor:
                     pacer = self._pacers[0]
                     self.first_stage_busy.append((t0, t1 if pacer is None else max(t1, pacer.free_at)))
                 pos[i] += 1
-            self._device_idle(s)
             self.runtimes[s].check_applied()
             self._set_status(s, "done")
         except PipelineAborted:
             self._set_status(s, f"stopped at {ins!r}")
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             self._set_status(s, f"failed at {ins!r}")
-            self._fail(s, ins, exc)
+            self._fail(f"stage {s} failed at {ins!r}", exc)
 
     def _next_task(self, s, prog, pos):
         mb = self._mailboxes[s]
@@ -396,7 +414,8 @@ class PipelineExecutor:
             return  # the run was stopped before this minibatch started
         method = self._HANDLERS.get(type(ins))
         if method is None or isinstance(ins, SnapshotState):  # they read the stage's weights
-            self._device_idle(s)
+            self._wait_for_device(s)
+            self._flush_reports(s)  # its device has ended the updates whose reports it held
             self.runtimes[s].check_applied()
         self._set_status(s, f"running {ins!r}")
         t0 = self._clock()
@@ -409,7 +428,7 @@ class PipelineExecutor:
             if dst == PARAMETER_SERVER:  # the method itself talked to the parameter servers
                 continue
             if pacer is not None and dst != s and key[0] in _DEVICE_RESULTS and pacer.free_at > self._clock():
-                self._deliveries.put_at(pacer.free_at, self._mailboxes[dst], key, values.get((dst, key)))
+                self._deliveries.put_at(pacer.free_at, _Delivery(dst, key, values.get((dst, key)), s, ins))
             else:
                 self._mailboxes[dst].put(key, values.get((dst, key)))
         t1 = self._clock()
@@ -418,16 +437,12 @@ class PipelineExecutor:
             begin, end = self._device_span[s] or (t0, t1)
             self._trace.span(self._pid, s, repr(ins), begin, end, category=type(ins).__name__)
 
-    def _device_idle(self, s):
-        """Waits until stage `s`'s emulated device has ended its tasks; on the first stage, then
-        reports the minibatches it applied (their updates are in every stage's weights by now)."""
+    def _wait_for_device(self, s):
+        """Waits until stage `s`'s emulated device has ended its tasks (returns at once on a device
+        that is not emulated, or when the run stops): what reads the device's results back waits."""
         pacer = self._pacers[s]
         if pacer is not None:
             pacer.wait_idle(self._abort)
-        if s == 0 and self._done:
-            done, self._done = self._done, []
-            for p, logs in done:
-                self._on_done(p, logs)
 
     # Messages ---------------------------------------------------------------------------
     def _load_minibatch(self, s, ins):
@@ -481,7 +496,7 @@ class PipelineExecutor:
         out = rt.forward(ins.minibatch, live=ins.live, recompute=ins.recompute)
         self._paced(s, Forward, t0, ins.minibatch)
         if rt.is_last:  # its loss is read back: the host waits for the device
-            self._device_idle(s)
+            self._wait_for_device(s)
             self._logs[ins.minibatch] = out
         else:
             self._handoff[s][("sent", ins.minibatch)] = out
@@ -513,12 +528,21 @@ class PipelineExecutor:
 
     def _report_done(self, s, ins):
         """The first stage, the last to apply a minibatch's update, reports every minibatch `ins`
-        applied: at once, or on an emulated device once the device has ended the update's pass."""
+        applied: at once, or on an emulated device at the next :meth:`_flush_reports`, which
+        comes after the host waited for the device to end the update's pass."""
         if s == 0 and self._on_done:
             for p in ins.applies():
                 self._done.append((p, self._logs.pop(p, {})))
             if self._pacers[0] is None:
-                self._device_idle(0)
+                self._flush_reports(0)
+
+    def _flush_reports(self, s):
+        """On the first stage, calls on_minibatch_done for the minibatches it applied since the
+        last flush (their updates are in every stage's weights by then); on the others, nothing."""
+        if s == 0 and self._done:
+            done, self._done = self._done, []
+            for p, logs in done:
+                self._on_done(p, logs)
 
     def _stash_weights(self, s, ins):
         self.runtimes[s].stash_weights(ins.minibatch)
@@ -553,6 +577,6 @@ class PipelineExecutor:
             try:
                 self._mailboxes[s].put(key, work())
             except BaseException as exc:  # noqa: BLE001 - reported by run()
-                self._fail(s, ins, exc)
+                self._fail(f"stage {s} failed at {ins!r}", exc)
 
         self._background.submit(run)

@@ -34,6 +34,14 @@ def test_pacer_pads_to_dilation_over_speed_times_reference():
     assert report.as_dict()["emulated"] is True
 
 
+def test_pace_counts_an_overrun_by_the_actual_time_it_returns():
+    readings = iter([4.0, 5.0, 6.0])  # the clock moves on by 1 s at every read
+    pacer = Pacer(speed=1.0, clock=lambda: next(readings))
+    # The host took 4 s of the 4.5 s target: no overrun, though the clock read 5 s a moment later.
+    assert pacer.pace(started=0.0, reference=4.5) == (4.0, 4.5)
+    assert (pacer.report().tasks, pacer.report().overran) == (1, 0)
+
+
 def test_a_device_runs_its_tasks_one_after_another_apart_from_the_host():
     clock = FakeClock()
     pacer = Pacer(speed=0.5, dilation=2.0, clock=clock, sleep=clock.sleep)

@@ -15,7 +15,14 @@ prediction:
   (one virtual worker on one node: no inter-node link, no parameter server);
 * the inter-node link's effective bandwidth (§7 fits that link to measurements too), on
   VGG-19's HetPipe 4[VR] cell;
-* the rate Horovod's all-reduce reaches, on VGG-19's Horovod 4[V] cell.
+* the rate Horovod's ring all-reduce reaches on an edge inside a node (PCIe, §8.1), on
+  VGG-19's Horovod 4[V] cell (one node; its all-reduce outlasts the backward pass it
+  overlaps, so the cell measures that rate);
+* the rate it reaches on an edge between nodes (InfiniBand, §8.1; the ring moves at its
+  slowest edge), on VGG-19's Horovod 4[VR] cell.
+
+Horovod's steps use the same compute efficiency as HetPipe's (the same kernels on the
+same GPUs): no Horovod cell calibrates it.
 
 Fig. 4's bars carry no numbers in the paper's text: its Horovod and ED-local bars are the
 Table 4 cells of the same cluster (ED-local is 1.8x Horovod for VGG-19 and 1.4x for
@@ -42,7 +49,10 @@ COLUMN = {"V": "4[V]", "VR": "4[VR]", "VRQ": "4[VRQ]", "VRQG": "4[VRQG]"}
 # §8.3: bytes crossing nodes, ED-local per minibatch and Horovod per step (MB as the paper writes).
 CROSS_NODE_MB = {"vgg19": {"ed-local": 103, "horovod": 515}, "resnet152": {"ed-local": 298, "horovod": 211}}
 CALIBRATION = {"compute_efficiency": "hetpipe V (each model)", "inter_node_scale": ("vgg19", "hetpipe", "VR"),
-               "allreduce_GBps": ("vgg19", "horovod", "V")}
+               "allreduce_intra_node_GBps": ("vgg19", "horovod", "V"),
+               "allreduce_inter_node_GBps": ("vgg19", "horovod", "VR")}
+
+HOROVOD_CALIBRATION_CELLS = {CALIBRATION["allreduce_intra_node_GBps"], CALIBRATION["allreduce_inter_node_GBps"]}
 
 
 def _emit(out, **fields):
@@ -87,7 +97,7 @@ class Model:
         self.profiles = profiles
         self.efficiency = {name: 0.5 for name in profiles}
         self.inter_scale = LinkModel().inter_scale
-        self.allreduce_bandwidth = None
+        self.allreduce_bandwidth = {"intra": None, "inter": None}  # bytes/s; None: the links' own
 
     def links(self):
         from hetpipe_tf.planning.cost_model import LinkModel
@@ -111,7 +121,8 @@ class Model:
         from hetpipe_tf.planning.data_parallel import AllReduceModel, predict_data_parallel
         from hetpipe_tf.planning.profile import AnalyticAssumptions
 
-        allreduce = AllReduceModel(bandwidth=self.allreduce_bandwidth)
+        allreduce = AllReduceModel(intra_node_bandwidth=self.allreduce_bandwidth["intra"],
+                                   inter_node_bandwidth=self.allreduce_bandwidth["inter"])
         return predict_data_parallel(self.profiles[name], _cluster(types), links=self.links(), allreduce=allreduce,
                                      analytic=AnalyticAssumptions(compute_efficiency=self.efficiency[name]))
 
@@ -130,16 +141,18 @@ def _bisect(set_value, measure, target, lo, hi, rounds=14):
 
 
 def calibrate(model):
-    """Sets the three unknowns, each on its one cell (module docstring)."""
+    """Sets the unknowns, each on its one cell (module docstring), in an order in which no
+    cell depends on one calibrated after it."""
     for name in model.profiles:
         _bisect(lambda v, n=name: model.efficiency.__setitem__(n, v),
                 lambda n=name: model.hetpipe(n, "V").images_per_s, TABLE_4[name]["hetpipe"]["V"][0], 0.05, 1.0)
     name, _, types = CALIBRATION["inter_node_scale"]
     _bisect(lambda v: setattr(model, "inter_scale", v), lambda: model.hetpipe(name, types).images_per_s,
             TABLE_4[name]["hetpipe"][types][0], 0.02, 1.0)
-    name, _, types = CALIBRATION["allreduce_GBps"]
-    _bisect(lambda v: setattr(model, "allreduce_bandwidth", v * 1e9),
-            lambda: model.horovod(name, types).images_per_s, TABLE_4[name]["horovod"][types], 0.1, 20.0)
+    for edge in ("intra", "inter"):
+        name, _, types = CALIBRATION[f"allreduce_{edge}_node_GBps"]
+        _bisect(lambda v, e=edge: model.allreduce_bandwidth.__setitem__(e, v * 1e9),
+                lambda n=name, t=types: model.horovod(n, t).images_per_s, TABLE_4[name]["horovod"][types], 0.1, 20.0)
 
 
 def _cross_node_bytes(p):
@@ -176,10 +189,11 @@ def table_4(model, out):
                 cell = {"model": name, "config": column, "system": "horovod",
                         "predicted_images_per_s": round(h.images_per_s, 1), "paper_images_per_s": paper,
                         "error": _error(h.images_per_s, paper) if paper else None,
-                        "calibration_cell": (name, "horovod", types) == CALIBRATION["allreduce_GBps"],
+                        "calibration_cell": (name, "horovod", types) in HOROVOD_CALIBRATION_CELLS,
                         "gpus": len(h.devices), "left_out": [d.name for d in h.left_out],
                         "compute_ms": round(h.compute_seconds * 1e3, 1),
-                        "allreduce_ms": round(h.allreduce_seconds * 1e3, 1),
+                        "backward_ms": round(h.backward_seconds * 1e3, 1),
+                        "allreduce_ms": round(h.allreduce_seconds * 1e3, 1), "step_ms": round(h.step_seconds * 1e3, 1),
                         "sent_per_gpu_MiB": round(h.bytes_sent_per_device / 2 ** 20, 1)}
                 if paper is None:
                     cell["note"] = "the paper's X: Horovod cannot use the G GPUs; predicted without them"
@@ -260,9 +274,12 @@ def main():
         _emit(out, calibrated={"compute_efficiency": {k: round(v, 3) for k, v in model.efficiency.items()},
                                "inter_node_scale": round(model.inter_scale, 3),
                                "inter_node_GBps": round(7.0 * model.inter_scale, 2),
-                               "allreduce_GBps": round(model.allreduce_bandwidth / 1e9, 2)},
+                               **{f"allreduce_{k}_node_GBps": round(v / 1e9, 2)
+                                  for k, v in model.allreduce_bandwidth.items()}},
               calibrated_on={"compute_efficiency": "each model's HetPipe 4[V] cell",
-                             "inter_node_scale": "VGG-19 HetPipe 4[VR]", "allreduce_GBps": "VGG-19 Horovod 4[V]"})
+                             "inter_node_scale": "VGG-19 HetPipe 4[VR]",
+                             "allreduce_intra_node_GBps": "VGG-19 Horovod 4[V]",
+                             "allreduce_inter_node_GBps": "VGG-19 Horovod 4[VR]"})
         cells = table_4(model, out)
         fig4, checks = figure_4(model, out)
         for name, volumes in CROSS_NODE_MB.items():

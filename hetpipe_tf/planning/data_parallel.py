@@ -3,12 +3,19 @@
 Pure Python. Every device holds the whole model and trains its own minibatch; the
 gradients are summed by AllReduce (§8.3: Horovod "uses AllReduce communication"), here
 the bandwidth-optimal ring, in which every device sends and receives 2 (N - 1) / N times
-the gradients' bytes; every device then applies the same update. So a step lasts the
-slowest device's compute and update plus the all-reduce, and the throughput is
-N x batch / step. The ring visits the devices node by node: it crosses each node's
-inter-node link once, and moves at its slowest edge, ``min`` of the link model's
-bandwidth (§7) and ``bandwidth``, the rate the all-reduce implementation itself reaches
-(copies through the host, reductions); that rate is not in the paper and is calibrated.
+the gradients' bytes; every device then applies the same update.
+
+The ring visits the devices node by node, so it crosses each node's inter-node link
+once (§8.1: the GPUs of a node share its PCIe 3 x16 bus, the nodes are joined by 56 Gb/s
+InfiniBand), and moves at its slowest edge. An edge moves at ``min`` of the link model's
+bandwidth (§7) and the rate the all-reduce implementation itself reaches on that kind of
+edge (copies through the host, reductions), one inside a node and one between nodes
+(:class:`AllReduceModel`); those rates are not in the paper and are calibrated.
+
+Horovod [45] all-reduces each gradient as soon as the backward pass produces it, so the
+all-reduce overlaps the backward pass: a step lasts the slowest device's forward pass,
+then the longer of its backward pass and the all-reduce, then its update; the throughput
+is N x batch / step.
 
 A device that cannot hold the whole model with one minibatch is left out (§8.3: "the
 whole model is too large to be loaded into a single GPU with G type, and thus, Horovod
@@ -25,26 +32,49 @@ class DataParallelError(ValueError):
 
 @dataclass(frozen=True)
 class AllReduceModel:
-    """What a ring all-reduce reaches: a cap on its edges' bandwidth (bytes/s; None: the
-    links' own) and a fixed cost per ring step (seconds)."""
-    bandwidth: float | None = None
+    """What a ring all-reduce reaches: caps on its edges' bandwidth (bytes/s; None: the
+    links' own), on an edge inside a node and on one between nodes, and a fixed cost per
+    ring step (seconds)."""
+    intra_node_bandwidth: float | None = None
+    inter_node_bandwidth: float | None = None
     step_seconds: float = 0.0
     source: str = "assumed: the links' bandwidth"
+
+    def __post_init__(self):
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"AllReduceModel {name} must be None (the links' own) or > 0 bytes/s, "
+                                 f"got {value}")
+        if self.step_seconds < 0:
+            raise ValueError(f"AllReduceModel step_seconds must be >= 0, got {self.step_seconds}")
+
+    def edge_bandwidth(self, src, dst, cluster, links):
+        """Bytes/s the ring moves from device `src` to device `dst`."""
+        cap = self.intra_node_bandwidth if src.node == dst.node else self.inter_node_bandwidth
+        own = links.bandwidth(src, dst, cluster)
+        return min(own, cap) if cap else own
 
 
 @dataclass(frozen=True)
 class DataParallelPrediction:
     devices: tuple  # the devices that train
     left_out: tuple  # those that cannot hold the model
-    compute_seconds: float  # the slowest device's forward, backward and update
-    allreduce_seconds: float
+    forward_seconds: float  # the slowest device's forward pass
+    backward_seconds: float  # the slowest device's backward pass
+    update_seconds: float  # the slowest device's update
+    allreduce_seconds: float  # overlaps the backward pass
     gradient_bytes: int
     bytes_sent_per_device: float  # 2 (N - 1) / N x gradient bytes
     batch_size: int
 
     @property
+    def compute_seconds(self):
+        return self.forward_seconds + self.backward_seconds + self.update_seconds
+
+    @property
     def step_seconds(self):
-        return self.compute_seconds + self.allreduce_seconds
+        return self.forward_seconds + max(self.backward_seconds, self.allreduce_seconds) + self.update_seconds
 
     @property
     def images_per_s(self):
@@ -57,9 +87,7 @@ def ring_allreduce_seconds(nbytes, devices, cluster, links=LinkModel(), allreduc
     if n < 2 or nbytes <= 0:
         return 0.0
     edges = [(devices[i], devices[(i + 1) % n]) for i in range(n)]
-    bandwidth = min(links.bandwidth(a, b, cluster) for a, b in edges)
-    if allreduce.bandwidth:
-        bandwidth = min(bandwidth, allreduce.bandwidth)
+    bandwidth = min(allreduce.edge_bandwidth(a, b, cluster, links) for a, b in edges)
     hop = max(links.intercept(a, b, cluster) for a, b in edges) + allreduce.step_seconds
     steps = 2 * (n - 1)
     return steps * hop + steps / n * nbytes / bandwidth
@@ -82,7 +110,9 @@ def predict_data_parallel(profile, cluster, devices=None, links=None, allreduce=
     gradient_bytes = sum(profile.weight_bytes)
     n = len(kept)
     return DataParallelPrediction(
-        devices=kept, left_out=left_out, compute_seconds=max(whole[d].time for d in kept),
+        devices=kept, left_out=left_out, forward_seconds=max(whole[d].forward for d in kept),
+        backward_seconds=max(whole[d].backward for d in kept),
+        update_seconds=max(whole[d].apply + whole[d].executor for d in kept),
         allreduce_seconds=ring_allreduce_seconds(gradient_bytes, kept, cluster, links, allreduce),
         gradient_bytes=gradient_bytes, bytes_sent_per_device=2 * (n - 1) / n * gradient_bytes if n > 1 else 0.0,
         batch_size=profile.batch_size)

@@ -27,11 +27,31 @@ def test_bisect_finds_the_value_that_meets_the_target():
     assert found == pytest.approx(0.5) and box["v"] == found
 
 
-def test_horovod_cells_leave_out_gpus_too_small():
+def toy(activation_bytes=7 * 2 ** 29):
     n = 2
-    toy = Profile(model="toy", batch_size=32, starts=(0, 1), weight_bytes=(2 ** 27,) * n, state_bytes=(0,) * n,
-                  activation_bytes=(7 * 2 ** 29,) * n, cut_bytes=(0, 1000), forward_flops=(1e12,) * n,
-                  backward_flops=(2e12,) * n, traffic_bytes=(1e8,) * n, kernels=(5,) * n)
-    model = paper_scale.Model({"toy": toy})
+    return Profile(model="toy", batch_size=32, starts=(0, 1), weight_bytes=(2 ** 27,) * n, state_bytes=(0,) * n,
+                   activation_bytes=(activation_bytes,) * n, cut_bytes=(0, 1000), forward_flops=(1e12,) * n,
+                   backward_flops=(2e12,) * n, traffic_bytes=(1e8,) * n, kernels=(5,) * n)
+
+
+def test_horovod_cells_leave_out_gpus_too_small():
+    model = paper_scale.Model({"toy": toy()})
     h = model.horovod("toy", "VRQG")
     assert {d.type.name for d in h.left_out} == {"G", "Q"} and h.images_per_s > 0
+
+
+def test_horovod_cells_use_the_intra_and_the_inter_node_allreduce_rates():
+    model = paper_scale.Model({"toy": toy(2 ** 20)})
+    model.allreduce_bandwidth = {"intra": 0.05e9, "inter": None}
+    one_node, two_nodes = model.horovod("toy", "V"), model.horovod("toy", "VR")
+    model.allreduce_bandwidth["inter"] = 0.01e9
+    assert model.horovod("toy", "V").allreduce_seconds == one_node.allreduce_seconds
+    slower = model.horovod("toy", "VR")
+    assert slower.allreduce_seconds == pytest.approx(two_nodes.allreduce_seconds * 5, rel=0.01)
+    assert slower.images_per_s < two_nodes.images_per_s
+
+
+def test_each_calibrated_parameter_has_a_cell_of_its_own():
+    cells = [c for c in paper_scale.CALIBRATION.values() if isinstance(c, tuple)]
+    assert len(set(cells)) == len(cells) and all(c[2] != "V" or c[1] != "hetpipe" for c in cells)
+    assert paper_scale.HOROVOD_CALIBRATION_CELLS == {("vgg19", "horovod", "V"), ("vgg19", "horovod", "VR")}

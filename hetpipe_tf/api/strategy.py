@@ -72,6 +72,7 @@ from hetpipe_tf.planning.allocation import POLICIES
 from hetpipe_tf.runtime.fit_loop import batch_size_of
 
 LAUNCHES = ("processes", "tf_config", "in_process")
+EMULATION_REFERENCES = ("measured", "profile")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
 START_TIMEOUT_S = 120.0
 _FIT_ARGS = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
@@ -130,12 +131,20 @@ class HetPipeStrategy:
         module docstring); a list of sizes, one per worker: those (checked against each worker's
         memory; a run that must not depend on a measured profile); False (default): every worker
         trains the dataset's batch size (§3).
+      profile: plan with this :class:`hetpipe_tf.planning.profile.Profile` of the model at the data's
+        batch size (or the path of one, as ``Profile.to_json`` writes it, e.g. ``strategy.plan.profile``
+        of an earlier run) instead of measuring one. None (default): measured on this host (cached).
+      emulation_references: what an emulated device's pace is scaled from
+        (:mod:`hetpipe_tf.pipeline.emulation`): "measured" (default), each stage's passes timed alone
+        in its worker's process before training; "profile", each stage's passes as the plan's profile
+        times them (:meth:`hetpipe_tf.planning.planner.Plan.host_pass_seconds`), so that runs given one
+        profile emulate the same devices whatever the load of the moment (the benchmarks' comparisons).
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
-                 on_worker_failure="stop", uneven_minibatches=False):
+                 on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured"):
         from hetpipe_tf.pipeline.schedule import check_combination
         from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.runtime.checkpoint import Checkpoints
@@ -188,6 +197,14 @@ class HetPipeStrategy:
                              f"worker), got {uneven_minibatches!r}")
         self.uneven_minibatches = (tuple(uneven_minibatches) if isinstance(uneven_minibatches, (list, tuple))
                                    else uneven_minibatches)
+        if emulation_references not in EMULATION_REFERENCES:
+            raise ValueError(f"unknown emulation_references {emulation_references!r}; allowed: "
+                             f"{', '.join(EMULATION_REFERENCES)}")
+        if emulation_references == "profile" and self.uneven_minibatches:
+            raise ValueError("emulation_references='profile' scales every stage from the profile's minibatch size; "
+                             "with uneven_minibatches the workers train others: use emulation_references='measured'")
+        self.emulation_references = emulation_references
+        self.profile = _loaded_profile(profile)
         self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
         self._resume = bool(resume)
         self.plan = None  # the planner's Plan, once fit has run
@@ -303,10 +320,13 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
         compiled = self._compiled[id(model)]
-        # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure);
-        # with stages on the cluster's tasks, timed on a task's CPU as their references will be.
-        profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
-                                  sample=_first_batch(data, self.launch), stage_device=self._profiling_device())
+        if self.profile is not None:
+            profile = _checked_profile(self.profile, model, batch_size)
+        else:
+            # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure);
+            # with stages on the cluster's tasks, timed on a task's CPU as their references will be.
+            profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
+                                      sample=_first_batch(data, self.launch), stage_device=self._profiling_device())
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
@@ -381,8 +401,16 @@ class HetPipeStrategy:
             else:
                 names.append(devices["worker"](node, d))
             servers.append(devices["ps"][node % len(devices["ps"])])
-        return WorkerSpec(tuple(specs), tuple(names), boundaries=tuple(self._cuts["boundaries"][w]),
-                          stage_servers=tuple(servers)), local
+        boundaries = tuple(self._cuts["boundaries"][w])
+        references = None
+        if self.emulation_references == "profile":
+            if boundaries != self.plan.node_boundaries(w):
+                raise ValueError(f"emulation_references='profile' times the plan's cuts {self.plan.node_boundaries(w)}; "
+                                 f"virtual worker {w} resumes the checkpoint's {boundaries}: resume with "
+                                 f"emulation_references='measured'")
+            references = self.plan.host_pass_seconds(w)
+        return WorkerSpec(tuple(specs), tuple(names), boundaries=boundaries, stage_servers=tuple(servers),
+                          references=references), local
 
     def _devices(self):
         """Parameter-server devices (one per node) and the TensorFlow device of a cluster device."""
@@ -459,6 +487,38 @@ def _planned_sizes(uneven_minibatches):
     if uneven_minibatches is True:
         return "proportional"
     return uneven_minibatches or None
+
+
+def _loaded_profile(profile):
+    """A Profile given as itself, as the path of its JSON, or None."""
+    from hetpipe_tf.planning.profile import Profile
+
+    if profile is None or isinstance(profile, Profile):
+        return profile
+    try:
+        with open(profile) as f:
+            return Profile.from_json(f.read())
+    except (OSError, TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"profile={profile!r}: give a Profile or the path of one's JSON (Profile.to_json), "
+                         f"e.g. strategy.plan.profile of an earlier run; reading it failed: {e}") from None
+
+
+def _checked_profile(profile, model, batch_size):
+    """`profile` if it describes `model`'s segments at `batch_size`, else a ValueError saying how it differs."""
+    from hetpipe_tf.planning.profile import static_profile
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
+
+    def shape(p):  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
+        return p.batch_size, len(p.layer_names), sum(p.weight_bytes), sum(p.forward_flops)
+
+    own = static_profile(describe_model(model).graph, batch_size)
+    if shape(profile) != shape(own):
+        raise ValueError(f"the profile given is of {profile.model} at batch {profile.batch_size} "
+                         f"({len(profile.layer_names)} layer calls, {sum(profile.weight_bytes)} weight bytes), the "
+                         f"model trained is {own.model} at batch {batch_size} ({len(own.layer_names)} layer calls, "
+                         f"{sum(own.weight_bytes)} weight bytes): give the profile of this model and batch size, "
+                         f"or profile=None to measure one")
+    return profile
 
 
 def _device_spec(device):

@@ -209,8 +209,7 @@ class CostModel:
         k = len(devices)
         t, scale = self.times(device.type)
         late = p.pacing_overshoot_seconds if device.type.emulated else 0.0
-        forward = scale * (t.forward_overhead + sum(t.forward[lo:hi])) + late
-        backward = scale * (t.backward_overhead + sum(t.backward[lo:hi])) + late
+        forward, backward = (scale * seconds + late for seconds in t.pass_seconds(lo, hi))
         weights = sum(p.weight_bytes[lo:hi])
         cut_in = p.cut_bytes[lo] if lo > 0 else 0
         cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0

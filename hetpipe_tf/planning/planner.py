@@ -97,6 +97,23 @@ class Plan:
         part = self.workers[worker].partition
         return tuple(self.profile.starts[b] for b in part.boundaries)
 
+    def host_pass_seconds(self, worker=0):
+        """Per stage of `worker`, the (forward, backward) seconds its passes take on this host by
+        the profile the plan was made with: what an emulated device's pace is scaled from
+        (:mod:`hetpipe_tf.pipeline.emulation`) when every system of a comparison emulates the same
+        devices from one profile."""
+        if "host" not in self.profile.times:
+            raise ValueError(f"the profile of {self.profile.model} has no times measured on this host (it has "
+                             f"{sorted(self.profile.times) or 'none'}); measure one with "
+                             f"hetpipe_tf.runtime.profiler.measure_profile")
+        if self.minibatch_sizes:
+            raise ValueError(f"worker minibatches of {list(self.minibatch_sizes)} (uneven): the profile times "
+                             f"minibatches of {self.profile.batch_size} only")
+        times = self.profile.times["host"]
+        part = self.workers[worker].partition
+        ends = tuple(part.boundaries[1:]) + (self.profile.num_segments,)
+        return tuple(times.pass_seconds(lo, hi) for lo, hi in zip(part.boundaries, ends))
+
     def to_dict(self):
         names = self.profile.layer_names
         workers = []

@@ -47,6 +47,12 @@ class SegmentTimes:
     backward_overhead: float
     source: str
 
+    def pass_seconds(self, lo, hi):
+        """(forward, backward) seconds of one task running segments [lo, hi): its fixed cost plus
+        its segments' compute (§7: a stage's time is the sum of its layers')."""
+        return (self.forward_overhead + sum(self.forward[lo:hi]),
+                self.backward_overhead + sum(self.backward[lo:hi]))
+
 
 @dataclass(frozen=True)
 class Profile:

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineExecutor
+from hetpipe_tf.pipeline.instructions import Backward, Forward
 from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
@@ -58,6 +59,10 @@ class VirtualWorker:
         and carries them out.
       schedule: the pipelining schedule, a registered name or a
         :class:`hetpipe_tf.pipeline.schedule.PipelineSchedule` (default: HetPipe's, §4).
+      references: per stage, the (forward, backward) seconds of its passes on this host that its
+        emulated device's pace is scaled from (:mod:`hetpipe_tf.pipeline.emulation`), such as
+        :meth:`hetpipe_tf.planning.planner.Plan.host_pass_seconds` gives from a profile. None
+        (default): each stage's passes are timed alone before training (:meth:`prepare`).
       slowdown: minibatch id -> factor >= 1 by which every emulated device of this worker is
         slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.pipeline.emulation.Pacer`).
     """
@@ -65,7 +70,7 @@ class VirtualWorker:
     def __init__(self, model, devices, num_in_flight=None, boundaries=None, optimizer="sgd",
                  loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
                  record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None,
-                 schedule="hetpipe"):
+                 schedule="hetpipe", references=None):
         self.model = model
         self.device_specs = parse_devices(devices)
         if tf_devices is not None and len(tf_devices) != len(self.device_specs):
@@ -97,7 +102,7 @@ class VirtualWorker:
                              f"cannot move tensors between devices")
         self.single_threaded_stages = single_threaded_stages
         self.runtimes = None
-        self.references = None
+        self.references = None if references is None else _given_references(references, k)
         self.report = None
         self.trace = None
         self._executor = None
@@ -328,6 +333,18 @@ def warn_if_not_faithful(report):
     line = report.warning() if report is not None else None
     if line:
         print(line, file=sys.stderr, flush=True)
+
+
+def _given_references(references, num_stages):
+    """[{Forward: seconds, Backward: seconds}] per stage from (forward, backward) pairs, checked."""
+    try:
+        pairs = [tuple(float(t) for t in p) for p in references]
+    except (TypeError, ValueError):
+        pairs = None
+    if pairs is None or len(pairs) != num_stages or any(len(p) != 2 or min(p) <= 0 for p in pairs):
+        raise ValueError(f"references: give one (forward, backward) pair of seconds > 0 per stage ({num_stages} "
+                         f"stages), got {references!r}")
+    return [{Forward: f, Backward: b} for f, b in pairs]
 
 
 def _chain(first, rest):

@@ -34,13 +34,15 @@ from hetpipe_tf.sync.wsp import WSP_SCHEME
 class WorkerSpec:
     """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
     this process's), its stage boundaries (None: balanced), and the parameter server on each
-    stage's node (for ``local`` placement), and an emulated slowdown (minibatch id -> factor >= 1,
-    see :class:`hetpipe_tf.pipeline.emulation.Pacer`)."""
+    stage's node (for ``local`` placement), an emulated slowdown (minibatch id -> factor >= 1,
+    see :class:`hetpipe_tf.pipeline.emulation.Pacer`) and the emulation's references (None:
+    measured; see :class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker`)."""
     devices: object
     tf_devices: tuple = None
     boundaries: tuple = None
     stage_servers: tuple = None
     slowdown: object = None
+    references: tuple = None
 
 
 class WSPRunner:
@@ -86,7 +88,7 @@ class WSPRunner:
                                           optimizer=optimizer, loss=loss, metrics=metrics,
                                           loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
                                           record_provenance=record_provenance, tf_devices=w.tf_devices,
-                                          slowdown=w.slowdown, schedule=schedule))
+                                          slowdown=w.slowdown, schedule=schedule, references=w.references))
         self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")

@@ -1,5 +1,7 @@
 """HetPipeStrategy in one process (launch="in_process"); the multi-process launches are in
 test_train.py's cluster runs."""
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from hetpipe_tf.data import datasets
 
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from hetpipe_tf.cli import models
+from hetpipe_tf.pipeline.instructions import Backward, Forward
 
 
 def _compiled(strategy, name="mlp"):
@@ -110,7 +113,42 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
     ({"on_worker_failure": "retry"}, "unknown on_worker_failure 'retry'; allowed: 'stop', 'continue'"),
     ({"on_worker_failure": "continue"}, "launch='in_process' runs every worker in this process: use "
                                         "launch='processes' or 'tf_config', or on_worker_failure='stop'"),
+    ({"emulation_references": "solo"}, "unknown emulation_references 'solo'; allowed: measured, profile"),
+    ({"emulation_references": "profile", "uneven_minibatches": True},
+     "with uneven_minibatches the workers train others: use emulation_references='measured'"),
+    ({"profile": "nowhere.json"}, "profile='nowhere.json': give a Profile or the path of one's JSON"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HetPipeStrategy(**dict({"launch": "in_process"}, **kwargs))
+
+
+def test_devices_emulated_from_a_given_profile_pace_to_its_times_and_no_stage_is_timed_again(tmp_path):
+    first = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1,
+                            emulation_references="profile")
+    train, _, model = _compiled(first)
+    model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
+    for w, vw in enumerate(first.runner.vws):  # each stage paced to its segments' times by the plan's profile
+        expected = first.plan.host_pass_seconds(w)
+        assert [(r[Forward], r[Backward]) for r in vw.references] == [pytest.approx(p) for p in expected]
+    path = tmp_path / "profile.json"
+    path.write_text(first.plan.profile.to_json())
+    # Another run given that profile plans with it and emulates the same devices, even where its
+    # stages would time differently now: the profile's times are made 3x longer here.
+    times = first.plan.profile.times["host"]
+    slower = dataclasses.replace(times, forward=tuple(3 * t for t in times.forward),
+                                 backward=tuple(3 * t for t in times.backward))
+    path.write_text(first.plan.profile.with_times("host", slower).to_json())
+    second = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, profile=str(path),
+                             emulation_references="profile")
+    train, _, model = _compiled(second)
+    model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
+    assert second.plan.profile.times["host"] == slower
+    for w, vw in enumerate(second.runner.vws):
+        assert [(r[Forward], r[Backward]) for r in vw.references] == [
+            pytest.approx(p) for p in second.plan.host_pass_seconds(w)]
+    # A profile of another model, or of another batch size, is refused before anything runs.
+    third = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, profile=str(path))
+    train, _, model = _compiled(third, name="cnn")
+    with pytest.raises(ValueError, match="give the profile of this model and batch size, or profile=None"):
+        model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)

@@ -7,7 +7,7 @@ import pytest
 from hetpipe_tf.planning.allocation import AllocationError, allocate, describe
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.planner import PlanError, plan
-from hetpipe_tf.planning.profile import Profile
+from hetpipe_tf.planning.profile import Profile, SegmentTimes
 
 
 def model_profile(n=12, activation=150 * 2 ** 20, weights=40 * 2 ** 20):
@@ -54,6 +54,24 @@ def test_forced_nm_beyond_max_m_says_what_fits():
 def test_model_too_big_for_a_worker_names_the_stage():
     with pytest.raises(PlanError, match=r"cannot train synthetic: .* needs .* but holds"):
         plan(model_profile(activation=40 * 2 ** 30), load_cluster("paper"), policy="np")
+
+
+def test_host_pass_seconds_are_each_stage_s_task_cost_plus_its_segments():
+    n = 12
+    times = SegmentTimes(forward=tuple(0.001 * (i + 1) for i in range(n)), backward=tuple(0.002 * (i + 1) for i in range(n)),
+                         forward_overhead=0.0003, backward_overhead=0.0005, source="test")
+    p = plan(model_profile(activation=2 ** 20, weights=2 ** 20).with_times("host", times), load_cluster("local"),
+             policy="ed")
+    for w, worker in enumerate(p.workers):
+        bounds = list(worker.partition.boundaries) + [n]
+        assert p.host_pass_seconds(w) == tuple(
+            pytest.approx((0.0003 + sum(times.forward[lo:hi]), 0.0005 + sum(times.backward[lo:hi])))
+            for lo, hi in zip(bounds, bounds[1:]))
+        assert sum(f + b for f, b in p.host_pass_seconds(w)) == pytest.approx(
+            len(bounds[1:]) * 0.0008 + sum(times.forward) + sum(times.backward))
+    analytic = plan(model_profile(), load_cluster("paper"), policy="ed")
+    with pytest.raises(ValueError, match="has no times measured on this host"):
+        analytic.host_pass_seconds(0)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from hetpipe_tf.api.callbacks import PipelineTensorBoard
+from hetpipe_tf.pipeline.instructions import Backward, Forward
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from tests.cli import test_models
 from tests.pipeline.test_executor import LOSS, _stale_sgd_reference
@@ -125,6 +126,23 @@ def test_bad_inputs_get_clear_errors():
     vw = VirtualWorker(model, "1,1", optimizer="sgd", loss=LOSS)
     with pytest.raises(ValueError, match="steps_per_epoch is needed"):
         vw.fit(_dataset(2).repeat(), epochs=1, verbose=0)
+
+
+def test_given_references_are_what_the_emulated_devices_pace_to():
+    model = test_models.mlp()
+    given = ((0.004, 0.006), (0.002, 0.010))
+    vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=2.0, references=given)
+    vw.train(_dataset(6), 6, trace=True)
+    assert [(r[Forward], r[Backward]) for r in vw.references] == list(given)  # not timed again
+    assert vw.task_seconds(1, Backward) == pytest.approx(2.0 / 0.5 * 0.010)
+    spans = [e for e in vw.trace.events() if e.get("ph") == "X" and e["cat"] in ("Forward", "Backward")]
+    for e in spans:  # each pass occupies its device for its target: dilation / speed x the reference given
+        kind = Forward if e["cat"] == "Forward" else Backward
+        assert e["dur"] * 1e-6 == pytest.approx(vw.task_seconds(e["tid"], kind), rel=1e-3, abs=2e-6)
+    with pytest.raises(ValueError, match=r"one \(forward, backward\) pair of seconds > 0 per stage \(2 stages\)"):
+        VirtualWorker(model, "1,0.5", optimizer="sgd", loss=LOSS, references=((0.1, 0.1),))
+    with pytest.raises(ValueError, match="per stage"):
+        VirtualWorker(model, "1,0.5", optimizer="sgd", loss=LOSS, references=((0.1, 0.0), (0.1, "x")))
 
 
 def test_learning_rate_callbacks_reach_every_stage():

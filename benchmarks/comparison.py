@@ -13,13 +13,18 @@ known, so the issue's example stands in for them.
 Every system emulates them with one time rule (:mod:`hetpipe_tf.pipeline.emulation`): a task of
 a device of speed v takes max(actual, dilation / v x its solo time on this host), communication
 (HetPipe's activations and parameter-server traffic, the baselines' all-reduce) is not padded.
-HetPipe's stages measure their own solo times in their processes (the minimum of 63 runs before
-training). The baselines pace a whole step's compute to one reference that the first HetPipe run
-of the script measured the same way: the shortest Forward plus Backward span of a virtual worker
-of one stage (the whole model) in its trace, x speed / dilation (:func:`trace_figures`,
-:func:`whole_model_reference_ms`), given to them with ``--reference_ms``: the same reference, not
-two measurements that the load of the moment moves apart (on this shared machine a solo step
-moves with the other jobs' load). One
+Every system takes its solo times from ONE profile of the model (:mod:`hetpipe_tf.runtime.profiler`:
+each segment's forward and backward time and a task's fixed cost, measured alone on a worker
+task's CPU), which the first HetPipe run of the script measures (or reads from the profile
+cache) and writes into the run's folder, and every later HetPipe run is given
+(``HetPipeStrategy(profile=..., emulation_references="profile")``): a stage's reference is its
+task cost plus its segments' times (:meth:`hetpipe_tf.planning.planner.Plan.host_pass_seconds`),
+and the baselines' reference, a whole step, is the whole model's by the same profile
+(:func:`whole_model_reference_ms`, given with ``--reference_ms``). So every system of a run
+emulates the same devices: not solo times measured anew by each run and each stage, which the
+load of the moment moves (on this shared machine one worker's stage references moved by up to
+20 % between two runs of one configuration, and a row's bound with them). Each row gives the
+bound its references set (:func:`bound_images_per_s`) and the share of it reached. One
 dilation for every system of a run: the first HetPipe run calibrates it
 (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`: probes until fewer than 2.5 % of
 tasks overran, then one step more) unless ``--dilation`` gives it; every row reports its own
@@ -32,6 +37,7 @@ cluster), which this module runs as ``python benchmarks/comparison.py --child=JS
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -59,6 +65,8 @@ def arguments(doc, benchmark, calibrated_by, options=None, **switches):
                         "leaves G out: the whole cnn needs 4.9 MiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline_s", type=float, default=900.0, help="of each system's run")
+    parser.add_argument("--profile", default="", help="emulate every system's devices from this profile (the "
+                        ".profile.json an earlier run wrote) instead of the one the first HetPipe run measures")
     parser.add_argument("--out", default=f"benchmarks/results/{benchmark}.jsonl")
     parser.add_argument("--png", default=f"benchmarks/results/{benchmark}.png")
     for name, (default, text) in (options or {}).items():
@@ -72,7 +80,22 @@ def arguments(doc, benchmark, calibrated_by, options=None, **switches):
         args.memory = parse_memory(args.memory)
     except ValueError as e:
         parser.error(str(e))
+    if args.profile and not os.path.isfile(args.profile):
+        parser.error(f"--profile={args.profile!r} is no file; give the .profile.json of an earlier run, or leave it "
+                     f"out to measure one")
     return args
+
+
+def run_profile(args, folder):
+    """Where this run's profile is (beside --out as .profile.json, else in `folder`), made ready:
+    --profile's copied there, or none, for the first HetPipe run to write."""
+    path = (os.path.splitext(args.out)[0] + ".profile.json") if args.out else os.path.join(folder, "profile.json")
+    if args.profile:
+        if os.path.abspath(args.profile) != os.path.abspath(path):
+            shutil.copyfile(args.profile, path)
+    elif os.path.exists(path):
+        os.remove(path)  # an earlier run's
+    return path
 
 
 def emit(out, benchmark, **fields):
@@ -130,23 +153,40 @@ def cluster_spec(types):
             "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0}}
 
 
-def whole_model_reference_ms(row):
-    """The baselines' reference from a HetPipe row: the smallest solo time of a whole model's
-    forward and backward pass among its virtual workers of one stage (the baselines' rule takes
-    the minimum over ranks), as that run's own worker processes measured it."""
-    whole = [w[0] for w in row["stage_reference_ms"] if len(w) == 1]
-    if not whole:
-        raise ValueError(f"{row['system']} has no virtual worker of one stage (stages per worker: "
-                         f"{[len(w) for w in row['stage_reference_ms']]}); run a configuration with one, such as "
-                         f"NP or a single device type, first")
-    return min(whole)
+def whole_model_reference_ms(profile_path):
+    """The baselines' reference (ms): a whole step's forward and backward pass, one task each, by
+    the run's profile (the one HetPipe's rows emulate their stages from)."""
+    from hetpipe_tf.planning.profile import Profile
+
+    with open(profile_path) as f:
+        profile = Profile.from_json(f.read())
+    return 1e3 * sum(profile.times["host"].pass_seconds(0, profile.num_segments))
+
+
+def bound_images_per_s(pass_ms, speeds, dilation, batch_size=BATCH_SIZE):
+    """What emulated devices allow a system at D = 0: `pass_ms[w][s]`, the reference (ms) of a
+    forward plus backward pass of worker w's stage s (a baseline's rank: one stage, the whole
+    model), `speeds[w][s]` its device's. Each worker goes at its slowest stage's pace, dilation /
+    speed x reference, and every worker at the slowest worker's (D = 0: a wave, or a step, waits
+    for all), so n workers x batch / that time. Communication and the host's work add to it."""
+    slowest = max(dilation / v * t for ts, vs in zip(pass_ms, speeds) for t, v in zip(ts, vs)) / 1e3
+    return len(pass_ms) * batch_size / slowest
+
+
+def _share(images_per_s, bound):
+    return round(images_per_s / bound, 3) if images_per_s and bound else None
 
 
 def _baseline_common(line, system):
     keep = ("ranks", "ranks_started", "speeds", "left_out", "images_per_s", "reference_ms", "emulated", "dilation",
             "paced_tasks", "overran_tasks", "overrun_fraction", "emulation_faithful", "host_cpu_busy",
             "host_saturated", "epoch_wall_s")
-    return {"system": system, "processes": line["ranks_started"], **{k: line[k] for k in keep if k in line}}
+    row = {"system": system, "processes": line["ranks_started"], **{k: line[k] for k in keep if k in line}}
+    if line.get("speeds") and line.get("reference_ms"):
+        bound = bound_images_per_s([[line["reference_ms"]]] * len(line["speeds"]), [[v] for v in line["speeds"]],
+                                   line["dilation"])
+        row.update(bound_images_per_s=round(bound, 2), share_of_bound=_share(line.get("images_per_s"), bound))
+    return row
 
 
 def baseline_argv(types, dilation, reference_ms, epochs, seed=0):
@@ -187,18 +227,19 @@ def child_rows(argv, deadline_s, env=None):
     return [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
 
 
-def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, deadline_s=900, seed=0,
-                launch="processes", num_in_flight=None):
+def hetpipe_row(name, types, policy, placement, dilation, epochs, profile_path, vw_size=None, deadline_s=900,
+                seed=0, launch="processes", num_in_flight=None):
     """One HetPipe configuration on `types` in a fresh process (with launch "processes", one
     process per virtual worker under it; "in_process": every stage in that process, a figure to
     stand beside, never instead); `dilation` None: calibrated by that run; `num_in_flight` None:
-    the planner's Nm. Returns its row."""
+    the planner's Nm. Its stages are emulated from the profile at `profile_path`, which the run
+    writes when there is none yet (the first of a script's runs). Returns its row."""
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryDirectory(prefix="hetpipe-comparison-") as folder:
         config = {"name": name, "cluster": cluster_spec(types), "policy": policy, "placement": placement,
                   "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder,
-                  "launch": launch, "num_in_flight": num_in_flight}
+                  "launch": launch, "num_in_flight": num_in_flight, "profile_path": profile_path}
         (row,) = child_rows([sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"], deadline_s,
                             env)
     return {**row, "run_s": round(time.perf_counter() - started, 1)}
@@ -206,9 +247,10 @@ def hetpipe_row(name, types, policy, placement, dilation, epochs, vw_size=None, 
 
 def trace_figures(events, speeds, dilation):
     """From a run's trace (Chrome trace events; pid: virtual worker, tid: stage), per worker and
-    stage: the solo reference (ms) of its forward plus backward pass, (shortest Forward span +
-    shortest Backward span) x speed / dilation (a paced task lasts at least its target, so the
-    shortest shows it, and its reference is target x speed / dilation), and its busy fraction:
+    stage: the reference (ms) its forward plus backward pass was paced to, as the trace shows it,
+    (shortest Forward span + shortest Backward span) x speed / dilation (a paced task lasts at
+    least its target, so the shortest shows it; it is the profile's reference unless every task of
+    the stage overran), and its busy fraction:
     time in Forward and Backward spans over the worker's traced time. `speeds[w][s]` is the
     speed of worker w's stage s (workers in the order of their pids)."""
     spans = {}
@@ -217,15 +259,15 @@ def trace_figures(events, speeds, dilation):
             spans.setdefault(e["pid"], {}).setdefault(e["tid"], []).append(e)
     if len(spans) != len(speeds):
         raise ValueError(f"the trace has compute spans of {len(spans)} virtual workers, the plan {len(speeds)}")
-    references, busy = [], []
+    traced, busy = [], []
     for (pid, stages), worker_speeds in zip(sorted(spans.items()), speeds):
         every = [e for stage in stages.values() for e in stage]
         wall = max(e["ts"] + e["dur"] for e in every) - min(e["ts"] for e in every)
-        references.append([round(sum(min(e["dur"] for e in stages[s] if e["cat"] == kind)
-                                     for kind in ("Forward", "Backward")) / 1e3 * worker_speeds[s] / dilation, 3)
-                           for s in sorted(stages)])
+        traced.append([round(sum(min(e["dur"] for e in stages[s] if e["cat"] == kind)
+                                 for kind in ("Forward", "Backward")) / 1e3 * worker_speeds[s] / dilation, 3)
+                       for s in sorted(stages)])
         busy.append([round(sum(e["dur"] for e in stages[s]) / wall, 3) for s in sorted(stages)])
-    return {"stage_reference_ms": references, "stage_busy_fraction": busy}
+    return {"traced_stage_reference_ms": traced, "stage_busy_fraction": busy}
 
 
 def _hetpipe_child(config):
@@ -238,10 +280,11 @@ def _hetpipe_child(config):
     from hetpipe_tf.planning.planner import PlanError, simulate_plan
     from benchmarks.baselines import ranks
 
+    given = config["profile_path"] if os.path.exists(config["profile_path"]) else None
     strategy = HetPipeStrategy(cluster=config["cluster"], policy=config["policy"], placement=config["placement"],
                                vw_size=config["vw_size"], staleness_bound=0, launch=config["launch"],
-                               num_in_flight=config["num_in_flight"],
-                               dilation=config["dilation"], timeout_s=300)
+                               num_in_flight=config["num_in_flight"], dilation=config["dilation"], timeout_s=300,
+                               profile=given, emulation_references="profile")
     with strategy.scope():
         train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,
                                                    seed=config["seed"])
@@ -270,6 +313,9 @@ def _hetpipe_child(config):
                                  "does_not_fit": str(e)}), flush=True)
         return
     plan = strategy.plan
+    if given is None:  # the run's profile, for its later runs and its baselines
+        with open(config["profile_path"], "w") as f:
+            f.write(plan.profile.to_json())
     predicted = simulate_plan(plan)  # at dilation 1 unless one was given (the planner's rule)
     workers = [{k: round(v, 4) if isinstance(v, float) else v for k, v in st.items()}
                for st in strategy.runner.stats()]
@@ -282,17 +328,22 @@ def _hetpipe_child(config):
     for s in seconds:
         elapsed += s
         wall.append(round(elapsed, 3))
+    speeds = [[d.type.emulated_speed for d in w.devices] for w in plan.workers]
+    pass_ms = [[1e3 * (f + b) for f, b in plan.host_pass_seconds(w)] for w in range(len(plan.workers))]
+    images_per_s = ranks.images_per_second(images_per_epoch, seconds, 1)
+    bound = bound_images_per_s(pass_ms, speeds, report["dilation"])
     row = {"system": f"HetPipe {config['name']}", "launch": config["launch"], "policy": config["policy"],
            "placement": plan.placement,
            "processes": len(plan.workers), "virtual_workers": [w.device_types for w in plan.workers],
            "num_in_flight": plan.num_in_flight, "concurrent_minibatches": plan.num_in_flight * len(plan.workers),
-           "images_per_s": round(ranks.images_per_second(images_per_epoch, seconds, 1), 2),
+           "images_per_s": round(images_per_s, 2), "emulation_references": "profile",
+           "profile_stage_reference_ms": [[round(t, 3) for t in w] for w in pass_ms],
+           "bound_images_per_s": round(bound, 2), "share_of_bound": _share(images_per_s, bound),
            "planned_at_dilation": plan_dilation,
            "predicted_images_per_s": round(predicted["images_per_s"] * plan_dilation / report["dilation"], 2),
            "predicted_busy_fraction": [[round(b, 3) for b in w["busy_fraction"]] for w in predicted["virtual_workers"]],
            "stage_segments": [[list(s.segments) for s in w.partition.stages] for w in plan.workers],
-           **trace_figures(events, [[d.type.emulated_speed for d in w.devices] for w in plan.workers],
-                           report["dilation"]),
+           **trace_figures(events, speeds, report["dilation"]),
            "worker_stats": workers, "epoch_wall_s": wall, **report, **ranks.host_fields(host.busy_fraction())}
     print(MARK + json.dumps(row), flush=True)
 

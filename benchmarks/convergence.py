@@ -12,13 +12,14 @@ Each row gives its measured images/s beside the pace it was padded to (Horovod:
 ``emulated_pace_images_per_s`` = ranks x 32 / (dilation / slowest speed x reference);
 HetPipe: ``planner_images_per_s``, the planner's prediction).
 
-* **The reference** (the rule of benchmarks/comparison.py): a short run of HetPipe NP with
-  one device per virtual worker (one stage: the whole model), traced; the shortest Forward
-  plus Backward span of a worker x speed / dilation is the whole model's solo time as
-  HetPipe's own processes measured it (``setup.reference_run``). Horovod is paced to it, so
-  both systems are paced to one measurement, not to two that the load of the moment moves
-  apart (measured in this script's process, a solo step took 5 ms in one run and 37 ms in
-  another).
+* **The reference** (the rule of benchmarks/comparison.py): one profile of the model (each
+  segment's forward and backward time alone on a worker task's CPU, and a task's fixed cost),
+  which the first HetPipe run measures (or reads from the profile cache) and writes beside the
+  results (``convergence.profile.json``; ``--profile`` gives one instead). Every HetPipe run
+  paces its stages to it (``emulation_references="profile"``) and Horovod's whole step to the
+  whole model's time by it, so every system emulates the same devices, not solo times that
+  each run measures anew and the load of the moment moves (measured in this script's process, a
+  solo step took 5 ms in one run and 37 ms in another).
 * **Horovod** (``benchmarks/horovod/train_horovod.py`` by ``horovodrun --gloo``, 4 ranks,
   speeds 1, 1, 0.5, 0.5): each rank trains the whole ``cnn`` on its shard, a step's compute
   padded to dilation / speed x reference (``--reference_ms``); the all-reduce is not padded.
@@ -31,9 +32,8 @@ HetPipe: ``planner_images_per_s``, the planner's prediction).
   learning rate over the first epochs, which the baseline script does not have.
 * **HetPipe** (``HetPipeStrategy``, launch "processes": one process per virtual worker)
   under WSP with D = 0, 4 and 32 (§5), one run each in a process of its own, pipelined with
-  the planner's cut and Nm. Every stage's task is padded to dilation / speed x its own solo
-  time, which the executor measures in the same TensorFlow as the reference above. Two
-  allocations (§8.1):
+  the planner's cut and Nm. Every stage's task is padded to dilation / speed x its time by
+  the profile. Two allocations (§8.1):
 
   - ``ed``: ED with local placement, as Fig. 6 (ED-local): two equal virtual workers, each
     one device of speed 1 and one of speed 0.5. Equal workers keep pace with each other, so
@@ -64,13 +64,14 @@ reaches the target says so (``time_to_target_s: null``). With ``--data_dir`` and
 Horovod's venv has no TFDS, so its rows are then left out, with a line saying so.
 
     python benchmarks/convergence.py [--epochs=30] [--horovod_epochs=60] [--horovod_scaled_epochs=20]
-        [--target=0.9] [--dilation=16] [--lr=0.1] [--bounds=0,4,32] [--np_bounds=0,4]
+        [--target=0.9] [--dilation=16] [--lr=0.1] [--bounds=0,4,32] [--np_bounds=0,4] [--profile=PATH]
         [--out=benchmarks/results/convergence.jsonl] [--png=benchmarks/results/convergence.png]
 """
 import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -78,7 +79,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.comparison import MARK, child_rows, emit  # noqa: E402
+from benchmarks.comparison import MARK, child_rows, emit, run_profile, whole_model_reference_ms  # noqa: E402
 
 SPEEDS = (1.0, 1.0, 0.5, 0.5)  # the local preset's devices: F, F, S, S
 MEMORY = ("64M", "64M", "32M", "32M")
@@ -91,24 +92,6 @@ def time_to_target(curve, target):
         if row["test_accuracy"] >= target:
             return row["wall_s"], row["epoch"]
     return None, None
-
-
-def measure_reference_ms(args):
-    """Horovod's reference (ms): the solo time of the whole model's forward and backward pass as
-    HetPipe's own worker processes measure it, read from the trace of a short run of one-device
-    virtual workers (NP, one stage each) at this dilation: the rule of benchmarks/comparison.py
-    (:func:`benchmarks.comparison.whole_model_reference_ms`), so that both systems are paced to
-    one measurement, not to two that the load of the moment moves apart. Returns the reference
-    and that run's figures."""
-    import tempfile
-
-    from benchmarks.comparison import whole_model_reference_ms
-
-    with tempfile.TemporaryDirectory(prefix="convergence-reference-") as folder:
-        row = hetpipe_row(args, "np", 0, vw_size=1, epochs=1, trace_dir=folder)
-    row["system"] = "HetPipe NP, one device per virtual worker (reference run)"
-    return whole_model_reference_ms(row), {k: row[k] for k in ("system", "stage_reference_ms", "overrun_fraction",
-                                                                "emulation_faithful", "images_per_s")}
 
 
 def horovod_row(args, reference_ms, lr_scale):
@@ -136,8 +119,10 @@ def hetpipe_child(args):
     """One HetPipe run (this process is its chief); prints its row as a JSON line."""
     from hetpipe_tf.api.strategy import HetPipeStrategy
 
+    given = args.profile if os.path.exists(args.profile) else None
     strategy = HetPipeStrategy(cluster="local", policy=args.child_policy, staleness_bound=args.child_d,
-                               vw_size=args.child_vw_size, launch="processes", dilation=args.dilation)
+                               launch="processes", dilation=args.dilation, profile=given,
+                               emulation_references="profile")
     import keras
 
     from hetpipe_tf.cli.models import build_model
@@ -167,25 +152,21 @@ def hetpipe_child(args):
             if reached and epoch - reached[0] >= args.epochs_after_target:
                 self.model.stop_training = True
 
-    trace_path = os.path.join(args.child_trace_dir, "trace.json") if args.child_trace_dir else None
-    model.fit(train, epochs=args.epochs, validation_data=test, callbacks=[Clock()], verbose=0, trace_path=trace_path)
+    model.fit(train, epochs=args.epochs, validation_data=test, callbacks=[Clock()], verbose=0)
     report = strategy.runner.emulation_report().as_dict()
     workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in w.items()} for w in strategy.stats()]
     plan = strategy.plan
+    if given is None:  # the run's profile, for its later runs and Horovod's reference
+        with open(args.profile, "w") as f:
+            f.write(plan.profile.to_json())
     images = [r["images_per_s"] for r in curve[1:]] or [curve[0]["images_per_s"]]
     row = {"system": system_name(args.child_policy, args.child_d), "policy": args.child_policy,
            "staleness_bound": args.child_d, "lr": args.lr, "workers": workers,
            "processes": len(plan.workers), "virtual_workers": [w.device_types for w in plan.workers],
            "num_in_flight": plan.num_in_flight, "placement": plan.placement,
            "images_per_s": round(sum(images) / len(images), 2),
-           "planner_images_per_s": round(plan.images_per_s, 2), "curve": curve, **report}
-    if trace_path:
-        from benchmarks.comparison import trace_figures
-
-        with open(trace_path) as f:
-            events = json.load(f)["traceEvents"]
-        row.update(trace_figures(events, [[d.type.emulated_speed for d in w.devices] for w in plan.workers],
-                                 report["dilation"]))
+           "planner_images_per_s": round(plan.images_per_s, 2), "curve": curve, "emulation_references": "profile",
+           **report}
     print(MARK + json.dumps(row), flush=True)
 
 
@@ -193,17 +174,15 @@ def system_name(policy, d):
     return f"HetPipe D={d}" if policy == "ed" else f"HetPipe {policy.upper()} D={d}"
 
 
-def hetpipe_row(args, policy, d, vw_size=None, epochs=None, trace_dir=None):
+def hetpipe_row(args, policy, d, profile):
+    """One HetPipe run in a process of its own, its devices emulated from the profile at `profile`
+    (which it writes when there is none yet: the run's first)."""
     argv = [sys.executable, os.path.abspath(__file__), f"--child_d={d}", f"--child_policy={policy}",
-            f"--epochs={epochs or args.epochs}",
+            f"--epochs={args.epochs}", f"--profile={profile}",
             f"--dilation={args.dilation:g}", f"--lr={args.lr:g}", f"--target={args.target:g}",
             f"--epochs_after_target={args.epochs_after_target}", f"--seed={args.seed}", f"--dataset={args.dataset}"]
     if args.data_dir:
         argv.append(f"--data_dir={args.data_dir}")
-    if vw_size:
-        argv.append(f"--child_vw_size={vw_size}")
-    if trace_dir:
-        argv.append(f"--child_trace_dir={trace_dir}")
     (row,) = child_rows(argv, args.deadline_s)
     return row
 
@@ -286,19 +265,28 @@ def main():
     parser.add_argument("--png", default="benchmarks/results/convergence.png")
     parser.add_argument("--child_d", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child_policy", default="ed", help=argparse.SUPPRESS)
-    parser.add_argument("--child_vw_size", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--child_trace_dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default="", help="emulate every system's devices from this profile (the "
+                        ".profile.json an earlier run wrote) instead of the one the first HetPipe run measures")
     args = parser.parse_args()
     if args.child_d is not None:
         return hetpipe_child(args)
+    if args.profile and not os.path.isfile(args.profile):
+        parser.error(f"--profile={args.profile!r} is no file; give the .profile.json of an earlier run, or leave it "
+                     f"out to measure one")
 
     load = os.getloadavg()
     started = time.perf_counter()
-    reference_ms, reference_run = measure_reference_ms(args)
     rows = []
-    with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
+    with open(args.out, "w") if args.out else open(os.devnull, "w") as out, \
+            tempfile.TemporaryDirectory(prefix="convergence-") as folder:
+        profile = run_profile(args, folder)
+        runs = [("ed", int(x)) for x in args.bounds.split(",") if x.strip()]
+        runs += [("np", int(x)) for x in args.np_bounds.split(",") if x.strip()]
+        rows += [hetpipe_row(args, policy, d, profile) for policy, d in runs]  # the first measures the profile
+        reference_ms = whole_model_reference_ms(profile)
         emit(out, "convergence", setup={"devices": {"speeds": SPEEDS, "memory": MEMORY}, "dilation": args.dilation,
-                          "reference_ms": round(reference_ms, 3), "reference_run": reference_run, "model": "cnn", "dataset": args.dataset,
+                          "profile": args.profile or f"measured by the first HetPipe run, written to {profile}",
+                          "reference_ms": round(reference_ms, 3), "model": "cnn", "dataset": args.dataset,
                           "batch_size": 32, "optimizer": f"SGD lr={args.lr:g}, no momentum", "target": args.target,
                           "horovod_lr": {"x1": args.lr, "x4": args.lr * 4},
                           "emulated": True, "load_average_at_start": [round(x, 2) for x in load]})
@@ -306,10 +294,7 @@ def main():
             emit(out, "convergence", system="Horovod", skipped=("--skip_horovod" if args.skip_horovod else
                                                   "the Horovod baseline trains on the bundled digits only"))
         else:
-            rows += [horovod_row(args, reference_ms, scale) for scale in (1, len(SPEEDS))]
-        runs = [("ed", int(x)) for x in args.bounds.split(",") if x.strip()]
-        runs += [("np", int(x)) for x in args.np_bounds.split(",") if x.strip()]
-        rows += [hetpipe_row(args, policy, d) for policy, d in runs]
+            rows = [horovod_row(args, reference_ms, scale) for scale in (1, len(SPEEDS))] + rows
         for row in rows:
             row["time_to_target_s"], row["epochs_to_target"] = time_to_target(row["curve"], args.target)
             emit(out, "convergence", **row)

@@ -18,9 +18,10 @@ processes cost RPCs (tens of ms a wave here), so it picks the smallest Nm it pre
 * **Horovod** (``horovodrun --gloo``, one rank per device; a device too small for the whole
   model is left out, the leave-out rule) and TensorFlow's **MultiWorkerMirroredStrategy**.
 
-Same devices (the time rule of :mod:`hetpipe_tf.pipeline.emulation`, one reference, one
+Same devices (the time rule of :mod:`hetpipe_tf.pipeline.emulation`, one profile, one
 dilation: the NP run, first, calibrates the dilation unless ``--dilation`` gives it, and measures
-the whole model's reference the baselines are given, see :mod:`benchmarks.comparison`), same minibatch of 32
+the profile every system's references come from unless ``--profile`` gives it, see
+:mod:`benchmarks.comparison`), same minibatch of 32
 per device (per rank; per pipeline slot), same data (the bundled digits, 44 minibatches an
 epoch in every system), plain SGD; communication is not padded. images/s: over the epochs after
 the first. JSON lines: a setup line (the machine and its load average at start), one row per
@@ -34,6 +35,7 @@ Horovod; the ceiling on these devices is sum(v) / (n x min(v)) = 1.8x).
 """
 import os
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -45,8 +47,7 @@ BENCHMARK = "throughput_vs_horovod"
 TYPES = "VRQG"
 # name, policy, parameter placement, devices per virtual worker (None: the policy's default).
 # HD's default (the smallest node's count, 1 here) makes no pairs: two devices per worker.
-# NP runs first: it calibrates the dilation and, its workers being one stage each, measures the
-# whole model's reference that the baselines are given.
+# NP runs first: it calibrates the dilation and measures the profile every system is emulated from.
 POLICIES = (("NP", "np", "default", None), ("HD", "hd", "default", 2), ("ED", "ed", "default", None),
             ("ED-local", "ed", "local", None))
 TARGET, CEILING_NOTE = 1.5, "sum(v) / (n x min(v)) of the devices"
@@ -117,38 +118,40 @@ def main():
     args = comparison.arguments(__doc__, BENCHMARK, "NP", options={"nm_candidates": (
         "4,8", "Nm to run each policy at besides the planner's (its figure is its fastest row); '' for the "
         "planner's only")}, beside_in_process=(
-        "also ED-local with every stage in one process (launch='in_process'), beside the others: its stages' "
-        "references hold no RPC"))
+        "also ED-local with every stage in one process (launch='in_process'), beside the others"))
     try:
         candidates = nm_candidates(args.nm_candidates)
     except ValueError as e:
         sys.exit(str(e))
     types = comparison.device_types(TYPES, args.memory)
     rows = []
-    with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
+    with open(args.out, "w") if args.out else open(os.devnull, "w") as out, \
+            tempfile.TemporaryDirectory(prefix=f"{BENCHMARK}-") as folder:
+        profile = comparison.run_profile(args, folder)
         comparison.emit(out, BENCHMARK, setup={
             "machine": comparison.machine(), "cluster": comparison.cluster_spec(types), "model": "cnn",
             "dataset": "hetpipe_digits", "batch_size_per_device": comparison.BATCH_SIZE, "staleness_bound": 0,
             "epochs": args.epochs, "emulated": True, "nm_candidates": list(candidates),
-            "reference": "the baselines': HetPipe NP's whole-model solo time (comparison.whole_model_reference_ms)",
+            "profile": args.profile or f"measured by the first HetPipe run (NP), written to {profile}",
+            "reference": "every system's from the profile (comparison.whole_model_reference_ms for the baselines)",
             "dilation": args.dilation if args.dilation else "calibrated by the first HetPipe run (NP)"})
         dilation = args.dilation
         for name, policy, placement, vw_size in POLICIES:
             row = comparison.hetpipe_row(f"{name} (planner's Nm)", types, policy, placement, dilation, args.epochs,
-                                         vw_size, args.deadline_s, args.seed)
+                                         profile, vw_size, args.deadline_s, args.seed)
             dilation = row["dilation"]
             rows.append({**row, "policy_name": name, "planner_nm": True})
             comparison.emit(out, BENCHMARK, **rows[-1])
             for nm in (c for c in candidates if c != row["num_in_flight"]):
                 rows.append({**comparison.hetpipe_row(f"{name}, Nm={nm}", types, policy, placement, dilation,
-                                                      args.epochs, vw_size, args.deadline_s, args.seed,
+                                                      args.epochs, profile, vw_size, args.deadline_s, args.seed,
                                                       num_in_flight=nm), "policy_name": name})
                 comparison.emit(out, BENCHMARK, **rows[-1])
         if args.beside_in_process:
             rows.append(comparison.hetpipe_row("ED-local in one process (beside)", types, "ed", "local", dilation,
-                                               args.epochs, None, args.deadline_s, args.seed, "in_process"))
+                                               args.epochs, profile, None, args.deadline_s, args.seed, "in_process"))
             comparison.emit(out, BENCHMARK, **rows[-1])
-        reference_ms = comparison.whole_model_reference_ms(rows[0])
+        reference_ms = comparison.whole_model_reference_ms(profile)
         for run in (comparison.horovod_row, comparison.mwms_row):
             rows.append(run(types, dilation, reference_ms, args.epochs, args.deadline_s, args.seed))
             comparison.emit(out, BENCHMARK, **rows[-1])

@@ -13,14 +13,16 @@ Per row: HetPipe's images/s and total number of concurrent minibatches (Nm x vir
 Horovod's images/s, ranks and the devices it left out, the ratio HetPipe / Horovod, and each
 system's images/s over its own V row (what adding the whimpy devices bought). All rows of a run
 share one dilation (the VRQG HetPipe run, the most loaded, calibrates it unless ``--dilation``
-gives it) and one reference (the V HetPipe run's, whose worker is the whole model on one stage);
-each row reports its overrun fraction and whether the emulation was faithful.
+gives it) and one profile, which every system's references come from (the VRQG run measures it
+unless ``--profile`` gives it; :mod:`benchmarks.comparison`); each row reports its overrun
+fraction, whether the emulation was faithful, and the share of its references' bound it reached.
 
     python benchmarks/whimpy_devices.py [--epochs=4] [--dilation=D] [--memory=G=4M]
         [--out=benchmarks/results/whimpy_devices.jsonl] [--png=benchmarks/results/whimpy_devices.png]
 """
 import os
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -59,23 +61,26 @@ def table(hetpipe, horovod):
 def main():
     args = comparison.arguments(__doc__, BENCHMARK, "VRQG")
     hetpipe, horovod = {}, {}
-    with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
+    with open(args.out, "w") if args.out else open(os.devnull, "w") as out, \
+            tempfile.TemporaryDirectory(prefix=f"{BENCHMARK}-") as folder:
+        profile = comparison.run_profile(args, folder)
         comparison.emit(out, BENCHMARK, setup={
             "machine": comparison.machine(),
             "devices": comparison.cluster_spec(comparison.device_types("VRQG", args.memory)),
             "one_device_per_type": "2 cores: one emulated device of each type, not the paper's four",
             "model": "cnn", "dataset": "hetpipe_digits", "batch_size_per_device": comparison.BATCH_SIZE,
             "staleness_bound": 0, "epochs": args.epochs, "emulated": True,
-            "reference": "the baselines': the V HetPipe run's whole-model solo time",
+            "profile": args.profile or f"measured by the first HetPipe run (VRQG), written to {profile}",
+            "reference": "every system's from the profile (comparison.whole_model_reference_ms for the baselines)",
             "dilation": args.dilation if args.dilation else "calibrated by the VRQG HetPipe run"})
         dilation = args.dilation
         for types in reversed(ROWS):
             row = comparison.hetpipe_row(f"ED-local {types}", comparison.device_types(types, args.memory), "ed",
-                                         "local", dilation, args.epochs, None, args.deadline_s, args.seed)
+                                         "local", dilation, args.epochs, profile, None, args.deadline_s, args.seed)
             dilation = row["dilation"]
             hetpipe[types] = row
             comparison.emit(out, BENCHMARK, types=types, **row)
-        reference_ms = comparison.whole_model_reference_ms(hetpipe["V"])
+        reference_ms = comparison.whole_model_reference_ms(profile)
         for types in ROWS:
             horovod[types] = comparison.horovod_row(comparison.device_types(types, args.memory), dilation, reference_ms,
                                                     args.epochs, args.deadline_s, args.seed)

@@ -1,8 +1,12 @@
 """benchmarks/comparison.py without training: the devices, the cluster the policies allocate,
-the figures read from a trace, the reference the baselines get, the picture."""
+the figures read from a trace, the reference the baselines get and the run's profile, the
+bound references set, the picture."""
+import argparse
+
 import pytest
 
 from benchmarks import comparison
+from hetpipe_tf.planning.profile import Profile, SegmentTimes
 from hetpipe_tf.planning.allocation import allocate, describe
 from hetpipe_tf.planning.cluster import from_dict
 
@@ -40,18 +44,45 @@ def test_trace_figures_read_each_stage_s_reference_and_busy_fraction():
               {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "w0"}}]
     out = comparison.trace_figures(events, [[0.5], [1.0, 0.25]], 3.0)
     # shortest Forward 30 ms + shortest Backward 60 ms, x 0.5 / 3
-    assert out["stage_reference_ms"][0] == [15.0]
-    assert out["stage_reference_ms"][1] == [pytest.approx(20 / 3, abs=1e-3), pytest.approx(40 / 12, abs=1e-3)]
+    assert out["traced_stage_reference_ms"][0] == [15.0]
+    assert out["traced_stage_reference_ms"][1] == [pytest.approx(20 / 3, abs=1e-3), pytest.approx(40 / 12, abs=1e-3)]
     assert out["stage_busy_fraction"][0] == [pytest.approx(191000 / 200000, abs=1e-3)]
     assert out["stage_busy_fraction"][1] == [pytest.approx(20 / 60, abs=1e-3), pytest.approx(40 / 60, abs=1e-3)]
     with pytest.raises(ValueError, match="2 virtual workers, the plan 3"):
         comparison.trace_figures(events, [[1.0], [1.0], [1.0]], 3.0)
 
 
-def test_the_baselines_reference_is_the_fastest_whole_model_worker():
-    assert comparison.whole_model_reference_ms({"system": "NP", "stage_reference_ms": [[12.5], [11.0], [14.0]]}) == 11.0
-    with pytest.raises(ValueError, match="no virtual worker of one stage"):
-        comparison.whole_model_reference_ms({"system": "HetPipe ED", "stage_reference_ms": [[3.0, 4.0]]})
+def test_the_baselines_reference_is_the_whole_model_by_the_run_s_profile(tmp_path):
+    times = SegmentTimes(forward=(0.001, 0.002), backward=(0.003, 0.004), forward_overhead=0.0005,
+                         backward_overhead=0.0007, source="test")
+    profile = Profile(model="m", batch_size=32, starts=(0, 2), weight_bytes=(8, 8), state_bytes=(0, 0),
+                      activation_bytes=(1, 1), cut_bytes=(0, 1), forward_flops=(1, 1), backward_flops=(2, 2),
+                      traffic_bytes=(1, 1), kernels=(2, 1), times={"host": times})
+    path = tmp_path / "profile.json"
+    path.write_text(profile.to_json())
+    # one forward task and one backward task: their fixed costs once, every segment's time
+    assert comparison.whole_model_reference_ms(str(path)) == pytest.approx(0.5 + 0.7 + 1 + 2 + 3 + 4)
+
+
+def test_the_bound_holds_every_worker_to_the_slowest_stage_of_all():
+    # worker 0: stages of 2 ms at speed 1 and 1 ms at speed 0.25 (4 ms emulated); worker 1: 3 ms at 0.5 (6 ms)
+    bound = comparison.bound_images_per_s([[2.0, 1.0], [3.0]], [[1.0, 0.25], [0.5]], dilation=2.0, batch_size=32)
+    assert bound == pytest.approx(2 * 32 / (2.0 / 0.5 * 3.0 / 1e3))
+    # a baseline's ranks: the whole model on each, held to the slowest rank
+    assert comparison.bound_images_per_s([[5.0]] * 2, [[1.0], [0.5]], 1.0) == pytest.approx(2 * 32 / 0.010)
+
+
+def test_run_profile_is_beside_the_results_and_starts_empty_unless_given(tmp_path):
+    out = tmp_path / "fig.jsonl"
+    stale = tmp_path / "fig.profile.json"
+    stale.write_text("an earlier run's")
+    args = argparse.Namespace(out=str(out), profile="")
+    assert comparison.run_profile(args, str(tmp_path)) == str(stale) and not stale.exists()
+    given = tmp_path / "given.json"
+    given.write_text("{}")
+    assert comparison.run_profile(argparse.Namespace(out=str(out), profile=str(given)), "") == str(stale)
+    assert stale.read_text() == "{}"
+    assert comparison.run_profile(argparse.Namespace(out="", profile=""), str(tmp_path)) == str(tmp_path / "profile.json")
 
 
 def test_ratio_is_none_when_a_side_is_missing():

@@ -15,7 +15,7 @@ def test_the_ceiling_on_issue_13s_cluster_is_1_8():
     assert fig4.ceiling(comparison.device_types("V")) == 1.0
 
 
-def test_np_runs_first_it_gives_the_baselines_their_reference():
+def test_np_runs_first_it_calibrates_the_dilation_and_measures_the_profile():
     assert [p[0] for p in fig4.POLICIES] == ["NP", "HD", "ED", "ED-local"]
     assert fig4.POLICIES[0][1] == "np"
 

@@ -285,7 +285,7 @@ def main():
         rows += [hetpipe_row(args, policy, d, profile) for policy, d in runs]  # the first measures the profile
         reference_ms = whole_model_reference_ms(profile)
         emit(out, "convergence", setup={"devices": {"speeds": SPEEDS, "memory": MEMORY}, "dilation": args.dilation,
-                          "profile": args.profile or f"measured by the first HetPipe run, written to {profile}",
+                          "profile": args.profile or f"the first HetPipe run's (measured, or this machine's cached one), written to {profile}",
                           "reference_ms": round(reference_ms, 3), "model": "cnn", "dataset": args.dataset,
                           "batch_size": 32, "optimizer": f"SGD lr={args.lr:g}, no momentum", "target": args.target,
                           "horovod_lr": {"x1": args.lr, "x4": args.lr * 4},

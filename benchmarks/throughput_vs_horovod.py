@@ -132,7 +132,7 @@ def main():
             "machine": comparison.machine(), "cluster": comparison.cluster_spec(types), "model": "cnn",
             "dataset": "hetpipe_digits", "batch_size_per_device": comparison.BATCH_SIZE, "staleness_bound": 0,
             "epochs": args.epochs, "emulated": True, "nm_candidates": list(candidates),
-            "profile": args.profile or f"measured by the first HetPipe run (NP), written to {profile}",
+            "profile": args.profile or f"the first HetPipe run's (NP: measured, or this machine's cached one), written to {profile}",
             "reference": "every system's from the profile (comparison.whole_model_reference_ms for the baselines)",
             "dilation": args.dilation if args.dilation else "calibrated by the first HetPipe run (NP)"})
         dilation = args.dilation

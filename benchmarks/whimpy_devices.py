@@ -70,7 +70,7 @@ def main():
             "one_device_per_type": "2 cores: one emulated device of each type, not the paper's four",
             "model": "cnn", "dataset": "hetpipe_digits", "batch_size_per_device": comparison.BATCH_SIZE,
             "staleness_bound": 0, "epochs": args.epochs, "emulated": True,
-            "profile": args.profile or f"measured by the first HetPipe run (VRQG), written to {profile}",
+            "profile": args.profile or f"the first HetPipe run's (VRQG: measured, or this machine's cached one), written to {profile}",
             "reference": "every system's from the profile (comparison.whole_model_reference_ms for the baselines)",
             "dilation": args.dilation if args.dilation else "calibrated by the VRQG HetPipe run"})
         dilation = args.dilation

@@ -29,7 +29,7 @@ system (its overrun fraction, whether the emulation was faithful), the ratio Het
 and HetPipe / MWMS per policy and a summary against issue 13's target (best policy >= 1.5x
 Horovod; the ceiling on these devices is sum(v) / (n x min(v)) = 1.8x).
 
-    python benchmarks/throughput_vs_horovod.py [--epochs=4] [--dilation=D] [--nm_candidates=4,8]
+    python benchmarks/throughput_vs_horovod.py [--epochs=4] [--dilation=D] [--nm_candidates=4,8,16]
         [--memory=G=4M] [--beside_in_process] [--out=benchmarks/results/throughput_vs_horovod.jsonl]
         [--png=benchmarks/results/throughput_vs_horovod.png]
 """
@@ -116,7 +116,7 @@ def summary(rows, types):
 
 def main():
     args = comparison.arguments(__doc__, BENCHMARK, "NP", options={"nm_candidates": (
-        "4,8", "Nm to run each policy at besides the planner's (its figure is its fastest row); '' for the "
+        "4,8,16", "Nm to run each policy at besides the planner's (its figure is its fastest row); '' for the "
         "planner's only")}, beside_in_process=(
         "also ED-local with every stage in one process (launch='in_process'), beside the others"))
     try:

@@ -34,7 +34,7 @@ def define_flags():
     flags.DEFINE_integer("steps_per_epoch", None, "Minibatches per epoch (default: the whole training split).",
                          lower_bound=1)
     flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer.")
-    flags.DEFINE_float("learning_rate", 0.02, "Learning rate.", lower_bound=0.0)
+    flags.DEFINE_float("learning_rate", 0.01, "Learning rate.", lower_bound=0.0)
     flags.DEFINE_float("momentum", 0.9, "Momentum (sgd).", lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_integer("image_size", None, "Resize images to this side (keras.applications models need >= 32).",
                          lower_bound=1)

@@ -256,7 +256,7 @@ class VirtualWorker:
 
     def calibrate_dilation(self, minibatch):
         """Chooses the dilation by probe runs (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`):
-        one step above the smallest at which fewer than 2.5 % of the tasks overran their target."""
+        two steps above the smallest at which fewer than 2.5 % of the tasks overran their target."""
         self.dilation, self.calibration = calibrate_dilation(lambda d: self.probe_emulation(minibatch, d))
         return self.dilation
 

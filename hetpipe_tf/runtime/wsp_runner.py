@@ -241,7 +241,7 @@ class WSPRunner:
         copies of its minibatch in `minibatches`, nothing kept), as in
         :meth:`VirtualWorker.calibrate_dilation`. The probes do the workers' side of the
         synchronisation but not the servers' (their waits and sums), which share the host's
-        cores in the real run: the calibration's step of margin covers them."""
+        cores in the real run: the calibration's steps of margin cover them."""
         dilation, tried = calibrate_dilation(lambda d: self.probe(d, minibatches))
         self.set_dilation(dilation, tried)
         return dilation

@@ -110,7 +110,7 @@ def test_slowdown_makes_chosen_minibatches_slower():
 
 
 def test_calibration_takes_the_first_dilation_whose_probe_overran_little():
-    overrun = {1.0: 0.6, 1.5: 0.2, 2.0: 0.03, 3.0: 0.01, 4.0: 0.0}
+    overrun = {1.0: 0.6, 1.5: 0.2, 2.0: 0.03, 3.0: 0.01, 4.0: 0.0, 6.0: 0.0}
     probed = []
 
     def probe(d):
@@ -120,7 +120,9 @@ def test_calibration_takes_the_first_dilation_whose_probe_overran_little():
     tried = ((1.0, 0.6), (1.5, 0.2), (2.0, 0.03), (3.0, 0.01))
     assert calibrate_dilation(probe, candidates=tuple(overrun), extra_steps=0) == (3.0, tried)
     assert probed == [1.0, 1.5, 2.0, 3.0]  # no probe past the one that passed
-    assert calibrate_dilation(probe, candidates=tuple(overrun)) == (4.0, tried)  # a step of margin
+    assert calibrate_dilation(probe, candidates=tuple(overrun), extra_steps=1) == (4.0, tried)
+    assert calibrate_dilation(probe, candidates=tuple(overrun)) == (6.0, tried)  # two steps of margin
+    assert calibrate_dilation(probe, candidates=(1.0, 1.5, 2.0, 3.0))[0] == 3.0  # no more candidates
     assert calibrate_dilation(probe, candidates=(1.0, 1.5))[0] == 1.5  # none passed: the largest
 
 

@@ -110,9 +110,7 @@ class Plan:
             raise ValueError(f"worker minibatches of {list(self.minibatch_sizes)} (uneven): the profile times "
                              f"minibatches of {self.profile.batch_size} only")
         times = self.profile.times["host"]
-        part = self.workers[worker].partition
-        ends = tuple(part.boundaries[1:]) + (self.profile.num_segments,)
-        return tuple(times.pass_seconds(lo, hi) for lo, hi in zip(part.boundaries, ends))
+        return tuple(times.pass_seconds(*st.segments) for st in self.workers[worker].partition.stages)
 
     def to_dict(self):
         names = self.profile.layer_names

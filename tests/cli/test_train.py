@@ -134,6 +134,7 @@ def test_hetpipe_launch_runs_the_chief_under_tf_config_and_stops_every_task(tmp_
     assert not _processes_with(f"--parent_pid={proc.pid}"), "tasks outlived hetpipe launch"
 
 
+@pytest.mark.slow
 def test_tasks_started_by_hand_as_on_other_hosts_run_a_process_per_virtual_worker_on_its_node(tmp_path):
     """README's commands for tasks on other hosts: each ps and worker task by hand with the
     cluster's key, then the chief with TF_CONFIG."""

@@ -57,6 +57,7 @@ def _stopped_and_resumed(build, tmp_path, epochs, stop_at, steps_per_epoch):
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)), got, expected
 
 
+@pytest.mark.slow
 def test_two_workers_resumed_end_with_the_weights_of_an_uninterrupted_run(tmp_path):
     diff, got, expected = _stopped_and_resumed(_two_workers, tmp_path, epochs=4, stop_at=2, steps_per_epoch=16)
     assert diff <= 1e-6, diff

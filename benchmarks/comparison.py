@@ -80,10 +80,28 @@ def arguments(doc, benchmark, calibrated_by, options=None, **switches):
         args.memory = parse_memory(args.memory)
     except ValueError as e:
         parser.error(str(e))
-    if args.profile and not os.path.isfile(args.profile):
-        parser.error(f"--profile={args.profile!r} is no file; give the .profile.json of an earlier run, or leave it "
-                     f"out to measure one")
+    check_profile_flag(parser, args.profile)
     return args
+
+
+def check_profile_flag(parser, profile):
+    """A usage error when --profile names no file."""
+    if profile and not os.path.isfile(profile):
+        parser.error(f"--profile={profile!r} is no file; give the .profile.json of an earlier run, or leave it "
+                     f"out to measure one")
+
+
+def given_profile(path):
+    """What a HetPipe run of a script is given: the run's profile at `path` once an earlier run wrote
+    it, else None (the run measures one, and :func:`keep_profile` writes it there)."""
+    return path if os.path.exists(path) else None
+
+
+def keep_profile(path, plan):
+    """Writes `plan`'s profile to `path` for the script's later runs and baselines, unless one is there."""
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(plan.profile.to_json())
 
 
 def run_profile(args, folder):
@@ -280,7 +298,7 @@ def _hetpipe_child(config):
     from hetpipe_tf.planning.planner import PlanError, simulate_plan
     from benchmarks.baselines import ranks
 
-    given = config["profile_path"] if os.path.exists(config["profile_path"]) else None
+    given = given_profile(config["profile_path"])
     strategy = HetPipeStrategy(cluster=config["cluster"], policy=config["policy"], placement=config["placement"],
                                vw_size=config["vw_size"], staleness_bound=0, launch=config["launch"],
                                num_in_flight=config["num_in_flight"], dilation=config["dilation"], timeout_s=300,
@@ -313,9 +331,7 @@ def _hetpipe_child(config):
                                  "does_not_fit": str(e)}), flush=True)
         return
     plan = strategy.plan
-    if given is None:  # the run's profile, for its later runs and its baselines
-        with open(config["profile_path"], "w") as f:
-            f.write(plan.profile.to_json())
+    keep_profile(config["profile_path"], plan)
     predicted = simulate_plan(plan)  # at dilation 1 unless one was given (the planner's rule)
     workers = [{k: round(v, 4) if isinstance(v, float) else v for k, v in st.items()}
                for st in strategy.runner.stats()]

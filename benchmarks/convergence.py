@@ -80,7 +80,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.comparison import MARK, child_rows, emit, run_profile, whole_model_reference_ms  # noqa: E402
+from benchmarks.comparison import (  # noqa: E402
+    MARK, check_profile_flag, child_rows, emit, given_profile, keep_profile, run_profile, whole_model_reference_ms)
 
 SPEEDS = (1.0, 1.0, 0.5, 0.5)  # the local preset's devices: F, F, S, S
 MEMORY = ("64M", "64M", "32M", "32M")
@@ -120,7 +121,7 @@ def hetpipe_child(args):
     """One HetPipe run (this process is its chief); prints its row as a JSON line."""
     from hetpipe_tf.api.strategy import HetPipeStrategy
 
-    given = args.profile if os.path.exists(args.profile) else None
+    given = given_profile(args.profile)
     strategy = HetPipeStrategy(cluster="local", policy=args.child_policy, staleness_bound=args.child_d,
                                launch="processes", dilation=args.dilation, profile=given,
                                emulation_references="profile")
@@ -157,9 +158,7 @@ def hetpipe_child(args):
     report = strategy.runner.emulation_report().as_dict()
     workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in w.items()} for w in strategy.stats()]
     plan = strategy.plan
-    if given is None:  # the run's profile, for its later runs and Horovod's reference
-        with open(args.profile, "w") as f:
-            f.write(plan.profile.to_json())
+    keep_profile(args.profile, plan)
     images = [r["images_per_s"] for r in curve[1:]] or [curve[0]["images_per_s"]]
     row = {"system": system_name(args.child_policy, args.child_d), "policy": args.child_policy,
            "staleness_bound": args.child_d, "lr": args.lr, "workers": workers,
@@ -271,9 +270,7 @@ def main():
     args = parser.parse_args()
     if args.child_d is not None:
         return hetpipe_child(args)
-    if args.profile and not os.path.isfile(args.profile):
-        parser.error(f"--profile={args.profile!r} is no file; give the .profile.json of an earlier run, or leave it "
-                     f"out to measure one")
+    check_profile_flag(parser, args.profile)
 
     load = os.getloadavg()
     started = time.perf_counter()

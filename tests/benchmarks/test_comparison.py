@@ -85,6 +85,16 @@ def test_run_profile_is_beside_the_results_and_starts_empty_unless_given(tmp_pat
     assert comparison.run_profile(argparse.Namespace(out="", profile=""), str(tmp_path)) == str(tmp_path / "profile.json")
 
 
+def test_the_first_run_keeps_its_profile_and_later_runs_are_given_it(tmp_path):
+    path = str(tmp_path / "run.profile.json")
+    assert comparison.given_profile(path) is None
+    first = argparse.Namespace(profile=argparse.Namespace(to_json=lambda: "first"))
+    comparison.keep_profile(path, first)
+    assert comparison.given_profile(path) == path
+    comparison.keep_profile(path, argparse.Namespace(profile=argparse.Namespace(to_json=lambda: "second")))
+    assert open(path).read() == "first"  # a later run's plan does not replace the run's profile
+
+
 def test_ratio_is_none_when_a_side_is_missing():
     assert comparison.ratio(300.0, 200.0) == 1.5
     assert comparison.ratio(300.0, None) is None and comparison.ratio(None, 2.0) is None

@@ -1,4 +1,5 @@
-# README's two set-up-and-go commands: `make train` (the main job) and `make test`.
+# README's two set-up-and-go commands: `make train` (the main job) and `make test`; `make docs`
+# builds the documentation.
 # Each creates .venv with Python 3.11 if needed, installs the requirements, builds the
 # custom ops against the installed TensorFlow, and runs.
 PYTHON ?= python3.11
@@ -32,3 +33,18 @@ test-all: $(STAMP)
 .PHONY: horovod
 horovod:
 	bash benchmarks/horovod/setup.sh
+
+# The documentation (docs/, mkdocs.yml) with its API reference from the docstrings, in a venv of
+# its own: griffe reads the sources statically, so neither TensorFlow nor hetpipe_tf is installed
+# there. --strict: a broken reference, link or anchor fails the build. The site goes to site/.
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.hetpipe-docs-installed
+
+$(DOCS_STAMP): docs/requirements.txt
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q --disable-pip-version-check -r docs/requirements.txt
+	touch $@
+
+.PHONY: docs
+docs: $(DOCS_STAMP)
+	$(DOCS_VENV)/bin/mkdocs build --strict

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = """
 import json, resource, sys
 import keras
+from benchmarks.baselines.processes import tree_cpu
 from hetpipe_tf import HetPipeStrategy
 from hetpipe_tf.cli import models
 from hetpipe_tf.data import datasets
@@ -62,25 +63,6 @@ with strategy.scope():  # joins the cluster: datasets are made inside
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def tree_cpu():  # CPU seconds of this process and every process it started (the tasks), from /proc
-    import os
-    parents, ticks = {}, {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(pid)], ticks[int(pid)] = int(fields[1]), int(fields[11]) + int(fields[12])
-    def ours(pid):
-        while pid > 1:
-            if pid == os.getpid():
-                return True
-            pid = parents.get(pid, 0)
-        return False
-    return sum(t for pid, t in ticks.items() if ours(pid)) / os.sysconf("SC_CLK_TCK")
 
 
 c0, t0 = cpu(), tree_cpu()

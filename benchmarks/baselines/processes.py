@@ -76,6 +76,29 @@ def run_all(commands, deadline_s, envs=None):
                 _kill(process)
 
 
+def tree_cpu(root=None):
+    """CPU seconds (user and system) of process `root` (default: this one) and of every process
+    below it, from /proc: a run's and the tasks' and workers' it started."""
+    root = root or os.getpid()
+    parents, ticks = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(pid)], ticks[int(pid)] = int(fields[1]), int(fields[11]) + int(fields[12])
+
+    def below_root(pid):
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return sum(t for pid, t in ticks.items() if below_root(pid)) / os.sysconf("SC_CLK_TCK")
+
+
 def json_lines(text):
     """The JSON objects among the lines of `text` (other lines are logs), each line perhaps
     prefixed by horovodrun's ``[RANK]<stdout>:``."""

@@ -550,7 +550,7 @@ class ProcessRunner:
 
 class _LearningRate:
     """The stages' learning rate as fit's learning-rate sync sees it
-    (:func:`hetpipe_tf.runtime.fit_loop.sync_learning_rate`): a value set is sent to every
+    (:class:`hetpipe_tf.runtime.fit_loop.LearningRateFollower`): a value set is sent to every
     worker's process, whose stages take it."""
 
     def __init__(self, runner, value):

@@ -150,12 +150,13 @@ class Pacer:
             raise ValueError(f"a slowdown factor must be >= 1, got {factor} for minibatch {minibatch}")
         return self.dilation * reference * factor / self.speed
 
-    def occupy(self, started, reference, minibatch=None):
+    def occupy(self, started, reference, minibatch=None, actual=None):
         """Puts a task on the device's timeline without waiting: it ran on the host from `started`
-        until now, and occupies the device from max(`started`, the end of the device's previous
-        task) for its target. Counts it as overrun when the host took longer than the target.
-        Returns (begin, end) on the device (clock times)."""
-        return self._place(started, self._clock() - started, self.target(reference, minibatch))
+        for `actual` seconds (default: until now), and occupies the device from max(`started`, the
+        end of the device's previous task) for its target. Counts it as overrun when the host took
+        longer than the target. Returns (begin, end) on the device (clock times)."""
+        actual = self._clock() - started if actual is None else actual
+        return self._place(started, actual, self.target(reference, minibatch))
 
     def wait_idle(self, stop=None):
         """Waits until the device's last task ends (returns at once if it has); `stop`, a

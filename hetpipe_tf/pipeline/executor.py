@@ -3,8 +3,12 @@
 Only the schedule decides the order. Each stage runs its program: the prologue,
 then, repeatedly, the task chosen by :func:`hetpipe_tf.pipeline.schedule.fifo_pick`
 among the heads of its streams whose required keys have arrived (the same rule
-the simulator applies). Every instruction type maps to one method below, or to a
-handler of the synchronisation scheme between virtual workers (``sync_handlers``); a
+the simulator applies). The instructions a stage's runtime carries out on its device
+(its ``device_instructions``: passes, updates, stashing) run in groups: a task's
+consecutive device instructions are one call of the runtime (``runtime.run(group)``,
+one compiled call on the device), and a send among them goes right after the group
+that made what it sends. Every other instruction type maps to one method below, or to
+a handler of the synchronisation scheme between virtual workers (``sync_handlers``); a
 type without either is refused before anything runs.
 
 Why threads in one process: the stages of a virtual worker are the devices of
@@ -24,9 +28,10 @@ stashing the next version); the activations and gradients a pass produced reach
 the other stages when it ends on its device (a delivery that fails, a key delivered
 twice, fails the stage it was for), and the thread waits for its device
 before it picks the next task (so the FIFO rule picks among what has arrived by
-then), before an instruction of the synchronisation scheme or a snapshot (they
-read the stage's weights), and after the last stage's forward pass (its loss is
-read back).
+then) and before an instruction of the synchronisation scheme or a snapshot (they
+read the stage's weights). A group of device instructions holding several passes (the
+last stage's forward and backward pass) puts each pass on the device's timeline in
+turn, the group's host time shared between them in proportion to their references.
 
 Nothing waits forever: each wait for a message has a timeout, and a watchdog
 stops the run when no stage has made progress for ``timeout_s``, naming what
@@ -41,9 +46,9 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, AccumulateGradient, ApplyAccumulated, ApplyUpdate,
-    Backward, CompensateGradient, Forward, LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs,
-    RecvLabels, ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights)
+    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, ApplyAccumulated, ApplyUpdate, Backward, Forward,
+    LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs, RecvLabels, SendActivation, SendGradient,
+    SnapshotState, StashWeights)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
@@ -171,12 +176,9 @@ class PipelineExecutor:
     _HANDLERS = {
         LoadMinibatch: "_load_minibatch", RecvInputs: "_recv_inputs", RecvLabels: "_recv_labels",
         RecvActivation: "_recv_activation", SendActivation: "_send_activation",
-        RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", Forward: "_forward",
-        Backward: "_backward", ApplyUpdate: "_apply_update", StashWeights: "_stash_weights",
-        ReleaseWeights: "_release_weights", SnapshotState: "_snapshot_state", Recompute: "_recompute",
-        AccumulateGradient: "_accumulate_gradient", ApplyAccumulated: "_apply_accumulated",
-        CompensateGradient: "_compensate_gradient",
+        RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", SnapshotState: "_snapshot_state",
     }
+    _PACED = {Forward: Forward, Recompute: Forward, Backward: Backward}  # what each pass is paced as
 
     def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
                  timeout_s=120.0, trace=None, pid=0, on_minibatch_done=None, on_snapshot=None,
@@ -198,9 +200,8 @@ class PipelineExecutor:
         self._abort = threading.Event()
         k = schedule.num_stages
         self._mailboxes = [Mailbox(f"stage {s} ({runtimes[s].device})", self._abort, clock) for s in range(k)]
-        self._handoff = [{} for _ in range(k)]  # values one instruction hands the next on a stage
         self._positions = [[0] * len(p.streams) for p in schedule.programs]  # next task of each stream
-        self._status = ["not started"] * k
+        self._status = [("not started", None)] * k  # (what, about): formatted when asked
         self._since = [0.0] * k
         self._progress = clock()
         self._errors = []
@@ -213,7 +214,6 @@ class PipelineExecutor:
         self._sync_handlers = dict(sync_handlers or {})
         self._background = None
         self._deliveries = None
-        self._device_span = [None] * k  # (begin, end) of the stage's last paced task on its device
         self._done = []  # (minibatch, logs) the first stage applied, reported once its device is idle
         self.first_stage_busy = []  # (start, end) of the first stage's tasks (§8.4's idle time)
         self._check_instructions()
@@ -222,9 +222,10 @@ class PipelineExecutor:
         for prog in self.schedule.programs:
             samples = list(prog.prologue) + [ins for stream in prog.streams for task in stream[:2]
                                              for ins in task.instructions]
+            device = self.runtimes[prog.stage].device_instructions
             for ins in samples:
-                if type(ins) not in self._HANDLERS and type(ins) not in self._sync_handlers:
-                    known = ", ".join(sorted(t.__name__ for t in list(self._HANDLERS) + list(self._sync_handlers)))
+                if type(ins) not in self._HANDLERS and type(ins) not in self._sync_handlers and type(ins) not in device:
+                    known = ", ".join(sorted(t.__name__ for t in [*self._HANDLERS, *self._sync_handlers, *device]))
                     raise UnknownInstructionError(
                         f"stage {prog.stage}: the executor does not carry out {ins!r}; it knows: {known}")
 
@@ -309,7 +310,7 @@ class PipelineExecutor:
 
     def describe_status(self):
         now = self._clock()
-        return "; ".join(f"stage {s}: {st} ({now - self._since[s]:.1f} s)"
+        return "; ".join(f"stage {s}: {_format_status(*st)} ({now - self._since[s]:.1f} s)"
                          for s, st in enumerate(self._status))
 
     def _fail(self, where, exc):
@@ -322,8 +323,8 @@ class PipelineExecutor:
         for mb in self._mailboxes:
             mb.wake()
 
-    def _set_status(self, s, text):
-        self._status[s] = text
+    def _set_status(self, s, what, about=None):
+        self._status[s] = (what, about)
         self._since[s] = self._clock()
 
     def _stage_main(self, s):
@@ -334,7 +335,7 @@ class PipelineExecutor:
         prog = self.schedule.programs[s]
         ins = None
         try:
-            for ins in prog.prologue:
+            for ins in self._steps(s, prog.prologue):
                 self._execute(s, ins)
             # HetPipe's stash is fullest now: ask it once. (A schedule that stashes at its forward
             # passes, PipeDream's, holds more later; the op refuses more than Nm versions.)
@@ -350,7 +351,7 @@ class PipelineExecutor:
                     break
                 i, task = chosen
                 t0 = self._clock()
-                for ins in task.instructions:
+                for ins in self._steps(s, task.instructions):
                     self._execute(s, ins)
                 t1 = self._clock()
                 self.reports[s].tasks += 1
@@ -360,13 +361,15 @@ class PipelineExecutor:
                     pacer = self._pacers[0]
                     self.first_stage_busy.append((t0, t1 if pacer is None else max(t1, pacer.free_at)))
                 pos[i] += 1
+            self._wait_for_device(s)
             self.runtimes[s].check_applied()
+            self._flush_reports(s)
             self._set_status(s, "done")
         except PipelineAborted:
-            self._set_status(s, f"stopped at {ins!r}")
+            self._set_status(s, "stopped at", ins)
         except BaseException as exc:  # noqa: BLE001 - reported by run()
-            self._set_status(s, f"failed at {ins!r}")
-            self._fail(f"stage {s} failed at {ins!r}", exc)
+            self._set_status(s, "failed at", ins)
+            self._fail(f"stage {s} failed at {_format_step(ins)}", exc)
 
     def _next_task(self, s, prog, pos):
         mb = self._mailboxes[s]
@@ -402,24 +405,93 @@ class PipelineExecutor:
 
         if next(heads(), None) is None:
             return None
-        self._set_status(s, "waiting: " + ", ".join(repr(t) for _, t in heads()))
+        self._set_status(s, "waiting:", [t for _, t in heads()])
         chosen = mb.wait_until(choose, self.timeout_s, describe)
         return None if chosen is _FINISHED else chosen
 
-    def _execute(self, s, ins):
+    def _steps(self, s, instructions):
+        """`instructions` as they run: a maximal run of the stage's device instructions is one
+        group (a tuple, one call of its runtime), a send inside such a run goes right after the
+        group (what it sends is made there), every other instruction is a step of its own. After
+        a stop, versions are not stashed for minibatches past the last one admitted."""
+        device = self.runtimes[s].device_instructions
+        steps, group, sends = [], [], []
+        for ins in instructions:
+            if type(ins) in device:
+                if not (isinstance(ins, StashWeights) and ins.minibatch > self._limit):
+                    group.append(ins)
+            elif group and isinstance(ins, (SendActivation, SendGradient)):
+                sends.append(ins)
+            else:
+                if group:
+                    steps += [tuple(group)] + sends
+                    group, sends = [], []
+                steps.append(ins)
+        return steps + [tuple(group)] + sends if group else steps
+
+    def _execute(self, s, step):
+        """Carries out one step (:meth:`_steps`): a group of device instructions, or an instruction."""
+        if isinstance(step, tuple):
+            self._execute_group(s, step)
+        else:
+            self._execute_one(s, step)
+
+    def _execute_group(self, s, group):
+        """Runs a group of device instructions in one call of the stage's runtime, puts its passes on
+        the emulated device's timeline, and delivers the keys they provide at their own stage."""
+        rt = self.runtimes[s]
+        self._set_status(s, "running", group)
+        t0 = self._clock()
+        rt.run(group)
+        t1 = self._clock()
+        spans = self._pace(s, group, t0, t1)
+        for ins in group:
+            for dst, key in ins.provides(s):  # a version stashed, an activation slot freed: this stage's
+                self._mailboxes[dst].put(key)
+            if isinstance(ins, (ApplyUpdate, ApplyAccumulated)):
+                self._report_done(s, ins)
+            elif rt.is_last and isinstance(ins, Forward):
+                self._logs[ins.minibatch] = rt.logs.pop(ins.minibatch)
+        self._progress = self._clock()
+        if self._trace:  # a paced pass shows its time on the device
+            for ins in group:
+                begin, end = spans.get(ins, (t0, t1))
+                self._trace.span(self._pid, s, repr(ins), begin, end, category=type(ins).__name__)
+
+    def _pace(self, s, group, t0, t1):
+        """Puts the passes of a group that ran on the host from `t0` to `t1` on the stage's emulated
+        device's timeline, in turn, each taking a share of the host's time in proportion to its
+        reference; returns {pass: (begin, end) on the device} (empty on a device not emulated)."""
+        pacer = self._pacers[s]
+        report = self.reports[s]
+        if pacer is None:
+            report.compute_s += t1 - t0
+            return {}
+        paced = [(ins, self._references[s][self._PACED[type(ins)]]) for ins in group if type(ins) in self._PACED]
+        total = sum(reference for _, reference in paced)
+        spans, start = {}, t0
+        for ins, reference in paced:
+            actual = (t1 - t0) * reference / total
+            begin, end = pacer.occupy(start, reference, ins.minibatch, actual=actual)
+            spans[ins] = (begin, end)
+            report.compute_s += end - begin
+            report.busy_s += end - begin
+            start += actual
+        return spans
+
+    def _execute_one(self, s, ins):
         """Carries out one instruction: takes the keys it requires from the stage's mailbox,
         runs its method, and delivers the keys it provides, with the values the method
         returns for them ({(stage, key): value}; keys without a value carry None)."""
-        if ins.minibatch > self._limit and isinstance(ins, (StashWeights, SnapshotState)):
+        if ins.minibatch > self._limit and isinstance(ins, SnapshotState):
             return  # the run was stopped before this minibatch started
         method = self._HANDLERS.get(type(ins))
         if method is None or isinstance(ins, SnapshotState):  # they read the stage's weights
             self._wait_for_device(s)
             self._flush_reports(s)  # its device has ended the updates whose reports it held
             self.runtimes[s].check_applied()
-        self._set_status(s, f"running {ins!r}")
+        self._set_status(s, "running", ins)
         t0 = self._clock()
-        self._device_span[s] = None
         taken = [self._mailboxes[s].take(key) for key in ins.requires()]
         values = (getattr(self, method)(s, ins, *taken) if method
                   else self._sync_handlers[type(ins)](self, s, ins, *taken)) or {}
@@ -433,9 +505,8 @@ class PipelineExecutor:
                 self._mailboxes[dst].put(key, values.get((dst, key)))
         t1 = self._clock()
         self._progress = t1
-        if self._trace:  # a paced pass shows its time on the device
-            begin, end = self._device_span[s] or (t0, t1)
-            self._trace.span(self._pid, s, repr(ins), begin, end, category=type(ins).__name__)
+        if self._trace:
+            self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__)
 
     def _wait_for_device(self, s):
         """Waits until stage `s`'s emulated device has ended its tasks (returns at once on a device
@@ -470,85 +541,34 @@ class PipelineExecutor:
         self.runtimes[s].set_received(ins.minibatch, tensors)
 
     def _send_activation(self, s, ins):
-        return {(ins.to, (ACTIVATION, ins.minibatch)): self._handoff[s].pop(("sent", ins.minibatch))}
+        return {(ins.to, (ACTIVATION, ins.minibatch)): self.runtimes[s].sent(ins.minibatch)}
 
-    def _recv_gradient(self, s, ins, grads):
-        self._handoff[s][("grad", ins.minibatch)] = grads
+    def _recv_gradient(self, s, ins, message):
+        self.runtimes[s].set_output_gradients(ins.minibatch, message)
 
     def _send_gradient(self, s, ins):
         return {(ins.to, (GRADIENT, ins.minibatch)): self.runtimes[s].input_gradients(ins.minibatch)}
 
-    # Compute ----------------------------------------------------------------------------
-    def _paced(self, s, kind, start, minibatch):
-        """Puts a pass that ran on the host from `start` on its emulated device's timeline."""
-        pacer = self._pacers[s]
-        if pacer is None:
-            self.reports[s].compute_s += self._clock() - start
-            return
-        begin, end = pacer.occupy(start, self._references[s][kind], minibatch)
-        self._device_span[s] = (begin, end)
-        self.reports[s].compute_s += end - begin
-        self.reports[s].busy_s += end - begin
-
-    def _forward(self, s, ins, *keys):  # the keys say w_p is stashed (and a slot is free)
-        rt = self.runtimes[s]
-        t0 = self._clock()
-        out = rt.forward(ins.minibatch, live=ins.live, recompute=ins.recompute)
-        self._paced(s, Forward, t0, ins.minibatch)
-        if rt.is_last:  # its loss is read back: the host waits for the device
-            self._wait_for_device(s)
-            self._logs[ins.minibatch] = out
-        else:
-            self._handoff[s][("sent", ins.minibatch)] = out
-
-    def _backward(self, s, ins):
-        rt = self.runtimes[s]
-        t0 = self._clock()
-        rt.backward(ins.minibatch, None if rt.is_last else self._handoff[s].pop(("grad", ins.minibatch)))
-        self._paced(s, Backward, t0, ins.minibatch)
-
-    def _recompute(self, s, ins):  # a forward pass again: paced like one
-        t0 = self._clock()
-        self.runtimes[s].recompute(ins.minibatch)
-        self._paced(s, Forward, t0, ins.minibatch)
-
-    def _apply_update(self, s, ins):
-        self.runtimes[s].apply_update(ins.minibatch)
-        self._report_done(s, ins)
-
-    def _compensate_gradient(self, s, ins):
-        self.runtimes[s].compensate_gradient(ins.minibatch, ins.variance_control)
-
-    def _accumulate_gradient(self, s, ins):
-        self.runtimes[s].accumulate_gradient(ins.minibatch)
-
-    def _apply_accumulated(self, s, ins):
-        self.runtimes[s].apply_accumulated(ins.first, ins.minibatch)
-        self._report_done(s, ins)
-
+    # Reports --------------------------------------------------------------------------
     def _report_done(self, s, ins):
         """The first stage, the last to apply a minibatch's update, reports every minibatch `ins`
         applied: at once, or on an emulated device at the next :meth:`_flush_reports`, which
         comes after the host waited for the device to end the update's pass."""
-        if s == 0 and self._on_done:
-            for p in ins.applies():
-                self._done.append((p, self._logs.pop(p, {})))
+        if s == 0:
+            self._done += [(p, self._logs.pop(p, {})) for p in ins.applies()]
             if self._pacers[0] is None:
                 self._flush_reports(0)
 
     def _flush_reports(self, s):
-        """On the first stage, calls on_minibatch_done for the minibatches it applied since the
-        last flush (their updates are in every stage's weights by then); on the others, nothing."""
+        """On the first stage: reads back the verdicts of the minibatches it applied since the last
+        flush (a minibatch whose loss or gradient was not finite on any stage fails the run here,
+        applied nowhere), then calls on_minibatch_done for each (their updates are in every stage's
+        weights by then); on the others, nothing."""
         if s == 0 and self._done:
             done, self._done = self._done, []
-            for p, logs in done:
+            self.runtimes[0].check_applied(logs=dict(done))
+            for p, logs in done if self._on_done else ():
                 self._on_done(p, logs)
-
-    def _stash_weights(self, s, ins):
-        self.runtimes[s].stash_weights(ins.minibatch)
-
-    def _release_weights(self, s, ins):
-        self.runtimes[s].release_weights(ins.minibatch)
 
     def _snapshot_state(self, s, ins):
         state = self.runtimes[s].snapshot()
@@ -580,3 +600,17 @@ class PipelineExecutor:
                 self._fail(f"stage {s} failed at {ins!r}", exc)
 
         self._background.submit(run)
+
+
+def _format_step(step):
+    """A step (:meth:`PipelineExecutor._steps`) as the program shows it."""
+    return "[" + " ".join(map(repr, step)) + "]" if isinstance(step, tuple) else repr(step)
+
+
+def _format_status(what, about):
+    """A stage's status for a message: what it does, and the step or tasks it is about."""
+    if about is None:
+        return what
+    if isinstance(about, list):  # the tasks it waits to run
+        return f"{what} " + ", ".join(map(repr, about))
+    return f"{what} {_format_step(about)}"

@@ -96,7 +96,7 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
       optimizer: the user's optimizer: ``model.optimizer`` (what callbacks read and set)
         unless the model has one.
       stage_optimizers: () -> the stages' copies of the optimizer, which follow it
-        (:func:`sync_learning_rate`).
+        (:class:`LearningRateFollower`).
       request_stop: asks the training to stop admitting minibatches.
       abort: stops the training now.
       workers: how many `started` events the training reports.
@@ -117,8 +117,10 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
             error = exc
         events.finished(error)
 
+    follow = LearningRateFollower(model, optimizer, stage_optimizers)
+
     def sync_optimizer(completed):
-        sync_learning_rate(model, optimizer, stage_optimizers(), completed)
+        follow(completed)
 
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=model,
@@ -202,18 +204,29 @@ def _terminate_on_nan_logs(error, callbacks):
     return cause.logs
 
 
-def sync_learning_rate(model, template, optimizers, completed):
-    """Keeps the user's optimizer (what callbacks see as model.optimizer) and the stages' copies
-    in step: its iteration count follows the completed updates, so a schedule's learning rate
-    reads right, and a learning rate a callback set reaches every copy."""
-    template = model.optimizer if getattr(model, "optimizer", None) is not None else template
-    template.iterations.assign(completed)
-    if isinstance(template.get_config().get("learning_rate"), dict):
-        return  # a schedule: every copy computes it from its own iterations
-    lr = float(template.learning_rate)
-    for opt in optimizers:
-        if float(opt.learning_rate) != lr:
-            opt.learning_rate = lr
+class LearningRateFollower:
+    """Keeps the user's optimizer (what callbacks see as model.optimizer) and the stages' copies in
+    step, called after every step: its iteration count follows the completed updates, so that a
+    schedule's learning rate reads right, and a learning rate a callback set reaches every copy
+    (each copy computes a schedule from its own iterations). Per step it assigns one variable and
+    reads one; the copies are set only when the value changed, or the copies did (a virtual
+    worker's process started again)."""
+
+    def __init__(self, model, template, optimizers):
+        self._model, self._template, self._optimizers = model, template, optimizers
+        self._set = (None, ())  # the learning rate the copies were last given, and which copies
+
+    def __call__(self, completed):
+        template = self._model.optimizer if getattr(self._model, "optimizer", None) is not None else self._template
+        template.iterations.value.assign(completed)
+        if isinstance(template._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            return
+        lr, optimizers = float(template.learning_rate), self._optimizers()
+        given = (lr, tuple(map(id, optimizers)))
+        if given != self._set:
+            for opt in optimizers:
+                opt.learning_rate = lr
+            self._set = given
 
 
 def start_thread(target, name):

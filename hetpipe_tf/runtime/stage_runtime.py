@@ -2,32 +2,45 @@
 
 The stage's live weights w_local, its optimizer copy and its weight stash are
 placed on the stage's device (``tf.device``). The rules of HetPipe §4 are
-carried out by the schedule's instructions; this class is what each of them does
-to the stage:
+carried out by the schedule's instructions; this class is what the device
+instructions (:data:`DEVICE_INSTRUCTIONS`) do to the stage:
 
-* ``stash_weights(p)``: w_p := w_local, kept in the C++ weight stash;
-* ``forward(p)``: runs the stage on minibatch p with w_p, under a gradient tape
-  that keeps the minibatch's activations until its backward pass (the backward pass
-  does not recompute them); ``forward(p, live=True)`` uses the live weights instead of
-  a stashed version, and ``forward(p, recompute=True)`` runs without a tape and keeps
-  only the pass's inputs, for ``recompute(p)``: the same pass again, with the live
-  weights, under a tape (GPipe's re-materialisation; NaivePipe's backward against
-  the live weights);
-* ``backward(p)``: gradients of p against the weights its taped pass used (w_p);
-* ``compensate_gradient(p, λ)``: TaylorPipe's delay compensation (seed 003 §3.2) of p's
+* ``StashWeights(p)``: w_p := w_local, kept in the C++ weight stash;
+* ``Forward(p)``: runs the stage on minibatch p with w_p and keeps what its backward
+  pass needs (the pass's intermediate tensors; the backward pass does not recompute
+  them); ``live``: with the live weights instead of a stashed version; ``recompute``:
+  keeps only the pass's inputs, for ``Recompute(p)``, the same pass again with the live
+  weights (GPipe's re-materialisation; NaivePipe's backward against the live weights);
+* ``Backward(p)``: gradients of p against the weights its pass used (w_p);
+* ``CompensateGradient(p)``: TaylorPipe's delay compensation (seed 003 §3.2) of p's
   weight gradient g, computed against w_p: g := g + λ·g⊙g⊙(w_local − w_p);
-* ``apply_update(p)``: w_local := w_local + u_p with the stage's optimizer;
-* ``accumulate_gradient(p)`` and ``apply_accumulated(first, p)``: GPipe's sum of
+* ``ApplyUpdate(p)``: w_local := w_local + u_p with the stage's optimizer;
+* ``AccumulateGradient(p)`` and ``ApplyAccumulated(first, p)``: GPipe's sum of
   microbatch gradients, and one update from their mean at the flush;
-* ``release_weights(p)``: drops w_p.
+* ``ReleaseWeights(p)``: drops w_p.
 
-A non-finite loss (last stage, checked after the forward pass) or weight gradient
-(checked inside the apply function, which then applies nothing) raises
-:class:`NonFiniteError`: nothing of that minibatch reaches w_local, so nothing of it
-can be pushed to the parameter servers. The apply's verdict is read back later, not in the
-apply's own call (a read back makes the host wait for the device): by the stage's next
-apply, or :meth:`StageRuntime.check_applied` (the executor calls it before anything reads
-the weights: a push, a snapshot, the end of the run).
+**One call per task.** The device instructions of one task (:meth:`StageRuntime.run`: on the
+last stage a minibatch's forward pass, backward pass, release, update and the next stash;
+on the others a forward task, and a backward task with the update and the next stash) run
+as one compiled graph function on the stage's device
+(:class:`hetpipe_tf.runtime.compiled.CompiledCall`), traced once for each shape of task (the
+instruction types and the minibatch offsets between them) and called with the minibatch
+ids as a tensor. A forward pass whose backward pass comes in a later task runs as
+TensorFlow's forward function of the pass, which also returns the intermediates that the
+later backward call takes in (:class:`hetpipe_tf.runtime.compiled.SplitPass`).
+
+**Non-finite minibatches.** Nothing reads a value back to the host on the way: the loss is
+logged as a tensor, and each update is applied only if its verdict says the minibatch is
+finite. A minibatch's verdict (an int32: :data:`FINITE`, or which stage's loss or weight
+gradient was not finite, :func:`verdict_code`) travels upstream with its gradient
+(``SendGradient`` sends both), each stage combining it with its own gradient, so a loss or
+gradient that is NaN or infinite on one stage stops the update of that minibatch on that
+stage and every stage before it (they apply after it, §4); nothing of it reaches their
+w_local, so nothing of it can be pushed to the parameter servers. The verdicts are read
+back before the stage's next task (:meth:`StageRuntime.check_applied`, which the executor
+also calls before anything reads the weights: a push, a snapshot, the end of the run), and
+a non-finite one raises :class:`NonFiniteError` naming the minibatch and the stage where the
+loss or gradient went bad.
 """
 import contextlib
 import functools
@@ -41,11 +54,34 @@ from tensorflow.python.eager import context
 
 from hetpipe_tf.ops.weight_stash import WeightStash
 from hetpipe_tf.pipeline.emulation import MemoryAccount
-from hetpipe_tf.pipeline.instructions import Backward, Forward
+from hetpipe_tf.pipeline.instructions import (
+    AccumulateGradient, ApplyAccumulated, ApplyUpdate, Backward, CompensateGradient, Forward, Recompute,
+    ReleaseWeights, StashWeights)
 from hetpipe_tf.pipeline.schedule import NO_SYNC
+from hetpipe_tf.runtime.compiled import CompiledCall, SplitPass, spec_of
 from hetpipe_tf.runtime.optimizers import stage_optimizer
 from hetpipe_tf.runtime.stage_rewrite import variable_bytes
 from hetpipe_tf.sync.parameter_server import synchronised_variables
+
+#: The instructions a stage runtime carries out on its device (:meth:`StageRuntime.run`).
+DEVICE_INSTRUCTIONS = frozenset({Forward, Recompute, Backward, CompensateGradient, ReleaseWeights, ApplyUpdate,
+                                 AccumulateGradient, ApplyAccumulated, StashWeights})
+#: A minibatch's verdict: finite so far.
+FINITE = -1
+#: How many verdicts a stage keeps unread at most. The first stage reads each before it reports
+#: the minibatch done; every stage reads them before a push, a snapshot and the end of a run.
+_UNCHECKED = 64
+
+
+def verdict_code(stage, loss, variable=0):
+    """The verdict of a minibatch whose loss (`loss`, on the last stage `stage`) or weight gradient
+    on `stage` was not finite, first in its weight `variable`: ``variable << 17 | stage << 1 | loss``."""
+    return variable << 17 | stage << 1 | int(loss)
+
+
+def read_verdict(code):
+    """(stage, loss, variable) of a verdict that is not :data:`FINITE` (see :func:`verdict_code`)."""
+    return (code >> 1) & 0xFFFF, bool(code & 1), code >> 17
 
 
 def _is_remote(device):
@@ -64,21 +100,29 @@ def _is_float(t):
     return tf.as_dtype(t.dtype).is_floating
 
 
-@dataclass
-class _InFlight:
-    """What minibatch p holds on this stage between its forward and backward passes."""
-    tape: object
-    sources: list  # float received tensors, then the weight version's tensors
-    num_entering: int  # how many of `sources` are received tensors
-    received_float: list  # for each received tensor: its position in sources, or None
-    targets: list  # what the backward pass differentiates
+def _combined(code, bad, own):
+    """The verdict after a check: `code` if a later stage (or an earlier microbatch) already went
+    bad, else `own` where `bad`."""
+    return tf.where(code != FINITE, code, tf.where(bad, own, code))
+
+
+def _checked_gradient(code, grads, stage):
+    """`code` after checking the weight gradients `grads` of `stage` (an IndexedSlices' values)."""
+    if not grads:
+        return code
+    finite = tf.stack([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+                       for g in grads])
+    first_bad = tf.cast(tf.argmin(tf.cast(finite, tf.int32)), tf.int32)
+    own = first_bad * (1 << 17) + verdict_code(stage, loss=False)
+    return _combined(code, tf.logical_not(tf.reduce_all(finite)), own)
 
 
 class NonFiniteError(FloatingPointError):
     """A minibatch's loss or gradient is NaN or infinite; nothing of that minibatch was applied.
 
-    `logs` holds the minibatch's loss and metrics when the loss was not finite (for
-    ``keras.callbacks.TerminateOnNaN``), else None."""
+    `stage` is the stage where the loss or gradient went bad; `logs` holds the minibatch's
+    loss and metrics when the loss was not finite (for ``keras.callbacks.TerminateOnNaN``),
+    else None."""
 
     def __init__(self, message, minibatch, stage, logs=None):
         super().__init__(message)
@@ -101,11 +145,95 @@ class StageState:
     sync: tuple = (None, frozenset())
 
 
+def _task_shape(instructions):
+    """(first minibatch, shape): the shape of a run of device instructions is what its compiled
+    call depends on, the same for every minibatch: each instruction's type, its minibatch's
+    offset from the first, and its fixed fields."""
+    base = instructions[0].minibatch
+    shape = []
+    for ins in instructions:
+        fixed = ()
+        if isinstance(ins, Forward):
+            fixed = (ins.live, ins.recompute)
+        elif isinstance(ins, CompensateGradient):
+            fixed = (ins.variance_control,)
+        elif isinstance(ins, ApplyAccumulated):
+            fixed = (ins.first - base,)
+        shape.append((type(ins), ins.minibatch - base, fixed))
+    return base, tuple(shape)
+
+
+class _Trace:
+    """What one compiled task's graph holds while it is traced: minibatch ids by offset, the
+    inputs by key, each pass's tape or record, each minibatch's gradients and verdict, the
+    running sum of microbatch gradients, and the outputs by key."""
+
+    def __init__(self, offsets, ids, inputs):
+        self.id = {o: ids[i] for i, o in enumerate(offsets)}
+        self.inputs = inputs
+        self.taped = {}  # offset -> (tape, sources, number of received sources, targets, regularisation)
+        self.grads = {}  # offset -> (weight gradients, (verdict, finite flag of each))
+        self.acc = inputs.get(("acc", 0))
+        self.outputs = {}
+
+
+class _Task:
+    """One shape of task (:func:`_task_shape`) compiled for a stage: which inputs the call takes
+    (keys such as ("entering", offset)), which outputs it gives, and its compiled call."""
+
+    def __init__(self, runtime, shape, accumulating):
+        self.shape = shape
+        self.offsets = sorted({o for _, o, _ in shape})
+        kinds = [(t, o) for t, o, _ in shape]
+        forwards = {o for t, o in kinds if t in (Forward, Recompute)}
+        backwards = {o for t, o in kinds if t is Backward}
+        keys = []
+        for t, o, fixed in shape:
+            if t is Forward:
+                keys += [("entering", o)] + ([("labels", o)] if runtime.is_last else [])
+            elif t is Recompute:
+                keys.append(("kept", o))
+            elif t is Backward:
+                if not runtime.is_last:
+                    keys.append(("out_grads", o))
+                if o not in forwards:
+                    keys.append(("record", o))
+            elif t in (CompensateGradient, ApplyUpdate, AccumulateGradient) and o not in backwards:
+                keys.append(("weight_grads", o))
+        if accumulating:
+            keys.append(("acc", 0))
+        self.inputs = list(dict.fromkeys(keys))
+        # A pass is taped in the graph when its backward pass runs in the same call; else split.
+        self.in_graph = forwards & backwards
+        self.call = CompiledCall(functools.partial(runtime._task_graph, self), runtime.device,
+                                 name=f"stage{runtime.index}_task")
+        self.outputs = None  # output keys, known once traced
+
+    def gather(self, runtime, base):
+        """The call's arguments: the minibatch ids, then the inputs, taken from the runtime; traces
+        the call at its first use."""
+        args = [tf.constant([base + o for o in self.offsets], tf.int64)]
+        for kind, o in self.inputs:
+            args.append(runtime._take(kind, base + o))
+        if self.outputs is None:
+            self.call.trace(tuple([spec_of(args[0])] + [runtime._input_spec(kind, value)
+                                                        for (kind, _), value in zip(self.inputs, args[1:])]))
+        return args
+
+
 class StageRuntime:
+    """One stage of a virtual worker on its device (see the module docstring)."""
+
+    #: What :meth:`run` carries out (the executor groups a task's consecutive ones into one call).
+    device_instructions = DEVICE_INSTRUCTIONS
+
     def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
-                 activation_bytes=0, record_provenance=False, single_threaded=False, sync=NO_SYNC):
+                 activation_bytes=0, record_provenance=False, single_threaded=False, sync=NO_SYNC,
+                 variable_paths=None):
         self.stage = stage
         self.index = stage.index
+        #: The weights' paths of every stage of the virtual worker (for messages naming them).
+        self.variable_paths = variable_paths or {stage.index: [v.path for v in stage.trainable_variables]}
         self.device = device
         self.loss_head = loss_head
         self.memory = memory or MemoryAccount(device)
@@ -133,45 +261,44 @@ class StageRuntime:
         if sync.weight_copies:
             self.memory.allocate("synchronisation copies", sync.weight_copies * variable_bytes(self.synchronised))
         # The weight and synchronisation bookkeeping, each one call (on another task's device
-        # one RPC, not one per variable and op).
-        self._stash_fn = tf.function(functools.partial(self._stash_graph))
+        # one RPC, not one per variable and op). Partials, not methods or lambdas: TensorFlow
+        # keys its retracing warning on a function's code, which every stage would share.
         self._read_synchronised_fn = tf.function(functools.partial(self._read_synchronised_graph))
         self._add_to_weights_fn = tf.function(functools.partial(self._add_to_weights_graph))
         self._merge_fn = tf.function(functools.partial(self._merge_graph))
         self._change_fn = tf.function(functools.partial(self._synchronised_change_graph))
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
         self._sum_fn = tf.function(functools.partial(_sum_graph))
-        self._mean_fn = tf.function(functools.partial(_mean_graph))
-        self._compensate_fn = tf.function(functools.partial(self._compensate_graph))
-        self._read_weights_fn = tf.function(functools.partial(self._read_weights_graph))
         self._timed_pass_fn = tf.function(functools.partial(self._timed_pass_graph))
+        # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
+        # variable's buffer that a stashed version still shares, as eager updates do. Not on
+        # another task's device: TF 2.21's remote eager runtime then fails the next eager op
+        # ("KernelAndDeviceOp does not support EagerFunctionParams").
+        self._apply_fn = tf.function(functools.partial(self._apply_graph), jit_compile=not _is_remote(device))
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
+        self._tasks = {}  # (task shape, accumulating) -> _Task
+        self._splits = {}  # update_state -> the SplitPass of the stage's pass
         self._stashed = set()  # minibatch ids whose versions the stash holds (no readback needed)
         self._entering = {}  # p -> {position: tensor}
         self._labels = {}
-        self._inflight = {}
+        self._output_grads = {}  # p -> (gradient of each float tensor sent, verdict) from the next stage
+        self._inflight = {}  # p -> (weights, entering, labels, record) of a split forward pass
         self._kept = {}  # p -> (entering, labels) of a forward pass to recompute
-        self._weight_grads = {}
-        self._accumulated = None  # GPipe: the sum of the microbatch gradients since the last flush
-        self._input_grads = {}
+        self._sent = {}  # p -> tensors for the next stage
+        self._weight_grads = {}  # p -> (weight gradients, verdict) not applied in their backward's call
+        self._accumulated = None  # GPipe: (gradient sum, verdict) since the last flush
+        self._summed = []  # the microbatches in that sum
+        self._input_grads = {}  # p -> (gradient of each float tensor received, verdict), for the previous stage
         self.applied = []  # minibatch ids whose updates w_local holds, in order
-        self._unchecked = []  # (finite flag, grads, minibatches) of applies not yet read back
+        self._unchecked = []  # (verdict, minibatches, logs) of updates not yet read back
         self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
         self.used_versions = {}  # p -> updates the version p's forward pass used
         self.global_included = frozenset()  # (worker, clock) pushes the live weights hold
         self.version_globals = {}  # p -> (worker, wave) pushes w_p holds
         self.used_globals = {}  # p -> (worker, wave) pushes the version p's forward pass used
-        self.logs = {}  # p -> loss and metrics (last stage)
-        # Partials, not methods or lambdas: TensorFlow keys its retracing warning on a function's
-        # code, which every stage would share.
-        self._forward_fn = tf.function(functools.partial(self._forward_graph))
-        # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
-        # variable's buffer that a stashed version still shares, as eager updates do. Not on
-        # another task's device: TF 2.21's remote eager runtime then fails the next eager op
-        # ("KernelAndDeviceOp does not support EagerFunctionParams").
-        self._apply_fn = tf.function(functools.partial(self._apply_graph),
-                                     jit_compile=not _is_remote(device))
+        self.logs = {}  # p -> loss and metrics, tensors (last stage)
+        self._log_names = None  # the order of the logs in a split pass's outputs (last stage)
 
     @property
     def is_last(self):
@@ -186,7 +313,7 @@ class StageRuntime:
             return context.function_executor_type("SINGLE_THREADED_EXECUTOR")
         return contextlib.nullcontext()
 
-    # Inputs of a minibatch -------------------------------------------------------------
+    # What a minibatch brings and takes ------------------------------------------------
     def set_received(self, p, tensors):
         self._entering.setdefault(p, {}).update(enumerate(tensors))
 
@@ -195,33 +322,296 @@ class StageRuntime:
         self._entering.setdefault(p, {}).update((n + i, t) for i, t in enumerate(tensors))
 
     def set_labels(self, p, labels):
-        self._labels[p] = labels
+        """Minibatch p's labels, as the dataset gives them (arrays or tensors, any structure)."""
+        self._labels[p] = tf.nest.map_structure(tf.convert_to_tensor, labels)
 
-    # Weight versions -------------------------------------------------------------------
-    def _stash_graph(self, p):
-        self.stash.put(p, [v.value for v in self.trainable])
+    def set_output_gradients(self, p, message):
+        """The next stage's message for minibatch p: (the gradient of each floating-point tensor
+        this stage sent, in order; the minibatch's verdict so far)."""
+        self._output_grads[p] = message
 
-    def stash_weights(self, p):
-        self.memory.allocate("stashed versions", self.version_bytes)
-        with tf.device(self.device):
-            self._stash_fn(tf.constant(p, tf.int64))
-        self._stashed.add(p)
-        if self.record_provenance:
-            self.version_updates[p] = tuple(self.applied)
-            self.version_globals[p] = self.global_included
+    def sent(self, p):
+        """The tensors minibatch p's forward pass sends to the next stage."""
+        return self._sent.pop(p)
 
-    def release_weights(self, p):
-        self.stash.release(p)
-        self._stashed.discard(p)
-        self.memory.free("stashed versions", self.version_bytes)
+    def input_gradients(self, p):
+        """The message for the previous stage: (the gradient of each floating-point tensor this
+        stage received for minibatch p, in order; p's verdict so far)."""
+        return self._input_grads.pop(p)
 
-    # Compute -----------------------------------------------------------------------------
-    def _read_weights_graph(self):
+    def _take(self, kind, p):
+        """The input `kind` of minibatch p for a compiled task, taken from what the stage holds."""
+        if kind == "entering":
+            return _in_order(self._entering.pop(p))
+        if kind == "labels":
+            return self._labels.pop(p)
+        if kind == "out_grads":
+            return self._output_grads.pop(p)
+        if kind == "record":
+            return self._inflight.pop(p)
+        if kind == "kept":
+            return self._kept.pop(p)
+        if kind == "weight_grads":
+            return self._weight_grads.pop(p)
+        return self._accumulated  # "acc"
+
+    def _input_spec(self, kind, value):
+        """The spec a compiled task takes input `kind` with: what a minibatch brings for minibatches of
+        any size, a split pass's record as the pass makes it, gradients as they are."""
+        if kind in ("entering", "labels", "kept"):
+            return spec_of(value, relax_batch=True)
+        if kind == "out_grads":
+            return spec_of(value[0], relax_batch=True), spec_of(value[1])
+        if kind == "record":
+            weights, entering, labels, _ = value
+            return self._pass_specs(weights, entering, labels) + (self._splits[True].record_specs,)
+        return spec_of(value)
+
+    # Running device instructions ------------------------------------------------------
+    def run(self, instructions):
+        """Carries out `instructions`, device instructions of one task in program order
+        (:data:`DEVICE_INSTRUCTIONS`), in one compiled call on the stage's device."""
+        if len(self._unchecked) > _UNCHECKED:  # long done: reading them back makes no wait
+            self.check_applied()
+        base, shape = _task_shape(instructions)
+        key = (shape, self._accumulated is not None)
+        task = self._tasks.get(key)
+        if task is None:
+            task = self._tasks[key] = _Task(self, shape, key[1])
+        for ins in instructions:
+            self._account(ins, base)
+        args = task.gather(self, base)
+        outputs = task.call(*args)
+        for (kind, o), value in zip(task.outputs, outputs):
+            self._keep(kind, base + o, value, instructions)
+
+    def _account(self, ins, base):
+        """The host's bookkeeping of `ins` (memory, versions, updates held, provenance), in program
+        order before the call: an emulated device that would run out of memory fails first."""
+        p = ins.minibatch
+        if isinstance(ins, Forward):
+            if ins.recompute:
+                self._kept[p] = (_in_order(self._entering[p]), self._labels.get(p, ()))
+            else:
+                self.memory.allocate("activations", self.activation_bytes)
+            self._record_use(p, ins.live)
+        elif isinstance(ins, Recompute):
+            self.memory.allocate("activations", self.activation_bytes)
+        elif isinstance(ins, Backward):
+            self.memory.free("activations", self.activation_bytes)
+        elif isinstance(ins, StashWeights):
+            self.memory.allocate("stashed versions", self.version_bytes)
+            self._stashed.add(p)
+            if self.record_provenance:
+                self.version_updates[p] = tuple(self.applied)
+                self.version_globals[p] = self.global_included
+        elif isinstance(ins, ReleaseWeights):
+            self._stashed.discard(p)
+            self.memory.free("stashed versions", self.version_bytes)
+        elif isinstance(ins, ApplyUpdate):
+            self.applied.append(p)
+        elif isinstance(ins, AccumulateGradient):
+            self._summed.append(p)
+        elif isinstance(ins, ApplyAccumulated):
+            if self._summed != list(range(ins.first, p + 1)):
+                raise RuntimeError(f"stage {self.index}: the flush of microbatches {ins.first}..{p} found the "
+                                   f"gradients of {self._summed}; the schedule must accumulate each microbatch once")
+            self.applied.extend(self._summed)
+
+    def _record_use(self, p, live):
+        if not self.record_provenance:
+            return
+        if live:
+            self.used_versions[p] = tuple(self.applied)
+            self.used_globals[p] = self.global_included
+        else:
+            self.used_versions[p] = self.version_updates.pop(p)
+            self.used_globals[p] = self.version_globals.pop(p, frozenset())
+
+    def _keep(self, kind, p, value, instructions):
+        """Keeps output `kind` of minibatch p of a compiled task."""
+        if kind == "sent":
+            self._sent[p] = value
+        elif kind == "logs":
+            self.logs[p] = value
+        elif kind == "record":
+            self._inflight[p] = value
+        elif kind == "input_grads":
+            self._input_grads[p] = value
+        elif kind == "weight_grads":
+            self._weight_grads[p] = value
+        elif kind == "acc":
+            self._accumulated = value
+        elif kind == "verdict":
+            flush = next((i for i in instructions if isinstance(i, ApplyAccumulated) and i.minibatch == p), None)
+            minibatches = tuple(self._summed) if flush else (p,)
+            if flush:
+                self._accumulated, self._summed = None, []
+            self._unchecked.append((value, minibatches, self.logs.get(minibatches[-1])))
+
+    # The graph of a task --------------------------------------------------------------
+    def _task_graph(self, task, ids, *inputs):
+        """The graph function of `task` (a :class:`_Task`): each instruction in program order."""
+        tr = _Trace(task.offsets, tf.unstack(ids, num=len(task.offsets)), dict(zip(task.inputs, inputs)))
+        for t, o, fixed in task.shape:
+            if t is Forward:
+                live, recompute = fixed
+                weights = self._live_weights() if live else self._version(tr.id[o])
+                entering, labels = tr.inputs[("entering", o)], tr.inputs.get(("labels", o), ())
+                if recompute:  # untaped: Recompute(p) runs it again
+                    targets, _, logs = self._pass_graph(weights, entering, labels)
+                    self._emit_pass(tr, o, targets, logs)
+                else:
+                    self._lower_pass(tr, o, weights, entering, labels, True, o in task.in_graph)
+            elif t is Recompute:
+                entering, labels = tr.inputs[("kept", o)]
+                self._lower_pass(tr, o, self._live_weights(), entering, labels, False, o in task.in_graph)
+            elif t is Backward:
+                self._lower_backward(tr, o)
+            elif t is ReleaseWeights:
+                self.stash.release(tr.id[o])
+            elif t is CompensateGradient:
+                self._lower_compensate(tr, o, fixed[0])
+            elif t is ApplyUpdate:
+                grads, verdict = self._grads_of(tr, o)
+                tr.outputs[("verdict", o)] = self._apply_fn(grads, verdict)
+            elif t is AccumulateGradient:
+                grads, verdict = self._grads_of(tr, o)
+                grads = [tf.convert_to_tensor(g) for g in grads]
+                if tr.acc is not None:
+                    total, code = tr.acc
+                    grads = [a + g for a, g in zip(total, grads)]
+                    verdict = tf.where(code != FINITE, code, verdict)
+                tr.acc = (grads, verdict)
+            elif t is ApplyAccumulated:
+                total, verdict = tr.acc
+                count = float(o - fixed[0] + 1)
+                mean = [g / tf.constant(count, g.dtype) for g in total]
+                tr.outputs[("verdict", o)] = self._apply_fn(mean, verdict)
+                tr.acc = None
+            elif t is StashWeights:
+                self.stash.put(tr.id[o], [v.value for v in self.trainable])
+        if tr.acc is not None:
+            tr.outputs[("acc", 0)] = tr.acc
+        for o, grads in tr.grads.items():  # gradients a later call applies
+            tr.outputs[("weight_grads", o)] = grads
+        task.outputs = list(tr.outputs)
+        return list(tr.outputs.values())
+
+    def _live_weights(self):
         return [tf.identity(v.value) for v in self.trainable]
 
-    def _forward_graph(self, weights, entering, labels, training, update_state=True):
+    def _version(self, minibatch):
+        """Inside a task's graph: the version stashed for `minibatch`, with the weights' shapes."""
+        if not self.trainable:  # a stage may have no weights (pooling, activations)
+            return []
+        version = self.stash.get(minibatch, self._dtypes)
+        for t, v in zip(version, self.trainable):
+            t.set_shape(v.shape)
+        return version
+
+    def _lower_pass(self, tr, o, weights, entering, labels, update_state, in_graph):
+        """A taped pass whose backward pass runs in this call (`in_graph`), or the forward call of
+        the split pass, whose record a later call's backward pass takes in."""
+        if in_graph:
+            float_pos, sources = self._differentiated(weights, entering)
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                tape.watch(sources)
+                targets, reg, logs = self._pass_graph(weights, entering, labels, update_state=update_state)
+            tr.taped[o] = (tape, sources, len(float_pos), targets, reg)
+            self._emit_pass(tr, o, targets, logs)
+            return
+        split = self._split_pass(update_state, weights, entering, labels)
+        outputs, record = split.forward(weights, entering, labels)
+        if self.is_last:
+            self._emit_pass(tr, o, outputs[:1], dict(zip(self._log_names, outputs[1:])))
+        else:
+            self._emit_pass(tr, o, outputs[:-1], {})
+        tr.outputs[("record", o)] = (list(weights), list(entering), labels, record)
+
+    def _emit_pass(self, tr, o, targets, logs):
+        if self.is_last:
+            tr.outputs[("logs", o)] = logs
+        else:
+            tr.outputs[("sent", o)] = list(targets)
+
+    def _split_pass(self, update_state, weights, entering, labels):
+        """The stage's pass as a :class:`SplitPass` (made once per `update_state`): its outputs are
+        the sent tensors and the regularisation loss, or on the last stage the loss and the logs."""
+        if update_state not in self._splits:
+            def fn(weights, entering, labels):
+                targets, reg, logs = self._pass_graph(weights, entering, labels, update_state=update_state)
+                if self.is_last:
+                    self._log_names = list(logs)
+                    return list(targets) + [logs[k] for k in self._log_names]
+                return list(targets) + [reg]
+
+            with tf.init_scope():
+                self._splits[update_state] = SplitPass(fn, self._pass_specs(weights, entering, labels), self.device,
+                                                       name=f"stage{self.index}_pass")
+        return self._splits[update_state]
+
+    def _pass_specs(self, weights, entering, labels):
+        """The specs of a pass's inputs: the weights' as they are; what a minibatch brings, for
+        minibatches of any size."""
+        return (spec_of(weights), spec_of(entering, relax_batch=True), spec_of(labels, relax_batch=True))
+
+    def _lower_backward(self, tr, o):
+        if o in tr.taped:
+            tape, sources, num_received, targets, reg = tr.taped.pop(o)
+            if self.is_last:
+                targets, seeds, loss = list(targets), None, targets[0]
+            else:
+                out_grads, _ = tr.inputs[("out_grads", o)]
+                targets = [t for t in targets if _is_float(t)] + [reg]
+                seeds, loss = list(out_grads) + [tf.ones_like(reg)], None
+            grads = tape.gradient(targets, sources, output_gradients=seeds,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            received_grads, weight_grads = grads[:num_received], grads[num_received:]
+        else:
+            weights, entering, labels, record = tr.inputs[("record", o)]
+            n = self._splits[True].num_outputs
+            if self.is_last:
+                seeds, loss = [tf.ones_like(record[0])] + [None] * (n - 1), record[0]
+            else:
+                out_grads = iter(tr.inputs[("out_grads", o)][0])
+                seeds = [next(out_grads) if _is_float(t) else None for t in record[:n - 1]]
+                seeds, loss = seeds + [tf.ones_like(record[n - 1])], None
+            grads = self._splits[True].backward(seeds, record, tf.nest.flatten(
+                (weights, entering, labels), expand_composites=True))
+            weight_grads = grads[:len(weights)]
+            received = range(len(self.stage.io.received))
+            received_grads = [grads[len(weights) + i] for i in received if _is_float(entering[i])]
+        code = tr.inputs[("out_grads", o)][1] if not self.is_last else tf.constant(FINITE, tf.int32)
+        if loss is not None:
+            code = _combined(code, tf.logical_not(tf.math.is_finite(loss)), verdict_code(self.index, loss=True))
+        code = _checked_gradient(code, weight_grads, self.index)
+        tr.grads[o] = (list(weight_grads), code)
+        if self.stage.io.received:
+            tr.outputs[("input_grads", o)] = (received_grads, code)
+
+    def _grads_of(self, tr, o):
+        """(weight gradients, (verdict, finite flag of each)) of minibatch offset `o`: computed in this
+        call, or taken in from an earlier one."""
+        if o in tr.grads:
+            return tr.grads.pop(o)
+        return tr.inputs[("weight_grads", o)]
+
+    def _lower_compensate(self, tr, o, variance_control):
+        grads, code = self._grads_of(tr, o)
+        if self.trainable:  # a stage may have no weights (pooling, activations)
+            version = self._version(tr.id[o])
+            grads = [tf.convert_to_tensor(g) for g in grads]
+            grads = [g + variance_control * g * g * (w.value - v) for g, w, v in zip(grads, self.trainable, version)]
+        tr.grads[o] = (grads, _checked_gradient(code, grads, self.index))
+
+    def _pass_graph(self, weights, entering, labels, update_state=True):
+        """The stage's pass (training mode) with the given weights: (targets, regularisation loss,
+        logs). Targets are the sent tensors, or on the last stage [loss] (the regularisation
+        included) with the logs."""
         state = [v.value for v in self.non_trainable]
-        sent, new_state, reg = self.stage.stateless_call(weights, state, entering, training)
+        sent, new_state, reg = self.stage.stateless_call(weights, state, entering, True)
         for v, value in zip(self.non_trainable, new_state) if update_state else ():
             v.assign(value)
         if not self.is_last:
@@ -232,51 +622,58 @@ class StageRuntime:
             metrics = self.loss_head.metrics(labels, [tf.stop_gradient(o) for o in sent])
         return [loss], reg, dict(metrics, loss=loss)
 
-    def _weights(self, p, live):
-        """The weights minibatch p's pass uses: the live ones, or its stashed version w_p."""
-        if live:
-            with tf.device(self.device):
-                weights = self._read_weights_fn()
-            if self.record_provenance:
-                self.used_versions[p] = tuple(self.applied)
-                self.used_globals[p] = self.global_included
-            return weights
-        if self.record_provenance:
-            self.used_versions[p] = self.version_updates.pop(p)
-            self.used_globals[p] = self.version_globals.pop(p, frozenset())
-        return self.stash.get(p, self._dtypes)
+    def _differentiated(self, weights, entering):
+        """What a pass is differentiated with respect to: what the previous stage sent (its gradient
+        goes back; model inputs loaded here need no gradient) and the weights. Returns the
+        positions of the received floating-point tensors and the sources (those, then the weights)."""
+        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
+        return float_pos, [entering[i] for i in float_pos] + list(weights)
 
-    def forward(self, p, training=True, live=False, recompute=False):
-        """Forward pass of minibatch p with its stashed weight version w_p (`live`: with the live
-        weights); with `recompute`, untaped, keeping only its inputs for :meth:`recompute`."""
-        entering = _in_order(self._entering.pop(p))
-        weights = self._weights(p, live)
-        labels = self._labels.pop(p) if self.is_last else None
-        if recompute:
-            self._kept[p] = (entering, labels)
-            with tf.device(self.device):
-                targets, reg, logs = self._forward_fn(weights, entering, labels, training)
-        else:
-            targets, logs = self._taped_forward(p, weights, entering, labels, training, update_state=True)
-        if self.is_last:
-            loss = float(logs["loss"])
-            if not np.isfinite(loss):
-                values = {k: float(v) for k, v in logs.items()}
-                raise NonFiniteError(
-                    f"minibatch {p}: the loss is {loss} on stage {self.index} (the last); nothing of "
-                    f"minibatch {p} was applied or pushed. Lower the learning rate, look for NaN or Inf "
-                    f"in the data, or clip gradients (the optimizer's clipnorm)", p, self.index, values)
-            self.logs[p] = logs
-            return logs
-        return targets
+    def _apply_graph(self, grads, verdict):
+        """Applies the gradients if the minibatch's verdict is finite; returns the verdict."""
+        if self.trainable:  # a stage may have no weights (pooling, activations)
+            def apply():
+                self.optimizer.apply(grads, self.trainable)
+                return tf.constant(True)
 
+            tf.cond(verdict == FINITE, apply, lambda: tf.constant(False))
+        return verdict
+
+    def check_applied(self, logs=None):
+        """Reads back the verdicts of the updates since the last check; raises
+        :class:`NonFiniteError` for the first that was not finite (it applied nothing). `logs`:
+        {minibatch: its logs} that the last stage made, for the error of a loss that was not
+        finite, where this stage holds none."""
+        unchecked, self._unchecked = self._unchecked, []
+        for verdict, minibatches, own in unchecked:
+            code = int(verdict)
+            if code != FINITE:
+                raise self._non_finite(code, minibatches, own or (logs or {}).get(minibatches[-1]))
+
+    def _non_finite(self, code, minibatches, logs):
+        which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
+                 else f"minibatches {minibatches[0]}..{minibatches[-1]}")
+        stage, loss, variable = read_verdict(code)
+        if loss:
+            values = {k: float(v) for k, v in logs.items()} if logs else None
+            return NonFiniteError(
+                f"{which}: the loss is {values['loss'] if values else 'not finite'} on stage {stage} (the last); "
+                f"nothing of it was applied on any stage or pushed. Lower the learning rate, look for NaN or "
+                f"Inf in the data, or clip gradients (the optimizer's clipnorm)", minibatches[-1], stage, values)
+        return NonFiniteError(
+            f"{which}: the gradient of stage {stage} is not finite (NaN or Inf in "
+            f"{self.variable_paths[stage][variable]}, the first such weight); nothing of it was applied on "
+            f"stage {stage} or the stages before it, or pushed. Lower the learning rate or clip gradients "
+            f"(the optimizer's clipnorm)", minibatches[-1], stage)
+
+    # Measuring a stage's passes -------------------------------------------------------
     def _timed_pass_graph(self, weights, entering, labels):
         _, sources = self._differentiated(weights, entering)
         start = tf.timestamp()
         with tf.control_dependencies([start]):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(sources)
-                targets, reg, _ = self._forward_graph(weights, entering, labels, True, update_state=False)
+                targets, reg, _ = self._pass_graph(weights, entering, labels, update_state=False)
             outputs = list(targets) if self.is_last else [t for t in targets if _is_float(t)] + [reg]
         with tf.control_dependencies(outputs):
             forwarded = tf.timestamp()
@@ -300,132 +697,6 @@ class StageRuntime:
         with tf.device(self.device):
             forward, backward, _, _ = self._timed_pass_fn(self.stash.get(p, self._dtypes), entering, labels)
         return float(forward), float(backward)
-
-    def recompute(self, p, training=True):
-        """Runs minibatch p's forward pass again from the inputs its untaped pass kept, with the
-        live weights, under a tape for :meth:`backward`; the non-trainable state is not updated again."""
-        entering, labels = self._kept.pop(p)
-        with tf.device(self.device):
-            weights = self._read_weights_fn()
-        self._taped_forward(p, weights, entering, labels, training, update_state=False)
-
-    def _differentiated(self, weights, entering):
-        """What a pass is differentiated with respect to: what the previous stage sent (its gradient
-        goes back; model inputs loaded here need no gradient) and the weights. Returns the
-        positions of the received floating-point tensors and the sources (those, then the weights)."""
-        float_pos = [i for i in range(len(self.stage.io.received)) if _is_float(entering[i])]
-        return float_pos, [entering[i] for i in float_pos] + list(weights)
-
-    def _taped_forward(self, p, weights, entering, labels, training, update_state):
-        """Runs the pass under a tape and keeps it, with its activations, until :meth:`backward`."""
-        self.memory.allocate("activations", self.activation_bytes)
-        float_pos, sources = self._differentiated(weights, entering)
-        with tf.device(self.device):
-            tape = tf.GradientTape(watch_accessed_variables=False)
-            with tape:
-                tape.watch(sources)
-                targets, reg, logs = self._forward_fn(weights, entering, labels, training, update_state)
-        position = {i: k for k, i in enumerate(float_pos)}
-        n_received = len(self.stage.io.received)
-        self._inflight[p] = _InFlight(tape=tape, sources=sources, num_entering=len(float_pos),
-                                      received_float=[position.get(i) for i in range(n_received)],
-                                      targets=list(targets) + ([] if self.is_last else [reg]))
-        return targets, logs
-
-    def backward(self, p, output_grads=None):
-        """Backward pass of minibatch p against w_p; keeps the weight gradients for apply_update."""
-        record = self._inflight.pop(p)
-        if self.is_last:
-            seeds = None
-        else:
-            float_targets = [t for t in record.targets[:-1] if _is_float(t)]
-            seeds = [g for t, g in zip(record.targets[:-1], output_grads) if _is_float(t)]
-            record.targets = float_targets + [record.targets[-1]]
-            seeds = seeds + [tf.ones_like(record.targets[-1])]
-        with tf.device(self.device):
-            grads = record.tape.gradient(record.targets, record.sources, output_gradients=seeds,
-                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        self.memory.free("activations", self.activation_bytes)
-        self._weight_grads[p] = grads[record.num_entering:]
-        self._input_grads[p] = [grads[k] if k is not None else None for k in record.received_float]
-
-    def input_gradients(self, p):
-        """The gradient of minibatch p's received tensors, for the previous stage."""
-        return self._input_grads.pop(p)
-
-    def _apply_graph(self, grads):
-        """Applies the gradients if every one is finite; returns whether they were."""
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
-            g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads])
-
-        def apply():
-            self.optimizer.apply(grads, self.trainable)
-            return tf.constant(True)
-
-        return tf.cond(finite, apply, lambda: tf.constant(False))
-
-    def apply_update(self, p):
-        """w_local := w_local + u_p, unless u_p is not finite (then NonFiniteError)."""
-        self._apply(self._weight_grads.pop(p), (p,))
-
-    def _compensate_graph(self, p, grads, variance_control):
-        version = self.stash.get(p, self._dtypes)
-        grads = [tf.convert_to_tensor(g) for g in grads]
-        return [g + variance_control * g * g * (w.value - v) for g, w, v in zip(grads, self.trainable, version)]
-
-    def compensate_gradient(self, p, variance_control):
-        """TaylorPipe (seed 003 §3.2, Algorithm 1): replaces minibatch p's weight gradient g, computed
-        against its stashed version W_t = w_p (the local model), by the first-order Taylor prediction
-        of the gradient at the live weights W̄ (the master model), g + λ·g⊙g⊙(W̄ − W_t), with
-        λ = `variance_control`; one compiled call on the stage's device. w_p must still be stashed
-        (before ``release_weights(p)``); a sparse gradient (an embedding's) becomes dense."""
-        if not self.trainable:  # a stage may have no weights (pooling, activations)
-            return
-        with tf.device(self.device):
-            self._weight_grads[p] = self._compensate_fn(tf.constant(p, tf.int64), self._weight_grads[p],
-                                                        float(variance_control))
-
-    def accumulate_gradient(self, p):
-        """Adds minibatch p's weight gradients to the sum since the last flush (GPipe)."""
-        grads = [tf.convert_to_tensor(g) for g in self._weight_grads.pop(p)]
-        self._accumulated = (grads, [p]) if self._accumulated is None else (
-            self.sum(self._accumulated[0], grads), self._accumulated[1] + [p])
-
-    def apply_accumulated(self, first, p):
-        """GPipe's flush: one update from the mean of the gradients of microbatches `first`..p."""
-        total, summed = self._accumulated
-        if summed != list(range(first, p + 1)):
-            raise RuntimeError(f"stage {self.index}: the flush of microbatches {first}..{p} found the "
-                               f"gradients of {summed}; the schedule must accumulate each microbatch once")
-        self._accumulated = None
-        with tf.device(self.device):
-            mean = self._mean_fn(total, tf.constant(len(summed), total[0].dtype)) if total else []
-        self._apply(mean, tuple(summed))
-
-    def _apply(self, grads, minibatches):
-        """Applies `grads`, the update of `minibatches`, to w_local unless one is not finite; the
-        verdict is read back by the next apply or :meth:`check_applied`."""
-        self.check_applied()
-        if self.trainable:  # a stage may have no weights (pooling, activations)
-            with tf.device(self.device):
-                self._unchecked.append((self._apply_fn(grads), grads, minibatches))
-        self.applied.extend(minibatches)
-
-    def check_applied(self):
-        """Reads back whether the applies since the last check were finite; raises
-        :class:`NonFiniteError` for the first that was not (it applied nothing)."""
-        unchecked, self._unchecked = self._unchecked, []
-        for finite, grads, minibatches in unchecked:
-            if bool(finite):
-                continue
-            bad = [v.path for v, g in zip(self.stage.trainable_variables, grads) if not np.all(np.isfinite(
-                tf.convert_to_tensor(g).numpy()))]
-            which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
-                     else f"minibatches {minibatches[0]}..{minibatches[-1]}")
-            raise NonFiniteError(
-                f"{which}: the gradient of stage {self.index} is not finite (NaN or Inf in "
-                f"{', '.join(bad)}); nothing of it was applied or pushed. Lower the learning rate or "
-                f"clip gradients (the optimizer's clipnorm)", minibatches[-1], self.index)
 
     # Synchronisation ---------------------------------------------------------------------
     def _read_synchronised_graph(self):
@@ -512,13 +783,15 @@ class StageRuntime:
         """Drops what a stopped or failed run left behind: versions stashed for minibatches
         that never ran, and their inputs, so that the next run starts clean."""
         for p in self.stash.stats().minibatches:
-            self.release_weights(p)
+            self.stash.release(p)
+            self.memory.free("stashed versions", self.version_bytes)
         self._stashed.clear()
         for p in list(self._inflight):
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)
-        for pending in (self._entering, self._labels, self._weight_grads, self._input_grads,
-                        self.version_updates, self.version_globals, self._kept, self._unchecked):
+        for pending in (self._entering, self._labels, self._output_grads, self._sent, self._weight_grads,
+                        self._input_grads, self.version_updates, self.version_globals, self._kept, self._unchecked,
+                        self._summed, self.logs):
             pending.clear()
         self._accumulated = None
 
@@ -575,10 +848,6 @@ def _sum_graph(a, b):
     return [x + y for x, y in zip(a, b)]
 
 
-def _mean_graph(total, count):
-    return [x / count for x in total]
-
-
 def _block(tensors):
     """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
     for t in tf.nest.flatten(tensors):
@@ -617,7 +886,7 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
     saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
     for _ in range(repeats + 1):
         for rt in runtimes:
-            rt.stash_weights(0)
+            rt.run((StashWeights(0),))
         loaded = split_inputs(x)
         carry = None
         for s, rt in enumerate(runtimes):
@@ -634,21 +903,23 @@ def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
                 on_device[s][Backward].append(backward)
             t0 = time.perf_counter()
             with rt.execution_scope():
-                carry = rt.forward(0)
-                _block(carry)
+                rt.run((Forward(0),))
+                carry = None if rt.is_last else rt.sent(0)
+                _block(carry if carry is not None else rt.logs[0])
             times[s][Forward].append(time.perf_counter() - t0)
         grads = None
         for s in reversed(range(len(runtimes))):
             rt = runtimes[s]
-            grads = _moved(grads, rt.device)
+            if grads is not None:
+                rt.set_output_gradients(0, _moved(grads, rt.device))
             t0 = time.perf_counter()
             with rt.execution_scope():
-                rt.backward(0, grads)
+                rt.run((Backward(0),))
                 _block(rt._weight_grads[0])
-            grads = rt.input_gradients(0)
             times[s][Backward].append(time.perf_counter() - t0)
+            grads = rt.input_gradients(0) if rt.stage.io.received else None
             rt._weight_grads.pop(0)
-            rt.release_weights(0)
+            rt.run((ReleaseWeights(0),))
         runtimes[-1].logs.pop(0, None)
     for rt, values in zip(runtimes, saved):
         for v, value in zip(rt.non_trainable, values):

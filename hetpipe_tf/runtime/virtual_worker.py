@@ -155,6 +155,7 @@ class VirtualWorker:
             return
         act = self.staged.graph.stage_activation_bytes(self.staged.boundaries, batch_size)
         last = self.num_stages - 1
+        paths = [[v.path for v in stage.trainable_variables] for stage in self.staged.stages]
         self.runtimes = []
         for s, (stage, spec, name) in enumerate(zip(self.staged.stages, self.device_specs, self.device_names)):
             memory = MemoryAccount(f"stage {s} ({spec})", spec.memory if spec.emulated else None)
@@ -163,7 +164,7 @@ class VirtualWorker:
                 loss_head=self.loss_head if s == last else None, memory=memory,
                 activation_bytes=act[s], record_provenance=self.record_provenance,
                 single_threaded=self.single_threaded_stages,
-                sync=self.sync.scheme if self.sync is not None else NO_SYNC))
+                sync=self.sync.scheme if self.sync is not None else NO_SYNC, variable_paths=paths))
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references. An

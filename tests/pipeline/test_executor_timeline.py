@@ -14,6 +14,8 @@ from hetpipe_tf.pipeline.schedule import Schedule, StageProgram
 class StandInRuntime:
     """What the executor asks of a stage runtime, doing nothing: its passes take no time on the host."""
 
+    device_instructions = frozenset({Backward, ApplyUpdate})
+
     def __init__(self, stage, is_last):
         self.device = f"stand-in {stage}"
         self.is_last = is_last
@@ -23,16 +25,13 @@ class StandInRuntime:
     def execution_scope(self):
         return contextlib.nullcontext()
 
-    def backward(self, p, output_grads):
+    def run(self, instructions):
         pass
 
     def input_gradients(self, p):
         return [f"gradient of {p}"]
 
-    def apply_update(self, p):
-        pass
-
-    def check_applied(self):
+    def check_applied(self, logs=None):
         pass
 
     def end_run(self):

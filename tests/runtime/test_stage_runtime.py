@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.executor import PipelineError
+from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from tests.cli import test_models
@@ -43,8 +44,8 @@ def test_a_nan_loss_stops_the_run_naming_minibatch_worker_and_stage_and_applies_
                        timeout_s=30)
     vw.train(iter(_batches(model, 4)), 4)
     before = _weights(vw)
-    with pytest.raises(PipelineError, match=r"virtual worker 0: stage 1 failed at .*minibatch 3: the loss is nan") \
-            as info:
+    with pytest.raises(PipelineError, match=r"virtual worker 0: stage 0 failed at .*minibatch 3: the loss is nan on "
+                                            r"stage 1 \(the last\); nothing of it was applied on any stage") as info:
         vw.train(iter(_poisoned(model, 6, bad=3)), 6)
     cause = info.value.__cause__
     assert isinstance(cause, NonFiniteError) and (cause.minibatch, cause.stage) == (3, 1)
@@ -64,9 +65,10 @@ def test_a_nan_gradient_with_a_finite_loss_is_refused_by_the_apply():
 
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1),
                        loss=finite_loss_nan_gradient, timeout_s=30)
-    # The apply's verdict is read back by the stage's next apply (no wait for the device in the apply's own call).
-    with pytest.raises(PipelineError, match=r"stage (\d) failed at ApplyUpdate\(2\).*minibatch 1: the gradient of "
-                                            r"stage \1 is not finite \(NaN or Inf in .*kernel"):
+    # The verdict goes upstream with the gradient: the first stage applies nothing of minibatch 1 either,
+    # and fails the run before it reports the minibatch done, naming the stage and weight that went bad.
+    with pytest.raises(PipelineError, match=r"stage 0 failed at \[Backward\(1\).*minibatch 1: the gradient of "
+                                            r"stage 1 is not finite \(NaN or Inf in mlp/dense_\d+/kernel"):
         vw.train(iter(_batches(model, 4)), 4)
     assert all(np.isfinite(w).all() for w in _weights(vw))
 
@@ -91,7 +93,8 @@ def test_a_nan_in_one_worker_pushes_nothing_of_it_to_the_parameter_servers():
     model = _nan_carrying_mlp()
     nm, n = 2, 8
     runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=LOSS, dilation=1.0)
-    with pytest.raises(PipelineError, match=r"virtual worker 1: stage 1 failed at .*minibatch 5: the loss is nan"):
+    with pytest.raises(PipelineError, match=r"virtual worker 1: stage \d failed at .*minibatch 5: the loss is nan on "
+                                            r"stage 1"):
         runner.train([_batches(model, n), _poisoned(model, n, bad=5, seed=1)], n)
     values = runner.servers.values()
     assert all(np.isfinite(v).all() for v in values.values())
@@ -127,18 +130,18 @@ def test_a_pass_timed_on_the_stages_device_consumes_nothing_and_changes_no_state
     vw.prepare(x, y)
     first, last = vw.runtimes
     for rt in vw.runtimes:
-        rt.stash_weights(0)
+        rt.run((StashWeights(0),))
     first.set_loaded(0, vw.staged.split_inputs(x)[0])
     state = [v.numpy() for rt in vw.runtimes for v in rt.trainable + rt.non_trainable]
     forward, backward = first.timed_solo_pass(0)
     assert 0 < forward < 1 and 0 < backward < 1
-    carry = first.forward(0)  # its inputs and w_0 are still there
-    last.set_received(0, carry)
+    first.run((Forward(0),))  # its inputs and w_0 are still there
+    last.set_received(0, first.sent(0))
     last.set_labels(0, y)
     assert all(0 < t < 1 for t in last.timed_solo_pass(0))
-    last.forward(0)
-    last.backward(0)
-    first.backward(0, last.input_gradients(0))
+    last.run((Forward(0), Backward(0)))
+    first.set_output_gradients(0, last.input_gradients(0))
+    first.run((Backward(0),))
     after = [v.numpy() for rt in vw.runtimes for v in rt.trainable + rt.non_trainable]
     assert all(np.array_equal(a, b) for a, b in zip(state, after))
 
@@ -171,11 +174,12 @@ def test_solo_times_are_taken_with_what_a_stage_receives_already_on_its_device(m
 
         monkeypatch.setattr(StageRuntime, name, record)
 
-    for name in ("set_received", "set_labels", "backward"):
+    for name in ("set_received", "set_labels", "set_output_gradients"):
         recording(name)
     times = measure_stage_times(vw.runtimes, vw.staged.split_inputs, x, y, repeats=2)
     assert len(times) == 2 and all(t > 0 for stage in times for t in stage.values())
-    assert {(name, stage) for name, stage, _ in where} == {("set_received", 1), ("set_labels", 1), ("backward", 0)}
+    assert {(name, stage) for name, stage, _ in where} == {("set_received", 1), ("set_labels", 1),
+                                                           ("set_output_gradients", 0)}
     assert all(on_its_device for *_, on_its_device in where), where
 
 
@@ -189,8 +193,7 @@ def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_
     vw.prepare(x, y)
     rt, = vw.runtimes
     before = [v.numpy() for v in rt.trainable]
-    rt.stash_weights(3)
-    rt.stash_weights(5)
+    rt.run((StashWeights(3), StashWeights(5)))
     base = rt.synchronised_values()
     pulled = [b + 0.5 for b in base]
     new_base = rt.merge_pulled(base, pulled, first_minibatch=4, included={(0, 0), (1, 0)})
@@ -200,6 +203,5 @@ def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_
     assert all(np.array_equal(v, w) for v, w in zip(rt.stash.get(3, dtypes), before))
     assert all(np.allclose(v, w + 0.5) for v, w in zip(rt.stash.get(5, dtypes), before))
     assert rt.global_included == {(0, 0), (1, 0)}
-    rt.release_weights(3)
-    rt.release_weights(5)
+    rt.run((ReleaseWeights(3), ReleaseWeights(5)))
     assert rt.stash.stats().num_versions == 0

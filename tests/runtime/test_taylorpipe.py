@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hetpipe_tf.pipeline.instructions import (
+    ApplyUpdate, Backward, CompensateGradient, Forward, ReleaseWeights, StashWeights)
 from hetpipe_tf.pipeline.taylorpipe import HetPipeTaylorSchedule, TaylorPipeSchedule
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync import staleness
@@ -30,17 +32,13 @@ def test_the_compensated_update_is_g_plus_lambda_g_g_times_master_minus_local_el
     [rt] = vw.runtimes
     w0 = [v.numpy() for v in rt.trainable]
     for p, (x, y) in ((1, (x1, y1)), (2, (x2, y2))):
-        rt.stash_weights(p)
         rt.set_loaded(p, vw.staged.split_inputs(x)[0])
         rt.set_labels(p, y)
-        rt.forward(p)
+        rt.run((StashWeights(p), Forward(p)))
     for p in (1, 2):
         if p == 2:
             w1 = [v.numpy() for v in rt.trainable]
-        rt.backward(p)
-        rt.compensate_gradient(p, lam)
-        rt.release_weights(p)
-        rt.apply_update(p)
+        rt.run((Backward(p), CompensateGradient(p, variance_control=lam), ReleaseWeights(p), ApplyUpdate(p)))
     w2 = [v.numpy() for v in rt.trainable]
     local = [tf.constant(w) for w in w0]
     with tf.GradientTape() as tape:

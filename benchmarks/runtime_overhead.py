@@ -1,0 +1,179 @@
+"""The runtime's own cost per minibatch against Keras's ``fit``, on the host CPU (JSON lines).
+
+Real compute, nothing emulated: every device is this host's CPU as it is. Two models, each at
+the batch size the tables of the runtime's profile use (``docs/performance.md``):
+
+* ``mlp``: Dense 32-32-32-10 on 32 features, batch 32: so little compute that a step's time
+  is the cost of running it (Keras's whole training step, or the runtime's per stage);
+* ``cnn``: six 3x3 convolutions (32, 32, 64, 64, 128, 128 filters, pooling after every second)
+  and two Dense layers on 32x32x3 images, batch 64: compute-bound.
+
+Configurations of each, every one in a fresh process:
+
+* ``keras_fit``: ``model.fit`` with Keras's default ``compile`` (``jit_compile="auto"``, which is
+  off on a CPU-only host);
+* ``virtual_worker_k1``, ``_k2``, ``_k4``: ``VirtualWorker(devices="cpu,...")``, k stages on
+  the host CPU, Nm = k;
+* ``strategy_in_process`` and ``strategy_processes``: ``HetPipeStrategy(cluster="local_cpu",
+  policy="np", vw_size=2, num_in_flight=2)``, two virtual workers of two stages each, as threads
+  of one process and as one process per virtual worker with parameter-server and worker tasks
+  on TensorFlow's distributed runtime (gRPC on loopback).
+
+Each run fits two epochs of `--steps` minibatches and times the second (tracing and the
+pipeline's start are in the first); the rounds alternate the configurations, so that slow
+phases of a shared machine hit them alike, and each figure is the median over `--rounds`.
+Per row: ms per minibatch (for the strategy, per minibatch of either worker: the wall time over
+every worker's minibatches), the ratio of Keras's ms to it, and the CPU seconds per minibatch of
+every process of the run (the process and every process it started). Per model: the fixed cost
+per stage (from the mlp: (ms at k stages - ms at 1) / (k - 1)), and the strategy's
+processes / in_process ratio.
+
+Targets: cnn k = 1 >= 0.97x Keras; mlp k = 1 at most 1.5x Keras's whole step; every further stage
+<= 0.5 ms per minibatch; processes / in_process >= 0.9 on real compute, and the CPU per minibatch of
+every process together <= 1.2x one process's.
+
+    python benchmarks/runtime_overhead.py [--rounds=3] [--steps=200] [--models=mlp,cnn]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("keras_fit", "virtual_worker_k1", "virtual_worker_k2", "virtual_worker_k4", "strategy_in_process",
+           "strategy_processes")
+BATCH = {"mlp": 32, "cnn": 64}
+
+RUN = r"""
+import json, os, sys, time
+import numpy as np
+
+config, model_name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import keras
+import tensorflow as tf
+from benchmarks.baselines.processes import tree_cpu
+
+
+def build(name):
+    if name == "mlp":
+        return keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(32, activation="relu") for _ in range(3)]
+                                + [keras.layers.Dense(10)], name="mlp")
+    i = keras.Input((32, 32, 3))
+    x = i
+    for block, filters in enumerate((32, 32, 64, 64, 128, 128)):
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        if block % 2 == 1:
+            x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(128, activation="relu")(x)
+    return keras.Model(i, keras.layers.Dense(10)(x), name="cnn")
+
+
+def data(name, batch, workers=1):
+    rng = np.random.default_rng(0)
+    shape = (32,) if name == "mlp" else (32, 32, 3)
+    n = steps * batch * workers
+    x, y = rng.normal(size=(n,) + shape).astype("float32"), rng.integers(0, 10, size=n)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+
+
+class Clock(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.start = (time.perf_counter(), tree_cpu())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            self.end = (time.perf_counter(), tree_cpu())
+
+
+batch = {"mlp": 32, "cnn": 64}[model_name]
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+keras.utils.set_random_seed(0)
+clock = Clock()
+minibatches = steps
+if config == "keras_fit":
+    model = build(model_name)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    model.fit(data(model_name, batch), epochs=2, verbose=0, callbacks=[clock])
+elif config.startswith("virtual_worker"):
+    from hetpipe_tf import VirtualWorker
+    k = int(config[-1])
+    model = build(model_name)
+    vw = VirtualWorker(model, devices=",".join(["cpu"] * k), num_in_flight=k, optimizer=keras.optimizers.SGD(0.01),
+                       loss=loss)
+    vw.fit(data(model_name, batch), epochs=2, verbose=0, callbacks=[clock])
+else:
+    from hetpipe_tf import HetPipeStrategy
+    launch = config[len("strategy_"):]
+    strategy = HetPipeStrategy(cluster="local_cpu", policy="np", vw_size=2, num_in_flight=2, launch=launch,
+                               timeout_s=300)
+    with strategy.scope():
+        model = build(model_name)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+        train = data(model_name, batch, workers=2)
+    model.fit(train, epochs=2, verbose=0, callbacks=[clock])
+    minibatches = steps * 2  # both workers' minibatches of the epoch
+wall, cpu = (e - s for e, s in zip(clock.end, clock.start))
+print("RESULT " + json.dumps({"ms_per_minibatch": 1e3 * wall / minibatches, "cpu_s_per_minibatch": cpu / minibatches}))
+"""
+
+
+def run(config, model, steps):
+    proc = subprocess.run([sys.executable, "-c", RUN, config, model, str(steps)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=3600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{config} {model} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200, help="minibatches per epoch (of each worker)")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    args = parser.parse_args()
+    configs = args.configs.split(",")
+    for model in args.models.split(","):
+        steps = args.steps if model == "mlp" else max(args.steps // 8, 10)
+        results = {c: [] for c in configs}
+        for _ in range(args.rounds):
+            for config in configs:
+                results[config].append(run(config, model, steps))
+        ms = {c: statistics.median(r["ms_per_minibatch"] for r in rs) for c, rs in results.items()}
+        cpu = {c: statistics.median(r["cpu_s_per_minibatch"] for r in rs) for c, rs in results.items()}
+        keras_ms = ms.get("keras_fit")
+        for config in configs:
+            print(json.dumps({"benchmark": "runtime_overhead", "model": model, "batch_size": BATCH[model],
+                              "config": config, "devices": "host CPU (real compute, nothing emulated)",
+                              "ms_per_minibatch": round(ms[config], 3),
+                              "ms_per_minibatch_each_round": [round(r["ms_per_minibatch"], 3) for r in results[config]],
+                              "keras_over_this": round(keras_ms / ms[config], 3) if keras_ms else None,
+                              "cpu_s_per_minibatch_all_processes": round(cpu[config], 5)}), flush=True)
+        summary = {"benchmark": "runtime_overhead", "model": model, "summary": True, "rounds": args.rounds,
+                   "steps_timed": steps}
+        if "virtual_worker_k1" in ms:
+            for k in (2, 4):
+                if f"virtual_worker_k{k}" in ms:
+                    summary[f"fixed_cost_per_further_stage_ms_k{k}"] = round(
+                        (ms[f"virtual_worker_k{k}"] - ms["virtual_worker_k1"]) / (k - 1), 3)
+            if keras_ms:
+                summary["k1_ms_over_keras_ms"] = round(ms["virtual_worker_k1"] / keras_ms, 3)
+        if "strategy_processes" in ms and "strategy_in_process" in ms:
+            summary["processes_over_in_process_throughput"] = round(
+                ms["strategy_in_process"] / ms["strategy_processes"], 3)
+            summary["processes_over_in_process_cpu"] = round(
+                cpu["strategy_processes"] / cpu["strategy_in_process"], 3)
+        summary["targets"] = {"cnn: keras_over_this at k=1": ">= 0.97", "mlp: k1_ms_over_keras_ms": "<= 1.5",
+                              "fixed_cost_per_further_stage_ms": "<= 0.5",
+                              "processes_over_in_process_throughput": ">= 0.9",
+                              "processes_over_in_process_cpu": "<= 1.2"}
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -372,26 +372,26 @@ class PipelineExecutor:
             self._fail(f"stage {s} failed at {_format_step(ins)}", exc)
 
     def _next_task(self, s, prog, pos):
+        """The task stage `s` runs next, by §4's rules (:func:`fifo_pick` among the heads of its
+        streams whose required keys have arrived), once one is ready; None when every stream is done."""
         mb = self._mailboxes[s]
 
-        def heads():
+        def choose():  # under the mailbox's lock: stage 0's choice and request_stop see one _admitted
+            left, ready = False, []
             for i, stream in enumerate(prog.streams):
                 # After a stop, a stream skips the tasks of minibatches past the limit: in a
                 # stream that interleaves passes (1F1B), the backward passes of those already
                 # started come after the next forward pass.
                 while pos[i] < len(stream) and stream[pos[i]].minibatch > self._limit:
                     pos[i] += 1
-                if pos[i] < len(stream):
-                    yield i, stream[pos[i]]
-
-        def choose():
-            if next(heads(), None) is None:
-                return _FINISHED  # the run was stopped while this stage waited
-            ready = []
-            for i, task in heads():
-                times = [mb.arrival(key) for key in task.requires]
-                if all(t is not None for t in times):
-                    ready.append(((max(times, default=0.0), task.minibatch, i), task))
+                if pos[i] == len(stream):
+                    continue
+                left, task = True, stream[pos[i]]
+                latest = mb.ready_time(task.requires)
+                if latest is not None:
+                    ready.append(((latest, task.minibatch, i), task))
+            if not left:
+                return _FINISHED  # every stream is done (or was stopped while this stage waited)
             if not ready:
                 return None
             pick = fifo_pick([c for c, _ in ready])
@@ -400,13 +400,11 @@ class PipelineExecutor:
                 self._admitted = max(self._admitted, task.minibatch)
             return pick[2], task
 
-        def describe():
-            return self.describe_waits()
+        def waiting():
+            self._set_status(s, "waiting:", [stream[pos[i]] for i, stream in enumerate(prog.streams)
+                                             if pos[i] < len(stream)])
 
-        if next(heads(), None) is None:
-            return None
-        self._set_status(s, "waiting:", [t for _, t in heads()])
-        chosen = mb.wait_until(choose, self.timeout_s, describe)
+        chosen = mb.wait_until(choose, self.timeout_s, self.describe_waits, on_wait=waiting)
         return None if chosen is _FINISHED else chosen
 
     def _steps(self, s, instructions):

@@ -236,8 +236,12 @@ class Task:
         """Keys needed from outside the task, in instruction order."""
         provided, needed = set(), []
         for ins in self.instructions:
-            needed += [k for k in ins.requires() if k not in provided and k not in needed]
-            provided.update(key for dst, key in ins.provides(self.stage) if dst == self.stage)
+            for key in ins.requires():
+                if key not in provided and key not in needed:
+                    needed.append(key)
+            for dst, key in ins.provides(self.stage):
+                if dst == self.stage:
+                    provided.add(key)
         return tuple(needed)
 
     def __repr__(self):

@@ -43,18 +43,30 @@ class Mailbox:
         item = self._items.get(key)
         return item[0] if item else None
 
+    def ready_time(self, keys):
+        """When the last of `keys` arrived (0 for none), or None while one has not."""
+        latest = 0.0
+        for key in keys:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            if item[0] > latest:
+                latest = item[0]
+        return latest
+
     def wake(self):
         with self.cond:
             self.cond.notify_all()
 
-    def wait_until(self, choose, timeout, describe):
-        """Waits until `choose()` (called under the lock) returns a value, and returns it.
+    def wait_until(self, choose, timeout, describe, on_wait=None):
+        """Waits until `choose()` (called under the lock) returns a value, and returns it;
+        `on_wait()` is called once if it has to wait.
 
         Raises:
           PipelineAborted: if the pipeline is aborted meanwhile.
           TimeoutError: after `timeout` seconds, with `describe()` in the message.
         """
-        deadline = self._clock() + timeout
+        deadline = None
         with self.cond:
             while True:
                 if self._abort.is_set():
@@ -62,6 +74,10 @@ class Mailbox:
                 chosen = choose()
                 if chosen is not None:
                     return chosen
+                if deadline is None:
+                    deadline = self._clock() + timeout
+                    if on_wait is not None:
+                        on_wait()
                 left = deadline - self._clock()
                 if left <= 0:
                     raise TimeoutError(f"{self.owner} waited {timeout:g} s with no task ready: {describe()}")

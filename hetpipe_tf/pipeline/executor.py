@@ -67,11 +67,14 @@ class UnknownInstructionError(TypeError):
 
 @dataclass
 class StageReport:
+    """What one stage did in a run: its busy and compute time, its tasks, the calls of its runtime
+    that ran its device instructions (one per group), memory and stash peaks, its emulation."""
     stage: int
     device: str
     busy_s: float = 0.0
     compute_s: float = 0.0
     tasks: int = 0
+    device_calls: int = 0
     memory_peak: int = 0
     stash_peak_versions: int = 0
     stash_bytes_peak: int = 0
@@ -442,6 +445,7 @@ class PipelineExecutor:
         t0 = self._clock()
         rt.run(group)
         t1 = self._clock()
+        self.reports[s].device_calls += 1
         spans = self._pace(s, group, t0, t1)
         for ins in group:
             for dst, key in ins.provides(s):  # a version stashed, an activation slot freed: this stage's

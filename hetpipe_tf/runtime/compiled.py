@@ -41,6 +41,25 @@ def spec_of(value, relax_batch: bool = False):
     return tf.nest.map_structure(one, value)
 
 
+def packer(structure) -> Callable:
+    """A function that rebuilds `structure` (nested lists, tuples and dicts of tensors and
+    ``tf.IndexedSlices``, as a traced function's outputs are) from an iterator over its flat
+    components in ``tf.nest.flatten(..., expand_composites=True)`` order: the same result as
+    ``tf.nest.pack_sequence_as``, without its per-call Python walk of the structure."""
+    if isinstance(structure, (list, tuple)):
+        parts, kind = [packer(item) for item in structure], type(structure)
+        return lambda flat: kind([part(flat) for part in parts])
+    if isinstance(structure, dict):
+        keys = sorted(structure)  # tf.nest's order
+        parts = [packer(structure[k]) for k in keys]
+        return lambda flat: {k: part(flat) for k, part in zip(keys, parts)}
+    if isinstance(structure, tf.IndexedSlices):
+        if structure.dense_shape is None:
+            return lambda flat: tf.IndexedSlices(next(flat), next(flat))
+        return lambda flat: tf.IndexedSlices(next(flat), next(flat), next(flat))
+    return lambda flat: next(flat)
+
+
 class CompiledCall:
     """`fn`, traced once on `device` for the specs of its first call's arguments, then called
     with the arguments' flat tensors (nested lists, tuples and dicts of tensors, composite
@@ -60,13 +79,13 @@ class CompiledCall:
         with tf.device(self.device):
             concrete = tf.function(self._fn, jit_compile=self._jit, autograph=False).get_concrete_function(*specs)
         atomic, captured = concrete._inference_function, list(concrete.captured_inputs)
-        structure = concrete.structured_outputs
+        pack = packer(concrete.structured_outputs)
         device = self.device
 
         def call(flat):
             with tf.device(device):
                 out = atomic.call_flat(*flat, *captured)
-            return tf.nest.pack_sequence_as(structure, out or [], expand_composites=True)
+            return pack(iter(out or ()))
 
         self._call = call
 

@@ -107,11 +107,13 @@ def _combined(code, bad, own):
 
 
 def _checked_gradient(code, grads, stage):
-    """`code` after checking the weight gradients `grads` of `stage` (an IndexedSlices' values)."""
+    """`code` after checking the weight gradients `grads` of `stage` (an IndexedSlices' values):
+    a gradient holds a NaN or an infinity exactly when its sum is not finite, but for a sum of
+    finite values past the float's range, which is taken as not finite too."""
     if not grads:
         return code
-    finite = tf.stack([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-                       for g in grads])
+    finite = tf.math.is_finite(tf.stack([tf.reduce_sum(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
+                                                              tf.float32)) for g in grads]))
     first_bad = tf.cast(tf.argmin(tf.cast(finite, tf.int32)), tf.int32)
     own = first_bad * (1 << 17) + verdict_code(stage, loss=False)
     return _combined(code, tf.logical_not(tf.reduce_all(finite)), own)
@@ -168,8 +170,8 @@ class _Trace:
     inputs by key, each pass's tape or record, each minibatch's gradients and verdict, the
     running sum of microbatch gradients, and the outputs by key."""
 
-    def __init__(self, offsets, ids, inputs):
-        self.id = {o: ids[i] for i, o in enumerate(offsets)}
+    def __init__(self, offsets, base, inputs):
+        self.id = {o: base + o for o in offsets}
         self.inputs = inputs
         self.taped = {}  # offset -> (tape, sources, number of received sources, targets, regularisation)
         self.grads = {}  # offset -> (weight gradients, (verdict, finite flag of each))
@@ -210,9 +212,9 @@ class _Task:
         self.outputs = None  # output keys, known once traced
 
     def gather(self, runtime, base):
-        """The call's arguments: the minibatch ids, then the inputs, taken from the runtime; traces
-        the call at its first use."""
-        args = [tf.constant([base + o for o in self.offsets], tf.int64)]
+        """The call's arguments: the first minibatch's id, then the inputs, taken from the runtime;
+        traces the call at its first use."""
+        args = [runtime._minibatch_id(base)]
         for kind, o in self.inputs:
             args.append(runtime._take(kind, base + o))
         if self.outputs is None:
@@ -278,6 +280,7 @@ class StageRuntime:
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
         self._tasks = {}  # (task shape, accumulating) -> _Task
+        self._ids = {}  # minibatch id -> the same as an int64 tensor
         self._splits = {}  # update_state -> the SplitPass of the stage's pass
         self._stashed = set()  # minibatch ids whose versions the stash holds (no readback needed)
         self._entering = {}  # p -> {position: tensor}
@@ -338,6 +341,15 @@ class StageRuntime:
         """The message for the previous stage: (the gradient of each floating-point tensor this
         stage received for minibatch p, in order; p's verdict so far)."""
         return self._input_grads.pop(p)
+
+    def _minibatch_id(self, p):
+        """Minibatch id p as an int64 tensor, made once for the few calls of a minibatch."""
+        tensor = self._ids.get(p)
+        if tensor is None:
+            if len(self._ids) >= 64:
+                self._ids.clear()
+            tensor = self._ids[p] = tf.constant(p, tf.int64)
+        return tensor
 
     def _take(self, kind, p):
         """The input `kind` of minibatch p for a compiled task, taken from what the stage holds."""
@@ -450,9 +462,9 @@ class StageRuntime:
             self._unchecked.append((value, minibatches, self.logs.get(minibatches[-1])))
 
     # The graph of a task --------------------------------------------------------------
-    def _task_graph(self, task, ids, *inputs):
+    def _task_graph(self, task, base, *inputs):
         """The graph function of `task` (a :class:`_Task`): each instruction in program order."""
-        tr = _Trace(task.offsets, tf.unstack(ids, num=len(task.offsets)), dict(zip(task.inputs, inputs)))
+        tr = _Trace(task.offsets, base, dict(zip(task.inputs, inputs)))
         for t, o, fixed in task.shape:
             if t is Forward:
                 live, recompute = fixed

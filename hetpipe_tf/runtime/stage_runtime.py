@@ -66,6 +66,8 @@ from hetpipe_tf.sync.parameter_server import synchronised_variables
 #: The instructions a stage runtime carries out on its device (:meth:`StageRuntime.run`).
 DEVICE_INSTRUCTIONS = frozenset({Forward, Recompute, Backward, CompensateGradient, ReleaseWeights, ApplyUpdate,
                                  AccumulateGradient, ApplyAccumulated, StashWeights})
+#: The weight elements from which a stage's update runs compiled by XLA (see docs/performance.md).
+_XLA_APPLY_ELEMENTS = 1 << 20
 #: A minibatch's verdict: finite so far.
 FINITE = -1
 #: How many verdicts a stage keeps unread at most. The first stage reads each before it reports
@@ -272,11 +274,18 @@ class StageRuntime:
         self._subtract_fn = tf.function(functools.partial(_subtract_graph))
         self._sum_fn = tf.function(functools.partial(_sum_graph))
         self._timed_pass_fn = tf.function(functools.partial(self._timed_pass_graph))
-        # XLA fuses the optimizer's elementwise update (2-3x faster on one core); it copies a
+        # XLA fuses the optimizer's elementwise update, which pays once a stage's weights are large
+        # (_XLA_APPLY_ELEMENTS); below that its launch costs more than the update. It copies a
         # variable's buffer that a stashed version still shares, as eager updates do. Not on
         # another task's device: TF 2.21's remote eager runtime then fails the next eager op
-        # ("KernelAndDeviceOp does not support EagerFunctionParams").
-        self._apply_fn = tf.function(functools.partial(self._apply_graph), jit_compile=not _is_remote(device))
+        # ("KernelAndDeviceOp does not support EagerFunctionParams"). Always with single-threaded
+        # stages: the update's conditional (a functional If) then runs inside XLA's cluster, as TF
+        # 2.21's single-threaded executor deadlocks two stages that run an If at once.
+        elements = sum(int(np.prod(v.shape)) for v in self.trainable)
+        if (elements >= _XLA_APPLY_ELEMENTS or single_threaded) and not _is_remote(device):
+            self._apply_fn = tf.function(functools.partial(self._apply_graph), jit_compile=True)
+        else:  # in the task's own graph
+            self._apply_fn = self._apply_graph
         self.sync_scheme = sync
         self.sync_state = sync.stage_state(self)
         self._tasks = {}  # (task shape, accumulating) -> _Task

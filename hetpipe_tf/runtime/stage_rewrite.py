@@ -237,6 +237,18 @@ class StagedModel:
         return "\n".join(lines)
 
 
+def _sub_model(inputs, outputs, name):
+    """The Keras model from `inputs` to `outputs`, tensors of a model's graph. Keras 3.15.1 clones
+    the graph's nodes between them (``clone_graph_nodes``) and points the history of each of the
+    model's own inputs among `inputs` at its clone, after which the model could no longer be
+    saved: those histories are put back."""
+    histories = [t._keras_history for t in inputs]
+    model = keras.Model(inputs=_one_or_list(inputs), outputs=_one_or_list(outputs), name=name)
+    for t, history in zip(inputs, histories):
+        t._keras_history = history
+    return model
+
+
 def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None):
     """Cuts a Keras model into stages.
 
@@ -266,8 +278,7 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
         raise PartitionError(f"{len(ios)} stages but {len(devices)} devices were given: give one device per stage")
     stages = []
     for io in ios:
-        sub = keras.Model(inputs=_one_or_list([kg.tensors[t] for t in io.consumed]),
-                          outputs=_one_or_list([kg.tensors[t] for t in io.produced]),
-                          name=f"{model.name}_stage{io.stage}")
+        sub = _sub_model([kg.tensors[t] for t in io.consumed], [kg.tensors[t] for t in io.produced],
+                         name=f"{model.name}_stage{io.stage}")
         stages.append(Stage(io.stage, io, sub, devices[io.stage] if devices else None))
     return StagedModel(model=model, keras_graph=kg, boundaries=boundaries, stages=tuple(stages))

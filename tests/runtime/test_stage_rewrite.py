@@ -179,3 +179,11 @@ def test_bad_boundaries_are_refused():
     for bad in [(1, 2), (0, 2, 2), (0, 9)]:
         with pytest.raises(ValueError, match="boundaries"):
             split_model(model, boundaries=bad)
+
+
+def test_the_model_still_saves_after_it_is_cut(tmp_path):
+    model = test_models.two_inputs()
+    split_model(model, boundaries=(0, 2, 4))  # the model input 'aux' enters the last stage
+    model.save(tmp_path / "model.keras")
+    x, _ = _data(model)
+    np.testing.assert_allclose(keras.models.load_model(tmp_path / "model.keras")(x), model(x), atol=1e-6)

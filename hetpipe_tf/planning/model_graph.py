@@ -15,6 +15,10 @@ Every stage then talks only to its neighbours, the schedule stays a chain, and
 each cut carries exactly the tensors alive across it (what the cost model of §7
 charges for that cut). Model inputs come from the host straight to the first
 stage that consumes them; labels go straight to the last stage.
+
+A model used as a layer inside another (a backbone in a task, a feature extractor, a
+model of models) is not a node: its layer calls are, at any depth, each named after
+the models that hold it ("backbone/dense").
 """
 from dataclasses import dataclass
 
@@ -51,7 +55,7 @@ class TensorInfo:
 class LayerNode:
     """One call of a layer. A shared layer has several nodes with the same `layer`."""
     index: int
-    layer: str  # the layer's name
+    layer: str  # the layer's name, after the names of the nested models that hold it ("backbone/dense")
     kind: str  # the layer's class name
     inputs: tuple  # tensor indices
     outputs: tuple  # tensor indices

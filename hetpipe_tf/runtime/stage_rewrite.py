@@ -20,7 +20,12 @@ Handled:
 * Dropout and other ``training``-dependent layers: their random state is stage
   state too, and the backward pass reuses the forward pass's masks (the tape
   holds them);
-* layers with no weights, nested models (each is one node);
+* layers with no weights (each is one node);
+* Sequential and functional models used as layers, at any depth (a keras_hub task
+  around its backbone, a backbone called as a layer, a ``keras.applications`` feature
+  extractor, a model of models): they are flattened into their layer calls, which are
+  the nested model's own layers, so the trained weights land in the nested model too.
+  A subclassed model or layer (a class with a ``call()`` of its own) is one node;
 * a layer shared by calls in different stages is refused with
   :class:`hetpipe_tf.planning.model_graph.SharedLayerError` naming the layer.
 """
@@ -30,6 +35,11 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 import tensorflow as tf
+# Keras 3.15.1's internals: the class whose call() runs a layer graph, and what its call uses.
+from keras import tree
+from keras.src.backend import set_keras_mask
+from keras.src.models.functional import Functional
+from keras.src.ops.core import ConvertToTensor
 
 from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
@@ -39,7 +49,8 @@ class UnsupportedModelError(TypeError):
     """A model that has no layer graph to cut (for example a subclassed model)."""
 
 
-def _functional(model):
+def _top_graph(model):
+    """The functional graph of a Sequential or functional model (a Sequential's own)."""
     if isinstance(model, keras.Sequential):
         fn = getattr(model, "_functional", None)
         if fn is None:
@@ -55,6 +66,76 @@ def _functional(model):
     return model
 
 
+def _graph_of(op):
+    """The functional graph that `op`, a model used as a layer, runs when called; None for a layer
+    to keep whole. A Sequential or functional model (a keras_hub task or backbone, a
+    ``keras.applications`` model) runs its graph; a model whose class has a ``call()`` of its own
+    (subclassed) and every other layer are atomic."""
+    if not isinstance(op, keras.Model):
+        return None
+    owner = next(c for c in type(op).__mro__ if "call" in vars(c))
+    if owner is keras.Sequential:
+        return getattr(op, "_functional", None)
+    return op if owner is Functional else None
+
+
+def _entered(fn, inputs, names, prefix, context):
+    """``fn``'s graph run symbolically on `inputs` (KerasTensors) with every nested graph model
+    entered: its layers are called on the tensors of the enclosing graph, at any depth. This is
+    ``Functional.call`` of Keras 3.15.1 (the call-context arguments, ``training``, given to a
+    model reach every operation inside it), so the flattened graph computes what the nested one
+    does. The layers are the model's own: their weights are shared, nothing is copied. `names`
+    gets each operation's name qualified by the models that hold it ("backbone/dense")."""
+
+    def operation_fn(op):
+        def call(*args, **kwargs):
+            for name, value in context.items():
+                if name in getattr(op, "_call_context_args", ()) and value is not None:
+                    kwargs[name] = value
+            names.setdefault(id(op), prefix + op.name)
+            inner = _graph_of(op)
+            return op(*args, **kwargs) if inner is None else _enter_model(inner, names, names[id(op)] + "/",
+                                                                           *args, **kwargs)
+        return call
+
+    return fn._run_through_graph(inputs, operation_fn=operation_fn)
+
+
+def _enter_model(fn, names, prefix, inputs, training=None, mask=None, **kwargs):
+    """A nested model's call (``Functional.call``'s arguments), entered (:func:`_entered`)."""
+    inputs = [_unconverted(x) for x in fn._standardize_inputs(inputs)]
+    for x, m in zip(inputs, tree.flatten(mask) if mask is not None else ()):
+        if m is not None:
+            set_keras_mask(x, m)
+    return _entered(fn, inputs, names, prefix, dict(kwargs, training=training))
+
+
+def _unconverted(x):
+    """`x`, or the tensor it converts when the conversion changes nothing: a model converts its
+    inputs to its inputs' dtypes (``ops.convert_to_tensor``), which is no operation for a tensor
+    that has them already."""
+    history = x._keras_history
+    if isinstance(history.operation, ConvertToTensor):
+        source = history.operation._inbound_nodes[history.node_index].input_tensors[0]
+        if (source.dtype, source.sparse, source.ragged) == (x.dtype, x.sparse, x.ragged):
+            return source
+    return x
+
+
+def _layer_graph(model):
+    """(functional graph, {id(operation): qualified name}) of `model`, with every nested
+    Sequential or functional model flattened into its layer calls (the model's own graph when it
+    nests none)."""
+    fn = _top_graph(model)
+    if not any(_graph_of(op) is not None for op in fn.operations):
+        return fn, {id(op): op.name for op in fn.operations}
+    names = {}
+    outputs = _entered(fn, fn.inputs, names, "", {})
+    flat = keras.Model(inputs=fn._inputs_struct, outputs=outputs, name=fn.name)
+    flat.output_names = list(fn.output_names)  # the loss and metrics are keyed by the model's
+    return flat, names
+
+
 def variable_bytes(variables):
     """The bytes that `variables` hold (each element's size from its dtype)."""
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
@@ -68,14 +149,15 @@ def _elements(shape):
 class KerasGraph:
     """A :class:`ModelGraph` with the Keras objects behind its indices."""
     graph: ModelGraph
-    model: keras.Model  # the functional model the graph was read from
+    model: keras.Model  # the functional model the graph was read from, nested models flattened
     tensors: tuple  # KerasTensor of every tensor index
     operations: tuple  # layer (operation) of every node index
 
 
 def describe_model(model):
-    """The :class:`KerasGraph` of a Sequential or functional Keras model."""
-    fn = _functional(model)
+    """The :class:`KerasGraph` of a Sequential or functional Keras model, with the Sequential and
+    functional models used as layers inside it flattened into their layer calls."""
+    fn, names = _layer_graph(model)
     depths = sorted(fn._nodes_by_depth, reverse=True)
     op_order = {id(op): i for i, op in enumerate(fn.operations)}
     ordered = []
@@ -125,7 +207,7 @@ def describe_model(model):
         last_dim = keras_tensors[outputs[0]].shape[-1] or 1
         flops = int(2 * params * max(out_elems // max(last_dim, 1), 1) + out_elems)
         nodes.append(LayerNode(
-            index=index, layer=op.name, kind=type(op).__name__, inputs=inputs, outputs=outputs,
+            index=index, layer=names[id(op)], kind=type(op).__name__, inputs=inputs, outputs=outputs,
             trainable_bytes=variable_bytes(trainable),
             non_trainable_bytes=variable_bytes(getattr(op, "non_trainable_weights", [])),
             flops_per_example=flops))
@@ -253,7 +335,8 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
     """Cuts a Keras model into stages.
 
     Args:
-      model: a Sequential or functional Keras model, built.
+      model: a Sequential or functional Keras model, built. Sequential and functional models used
+        as layers inside it are cut inside (:func:`describe_model`).
       boundaries: index of each stage's first layer call (topological order), starting at 0.
       num_stages: instead of `boundaries`, the number of stages; the cut then balances
         a static FLOP estimate (divided by `speeds`), exactly.

@@ -31,7 +31,7 @@ def _whole_model(model, x, y):
         out, _, losses = model.stateless_call(tv, ntv, x, training=True, return_losses=True)
         loss = _objective(out, y) + tf.add_n(losses or [tf.constant(0.0)])
     grads = tape.gradient(loss, tv)
-    return float(loss), {v.path: g for v, g in zip(model.trainable_variables, grads)}
+    return float(loss), {v.path: tf.convert_to_tensor(g) for v, g in zip(model.trainable_variables, grads)}
 
 
 def _pipelined(staged, x, y):
@@ -43,7 +43,7 @@ def _pipelined(staged, x, y):
         tv = [v.value for v in stage.trainable_variables]
         ntv = [v.value for v in stage.non_trainable_variables]
         with tf.GradientTape(persistent=True) as tape:
-            tape.watch(entering + tv)
+            tape.watch([t for t in entering + tv if t.dtype.is_floating])
             sent, _, reg = stage.call(tv, ntv, entering, training=True)
             target = _objective(sent, y) + reg if stage is staged.stages[-1] else None
         records.append((stage, tape, entering, tv, sent, reg, target))
@@ -56,8 +56,19 @@ def _pipelined(staged, x, y):
         else:
             g = tape.gradient(sent + [reg], entering + tv, output_gradients=upstream + [tf.constant(1.0)])
         upstream = g[:len(stage.io.received)]
-        grads.update({v.path: gv for v, gv in zip(stage.trainable_variables, g[len(entering):])})
+        for v, gv in zip(stage.trainable_variables, g[len(entering):]):
+            grads[v.path] = tf.convert_to_tensor(gv)
     return loss, grads
+
+
+def _assert_stages_equal_the_model(staged, model, x, y):
+    """The stages, one after another, give the model's loss and gradients."""
+    want_loss, want = _whole_model(model, x, y)
+    got_loss, got = _pipelined(staged, x, y)
+    assert got_loss == pytest.approx(want_loss, abs=1e-5)
+    assert set(got) == set(want)
+    for path, g in want.items():
+        np.testing.assert_allclose(got[path], g, atol=1e-5, err_msg=path)
 
 
 @pytest.mark.parametrize("build,boundaries", [
@@ -75,12 +86,7 @@ def test_stagewise_loss_and_gradients_equal_whole_model(build, boundaries):
     x, y = _data(model)
     staged = split_model(model, boundaries=boundaries)
     assert staged.num_stages == len(boundaries)
-    want_loss, want = _whole_model(model, x, y)
-    got_loss, got = _pipelined(staged, x, y)
-    assert got_loss == pytest.approx(want_loss, abs=1e-5)
-    assert set(got) == set(want)
-    for path, g in want.items():
-        np.testing.assert_allclose(got[path], g, atol=1e-5, err_msg=path)
+    _assert_stages_equal_the_model(staged, model, x, y)
 
 
 def test_skip_connection_is_forwarded_through_middle_stage():
@@ -143,10 +149,7 @@ def test_shared_layer_within_one_stage_is_fine():
     model = keras.Model(i, keras.layers.Dense(3, name="out")(h))
     staged = split_model(model, boundaries=(0, 1, 3))
     assert [n.layer for n in staged.graph.nodes] == ["first", "tied", "tied", "out"]
-    x, y = np.ones((2, 8), "float32"), np.array([0, 1])
-    want_loss, want = _whole_model(model, x, y)
-    got_loss, got = _pipelined(staged, x, y)
-    assert got_loss == pytest.approx(want_loss, abs=1e-5)
+    _assert_stages_equal_the_model(staged, model, np.ones((2, 8), "float32"), np.array([0, 1]))
 
 
 def test_num_stages_balances_and_layers_without_weights_are_nodes():
@@ -181,9 +184,68 @@ def test_bad_boundaries_are_refused():
             split_model(model, boundaries=bad)
 
 
-def test_the_model_still_saves_after_it_is_cut(tmp_path):
-    model = test_models.two_inputs()
-    split_model(model, boundaries=(0, 2, 4))  # the model input 'aux' enters the last stage
+def _stages_holding(staged, prefix):
+    """The stages that hold a layer call of the nested model named `prefix`."""
+    return {s.index for s in staged.stages for i in s.io.nodes if staged.graph.nodes[i].layer.startswith(prefix)}
+
+
+@pytest.mark.parametrize("build,boundaries,nested", [
+    (test_models.model_of_models, (0, 1, 3), "middle/inner/"),  # cut inside a model inside a model
+    (test_models.model_of_models, (0, 2, 4), "middle/"),
+    (test_models.vgg_features, (0, 5, 12), "vgg16/"),  # keras.applications as a feature extractor
+])
+def test_nested_models_are_cut_inside_and_equal_the_model(build, boundaries, nested):
+    keras.utils.set_random_seed(4)
+    model = build()
+    staged = split_model(model, boundaries=boundaries)
+    assert len(_stages_holding(staged, nested)) >= 2
+    x, y = _data(model)
+    _assert_stages_equal_the_model(staged, model, x, y)
+
+
+def test_nested_layer_calls_are_named_after_the_models_that_hold_them():
+    graph = describe_model(test_models.model_of_models()).graph
+    assert [(n.layer, n.kind) for n in graph.nodes] == [
+        ("middle/inner/inner_a", "Dense"), ("middle/inner/inner_bn", "BatchNormalization"),
+        ("middle/inner/inner_b", "Dense"), ("middle/middle_dense", "Dense"), ("head", "Dense")]
+
+
+def test_gpt2_backbone_called_as_a_layer_is_cut_inside():
+    keras.utils.set_random_seed(5)
+    model = test_models.gpt2_backbone_as_layer()
+    staged = split_model(model, num_stages=3)
+    assert staged.keras_graph.model.output_names == model.output_names
+    assert len(_stages_holding(staged, "gpt2_backbone/")) == 3
+    assert any("transformer_layer_1" in n.layer for n in staged.graph.nodes)
+    (x, y), = test_models.gpt2_batches(1)
+    _assert_stages_equal_the_model(staged, model, x, y)
+
+
+def test_a_subclassed_model_inside_stays_one_node():
+    class Block(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = keras.layers.Dense(8)
+            self.b = keras.layers.Dense(8)
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    x = keras.Input((4,))
+    model = keras.Model(x, keras.layers.Dense(3, name="head")(Block(name="block")(x)))
+    graph = describe_model(model).graph
+    assert [(n.layer, n.kind) for n in graph.nodes] == [("block", "Block"), ("head", "Dense")]
+    with pytest.raises(ValueError, match="cannot cut 2 layer calls into 3 stages"):
+        split_model(model, num_stages=3)
+
+
+@pytest.mark.parametrize("build,boundaries", [
+    (test_models.two_inputs, (0, 2, 4)),  # the model input 'aux' enters the last stage
+    (test_models.model_of_models, (0, 1, 3)),
+])
+def test_the_model_still_saves_after_it_is_cut(build, boundaries, tmp_path):
+    model = build()
+    split_model(model, boundaries=boundaries)
     model.save(tmp_path / "model.keras")
     x, _ = _data(model)
     np.testing.assert_allclose(keras.models.load_model(tmp_path / "model.keras")(x), model(x), atol=1e-6)

@@ -95,6 +95,14 @@ def gpt2_backbone_as_layer():
     return keras.Model(inputs, keras.layers.Dense(GPT2_VOCABULARY, name="lm_head")(h), name="gpt2_as_layer")
 
 
+def gpt2_causal_lm():
+    """keras_hub's GPT2CausalLM: the backbone nested, its token embedding used again, reversed,
+    for the logits (tied input and output embeddings)."""
+    import keras_hub
+
+    return keras_hub.models.GPT2CausalLM(backbone=gpt2_backbone(), preprocessor=None)
+
+
 def gpt2_batches(n, batch=4, seed=0):
     """`n` minibatches ({token_ids, padding_mask}, next tokens) for the GPT-2 models above."""
     rng = np.random.default_rng(seed)

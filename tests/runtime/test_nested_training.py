@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from tests.cli import test_models
 from tests.pipeline.test_executor import LOSS, _batches, _clone, _stale_sgd_reference
@@ -63,3 +64,8 @@ def test_gpt2_backbone_as_a_layer_at_nm_k_equals_stale_sgd():
     keras.utils.set_random_seed(9)
     _nm_k_equals_stale_sgd(test_models.gpt2_backbone_as_layer(), test_models.gpt2_batches(6, seed=1), k=3)
 
+
+def test_training_a_tied_embedding_cut_across_stages_is_refused():
+    with pytest.raises(SharedLayerError, match="token_embedding' is called in stages .*tied weights across stages "
+                                               "are not trained yet"):
+        VirtualWorker(test_models.gpt2_causal_lm(), "cpu,cpu,cpu", optimizer="sgd", loss=LOSS)

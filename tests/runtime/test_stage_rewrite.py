@@ -35,7 +35,8 @@ def _whole_model(model, x, y):
 
 
 def _pipelined(staged, x, y):
-    """Stage by stage: forward along the chain, then each stage's input gradient back."""
+    """Stage by stage: forward along the chain, then each stage's input gradient back. The
+    gradients of a variable's replicas (a layer called in several stages) are summed."""
     loaded = staged.split_inputs(x)
     records, received = [], []
     for stage in staged.stages:
@@ -57,12 +58,13 @@ def _pipelined(staged, x, y):
             g = tape.gradient(sent + [reg], entering + tv, output_gradients=upstream + [tf.constant(1.0)])
         upstream = g[:len(stage.io.received)]
         for v, gv in zip(stage.trainable_variables, g[len(entering):]):
-            grads[v.path] = tf.convert_to_tensor(gv)
+            grads[v.path] = grads.get(v.path, 0.0) + tf.convert_to_tensor(gv)
     return loss, grads
 
 
 def _assert_stages_equal_the_model(staged, model, x, y):
-    """The stages, one after another, give the model's loss and gradients."""
+    """The stages, one after another, give the model's loss and gradients (a replicated
+    variable's gradient: the sum of its replicas')."""
     want_loss, want = _whole_model(model, x, y)
     got_loss, got = _pipelined(staged, x, y)
     assert got_loss == pytest.approx(want_loss, abs=1e-5)
@@ -128,17 +130,38 @@ def test_dropout_depends_on_training_flag():
     assert not np.allclose(train_out, infer_out)
 
 
-def test_shared_layer_across_stages_is_refused_naming_the_layer():
+def _tied_model():
     shared = keras.layers.Dense(8, name="tied")
     i = keras.Input((8,))
     h = shared(i)
     h = keras.layers.Dense(8, name="middle")(h)
-    model = keras.Model(i, shared(h))
-    with pytest.raises(SharedLayerError, match=r"layer 'tied' is called in stages \[0, 1\]"):
+    return keras.Model(i, shared(h))
+
+
+def test_shared_layer_across_stages_is_refused_unless_replicated_naming_the_layer():
+    model = _tied_model()
+    with pytest.raises(SharedLayerError, match=r"layer 'tied' is called in stages \[0, 1\].*tied weights across "
+                                               r"stages are not trained yet"):
         split_model(model, boundaries=(0, 2))
-    # The automatic cut keeps the calls of a shared layer together.
+    # The same when the cut is left to split_model and no cut keeps the calls together.
     assert describe_model(model).graph.allowed_cuts() == ()
+    with pytest.raises(SharedLayerError, match="tied weights across stages are not trained yet"):
+        split_model(model, num_stages=2)
     split_model(model, boundaries=(0,))
+
+
+def test_shared_layer_cut_apart_is_replicated_and_its_gradients_sum_to_the_models():
+    keras.utils.set_random_seed(2)
+    model = _tied_model()
+    staged = split_model(model, boundaries=(0, 1, 2), replicate_shared=True)
+    tied_kernel, tied_bias = model.get_layer("tied").trainable_variables
+    assert [(t.path, t.trainable, t.replicas) for t in staged.tied] == [
+        (tied_kernel.path, True, ((0, 0), (2, 0))), (tied_bias.path, True, ((0, 1), (2, 1)))]
+    for t, v in zip(staged.tied, (tied_kernel, tied_bias)):
+        for stage, position in t.replicas:
+            assert staged.stages[stage].trainable_variables[position] is v
+    x, y = np.ones((3, 8), "float32"), np.array([0, 1, 2])
+    _assert_stages_equal_the_model(staged, model, x, y)
 
 
 def test_shared_layer_within_one_stage_is_fine():
@@ -149,6 +172,7 @@ def test_shared_layer_within_one_stage_is_fine():
     model = keras.Model(i, keras.layers.Dense(3, name="out")(h))
     staged = split_model(model, boundaries=(0, 1, 3))
     assert [n.layer for n in staged.graph.nodes] == ["first", "tied", "tied", "out"]
+    assert staged.tied == ()
     _assert_stages_equal_the_model(staged, model, np.ones((2, 8), "float32"), np.array([0, 1]))
 
 
@@ -217,6 +241,23 @@ def test_gpt2_backbone_called_as_a_layer_is_cut_inside():
     assert staged.keras_graph.model.output_names == model.output_names
     assert len(_stages_holding(staged, "gpt2_backbone/")) == 3
     assert any("transformer_layer_1" in n.layer for n in staged.graph.nodes)
+    (x, y), = test_models.gpt2_batches(1)
+    _assert_stages_equal_the_model(staged, model, x, y)
+
+
+def test_gpt2_causal_lm_cut_across_its_tied_embedding():
+    keras.utils.set_random_seed(6)
+    model = test_models.gpt2_causal_lm()
+    with pytest.raises(SharedLayerError, match=r"'gpt2_backbone(_\d+)?/token_embedding' is called in stages "
+                                               r"\[0, 2\].*not trained yet"):
+        split_model(model, num_stages=3)
+    staged = split_model(model, num_stages=3, replicate_shared=True)
+    embeddings = model.backbone.token_embedding.embeddings
+    first, last = staged.stages[0], staged.stages[-1]
+    assert [(t.path, t.trainable, [stage for stage, _ in t.replicas]) for t in staged.tied] == [
+        (embeddings.path, True, [0, 2])]
+    (_, p0), (_, p2) = staged.tied[0].replicas
+    assert first.trainable_variables[p0] is embeddings and last.trainable_variables[p2] is embeddings
     (x, y), = test_models.gpt2_batches(1)
     _assert_stages_equal_the_model(staged, model, x, y)
 

@@ -28,6 +28,13 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     """A decoder-only transformer (GPT-2's pre-norm blocks, learned positions, an untied head)
     over token ids of (sequence_length,), with logits of (sequence_length, vocabulary_size).
 
+    The token and position embeddings start with unit variance, the scale of the residual
+    stream the blocks add to (GPT-2 starts them at 0.02), so that attention tells positions
+    apart from the first step: a model that must first find which operand digits each answer
+    digit depends on leaves the plateau where it predicts only the digits' frequencies sooner,
+    which matters most under HetPipe's stale weights (§4: with Nm minibatches in flight each
+    gradient is Nm - 1 updates old).
+
     Built from Keras layers rather than keras_hub's: it needs no optional package, and every
     block is several layer calls (layer norms, causal attention, the two Dense of the MLP, the
     residual adds) between which stages may be cut, where keras_hub's TransformerDecoder is
@@ -35,11 +42,11 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     import keras
 
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
-    init = keras.initializers.RandomNormal(stddev=0.02)
+    unit = keras.initializers.RandomNormal(stddev=1.0)
     positions = keras.ops.cumsum(keras.ops.ones_like(ids), axis=-1) - 1
     h = keras.layers.Add(name="embeddings")([
-        keras.layers.Embedding(vocabulary_size, width, embeddings_initializer=init, name="token_embedding")(ids),
-        keras.layers.Embedding(sequence_length, width, embeddings_initializer=init,
+        keras.layers.Embedding(vocabulary_size, width, embeddings_initializer=unit, name="token_embedding")(ids),
+        keras.layers.Embedding(sequence_length, width, embeddings_initializer=unit,
                                name="position_embedding")(positions)])
     for b in range(blocks):
         z = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{b}_attention_norm")(h)

@@ -59,7 +59,6 @@ def test_model_of_models_at_nm_k_equals_stale_sgd():
     _nm_k_equals_stale_sgd(model, _batches(model, 8), k=3)
 
 
-@pytest.mark.slow  # the nested path is the Nm = 1 test's, Nm = k's the model of models'
 def test_gpt2_backbone_as_a_layer_at_nm_k_equals_stale_sgd():
     keras.utils.set_random_seed(9)
     _nm_k_equals_stale_sgd(test_models.gpt2_backbone_as_layer(), test_models.gpt2_batches(6, seed=1), k=3)

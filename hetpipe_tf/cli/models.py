@@ -4,16 +4,19 @@
 ``vgg16``, ``vgg19``, ``resnet50``, ``resnet101`` and ``resnet152`` are the
 ``keras.applications`` models (``weights=None``: nothing is downloaded) that the
 HetPipe paper trains, which need images of at least 32x32 with 3 channels.
+``gpt`` is a small decoder-only transformer for token sequences (such as the
+generated ``hetpipe_addition``): it predicts every position's next token.
 All models output logits. Keras is imported when a model is built, so that the
 binaries' flags (which list the names) parse without loading it.
 """
 _APPLICATIONS = {"vgg16": "VGG16", "vgg19": "VGG19", "resnet50": "ResNet50", "resnet101": "ResNet101",
                  "resnet152": "ResNet152"}  # keras.applications names
-MODELS = ("mlp", "cnn") + tuple(_APPLICATIONS)
+SEQUENCE_MODELS = ("gpt",)  # take token sequences, not images
+MODELS = ("mlp", "cnn") + tuple(_APPLICATIONS) + SEQUENCE_MODELS
 
 
 class ModelInputError(ValueError):
-    """A model of the zoo cannot take the images it was asked to build for."""
+    """A model of the zoo cannot take the data it was asked to build for."""
 
 
 def input_requirements(name):
@@ -21,9 +24,54 @@ def input_requirements(name):
     return (32, 3) if name in _APPLICATIONS else (None, None)
 
 
-def build_model(name, input_shape, num_classes):
-    """A Keras model `name` for images of `input_shape` and `num_classes` classes."""
+def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int = 4, blocks: int = 2):
+    """A decoder-only transformer (GPT-2's pre-norm blocks, learned positions, an untied head)
+    over token ids of (sequence_length,), with logits of (sequence_length, vocabulary_size).
+
+    The token and position embeddings start with unit variance, the scale of the residual
+    stream the blocks add to (GPT-2 starts them at 0.02), so that attention tells positions
+    apart from the first step: a model that must first find which operand digits each answer
+    digit depends on leaves the plateau where it predicts only the digits' frequencies sooner,
+    which matters most under HetPipe's stale weights (§4: with Nm minibatches in flight each
+    gradient is Nm - 1 updates old).
+
+    Built from Keras layers rather than keras_hub's: it needs no optional package, and every
+    block is several layer calls (layer norms, causal attention, the two Dense of the MLP, the
+    residual adds) between which stages may be cut, where keras_hub's TransformerDecoder is
+    one subclassed layer that no cut enters."""
     import keras
+
+    ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
+    unit = keras.initializers.RandomNormal(stddev=1.0)
+    positions = keras.ops.cumsum(keras.ops.ones_like(ids), axis=-1) - 1
+    h = keras.layers.Add(name="embeddings")([
+        keras.layers.Embedding(vocabulary_size, width, embeddings_initializer=unit, name="token_embedding")(ids),
+        keras.layers.Embedding(sequence_length, width, embeddings_initializer=unit,
+                               name="position_embedding")(positions)])
+    for b in range(blocks):
+        z = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{b}_attention_norm")(h)
+        z = keras.layers.MultiHeadAttention(heads, width // heads, name=f"block{b}_attention")(
+            z, z, use_causal_mask=True)
+        h = keras.layers.Add(name=f"block{b}_attention_add")([h, z])
+        z = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{b}_mlp_norm")(h)
+        z = keras.layers.Dense(4 * width, activation="gelu", name=f"block{b}_mlp_in")(z)
+        z = keras.layers.Dense(width, name=f"block{b}_mlp_out")(z)
+        h = keras.layers.Add(name=f"block{b}_mlp_add")([h, z])
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")(h)
+    return keras.Model(ids, keras.layers.Dense(vocabulary_size, name="logits")(h), name="gpt")
+
+
+def build_model(name, input_shape, num_classes):
+    """A Keras model `name` for inputs of `input_shape` and `num_classes` classes: images, or
+    token sequences of (length,) for a model of SEQUENCE_MODELS, whose classes are the tokens."""
+    import keras
+
+    if (name in SEQUENCE_MODELS) != (len(input_shape) == 1):
+        raise ModelInputError(f"{name} takes {'token sequences' if name in SEQUENCE_MODELS else 'images'}, "
+                              f"not inputs of shape {tuple(input_shape)}: models for token sequences are "
+                              f"{', '.join(SEQUENCE_MODELS)}, the others take images")
+    if name == "gpt":
+        return gpt(input_shape[0], num_classes)
 
     if name == "mlp":
         return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten()]

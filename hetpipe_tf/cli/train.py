@@ -62,6 +62,12 @@ def _data_and_model():
     from hetpipe_tf.cli import models
 
     keras.utils.set_random_seed(FLAGS.seed)
+    if datasets.holds_token_sequences(FLAGS.dataset, FLAGS.data_dir):
+        info = datasets.token_sequences_info(FLAGS.dataset, FLAGS.data_dir)
+        load = dict(batch_size=FLAGS.batch_size, data_dir=FLAGS.data_dir)
+        train = datasets.load_token_sequences(FLAGS.dataset, "train", shuffle=True, seed=FLAGS.seed, **load)
+        test = datasets.load_token_sequences(FLAGS.dataset, "test", **load)
+        return train, test, models.build_model(FLAGS.model, (info.sequence_length,), len(info.vocabulary))
     info = datasets.dataset_info(FLAGS.dataset, FLAGS.data_dir)
     side, channels = models.input_requirements(FLAGS.model)
     size = FLAGS.image_size or (side if side and side > info.image_shape[0] else None)
@@ -73,6 +79,33 @@ def _data_and_model():
     return train, test, models.build_model(FLAGS.model, shape, info.num_classes)
 
 
+def _loss_and_metrics():
+    """The loss and metrics of the flags' data set: hetpipe_addition's are its own (the answer
+    tokens' cross-entropy, exact match), any other's the cross-entropy of logits and accuracy."""
+    import keras
+
+    from hetpipe_tf.data import addition
+
+    if FLAGS.dataset == addition.HetpipeAddition.name:
+        return addition.loss(), [addition.exact_match]
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
+
+
+def _show_answers(model, test):
+    """Prints hetpipe_addition's first held-out sums with the model's greedy answers."""
+    from hetpipe_tf.data import addition
+
+    if FLAGS.dataset == addition.HetpipeAddition.name:
+        tokens, targets = next(iter(test))
+        print("held-out sums, answered by greedy decoding:\n  " + "\n  ".join(
+            addition.answer_lines(model, tokens[:8], targets[:8])))
+
+
+def _test_metrics(final):
+    """The last epoch's test metrics, by their names ("test_accuracy", "test_exact_match")."""
+    return {f"test_{k[len('val_'):]}": v for k, v in final.items() if k.startswith("val_") and k != "val_loss"}
+
+
 def _optimizer():
     from hetpipe_tf.runtime.optimizers import by_name
 
@@ -81,8 +114,6 @@ def _optimizer():
 
 def _train_virtual_workers():
     """--cluster: several virtual workers under WSP, planned and launched by HetPipeStrategy."""
-    import keras
-
     from hetpipe_tf.api.callbacks import WSPTensorBoard
     from hetpipe_tf.api.strategy import HetPipeStrategy
     from hetpipe_tf.planning.cluster import load_cluster
@@ -103,21 +134,22 @@ def _train_virtual_workers():
                                uneven_minibatches=FLAGS.uneven_minibatches)
     with strategy.scope():
         train, test, model = _data_and_model()
-        model.compile(optimizer=_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        loss, metrics = _loss_and_metrics()
+        model.compile(optimizer=_optimizer(), loss=loss, metrics=metrics)
     print(f"{FLAGS.model} on {FLAGS.dataset} {tuple(train.element_spec[0].shape[1:])}, "
           f"{model.count_params():,} parameters")
     callbacks = [WSPTensorBoard(FLAGS.tensorboard_dir, strategy)] if FLAGS.tensorboard_dir else []
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch, validation_data=test,
                         callbacks=callbacks, trace_path=FLAGS.trace_file)
     print(strategy.describe())
+    _show_answers(model, test)
     final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
     runner = strategy.runner
     summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "cluster": strategy.cluster.name,
                "policy": FLAGS.policy, "allocation": strategy.plan.allocation,
                "staleness_bound": FLAGS.staleness_bound, "num_in_flight": runner.num_in_flight,
                "minibatch_sizes": list(strategy.plan.sizes),
-               "test_accuracy": final.get("val_accuracy"), "images_per_s": final.get("images_per_s"),
+               **_test_metrics(final), "images_per_s": final.get("images_per_s"),
                "virtual_workers": runner.stats()}
     if strategy.cluster.emulated:
         summary["emulation"] = runner.emulation_report().as_dict()
@@ -136,8 +168,6 @@ def main(argv):
     if FLAGS.cluster:
         _train_virtual_workers()
         return
-    import keras
-
     from hetpipe_tf.api.callbacks import PipelineTensorBoard
     from hetpipe_tf.planning.devices import parse_devices
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
@@ -148,14 +178,14 @@ def main(argv):
     train, test, model = _data_and_model()
     shape = tuple(train.element_spec[0].shape[1:])
     optimizer = _optimizer()
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss, metrics = _loss_and_metrics()
     boundaries = [int(b) for b in FLAGS.boundaries] if FLAGS.boundaries else None
     num_in_flight = FLAGS.num_in_flight
     if FLAGS.plan == "auto":
         devices, boundaries, num_in_flight = _auto_plan(model, devices, optimizer, loss, FLAGS.batch_size)
     vw = VirtualWorker(
         model, devices, num_in_flight=num_in_flight, boundaries=boundaries, optimizer=optimizer, loss=loss,
-        metrics=["accuracy"], dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s, schedule=FLAGS.schedule)
+        metrics=metrics, dilation=FLAGS.dilation, timeout_s=FLAGS.timeout_s, schedule=FLAGS.schedule)
     print(f"{FLAGS.model} on {FLAGS.dataset} {shape}, {model.count_params():,} parameters")
     print(vw.describe())
     if FLAGS.show_schedule:
@@ -163,9 +193,10 @@ def main(argv):
     callbacks = [PipelineTensorBoard(FLAGS.tensorboard_dir, vw)] if FLAGS.tensorboard_dir else []
     history = vw.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
                      validation_data=test, callbacks=callbacks, trace_path=FLAGS.trace_file)
+    _show_answers(model, test)
     final = {k: round(float(v[-1]), 4) for k, v in history.history.items()}
     summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "devices": [str(d) for d in vw.device_specs],
-               "num_in_flight": vw.num_in_flight, "test_accuracy": final.get("val_accuracy"),
+               "num_in_flight": vw.num_in_flight, **_test_metrics(final),
                "images_per_s": final.get("images_per_s"),
                "busy_fraction": [round(b, 3) for b in vw.report.busy_fraction()]}
     if vw.emulated:

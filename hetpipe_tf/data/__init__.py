@@ -1,6 +1,9 @@
-"""Data bundled with hetpipe_tf.
+"""Data that comes with hetpipe_tf.
 
-Importing this package registers the ``hetpipe_digits`` TensorFlow Datasets
-builder (see ``hetpipe_tf.data.digits``); ``hetpipe_tf.data.datasets`` loads it.
+Importing this package registers the ``hetpipe_digits`` (bundled, see
+``hetpipe_tf.data.digits``) and ``hetpipe_addition`` (generated, see
+``hetpipe_tf.data.addition``) TensorFlow Datasets builders; ``hetpipe_tf.data.datasets``
+loads them.
 """
+from hetpipe_tf.data.addition import HetpipeAddition  # noqa: F401  (registers the builder)
 from hetpipe_tf.data.digits import HetpipeDigits  # noqa: F401  (registers the builder)

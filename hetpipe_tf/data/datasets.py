@@ -1,10 +1,12 @@
 """The one place hetpipe_tf loads data: batched tf.data pipelines from TFDS.
 
-Image-classification data sets are read with TensorFlow Datasets from a local
-``data_dir``; hetpipe_tf never downloads anything at run time. The bundled
-``hetpipe_digits`` data set (see ``hetpipe_tf.data.digits``) is prepared into
-``data_dir`` from the file shipped in the package the first time it is used;
-any other data set must already be prepared there.
+Image-classification data sets and data sets of token sequences are read with
+TensorFlow Datasets from a local ``data_dir``; hetpipe_tf never downloads anything
+at run time. The data sets that come with the package are prepared into
+``data_dir`` the first time they are used: ``hetpipe_digits`` (see
+``hetpipe_tf.data.digits``) from the file shipped in the package,
+``hetpipe_addition`` (see ``hetpipe_tf.data.addition``) generated. Any other data
+set must already be prepared there.
 """
 import dataclasses
 import numbers
@@ -13,11 +15,13 @@ import os
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from hetpipe_tf.data.addition import HetpipeAddition  # registers "hetpipe_addition" with TFDS
 from hetpipe_tf.data.digits import HetpipeDigits  # registers "hetpipe_digits" with TFDS
 
 DEFAULT_DATA_DIR = os.environ.get("TFDS_DATA_DIR") or os.path.join(
     os.path.expanduser("~"), "tensorflow_datasets")
 SHUFFLE_BUFFER = 10_000  # most examples held (still encoded) for shuffling
+PACKAGED = (HetpipeDigits.name, HetpipeAddition.name)  # prepared offline from the package
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -25,8 +29,9 @@ class DatasetNotFoundError(FileNotFoundError):
 
 
 class DatasetOptionError(ValueError):
-    """A data set that cannot give what was asked: it is not image classification, or has no
-    such split, or the batch size, image size or channels do not suit it."""
+    """A data set that cannot give what was asked: it is not of the kind asked for (image
+    classification, token sequences), or has no such split, or the batch size, image size or
+    channels do not suit it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +70,9 @@ def _prepared_builder(name, data_dir):
     # Check the folder first: TFDS warns about a missing one.
     if builder.data_path.exists() and builder.is_prepared():
         return builder
-    if builder.name != HetpipeDigits.name:
+    if builder.name not in PACKAGED:
         raise _not_found(name, data_dir, unknown=False)
-    # Offline: the builder reads the file bundled with hetpipe_tf.
+    # Offline: the builder reads the file bundled with hetpipe_tf, or generates its examples.
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     return builder
@@ -108,6 +113,89 @@ def dataset_info(name, data_dir=None):
     return _info(_prepared_builder(name, data_dir))
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenSequencesInfo:
+    """What a pipeline needs to know about a data set of token sequences (language modelling):
+    every example is ``sequence_length`` token ids below ``len(vocabulary)`` (``vocabulary``:
+    what each id stands for) and as many targets, the next token of each position or -1 where
+    it is not scored. ``num_examples`` maps each split name to its size."""
+    name: str
+    sequence_length: int
+    vocabulary: tuple
+    num_examples: dict
+
+
+def _token_keys(builder):
+    """The (tokens, targets) feature names, checked to be token sequences of one length."""
+    info = builder.info
+    keys = info.supervised_keys
+    if isinstance(keys, (tuple, list)) and len(keys) == 2 and all(isinstance(k, str) for k in keys):
+        tokens, targets = info.features[keys[0]], info.features[keys[1]]
+        if (isinstance(tokens, tfds.features.Sequence) and isinstance(tokens.feature, tfds.features.ClassLabel)
+                and tokens.shape[0] is not None and tuple(targets.shape) == tuple(tokens.shape)):
+            return keys
+    raise DatasetOptionError(f"Dataset {builder.name!r} is not a data set of token sequences: its supervised "
+                             f"keys {keys!r} are not (a fixed-length Sequence of ClassLabel tokens, targets of "
+                             "the same shape)")
+
+
+def holds_token_sequences(name, data_dir=None):
+    """Whether the data set ``name`` (found as ``dataset_info`` finds it) holds token sequences
+    rather than images."""
+    try:
+        _token_keys(_prepared_builder(name, data_dir))
+    except DatasetOptionError:
+        return False
+    return True
+
+
+def token_sequences_info(name, data_dir=None):
+    """Describes the data set of token sequences ``name``, found as ``dataset_info`` finds it;
+    DatasetOptionError if it does not hold token sequences."""
+    builder = _prepared_builder(name, data_dir)
+    tokens, _ = _token_keys(builder)
+    feature, splits = builder.info.features[tokens], builder.info.splits
+    return TokenSequencesInfo(name=builder.name, sequence_length=feature.shape[0],
+                              vocabulary=tuple(feature.feature.names),
+                              num_examples={split: splits[split].num_examples for split in splits})
+
+
+def _checked_split_and_batch(info, split, batch_size):
+    if split not in info.num_examples:
+        raise DatasetOptionError(f"split={split!r} does not exist in {info.name!r}; "
+                                 f"allowed: {sorted(info.num_examples)}")
+    size = info.num_examples[split]
+    if not isinstance(batch_size, numbers.Integral) or not 0 < batch_size <= size:
+        raise DatasetOptionError(f"batch_size={batch_size!r} must be an integer from 1 to {size}, "
+                                 f"the number of examples in split {split!r} of {info.name!r}")
+    return size
+
+
+def _batched(ds, size, batch_size, shuffle, seed, repeat, prepare):
+    """`ds` shuffled (with `seed`, anew each iteration), each example `prepare`d, batched without
+    the last partial batch, repeated, prefetching."""
+    if shuffle:
+        ds = ds.shuffle(min(size, SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    if repeat:
+        ds = ds.repeat()
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def load_token_sequences(name, split, batch_size, data_dir=None, shuffle=False, seed=0, repeat=False):
+    """Returns a batched, prefetching ``tf.data.Dataset`` of ``(tokens, targets)``, both int32 of
+    shape (batch_size, sequence_length) (see :class:`TokenSequencesInfo`). Batching, ``shuffle``,
+    ``seed`` and ``repeat`` are as for :func:`load_image_classification`."""
+    builder = _prepared_builder(name, data_dir)
+    info = token_sequences_info(name, data_dir)
+    size = _checked_split_and_batch(info, split, batch_size)
+    ds = builder.as_dataset(split=split, as_supervised=True, shuffle_files=shuffle,
+                            read_config=tfds.ReadConfig(shuffle_seed=seed))
+    return _batched(ds, size, batch_size, shuffle, seed, repeat,
+                    lambda x, y: (tf.cast(x, tf.int32), tf.cast(y, tf.int32)))
+
+
 def load_image_classification(name, split, batch_size, data_dir=None, image_size=None,
                               channels=None, shuffle=False, seed=0, repeat=False):
     """Returns a batched, prefetching ``tf.data.Dataset`` of ``(image, label)``.
@@ -122,13 +210,7 @@ def load_image_classification(name, split, batch_size, data_dir=None, image_size
     """
     builder = _prepared_builder(name, data_dir)
     info = _info(builder)
-    if split not in info.num_examples:
-        raise DatasetOptionError(f"split={split!r} does not exist in {info.name!r}; "
-                                 f"allowed: {sorted(info.num_examples)}")
-    size = info.num_examples[split]
-    if not isinstance(batch_size, numbers.Integral) or not 0 < batch_size <= size:
-        raise DatasetOptionError(f"batch_size={batch_size!r} must be an integer from 1 to {size}, "
-                                 f"the number of examples in split {split!r} of {info.name!r}")
+    size = _checked_split_and_batch(info, split, batch_size)
     if image_size is not None and (not isinstance(image_size, numbers.Integral)
                                    or image_size <= 0):
         raise DatasetOptionError(f"image_size={image_size!r} must be None or a positive integer")
@@ -160,10 +242,4 @@ def load_image_classification(name, split, batch_size, data_dir=None, image_size
     ds = builder.as_dataset(split=split, as_supervised=True, shuffle_files=shuffle,
                             decoders={image_key: tfds.decode.SkipDecoding()},
                             read_config=tfds.ReadConfig(shuffle_seed=seed))
-    if shuffle:
-        ds = ds.shuffle(min(size, SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
-    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.batch(batch_size, drop_remainder=True)
-    if repeat:
-        ds = ds.repeat()
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return _batched(ds, size, batch_size, shuffle, seed, repeat, prepare)

@@ -15,6 +15,14 @@ Every stage then talks only to its neighbours, the schedule stays a chain, and
 each cut carries exactly the tensors alive across it (what the cost model of §7
 charges for that cut). Model inputs come from the host straight to the first
 stage that consumes them; labels go straight to the last stage.
+
+A model used as a layer inside another (a backbone in a task, a feature extractor, a
+model of models) is not a node: its layer calls are, at any depth, each named after
+the models that hold it ("backbone/dense"). A layer called in several stages (tied
+weights, such as an input embedding used again for the output logits) is
+*replicated*: each of those stages holds a copy of its weights and counts them in its
+memory; the copies stay equal when their gradients of a minibatch are summed before
+any of them applies (Megatron's embedding group).
 """
 from dataclasses import dataclass
 
@@ -24,7 +32,7 @@ class PartitionError(ValueError):
 
 
 class SharedLayerError(PartitionError):
-    """A layer whose calls fall into different stages (its weights would live twice)."""
+    """A layer whose calls fall into different stages where its weights may not be replicated."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class TensorInfo:
 class LayerNode:
     """One call of a layer. A shared layer has several nodes with the same `layer`."""
     index: int
-    layer: str  # the layer's name
+    layer: str  # the layer's name, after the names of the nested models that hold it ("backbone/dense")
     kind: str  # the layer's class name
     inputs: tuple  # tensor indices
     outputs: tuple  # tensor indices
@@ -93,8 +101,9 @@ class ModelGraph:
     def check_boundaries(self, boundaries):
         """Returns `boundaries` as a tuple after checking it is a valid cut.
 
-        Valid: starts at 0, strictly increasing, every stage has at least one node,
-        and no layer has calls in two stages.
+        Valid: starts at 0, strictly increasing, and every stage has at least one node. A
+        layer may have calls in several stages (:meth:`shared_across`): each of them holds a
+        replica of its weights.
         """
         b = tuple(int(x) for x in boundaries)
         n = self.num_nodes
@@ -104,20 +113,21 @@ class ModelGraph:
             raise PartitionError(
                 f"stage boundaries {list(b)} must be strictly increasing node indices below "
                 f"{n} (the model has {n} layer calls), so that every stage gets at least one")
-        stage_of = self.stage_of_nodes(b)
+        return b
+
+    def shared_across(self, boundaries):
+        """{layer: the stages it is called in} for every layer called in more than one stage
+        (tied weights, such as an input embedding used again for the output logits): each of
+        those stages holds a replica of the layer's weights."""
+        stage_of = self.stage_of_nodes(self.check_boundaries(boundaries))
         by_layer = {}
         for node in self.nodes:
             by_layer.setdefault(node.layer, set()).add(stage_of[node.index])
-        for layer, stages in by_layer.items():
-            if len(stages) > 1:
-                raise SharedLayerError(
-                    f"layer '{layer}' is called in stages {sorted(stages)}; a layer's weights live "
-                    f"in one stage, so all calls of a shared layer must fall into the same stage "
-                    f"(choose boundaries that keep them together)")
-        return b
+        return {layer: tuple(sorted(stages)) for layer, stages in by_layer.items() if len(stages) > 1}
 
     def allowed_cuts(self):
-        """Node indices a stage may start at: every cut that keeps each layer's calls together."""
+        """Node indices a stage may start at without replicating a layer: every cut that keeps
+        each layer's calls in one stage."""
         first, last = {}, {}
         for node in self.nodes:
             first.setdefault(node.layer, node.index)
@@ -199,7 +209,8 @@ class ModelGraph:
         return tuple(per_stage)
 
     def stage_weight_bytes(self, boundaries):
-        """Per stage: (trainable, non-trainable) weight bytes."""
+        """Per stage: (trainable, non-trainable) weight bytes; a layer called in several stages
+        counts in each of them (its replicas)."""
         b = self.check_boundaries(boundaries)
         ends = b[1:] + (self.num_nodes,)
         out = []

@@ -20,8 +20,16 @@ Handled:
 * Dropout and other ``training``-dependent layers: their random state is stage
   state too, and the backward pass reuses the forward pass's masks (the tape
   holds them);
-* layers with no weights, nested models (each is one node);
-* a layer shared by calls in different stages is refused with
+* layers with no weights (each is one node);
+* Sequential and functional models used as layers, at any depth (a keras_hub task
+  around its backbone, a backbone called as a layer, a ``keras.applications`` feature
+  extractor, a model of models): they are flattened into their layer calls, which are
+  the nested model's own layers, so the trained weights land in the nested model too.
+  A subclassed model or layer (a class with a ``call()`` of its own) is one node;
+* a layer called in several stages (tied weights): with ``replicate_shared`` each of
+  those stages holds a replica, and :attr:`StagedModel.tied` says which stages hold
+  which replica of which model variable; without it (training, until the runtime sums
+  the replicas' gradients) such a cut is refused with
   :class:`hetpipe_tf.planning.model_graph.SharedLayerError` naming the layer.
 """
 import functools
@@ -30,8 +38,13 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 import tensorflow as tf
+# Keras 3.15.1's internals: the class whose call() runs a layer graph, and what its call uses.
+from keras import tree
+from keras.src.backend import set_keras_mask
+from keras.src.models.functional import Functional
+from keras.src.ops.core import ConvertToTensor
 
-from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
+from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, SharedLayerError, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
 
 
@@ -39,7 +52,8 @@ class UnsupportedModelError(TypeError):
     """A model that has no layer graph to cut (for example a subclassed model)."""
 
 
-def _functional(model):
+def _top_graph(model):
+    """The functional graph of a Sequential or functional model (a Sequential's own)."""
     if isinstance(model, keras.Sequential):
         fn = getattr(model, "_functional", None)
         if fn is None:
@@ -55,6 +69,76 @@ def _functional(model):
     return model
 
 
+def _graph_of(op):
+    """The functional graph that `op`, a model used as a layer, runs when called; None for a layer
+    to keep whole. A Sequential or functional model (a keras_hub task or backbone, a
+    ``keras.applications`` model) runs its graph; a model whose class has a ``call()`` of its own
+    (subclassed) and every other layer are atomic."""
+    if not isinstance(op, keras.Model):
+        return None
+    owner = next(c for c in type(op).__mro__ if "call" in vars(c))
+    if owner is keras.Sequential:
+        return getattr(op, "_functional", None)
+    return op if owner is Functional else None
+
+
+def _entered(fn, inputs, names, prefix, context):
+    """``fn``'s graph run symbolically on `inputs` (KerasTensors) with every nested graph model
+    entered: its layers are called on the tensors of the enclosing graph, at any depth. This is
+    ``Functional.call`` of Keras 3.15.1 (the call-context arguments, ``training``, given to a
+    model reach every operation inside it), so the flattened graph computes what the nested one
+    does. The layers are the model's own: their weights are shared, nothing is copied. `names`
+    gets each operation's name qualified by the models that hold it ("backbone/dense")."""
+
+    def operation_fn(op):
+        def call(*args, **kwargs):
+            for name, value in context.items():
+                if name in getattr(op, "_call_context_args", ()) and value is not None:
+                    kwargs[name] = value
+            names.setdefault(id(op), prefix + op.name)
+            inner = _graph_of(op)
+            return op(*args, **kwargs) if inner is None else _enter_model(inner, names, names[id(op)] + "/",
+                                                                           *args, **kwargs)
+        return call
+
+    return fn._run_through_graph(inputs, operation_fn=operation_fn)
+
+
+def _enter_model(fn, names, prefix, inputs, training=None, mask=None, **kwargs):
+    """A nested model's call (``Functional.call``'s arguments), entered (:func:`_entered`)."""
+    inputs = [_unconverted(x) for x in fn._standardize_inputs(inputs)]
+    for x, m in zip(inputs, tree.flatten(mask) if mask is not None else ()):
+        if m is not None:
+            set_keras_mask(x, m)
+    return _entered(fn, inputs, names, prefix, dict(kwargs, training=training))
+
+
+def _unconverted(x):
+    """`x`, or the tensor it converts when the conversion changes nothing: a model converts its
+    inputs to its inputs' dtypes (``ops.convert_to_tensor``), which is no operation for a tensor
+    that has them already."""
+    history = x._keras_history
+    if isinstance(history.operation, ConvertToTensor):
+        source = history.operation._inbound_nodes[history.node_index].input_tensors[0]
+        if (source.dtype, source.sparse, source.ragged) == (x.dtype, x.sparse, x.ragged):
+            return source
+    return x
+
+
+def _layer_graph(model):
+    """(functional graph, {id(operation): qualified name}) of `model`, with every nested
+    Sequential or functional model flattened into its layer calls (the model's own graph when it
+    nests none)."""
+    fn = _top_graph(model)
+    if not any(_graph_of(op) is not None for op in fn.operations):
+        return fn, {id(op): op.name for op in fn.operations}
+    names = {}
+    outputs = _entered(fn, fn.inputs, names, "", {})
+    flat = keras.Model(inputs=fn._inputs_struct, outputs=outputs, name=fn.name)
+    flat.output_names = list(fn.output_names)  # the loss and metrics are keyed by the model's
+    return flat, names
+
+
 def variable_bytes(variables):
     """The bytes that `variables` hold (each element's size from its dtype)."""
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
@@ -68,14 +152,15 @@ def _elements(shape):
 class KerasGraph:
     """A :class:`ModelGraph` with the Keras objects behind its indices."""
     graph: ModelGraph
-    model: keras.Model  # the functional model the graph was read from
+    model: keras.Model  # the functional model the graph was read from, nested models flattened
     tensors: tuple  # KerasTensor of every tensor index
     operations: tuple  # layer (operation) of every node index
 
 
 def describe_model(model):
-    """The :class:`KerasGraph` of a Sequential or functional Keras model."""
-    fn = _functional(model)
+    """The :class:`KerasGraph` of a Sequential or functional Keras model, with the Sequential and
+    functional models used as layers inside it flattened into their layer calls."""
+    fn, names = _layer_graph(model)
     depths = sorted(fn._nodes_by_depth, reverse=True)
     op_order = {id(op): i for i, op in enumerate(fn.operations)}
     ordered = []
@@ -125,7 +210,7 @@ def describe_model(model):
         last_dim = keras_tensors[outputs[0]].shape[-1] or 1
         flops = int(2 * params * max(out_elems // max(last_dim, 1), 1) + out_elems)
         nodes.append(LayerNode(
-            index=index, layer=op.name, kind=type(op).__name__, inputs=inputs, outputs=outputs,
+            index=index, layer=names[id(op)], kind=type(op).__name__, inputs=inputs, outputs=outputs,
             trainable_bytes=variable_bytes(trainable),
             non_trainable_bytes=variable_bytes(getattr(op, "non_trainable_weights", [])),
             flops_per_example=flops))
@@ -190,12 +275,37 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class TiedVariable:
+    """A model variable that several stages hold a replica of: a variable of a layer called in
+    each of them (see :mod:`hetpipe_tf.planning.model_graph`). ``replicas`` gives, per stage, the
+    variable's position among that stage's trainable (or, if not ``trainable``, non-trainable)
+    variables. Training keeps the trainable replicas equal by summing their gradients of a
+    minibatch before any of them applies (Megatron's embedding group); a non-trainable replica
+    is updated by its own stage's calls only."""
+    path: str  # the model variable's path
+    trainable: bool
+    replicas: tuple  # (stage, position), in stage order
+
+
+def _tied_variables(stages):
+    """The :class:`TiedVariable` of every variable that more than one of `stages` holds."""
+    held = {}
+    for stage in stages:
+        for trainable, variables in ((True, stage.trainable_variables), (False, stage.non_trainable_variables)):
+            for position, v in enumerate(variables):
+                held.setdefault(id(v), (v.path, trainable, []))[2].append((stage.index, position))
+    return tuple(TiedVariable(path=path, trainable=trainable, replicas=tuple(replicas))
+                 for path, trainable, replicas in held.values() if len(replicas) > 1)
+
+
+@dataclass(frozen=True)
 class StagedModel:
-    """A Keras model cut into stages."""
+    """A Keras model cut into stages; ``tied``: the variables several stages hold a replica of."""
     model: keras.Model
     keras_graph: KerasGraph
     boundaries: tuple
     stages: tuple
+    tied: tuple
 
     @property
     def graph(self):
@@ -237,16 +347,34 @@ class StagedModel:
         return "\n".join(lines)
 
 
-def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None):
+def _sub_model(inputs, outputs, name):
+    """The Keras model from `inputs` to `outputs`, tensors of a model's graph. Keras 3.15.1 clones
+    the graph's nodes between them (``clone_graph_nodes``) and points the history of each of the
+    model's own inputs among `inputs` at its clone, after which the model could no longer be
+    saved: those histories are put back."""
+    histories = [t._keras_history for t in inputs]
+    model = keras.Model(inputs=_one_or_list(inputs), outputs=_one_or_list(outputs), name=name)
+    for t, history in zip(inputs, histories):
+        t._keras_history = history
+    return model
+
+
+def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None, replicate_shared=False):
     """Cuts a Keras model into stages.
 
     Args:
-      model: a Sequential or functional Keras model, built.
+      model: a Sequential or functional Keras model, built. Sequential and functional models used
+        as layers inside it are cut inside (:func:`describe_model`).
       boundaries: index of each stage's first layer call (topological order), starting at 0.
       num_stages: instead of `boundaries`, the number of stages; the cut then balances
-        a static FLOP estimate (divided by `speeds`), exactly.
+        a static FLOP estimate (divided by `speeds`), exactly, over the cuts that keep every
+        layer's calls in one stage (all cuts with `replicate_shared`).
       devices: the TensorFlow device of each stage (default: none).
       speeds: relative device speeds used with `num_stages`.
+      replicate_shared: whether a layer called in several stages (tied weights) may be
+        replicated into each of them (:attr:`StagedModel.tied` says which stages hold which
+        replica). False refuses such a cut with :class:`SharedLayerError`: the pipeline runtime
+        does not sum the replicas' gradients yet, so it cannot train them.
     Returns:
       A :class:`StagedModel`.
     """
@@ -255,19 +383,30 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
     if boundaries is None:
         if num_stages is None:
             num_stages = len(devices) if devices else 1
+        cuts = graph.allowed_cuts()
+        if replicate_shared or len(cuts) < num_stages - 1:
+            cuts = None  # any cut; one that replicates a layer is refused below unless replicate_shared
         boundaries = balanced_boundaries([n.flops_per_example for n in graph.nodes], num_stages,
-                                         allowed_cuts=graph.allowed_cuts(), speeds=speeds)
+                                         allowed_cuts=cuts, speeds=speeds)
     elif num_stages is not None and len(boundaries) != num_stages:
         raise PartitionError(f"{len(boundaries)} stage boundaries {list(boundaries)} given for {num_stages} stages: "
                              f"give one per stage (each stage's first layer call, starting at 0)")
     boundaries = graph.check_boundaries(boundaries)
+    shared = graph.shared_across(boundaries)
+    if shared and not replicate_shared:
+        layer, stages = next(iter(shared.items()))
+        raise SharedLayerError(
+            f"layer '{layer}' is called in stages {list(stages)} (cut at {list(boundaries)}): tied weights "
+            f"across stages are not trained yet (each stage would hold a replica, and the pipeline does "
+            f"not sum the replicas' gradients); cut where every call of a shared layer falls into one "
+            f"stage (allowed stage starts: {list(graph.allowed_cuts())}), or use fewer stages")
     ios = graph.stage_io(boundaries)
     if devices is not None and len(devices) != len(ios):
         raise PartitionError(f"{len(ios)} stages but {len(devices)} devices were given: give one device per stage")
     stages = []
     for io in ios:
-        sub = keras.Model(inputs=_one_or_list([kg.tensors[t] for t in io.consumed]),
-                          outputs=_one_or_list([kg.tensors[t] for t in io.produced]),
-                          name=f"{model.name}_stage{io.stage}")
+        sub = _sub_model([kg.tensors[t] for t in io.consumed], [kg.tensors[t] for t in io.produced],
+                         name=f"{model.name}_stage{io.stage}")
         stages.append(Stage(io.stage, io, sub, devices[io.stage] if devices else None))
-    return StagedModel(model=model, keras_graph=kg, boundaries=boundaries, stages=tuple(stages))
+    return StagedModel(model=model, keras_graph=kg, boundaries=boundaries, stages=tuple(stages),
+                       tied=_tied_variables(stages))

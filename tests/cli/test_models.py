@@ -1,5 +1,6 @@
 """Small Keras models the tests cut into stages (not a test module itself)."""
 import keras
+import numpy as np
 
 
 def mlp():
@@ -51,3 +52,63 @@ def two_outputs():
     h = keras.layers.Dense(16, activation="relu", name="h2")(h)
     h = keras.layers.Dense(16, activation="relu", name="h3")(h)
     return keras.Model(i, [early, keras.layers.Dense(5, name="late")(h)], name="two_outputs")
+
+
+def model_of_models():
+    """A model of a model of layers: the Sequential 'inner' (with BatchNormalization, called with
+    training=False) inside the functional 'middle' inside the model."""
+    inner = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu", name="inner_a"),
+                              keras.layers.BatchNormalization(name="inner_bn"),
+                              keras.layers.Dense(16, activation="tanh", name="inner_b")], name="inner")
+    i = keras.Input((12,))
+    middle = keras.Model(i, keras.layers.Dense(16, name="middle_dense")(inner(i, training=False)), name="middle")
+    x = keras.Input((12,))
+    return keras.Model(x, keras.layers.Dense(5, name="head")(middle(x)), name="model_of_models")
+
+
+def vgg_features():
+    """keras.applications' VGG16 (random weights) as a feature extractor under a new head."""
+    base = keras.applications.VGG16(include_top=False, weights=None, input_shape=(32, 32, 3))
+    x = keras.Input((32, 32, 3))
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(base(x, training=False))
+    return keras.Model(x, keras.layers.Dense(5, name="head")(h), name="vgg_features")
+
+
+GPT2_VOCABULARY = 24
+GPT2_LENGTH = 8
+
+
+def gpt2_backbone():
+    """A tiny keras_hub GPT-2 backbone, random weights, no dropout."""
+    import keras_hub
+
+    return keras_hub.models.GPT2Backbone(vocabulary_size=GPT2_VOCABULARY, num_layers=2, num_heads=2, hidden_dim=32,
+                                         intermediate_dim=64, max_sequence_length=GPT2_LENGTH, dropout=0.0)
+
+
+def gpt2_backbone_as_layer():
+    """The GPT-2 backbone called as a layer on dict inputs, as keras_hub's tasks and transfer
+    learning build models, under an untied Dense head."""
+    inputs = {"token_ids": keras.Input((GPT2_LENGTH,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((GPT2_LENGTH,), dtype="int32", name="padding_mask")}
+    h = gpt2_backbone()(inputs)
+    return keras.Model(inputs, keras.layers.Dense(GPT2_VOCABULARY, name="lm_head")(h), name="gpt2_as_layer")
+
+
+def gpt2_causal_lm():
+    """keras_hub's GPT2CausalLM: the backbone nested, its token embedding used again, reversed,
+    for the logits (tied input and output embeddings)."""
+    import keras_hub
+
+    return keras_hub.models.GPT2CausalLM(backbone=gpt2_backbone(), preprocessor=None)
+
+
+def gpt2_batches(n, batch=4, seed=0):
+    """`n` minibatches ({token_ids, padding_mask}, next tokens) for the GPT-2 models above."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, GPT2_VOCABULARY, size=(batch, GPT2_LENGTH)).astype("int32")
+        out.append(({"token_ids": ids, "padding_mask": np.ones_like(ids)},
+                    rng.integers(0, GPT2_VOCABULARY, size=(batch, GPT2_LENGTH))))
+    return out

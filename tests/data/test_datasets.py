@@ -1,12 +1,11 @@
 """Tests of hetpipe_tf.data.datasets and the bundled hetpipe_digits builder.
 
-Everything here must work offline: a module-wide guard makes any socket
+Everything here must work offline: a guard (conftest.py) makes any socket
 connection or DNS look-up fail the test, and the data directories are checked
 to hold no downloaded files.
 """
 import os
 import re
-import socket
 
 import numpy as np
 import pytest
@@ -17,26 +16,6 @@ from hetpipe_tf.data import digits
 
 DIGITS = "hetpipe_digits"
 BATCH = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_network():
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args!r}")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(socket.socket, "connect", refuse)
-        mp.setattr(socket.socket, "connect_ex", refuse)
-        mp.setattr(socket, "getaddrinfo", refuse)
-        yield
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tfds")
-    yield path
-    downloaded = [f for _, _, files in os.walk(path / "downloads") for f in files]
-    assert downloaded == []
 
 
 def _all(split, data_dir, **kwargs):

@@ -1,6 +1,6 @@
 import pytest
 
-from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, SharedLayerError, TensorInfo
+from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 
 
 def _graph():
@@ -42,14 +42,26 @@ def test_boundaries_are_checked():
             g.check_boundaries(bad)
 
 
-def test_shared_layer_limits_the_cuts():
+def _shared():
+    """_graph() with 'a' called again at node 2 (tied weights)."""
     g = _graph()
     nodes = list(g.nodes)
-    nodes[2] = LayerNode(2, "a", "Dense", (2, 1), (3,), 160, 0, 8)  # 'a' called again at node 2
-    shared = ModelGraph("s", tuple(nodes), g.tensors, g.inputs, g.outputs)
-    assert shared.allowed_cuts() == (3,)
-    with pytest.raises(SharedLayerError, match="layer 'a'"):
-        shared.check_boundaries((0, 1))
+    nodes[2] = LayerNode(2, "a", "Dense", (2, 1), (3,), 160, 0, 8)
+    return ModelGraph("s", tuple(nodes), g.tensors, g.inputs, g.outputs)
+
+
+def test_cuts_without_replicas_keep_a_shared_layer_in_one_stage():
+    assert _shared().allowed_cuts() == (3,)
+    assert _shared().shared_across((0, 3)) == {}
+
+
+def test_a_shared_layer_cut_apart_is_replicated_into_each_stage_that_calls_it():
+    shared = _shared()
+    assert shared.shared_across((0, 1)) == {"a": (0, 1)}
+    assert shared.shared_across((0, 1, 2)) == {"a": (0, 2)}  # not in the stage between
+    # Each stage holding a replica counts its weights.
+    assert shared.stage_weight_bytes((0, 1, 2)) == ((160, 0), (288, 0), (260, 16))
+    assert shared.stage_weight_bytes((0, 3)) == ((448, 0), (100, 16))
 
 
 def test_memory_per_stage():

@@ -31,11 +31,12 @@ def _whole_model(model, x, y):
         out, _, losses = model.stateless_call(tv, ntv, x, training=True, return_losses=True)
         loss = _objective(out, y) + tf.add_n(losses or [tf.constant(0.0)])
     grads = tape.gradient(loss, tv)
-    return float(loss), {v.path: g for v, g in zip(model.trainable_variables, grads)}
+    return float(loss), {v.path: tf.convert_to_tensor(g) for v, g in zip(model.trainable_variables, grads)}
 
 
 def _pipelined(staged, x, y):
-    """Stage by stage: forward along the chain, then each stage's input gradient back."""
+    """Stage by stage: forward along the chain, then each stage's input gradient back. The
+    gradients of a variable's replicas (a layer called in several stages) are summed."""
     loaded = staged.split_inputs(x)
     records, received = [], []
     for stage in staged.stages:
@@ -43,7 +44,7 @@ def _pipelined(staged, x, y):
         tv = [v.value for v in stage.trainable_variables]
         ntv = [v.value for v in stage.non_trainable_variables]
         with tf.GradientTape(persistent=True) as tape:
-            tape.watch(entering + tv)
+            tape.watch([t for t in entering + tv if t.dtype.is_floating])
             sent, _, reg = stage.call(tv, ntv, entering, training=True)
             target = _objective(sent, y) + reg if stage is staged.stages[-1] else None
         records.append((stage, tape, entering, tv, sent, reg, target))
@@ -56,8 +57,20 @@ def _pipelined(staged, x, y):
         else:
             g = tape.gradient(sent + [reg], entering + tv, output_gradients=upstream + [tf.constant(1.0)])
         upstream = g[:len(stage.io.received)]
-        grads.update({v.path: gv for v, gv in zip(stage.trainable_variables, g[len(entering):])})
+        for v, gv in zip(stage.trainable_variables, g[len(entering):]):
+            grads[v.path] = grads.get(v.path, 0.0) + tf.convert_to_tensor(gv)
     return loss, grads
+
+
+def _assert_stages_equal_the_model(staged, model, x, y):
+    """The stages, one after another, give the model's loss and gradients (a replicated
+    variable's gradient: the sum of its replicas')."""
+    want_loss, want = _whole_model(model, x, y)
+    got_loss, got = _pipelined(staged, x, y)
+    assert got_loss == pytest.approx(want_loss, abs=1e-5)
+    assert set(got) == set(want)
+    for path, g in want.items():
+        np.testing.assert_allclose(got[path], g, atol=1e-5, err_msg=path)
 
 
 @pytest.mark.parametrize("build,boundaries", [
@@ -75,12 +88,7 @@ def test_stagewise_loss_and_gradients_equal_whole_model(build, boundaries):
     x, y = _data(model)
     staged = split_model(model, boundaries=boundaries)
     assert staged.num_stages == len(boundaries)
-    want_loss, want = _whole_model(model, x, y)
-    got_loss, got = _pipelined(staged, x, y)
-    assert got_loss == pytest.approx(want_loss, abs=1e-5)
-    assert set(got) == set(want)
-    for path, g in want.items():
-        np.testing.assert_allclose(got[path], g, atol=1e-5, err_msg=path)
+    _assert_stages_equal_the_model(staged, model, x, y)
 
 
 def test_skip_connection_is_forwarded_through_middle_stage():
@@ -122,17 +130,38 @@ def test_dropout_depends_on_training_flag():
     assert not np.allclose(train_out, infer_out)
 
 
-def test_shared_layer_across_stages_is_refused_naming_the_layer():
+def _tied_model():
     shared = keras.layers.Dense(8, name="tied")
     i = keras.Input((8,))
     h = shared(i)
     h = keras.layers.Dense(8, name="middle")(h)
-    model = keras.Model(i, shared(h))
-    with pytest.raises(SharedLayerError, match=r"layer 'tied' is called in stages \[0, 1\]"):
+    return keras.Model(i, shared(h))
+
+
+def test_shared_layer_across_stages_is_refused_unless_replicated_naming_the_layer():
+    model = _tied_model()
+    with pytest.raises(SharedLayerError, match=r"layer 'tied' is called in stages \[0, 1\].*tied weights across "
+                                               r"stages are not trained yet"):
         split_model(model, boundaries=(0, 2))
-    # The automatic cut keeps the calls of a shared layer together.
+    # The same when the cut is left to split_model and no cut keeps the calls together.
     assert describe_model(model).graph.allowed_cuts() == ()
+    with pytest.raises(SharedLayerError, match="tied weights across stages are not trained yet"):
+        split_model(model, num_stages=2)
     split_model(model, boundaries=(0,))
+
+
+def test_shared_layer_cut_apart_is_replicated_and_its_gradients_sum_to_the_models():
+    keras.utils.set_random_seed(2)
+    model = _tied_model()
+    staged = split_model(model, boundaries=(0, 1, 2), replicate_shared=True)
+    tied_kernel, tied_bias = model.get_layer("tied").trainable_variables
+    assert [(t.path, t.trainable, t.replicas) for t in staged.tied] == [
+        (tied_kernel.path, True, ((0, 0), (2, 0))), (tied_bias.path, True, ((0, 1), (2, 1)))]
+    for t, v in zip(staged.tied, (tied_kernel, tied_bias)):
+        for stage, position in t.replicas:
+            assert staged.stages[stage].trainable_variables[position] is v
+    x, y = np.ones((3, 8), "float32"), np.array([0, 1, 2])
+    _assert_stages_equal_the_model(staged, model, x, y)
 
 
 def test_shared_layer_within_one_stage_is_fine():
@@ -143,10 +172,8 @@ def test_shared_layer_within_one_stage_is_fine():
     model = keras.Model(i, keras.layers.Dense(3, name="out")(h))
     staged = split_model(model, boundaries=(0, 1, 3))
     assert [n.layer for n in staged.graph.nodes] == ["first", "tied", "tied", "out"]
-    x, y = np.ones((2, 8), "float32"), np.array([0, 1])
-    want_loss, want = _whole_model(model, x, y)
-    got_loss, got = _pipelined(staged, x, y)
-    assert got_loss == pytest.approx(want_loss, abs=1e-5)
+    assert staged.tied == ()
+    _assert_stages_equal_the_model(staged, model, np.ones((2, 8), "float32"), np.array([0, 1]))
 
 
 def test_num_stages_balances_and_layers_without_weights_are_nodes():
@@ -179,3 +206,87 @@ def test_bad_boundaries_are_refused():
     for bad in [(1, 2), (0, 2, 2), (0, 9)]:
         with pytest.raises(ValueError, match="boundaries"):
             split_model(model, boundaries=bad)
+
+
+def _stages_holding(staged, prefix):
+    """The stages that hold a layer call of the nested model named `prefix`."""
+    return {s.index for s in staged.stages for i in s.io.nodes if staged.graph.nodes[i].layer.startswith(prefix)}
+
+
+@pytest.mark.parametrize("build,boundaries,nested", [
+    (test_models.model_of_models, (0, 1, 3), "middle/inner/"),  # cut inside a model inside a model
+    (test_models.model_of_models, (0, 2, 4), "middle/"),
+    (test_models.vgg_features, (0, 5, 12), "vgg16/"),  # keras.applications as a feature extractor
+])
+def test_nested_models_are_cut_inside_and_equal_the_model(build, boundaries, nested):
+    keras.utils.set_random_seed(4)
+    model = build()
+    staged = split_model(model, boundaries=boundaries)
+    assert len(_stages_holding(staged, nested)) >= 2
+    x, y = _data(model)
+    _assert_stages_equal_the_model(staged, model, x, y)
+
+
+def test_nested_layer_calls_are_named_after_the_models_that_hold_them():
+    graph = describe_model(test_models.model_of_models()).graph
+    assert [(n.layer, n.kind) for n in graph.nodes] == [
+        ("middle/inner/inner_a", "Dense"), ("middle/inner/inner_bn", "BatchNormalization"),
+        ("middle/inner/inner_b", "Dense"), ("middle/middle_dense", "Dense"), ("head", "Dense")]
+
+
+def test_gpt2_backbone_called_as_a_layer_is_cut_inside():
+    keras.utils.set_random_seed(5)
+    model = test_models.gpt2_backbone_as_layer()
+    staged = split_model(model, num_stages=3)
+    assert staged.keras_graph.model.output_names == model.output_names
+    assert len(_stages_holding(staged, "gpt2_backbone/")) == 3
+    assert any("transformer_layer_1" in n.layer for n in staged.graph.nodes)
+    (x, y), = test_models.gpt2_batches(1)
+    _assert_stages_equal_the_model(staged, model, x, y)
+
+
+def test_gpt2_causal_lm_cut_across_its_tied_embedding():
+    keras.utils.set_random_seed(6)
+    model = test_models.gpt2_causal_lm()
+    with pytest.raises(SharedLayerError, match=r"'gpt2_backbone(_\d+)?/token_embedding' is called in stages "
+                                               r"\[0, 2\].*not trained yet"):
+        split_model(model, num_stages=3)
+    staged = split_model(model, num_stages=3, replicate_shared=True)
+    embeddings = model.backbone.token_embedding.embeddings
+    first, last = staged.stages[0], staged.stages[-1]
+    assert [(t.path, t.trainable, [stage for stage, _ in t.replicas]) for t in staged.tied] == [
+        (embeddings.path, True, [0, 2])]
+    (_, p0), (_, p2) = staged.tied[0].replicas
+    assert first.trainable_variables[p0] is embeddings and last.trainable_variables[p2] is embeddings
+    (x, y), = test_models.gpt2_batches(1)
+    _assert_stages_equal_the_model(staged, model, x, y)
+
+
+def test_a_subclassed_model_inside_stays_one_node():
+    class Block(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = keras.layers.Dense(8)
+            self.b = keras.layers.Dense(8)
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    x = keras.Input((4,))
+    model = keras.Model(x, keras.layers.Dense(3, name="head")(Block(name="block")(x)))
+    graph = describe_model(model).graph
+    assert [(n.layer, n.kind) for n in graph.nodes] == [("block", "Block"), ("head", "Dense")]
+    with pytest.raises(ValueError, match="cannot cut 2 layer calls into 3 stages"):
+        split_model(model, num_stages=3)
+
+
+@pytest.mark.parametrize("build,boundaries", [
+    (test_models.two_inputs, (0, 2, 4)),  # the model input 'aux' enters the last stage
+    (test_models.model_of_models, (0, 1, 3)),
+])
+def test_the_model_still_saves_after_it_is_cut(build, boundaries, tmp_path):
+    model = build()
+    split_model(model, boundaries=boundaries)
+    model.save(tmp_path / "model.keras")
+    x, _ = _data(model)
+    np.testing.assert_allclose(keras.models.load_model(tmp_path / "model.keras")(x), model(x), atol=1e-6)

@@ -6,11 +6,12 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hetpipe-installed
-SOURCES := requirements.txt setup.py pyproject.toml $(wildcard hetpipe_tf/ops/cc/*/*.cc)
+SOURCES := requirements.txt requirements-no-deps.txt setup.py pyproject.toml $(wildcard hetpipe_tf/ops/cc/*/*.cc)
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-no-deps.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 	touch $@
 

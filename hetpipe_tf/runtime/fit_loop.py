@@ -18,6 +18,8 @@ import queue
 import threading
 
 import keras
+import tensorflow as tf
+from tensorflow.python.ops import gen_resource_variable_ops as _variable_ops
 
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
 
@@ -218,10 +220,16 @@ class LearningRateFollower:
 
     def __call__(self, completed):
         template = self._model.optimizer if getattr(self._model, "optimizer", None) is not None else self._template
-        template.iterations.value.assign(completed)
-        if isinstance(template._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        iterations = template.iterations.value
+        _variable_ops.assign_variable_op(iterations.handle, tf.constant(completed, iterations.dtype))
+        given = template._learning_rate
+        if isinstance(given, keras.optimizers.schedules.LearningRateSchedule):
             return
-        lr, optimizers = float(template.learning_rate), self._optimizers()
+        if isinstance(given, keras.Variable):  # the op itself: a third of the variable's read's host time
+            lr = float(_variable_ops.read_variable_op(given.value.handle, given.value.dtype))
+        else:
+            lr = float(template.learning_rate)
+        optimizers = self._optimizers()
         given = (lr, tuple(map(id, optimizers)))
         if given != self._set:
             for opt in optimizers:

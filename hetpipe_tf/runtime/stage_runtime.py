@@ -86,6 +86,16 @@ def read_verdict(code):
     return (code >> 1) & 0xFFFF, bool(code & 1), code >> 17
 
 
+def _copy(variable, trainable):
+    """A new variable with `variable`'s value, dtype, name and path (what optimizers match their
+    settings against, such as AdamW's exclude_from_weight_decay), on the current device."""
+    with contextlib.ExitStack() as stack:
+        for part in variable.path.split("/")[:-1]:
+            stack.enter_context(keras.name_scope(part))
+        # From a value (numpy): given a tf.Variable, keras.Variable would reuse it.
+        return keras.Variable(variable.numpy(), dtype=variable.dtype, trainable=trainable, name=variable.name)
+
+
 def _is_remote(device):
     """Whether `device` belongs to a task of a cluster rather than to this process."""
     job = tf.DeviceSpec.from_string(device or "").job
@@ -245,11 +255,8 @@ class StageRuntime:
         self.record_provenance = record_provenance
         self.single_threaded = single_threaded
         with tf.device(device):
-            # From a value (numpy): given a tf.Variable, keras.Variable would reuse it.
-            self.trainable = [keras.Variable(v.numpy(), dtype=v.dtype, trainable=True, name=v.name)
-                              for v in stage.trainable_variables]
-            self.non_trainable = [keras.Variable(v.numpy(), dtype=v.dtype, trainable=False, name=v.name)
-                                  for v in stage.non_trainable_variables]
+            self.trainable = [_copy(v, trainable=True) for v in stage.trainable_variables]
+            self.non_trainable = [_copy(v, trainable=False) for v in stage.non_trainable_variables]
             self.optimizer = stage_optimizer(optimizer)
             self.optimizer.build(self.trainable)
         self.stash = WeightStash(num_in_flight, device=device, name=f"stage{self.index}")

@@ -78,16 +78,17 @@ def reference_times(model, names, data):
 def run_once(model, names, slow, d, steps, dilation, data, references):
     import keras
 
-    from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+    from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+    from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
     def slowdown(w):
         return lambda p: 2.0 if slow[w][(p - 1) // NM] else 1.0
 
     workers = [WorkerSpec(",".join(["1"] * STAGES), tuple(names[w * STAGES:(w + 1) * STAGES]), slowdown=slowdown(w))
                for w in range(WORKERS)]
-    runner = WSPRunner(model, workers, num_in_flight=NM, staleness_bound=d, ps_devices=[names[0]],
-                       optimizer=keras.optimizers.SGD(0.01), dilation=dilation, timeout_s=300,
-                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    config = RunConfig(num_in_flight=NM, staleness_bound=d, optimizer=keras.optimizers.SGD(0.01), dilation=dilation,
+                       timeout_s=300, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    runner = WSPRunner(model, workers, config, [names[0]])
     for vw in runner.vws:
         vw.references = references
     runner.train([data] * WORKERS, steps)

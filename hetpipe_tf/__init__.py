@@ -37,7 +37,8 @@ _EXPORTS = {
     "HetPipeStrategy": "hetpipe_tf.api.strategy",
     "VirtualWorker": "hetpipe_tf.runtime.virtual_worker",
     "WSPRunner": "hetpipe_tf.runtime.wsp_runner",
-    "WorkerSpec": "hetpipe_tf.runtime.wsp_runner",
+    "WorkerSpec": "hetpipe_tf.runtime.run_config",
+    "RunConfig": "hetpipe_tf.runtime.run_config",
     "PipelineTensorBoard": "hetpipe_tf.api.callbacks",
     "WSPTensorBoard": "hetpipe_tf.api.callbacks",
     # Stages

@@ -63,21 +63,17 @@ takes its place at the epoch's end, from the global weights, rejoining at the gl
 (:mod:`hetpipe_tf.distributed.process_runner`). A lost parameter-server or worker task always
 ends the run; with ``checkpoint_dir``, ``resume=True`` continues from the last checkpoint.
 """
-import atexit
 import contextlib
 import inspect
 import types
 
 from hetpipe_tf.planning.allocation import POLICIES
-from hetpipe_tf.runtime.fit_loop import batch_size_of
 
-LAUNCHES = ("processes", "tf_config", "in_process")
 EMULATION_REFERENCES = ("measured", "profile")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
 START_TIMEOUT_S = 120.0
 _FIT_ARGS = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
              "steps_per_epoch", "initial_epoch", "trace_path")
-_connected = {}  # the cluster this process is the chief of: TensorFlow connects a process once
 
 
 class HetPipeStrategy:
@@ -145,21 +141,23 @@ class HetPipeStrategy:
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
                  on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured"):
-        from hetpipe_tf.pipeline.schedule import check_combination
+        from hetpipe_tf.distributed.cluster_devices import LAUNCHES
         from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.runtime.checkpoint import Checkpoints
+        from hetpipe_tf.runtime.run_config import RunConfig
 
         if str(policy).lower() not in POLICIES + ("auto",):
             raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES + ('auto',))}")
         if launch not in LAUNCHES:
             raise ValueError(f"unknown launch {launch!r}; allowed: {', '.join(LAUNCHES)}")
-        if not isinstance(staleness_bound, int) or isinstance(staleness_bound, bool) or staleness_bound < 0:
-            raise ValueError(f"staleness_bound (D) must be an integer >= 0, got {staleness_bound!r}")
-        if num_in_flight is not None and (not isinstance(num_in_flight, int) or num_in_flight < 1):
-            raise ValueError(f"num_in_flight (Nm) must be None or an integer >= 1, got {num_in_flight!r}")
         if placement not in (None, "default", "local"):
             raise ValueError(f"unknown placement {placement!r}; allowed: None, 'default', 'local'")
-        self.schedule, self.sync = check_combination(schedule, sync)
+        self.policy = str(policy).lower()
+        #: The run's configuration (the optimizer, loss and metrics are the compiled model's,
+        #: Nm, the placement and the minibatch sizes the plan's, when fit plans the run).
+        self.config = RunConfig(num_in_flight=num_in_flight, staleness_bound=staleness_bound, schedule=schedule,
+                                sync=sync, placement=placement or ("local" if self.policy == "ed" else "default"),
+                                dilation=dilation, timeout_s=timeout_s, on_worker_failure=on_worker_failure)
         self.cluster = load_cluster(cluster)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch != "tf_config":
@@ -168,14 +166,8 @@ class HetPipeStrategy:
             raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: run on those machines "
                                      f"with launch='tf_config' (TF_CONFIG); launch={launch!r} serves emulated devices "
                                      f"and the host CPU only")
-        self.policy = str(policy).lower()
-        self.num_in_flight = num_in_flight
-        self.staleness_bound = staleness_bound
-        self.placement = placement or ("local" if self.policy == "ed" else "default")
         self.vw_size = vw_size
-        self.dilation = None if dilation is None else float(dilation)
         self.launch = launch
-        self.timeout_s = float(timeout_s)
         self.log_dir = log_dir
         self.emulate_links = self.cluster.emulate_links if emulate_links is None else bool(emulate_links)
         if self.emulate_links and launch != "processes":
@@ -185,13 +177,10 @@ class HetPipeStrategy:
         if resume and not checkpoint_dir:
             raise ValueError(f"resume=True needs the checkpoint_dir to resume from, got checkpoint_dir="
                              f"{checkpoint_dir!r}")
-        if on_worker_failure not in ("stop", "continue"):
-            raise ValueError(f"unknown on_worker_failure {on_worker_failure!r}; allowed: 'stop', 'continue'")
         if on_worker_failure == "continue" and launch == "in_process":
             raise ValueError("on_worker_failure='continue' goes on without a virtual worker whose process was lost; "
                              "launch='in_process' runs every worker in this process: use launch='processes' or "
                              "'tf_config', or on_worker_failure='stop'")
-        self.on_worker_failure = on_worker_failure
         if not isinstance(uneven_minibatches, (bool, list, tuple)):
             raise ValueError(f"uneven_minibatches must be True, False or a list of minibatch sizes (one per virtual "
                              f"worker), got {uneven_minibatches!r}")
@@ -212,7 +201,40 @@ class HetPipeStrategy:
         self._compiled = {}  # id(model) -> compile arguments
         self._runner_key = None
         self._cuts = None  # the run's Nm and stage boundaries (a plan_signature), once fit has planned
-        self._local_devices = None
+        self._devices = None  # the ClusterDevices of the cluster under launch, once scope() joined it
+        self._cluster = None  # the cluster this process is the chief of (launch processes or tf_config)
+
+    @property
+    def schedule(self):
+        return self.config.schedule
+
+    @property
+    def sync(self):
+        return self.config.sync
+
+    @property
+    def staleness_bound(self):
+        return self.config.staleness_bound
+
+    @property
+    def num_in_flight(self):
+        return self.config.num_in_flight
+
+    @property
+    def placement(self):
+        return self.config.placement
+
+    @property
+    def dilation(self):
+        return self.config.dilation
+
+    @property
+    def timeout_s(self):
+        return self.config.timeout_s
+
+    @property
+    def on_worker_failure(self):
+        return self.config.on_worker_failure
 
     # The user's side ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -270,9 +292,11 @@ class HetPipeStrategy:
                              "in the stages and the parameter servers, not in the Keras model): give "
                              "HetPipeStrategy(checkpoint_dir=..., resume=True) (hetpipe-train --checkpoint_dir, "
                              "--resume) instead")
-        data = _as_dataset(x, y, batch_size, shuffle)
-        if validation_data is not None and not _is_dataset(validation_data):
-            validation_data = _as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
+        from hetpipe_tf.runtime.worker_data import as_dataset, is_dataset
+
+        data = as_dataset(x, y, batch_size, shuffle)
+        if validation_data is not None and not is_dataset(validation_data):
+            validation_data = as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
         resumed = self.checkpoints.restore_model(model) if self._resume and self.runner is None else None
         runner = self._runner(model, data, resumed.plan if resumed else None)
         plan = self._cuts
@@ -282,7 +306,7 @@ class HetPipeStrategy:
                 raise ValueError(f"the checkpoint ends at epoch {resumed.epoch}, fit was given initial_epoch="
                                  f"{initial_epoch}: leave initial_epoch out to resume")
             from hetpipe_tf.runtime.checkpoint import for_workers
-            from hetpipe_tf.runtime.fit_loop import epoch_steps
+            from hetpipe_tf.runtime.worker_data import epoch_steps
 
             resumed = for_workers(resumed, len(self.plan.workers), steps_per_epoch or epoch_steps(data))
             initial_epoch, positions = resumed.epoch, resumed.positions
@@ -296,8 +320,7 @@ class HetPipeStrategy:
         except Exception as exc:
             from hetpipe_tf.distributed.heartbeat import TaskLostError
 
-            cluster = _connected.get("cluster")
-            lost = cluster.find_lost() if cluster is not None else None
+            lost = self._cluster.find_lost() if self._cluster is not None else None
             if lost is None:
                 raise
 
@@ -309,6 +332,8 @@ class HetPipeStrategy:
 
     # Planning and launching --------------------------------------------------------------
     def _runner(self, model, data, saved_cuts=None):
+        from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch
+
         batch_size = batch_size_of(data)
         key = (id(model), batch_size)
         if self._runner_key == key:
@@ -317,7 +342,6 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.optimizers import slots_per_weight
         from hetpipe_tf.runtime.checkpoint import plan_shape, plan_signature
         from hetpipe_tf.runtime.profiler import measure_profile
-        from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
         compiled = self._compiled[id(model)]
         if self.profile is not None:
@@ -326,7 +350,8 @@ class HetPipeStrategy:
             # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure);
             # with stages on the cluster's tasks, timed on a task's CPU as their references will be.
             profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
-                                      sample=_first_batch(data, self.launch), stage_device=self._profiling_device())
+                                      sample=first_batch(data, f"launch={self.launch!r}"),
+                                      stage_device=self._devices.profiling_device())
         self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
                          num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
                          placement=self.placement, dilation=self.dilation or 1.0,
@@ -347,60 +372,26 @@ class HetPipeStrategy:
             print(f"hetpipe: resuming {self.checkpoints.latest_path()}, saved under the plan {saved_cuts}, under "
                   f"this run's plan {self._cuts}: weights and optimizer state per variable (every new worker from "
                   f"the saved workers' mean when their number changed)", flush=True)
-        devices = self._devices()
-        workers = [self._worker_spec(w, devices) for w in range(len(self.plan.workers))]
+        workers = [self._worker_spec(w) for w in range(len(self.plan.workers))]
+        config = self.config.replace(optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
+                                     loss_weights=compiled["loss_weights"], num_in_flight=self._cuts["num_in_flight"],
+                                     placement=self.plan.placement, minibatch_sizes=self._cuts.get("minibatch_sizes"))
         if self.launch != "in_process":
             from hetpipe_tf.distributed.process_runner import ProcessRunner
 
-            nodes = [n.name for n in self.cluster.nodes]
-            self.runner = ProcessRunner(
-                model, _connected["cluster"], [spec for spec, _ in workers], [n for _, n in workers],
-                home_nodes=[nodes.index(w.devices[0].node) for w in self.plan.workers],
-                num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
-                ps_devices=devices["ps"], placement=self.plan.placement, optimizer=model.optimizer,
-                loss=compiled["loss"], metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
-                dilation=self.dilation, timeout_s=self.timeout_s, schedule=self.schedule, sync=self.sync,
-                on_worker_failure=self.on_worker_failure, minibatch_sizes=self._cuts.get("minibatch_sizes"))
-            self._runner_key = key
-            return self.runner
-        workers = [spec for spec, _ in workers]
-        self.runner = WSPRunner(
-            model, workers, num_in_flight=self._cuts["num_in_flight"], staleness_bound=self.staleness_bound,
-            ps_devices=devices["ps"], placement=self.plan.placement,
-            optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
-            loss_weights=compiled["loss_weights"], dilation=self.dilation, timeout_s=self.timeout_s,
-            schedule=self.schedule, sync=self.sync, minibatch_sizes=self._cuts.get("minibatch_sizes"))
+            self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], config, self._devices.ps,
+                                        [n for _, n in workers],
+                                        [self._devices.home_node(w.devices) for w in self.plan.workers])
+        else:
+            from hetpipe_tf.runtime.wsp_runner import WSPRunner
+
+            self.runner = WSPRunner(model, [spec for spec, _ in workers], config, self._devices.ps)
         self._runner_key = key
         return self.runner
 
-    def _profiling_device(self):
-        """Where the profile times the stages: None (this process's CPU) in process; on a cluster,
-        the worker task's CPU of the first node with a host device (an emulated or CPU one), or None."""
-        if self.launch == "in_process":
-            return None
-        nodes = [n.name for n in self.cluster.nodes]
-        host = next((d for d in self.cluster.devices() if d.type.on_host), None)
-        return None if host is None else self._devices()["worker"](nodes.index(host.node), host)
-
-    def _worker_spec(self, w, devices):
-        """Worker w's WorkerSpec, and how many of its devices its own process holds: those on
-        its home node, the node of its first stage, but real GPUs (their node's worker task
-        holds them); none in_process."""
-        from hetpipe_tf.distributed.worker_process import local_device
-        from hetpipe_tf.runtime.wsp_runner import WorkerSpec
-
-        nodes = [n.name for n in self.cluster.nodes]
-        home = self.plan.workers[w].devices[0].node
-        specs, names, servers, local = [], [], [], 0
-        for d in self.plan.workers[w].devices:
-            node = nodes.index(d.node)
-            specs.append(_device_spec(d))
-            if self.launch != "in_process" and d.node == home and d.type.on_host:
-                names.append(local_device(w, local))
-                local += 1
-            else:
-                names.append(devices["worker"](node, d))
-            servers.append(devices["ps"][node % len(devices["ps"])])
+    def _worker_spec(self, w):
+        """Worker w's WorkerSpec and how many of its devices its own process holds
+        (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts."""
         boundaries = tuple(self._cuts["boundaries"][w])
         references = None
         if self.emulation_references == "profile":
@@ -409,61 +400,22 @@ class HetPipeStrategy:
                                  f"virtual worker {w} resumes the checkpoint's {boundaries}: resume with "
                                  f"emulation_references='measured'")
             references = self.plan.host_pass_seconds(w)
-        return WorkerSpec(tuple(specs), tuple(names), boundaries=boundaries, stage_servers=tuple(servers),
-                          references=references), local
-
-    def _devices(self):
-        """Parameter-server devices (one per node) and the TensorFlow device of a cluster device."""
-        nodes = self.cluster.nodes
-        if self.launch == "in_process":
-            names = self._local_devices
-            flat = [(n, i) for n, node in enumerate(nodes) for i in range(node.count)]
-            return {"ps": [names[flat.index((n, 0))] for n in range(len(nodes))],
-                    "worker": lambda n, d: names[flat.index((n, d.index))]}
-        from hetpipe_tf.distributed.launch import ps_device, worker_device
-
-        return {"ps": [ps_device(n) for n in range(len(nodes))],
-                "worker": lambda n, d: worker_device(n, "CPU" if d.type.on_host else "GPU", d.index)}
+        return self._devices.worker(w, self.plan.workers[w].devices, boundaries, references)
 
     def _connect(self):
-        """Starts (processes) or joins (tf_config) the cluster, once per process."""
-        if self.launch == "in_process":
-            from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+        """Starts (processes) or joins (tf_config) the cluster, once per process; names its devices."""
+        from hetpipe_tf.distributed.cluster_devices import ClusterDevices
 
-            if self._local_devices is None:  # a logical CPU per device, if TensorFlow has not started yet
-                self._local_devices = configure_tensorflow_devices([_device_spec(d) for d in self.cluster.devices()])
-            return
-        want = [len(self.cluster.nodes), [n.count for n in self.cluster.nodes]]
-        if self.emulate_links:
-            want.append("emulated links")
-        if _connected:
-            if _connected["shape"] != want or _connected["launch"] != self.launch:
-                raise RuntimeError(f"this process already drives a {_connected['launch']} cluster of "
-                                   f"{_connected['shape']} (ps tasks, devices per worker task); TensorFlow "
-                                   f"connects a process to one cluster only, so this strategy "
-                                   f"({self.launch}, {want}) needs a new process")
-            _connected["strategy"] = self  # the one whose runner a lost task stops
-            return
-        from hetpipe_tf.distributed.launch import LocalCluster, TFConfigCluster
+        if self.launch != "in_process":
+            from hetpipe_tf.distributed.launch import join_cluster
 
-        if self.launch == "processes":
-            links = None
-            if self.emulate_links:
-                from hetpipe_tf.distributed.netlinks import EmulatedLinks
-
-                links = EmulatedLinks(want[0], 8 * self.cluster.inter_node_bandwidth,
-                                      self.cluster.inter_node_latency).start()
-                atexit.register(links.stop)  # after the tasks, which end with this process
-            cluster = LocalCluster(num_ps=want[0], worker_cpus=want[1], log_dir=self.log_dir, links=links,
-                                   start_timeout=max(self.timeout_s, START_TIMEOUT_S), timeout_s=self.timeout_s).start().connect()
-        else:
-            cluster = TFConfigCluster(num_ps=want[0], num_workers=want[0], timeout_s=self.timeout_s,
-                                      start_timeout=max(self.timeout_s, START_TIMEOUT_S)).connect()
-        # A lost task stops training at once (the heartbeat monitor found it), or, a virtual worker's
-        # process under on_worker_failure="continue", training goes on without it.
-        cluster.on_lost(lambda lost: _connected["strategy"].runner.task_lost(lost)
-                        if _connected["strategy"].runner else None)
-        _connected.update(shape=want, launch=self.launch, cluster=cluster, strategy=self)
+            # A lost task stops training at once (the heartbeat monitor found it), or, a virtual worker's
+            # process under on_worker_failure="continue", training goes on without it.
+            self._cluster = join_cluster(self.cluster, self.launch, self.timeout_s, max(self.timeout_s, START_TIMEOUT_S),
+                                         log_dir=self.log_dir, emulate_links=self.emulate_links,
+                                         on_lost=lambda lost: self.runner.task_lost(lost) if self.runner else None)
+        if self._devices is None:
+            self._devices = ClusterDevices(self.cluster, self.launch)
 
     def describe(self):
         """The chosen plan and where its tasks run, as text."""
@@ -472,9 +424,8 @@ class HetPipeStrategy:
         sizes = self._cuts and self._cuts.get("minibatch_sizes")
         if sizes and list(sizes) != list(self.plan.minibatch_sizes):
             lines.append(f"minibatch sizes {sizes} (resumed from the checkpoint)")
-        cluster = _connected.get("cluster")
-        if cluster is not None and hasattr(cluster, "log_dir"):
-            lines.append(f"task logs: {cluster.log_dir}")
+        if self._cluster is not None and hasattr(self._cluster, "log_dir"):
+            lines.append(f"task logs: {self._cluster.log_dir}")
         if self.cluster.emulated:
             report = self.runner.emulation_report() if self.runner else None
             dilation = report.dilation if report else self.dilation
@@ -519,53 +470,3 @@ def _checked_profile(profile, model, batch_size):
                          f"{sum(own.weight_bytes)} weight bytes): give the profile of this model and batch size, "
                          f"or profile=None to measure one")
     return profile
-
-
-def _device_spec(device):
-    """The DeviceSpec that serves a cluster device (:mod:`hetpipe_tf.planning.devices`)."""
-    from hetpipe_tf.planning.devices import DeviceSpec
-
-    t = device.type
-    if t.emulated:
-        return DeviceSpec("emulated", speed=t.emulated_speed, memory=t.memory)
-    return DeviceSpec("cpu") if t.host_cpu else DeviceSpec("gpu", index=device.index)
-
-
-def _first_batch(data, launch):
-    """The first minibatch of `data`; a clear error for a dataset made before the strategy
-    joined its cluster (its ops are placed on devices this process no longer has)."""
-    import tensorflow as tf
-
-    try:
-        return next(iter(data))
-    except tf.errors.InvalidArgumentError as e:
-        if "unknown device" not in str(e):
-            raise
-        raise ValueError(f"the dataset was made before this process joined the cluster (launch={launch!r}), "
-                         f"so it names a device that no longer exists ({str(e).splitlines()[0][:160]}); make "
-                         f"the dataset inside `with strategy.scope():`") from None
-
-
-def _is_dataset(x):
-    import tensorflow as tf
-
-    return isinstance(x, tf.data.Dataset)
-
-
-def _as_dataset(x, y=None, batch_size=None, shuffle=True):
-    """A batched (inputs, labels) dataset from a dataset or from arrays (as Keras's fit)."""
-    import numpy as np
-    import tensorflow as tf
-
-    if _is_dataset(x):
-        if y is not None or batch_size is not None:
-            raise ValueError("with a tf.data.Dataset give neither y nor batch_size (the dataset is batched)")
-        return x
-    if x is None or y is None:
-        raise ValueError(f"fit takes a batched tf.data.Dataset of (inputs, labels), or arrays x and y; got "
-                         f"x={type(x).__name__}, y={type(y).__name__}")
-    n = len(np.asarray(tf.nest.flatten(x)[0]))
-    data = tf.data.Dataset.from_tensor_slices((x, y))
-    if shuffle:
-        data = data.shuffle(n, reshuffle_each_iteration=True)
-    return data.batch(batch_size or 32, drop_remainder=True)

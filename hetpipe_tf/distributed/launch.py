@@ -15,6 +15,7 @@ on other hosts by hand). Both start the tasks the chief adds (the virtual worker
 processes) on a given node: LocalCluster itself, TFConfigCluster through that node's
 worker task (:mod:`hetpipe_tf.distributed.starter`).
 """
+import abc
 import contextlib
 import functools
 import json
@@ -52,7 +53,66 @@ def worker_device(task, kind, index):
     return f"/job:worker/task:{task}/device:{kind}:{index}"
 
 
-class LocalCluster:
+class ChiefCluster(abc.ABC):
+    """What the chief of a cluster asks of it, whoever started its tasks: the tasks' addresses, the
+    chief's connection, starting the tasks the chief adds (the virtual workers' processes, at a
+    node), the tasks found lost, and forgetting a lost one. :class:`LocalCluster` and
+    :class:`TFConfigCluster` are the two kinds."""
+
+    def __init__(self, spec, timeout_s, start_timeout):
+        self.spec = spec  # {job: [address, ...]} of the ps, worker and chief tasks
+        self.timeout_s = float(timeout_s)
+        self.start_timeout = float(start_timeout)
+        self.monitor = None  # the HeartbeatMonitor of the tasks watched
+        self._addresses = {}  # (job, index) -> address of the tasks the chief started
+        self._on_lost = []
+
+    def address(self, job, index):
+        """The TensorFlow address of task (job, index)."""
+        return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
+
+    def on_lost(self, callback):
+        """Calls callback(LostTask) when a watched task is lost."""
+        self._on_lost.append(callback)
+
+    def lost_task(self, job, index, wait_s=0.0):
+        """The :class:`hetpipe_tf.distributed.heartbeat.LostTask` of task (job, index), waiting up
+        to `wait_s` for its heartbeat to say so (how it ended, or why it was given up), or None."""
+        return poll(lambda: self.monitor.reported(job, index) if self.monitor else None, wait_s, 0.05)
+
+    def _connect_as_chief(self):
+        import tensorflow as tf
+
+        use_parallel_remote_ops()
+        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief", task_index=0,
+                                                  make_master_device_default=False)
+
+    def _told_lost(self, lost):
+        """Tells the other tasks and calls the callbacks (which stop training, or go on without a
+        virtual worker's process)."""
+        self.monitor.tell_lost(lost)
+        for callback in self._on_lost:
+            callback(lost)
+
+    @abc.abstractmethod
+    def connect(self):
+        """Makes this process the chief of the cluster (once per process); returns the cluster."""
+
+    @abc.abstractmethod
+    def start_tasks(self, tasks):
+        """Starts tasks, each (job, index, node, module, args), on node `node`; waits until every
+        one is ready and watches their heartbeats."""
+
+    @abc.abstractmethod
+    def forget(self, job, index):
+        """Ends task (job, index) if it still runs and forgets it: it no longer counts as lost."""
+
+    @abc.abstractmethod
+    def find_lost(self, wait_s=2.0):
+        """The task found lost (a LostTask), or None, waiting up to `wait_s` for it to show."""
+
+
+class LocalCluster(ChiefCluster):
     """Parameter servers and workers as processes here; this process is the chief.
 
     Args:
@@ -86,19 +146,15 @@ class LocalCluster:
         hosts = host if isinstance(host, dict) else {"ps": [host] * num_ps,
                                                      "worker": [host] * len(self.worker_cpus),
                                                      "chief": [host]}
-        self.spec = {job: [self.free_address(h) for h in hosts[job]] for job in ("ps", "worker", "chief")}
+        super().__init__({job: [self.free_address(h) for h in hosts[job]] for job in ("ps", "worker", "chief")},
+                         timeout_s, start_timeout)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hetpipe_cluster_")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.start_timeout = start_timeout
-        self.timeout_s = float(timeout_s)
         self.authkey = os.urandom(16)  # the cluster's key (hetpipe_tf.distributed.starter)
         self.task_starters = task_starters
         self._procs = {}
         self._heartbeats = {}
-        self._addresses = {}  # of tasks started by start_task
         self._connected = False
-        self.monitor = None
-        self._on_lost = []
 
     def free_address(self, host):
         """A TensorFlow address HOST:PORT with a port free on `host`. An emulated node's
@@ -177,12 +233,8 @@ class LocalCluster:
 
     def connect(self):
         """Makes this process the chief of the cluster (once per process)."""
-        import tensorflow as tf
-
         if not self._connected:
-            use_parallel_remote_ops()
-            tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief",
-                                                      task_index=0, make_master_device_default=False)
+            self._connect_as_chief()
             self._connected = True
             self.watch()
         return self
@@ -196,14 +248,6 @@ class LocalCluster:
 
     def _watched(self, job, i):
         return Watched(job, i, self.address(job, i), self._heartbeats[(job, i)])
-
-    def address(self, job, index):
-        """The TensorFlow address of task (job, index)."""
-        return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
-
-    def on_lost(self, callback):
-        """Calls callback(LostTask) when a task is lost (see :meth:`lost`)."""
-        self._on_lost.append(callback)
 
     @property
     def lost(self):
@@ -222,11 +266,6 @@ class LocalCluster:
         """:attr:`lost`, waiting up to `wait_s` for it to show: a call to a task that was just
         killed can fail (its sockets close) before its exit can be seen."""
         return poll(lambda: self.lost, wait_s, 0.1)
-
-    def lost_task(self, job, index, wait_s=0.0):
-        """The :class:`hetpipe_tf.distributed.heartbeat.LostTask` of task (job, index), waiting up
-        to `wait_s` for its heartbeat to say so (how it ended, or why it was given up), or None."""
-        return poll(lambda: self.monitor.reported(job, index) if self.monitor else None, wait_s, 0.05)
 
     def forget(self, job, index):
         """Ends task (job, index) if it still runs and forgets it: it no longer counts as lost
@@ -247,9 +286,7 @@ class LocalCluster:
         proc = self._procs.get((lost.job, lost.index))
         if proc is not None and proc.poll() is None:
             proc.kill()
-        self.monitor.tell_lost(lost)
-        for callback in self._on_lost:
-            callback(lost)
+        self._told_lost(lost)
 
     def ps_devices(self):
         return [ps_device(i) for i in range(len(self.spec["ps"]))]
@@ -293,7 +330,7 @@ class ClusterConfigError(ValueError):
     """TF_CONFIG is missing or does not describe the cluster asked for."""
 
 
-class TFConfigCluster:
+class TFConfigCluster(ChiefCluster):
     """The cluster in ``TF_CONFIG``, whose ps and worker tasks were started elsewhere (by
     ``hetpipe launch``, or on each host by hand with
     ``python -m hetpipe_tf.distributed.server``); this process is its chief.
@@ -330,28 +367,15 @@ class TFConfigCluster:
             raise ClusterConfigError(f"launch='tf_config' needs the cluster's key in {AUTHKEY_ENV}, the same as the "
                                      f"tasks' (`hetpipe launch` sets it; on other hosts, set the same hex value for "
                                      f"every task and the chief)")
-        self.spec = spec
-        self.timeout_s = float(timeout_s)
-        self.start_timeout = float(start_timeout)
-        self.monitor = None
+        super().__init__(spec, timeout_s, start_timeout)
         self._environ = environ
-        self._addresses = {}
         self._starters = {}  # node -> StarterClient
         self._started_by = {}  # (job, index) -> node
-        self._on_lost = []
 
     def connect(self):
         """Makes this process the chief of the cluster (once per process)."""
-        import tensorflow as tf
-
-        use_parallel_remote_ops()
-        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief", task_index=0,
-                                                  make_master_device_default=False)
+        self._connect_as_chief()
         return self
-
-    def address(self, job, index):
-        """The TensorFlow address of task (job, index)."""
-        return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
 
     def _starter(self, node):
         """The task starter of node `node`'s worker task, its address read on that host through
@@ -384,10 +408,6 @@ class TFConfigCluster:
             else:
                 self.monitor.add(watched)
 
-    def on_lost(self, callback):
-        """Calls callback(LostTask) when a task this chief started is lost."""
-        self._on_lost.append(callback)
-
     def _lost(self, lost):
         """As :meth:`LocalCluster._lost`: one line; the task ended by the worker task that started
         it; the others told; the callbacks called."""
@@ -397,13 +417,7 @@ class TFConfigCluster:
         except (OSError, EOFError, TimeoutError) as e:
             print(f"hetpipe: could not end {lost.job}:{lost.index} ({e}); it ends when this chief does",
                   file=sys.stderr, flush=True)
-        self.monitor.tell_lost(lost)
-        for callback in self._on_lost:
-            callback(lost)
-
-    def lost_task(self, job, index, wait_s=0.0):
-        """As :meth:`LocalCluster.lost_task`, for a task this chief started."""
-        return poll(lambda: self.monitor.reported(job, index) if self.monitor else None, wait_s, 0.05)
+        self._told_lost(lost)
 
     def forget(self, job, index):
         """As :meth:`LocalCluster.forget`: the task is ended by the worker task that started it."""
@@ -418,6 +432,46 @@ class TFConfigCluster:
         """The task lost, or None: one that ``hetpipe launch`` reported (a ps or worker task:
         the cause when the processes it started were lost with it), else one of this chief's."""
         return reported_lost(self._environ, wait_s) or (self.monitor.lost if self.monitor else None)
+
+
+#: This process as a cluster's chief: TensorFlow connects a process to one cluster only.
+_chief = {}
+
+
+def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, emulate_links=False, on_lost=None):
+    """Starts (launch "processes": a :class:`LocalCluster` here, with emulated links between its
+    nodes if `emulate_links`) or joins (launch "tf_config": :class:`TFConfigCluster`) the cluster of
+    `description` (a :class:`hetpipe_tf.planning.cluster.Cluster`), once per process, and makes this
+    process its chief; returns the cluster. A later call in the same process gets the same cluster
+    if it has the same shape, else an error saying that the process is another cluster's chief.
+    `on_lost(LostTask)`: what a lost task now calls (the last caller's)."""
+    shape = [len(description.nodes), [n.count for n in description.nodes]] + (["emulated links"] if emulate_links
+                                                                               else [])
+    if _chief:
+        if _chief["shape"] != shape or _chief["launch"] != launch:
+            raise RuntimeError(f"this process already drives a {_chief['launch']} cluster of {_chief['shape']} (ps "
+                               f"tasks, devices per worker task); TensorFlow connects a process to one cluster "
+                               f"only, so this one ({launch}, {shape}) needs a new process")
+        _chief["on_lost"] = on_lost
+        return _chief["cluster"]
+    if launch == "processes":
+        links = None
+        if emulate_links:
+            import atexit
+
+            from hetpipe_tf.distributed.netlinks import EmulatedLinks
+
+            links = EmulatedLinks(shape[0], 8 * description.inter_node_bandwidth,
+                                  description.inter_node_latency).start()
+            atexit.register(links.stop)  # after the tasks, which end with this process
+        cluster = LocalCluster(num_ps=shape[0], worker_cpus=shape[1], log_dir=log_dir, links=links,
+                               start_timeout=start_timeout, timeout_s=timeout_s).start().connect()
+    else:
+        cluster = TFConfigCluster(num_ps=shape[0], num_workers=shape[0], timeout_s=timeout_s,
+                                  start_timeout=start_timeout).connect()
+    cluster.on_lost(lambda lost: _chief["on_lost"] and _chief["on_lost"](lost))
+    _chief.update(shape=shape, launch=launch, cluster=cluster, on_lost=on_lost)
+    return cluster
 
 
 #: The environment variable naming the file where `hetpipe launch` writes the task it lost.

@@ -19,24 +19,11 @@ of the data itself (:mod:`hetpipe_tf.distributed.dataset_transfer`).
 
 Orders come from the chief over an authenticated connection
 (``multiprocessing.connection``, the cluster's key in the environment variable
-``HETPIPE_AUTHKEY``; the process first says ``("hello", W)``); each is a tuple, answered
-on the same connection (a failed order by ``("error", kind, message, logs)``):
-
-* ``("job", dict)``: build the model, the worker and its data -> ``("ready", batch size,
-  description)``
-* ``("probe", dilation, workers)``: one emulation probe -> ``("probed", EmulationReport)``
-* ``("train", data, steps, dilation, calibration, trace)``: train ->
-  ``("started", t)``, ``("done", (logs, t))`` per minibatch, then ``("finished", trace)``
-  (None, or the trace's origin and events)
-  or ``("failed", kind, message, logs)``; `data` None: go on in the last train's data where
-  it ended (a checkpointing run's next epoch)
-* ``("drain",)``: after a train, every stage takes the global weights
-  (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.drain`) -> ``("drained",)``
-* ``("optimizer_state",)`` -> ``("optimizer_state", state)``: its optimizer state per model
-  variable (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`), for a checkpoint;
-  ``("set_optimizer_state", state)``: a resumed run's -> ``("optimizer_state_set",)``
-* ``("stop",)``, ``("abort",)``, ``("learning_rate", value)``: as in ``fit``;
-  ``("stats", since)`` -> ``("stats", list)``; ``("report",)`` -> ``("report", EmulationReport)``
+``HETPIPE_AUTHKEY``), as the typed messages of :mod:`hetpipe_tf.distributed.protocol`: the
+process first says :class:`~hetpipe_tf.distributed.protocol.Hello`, answers every order with its
+answer type (or :class:`~hetpipe_tf.distributed.protocol.Error`), and while it trains sends
+``Started``, ``Done`` per minibatch, then ``Finished`` or ``Failed``. A :class:`Job` builds the
+worker: it attaches to the run's servers once, and splits the model once.
 
 Times are ``time.perf_counter()`` (CLOCK_MONOTONIC, common to the processes of one host).
 The process answers the chief's heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`) and
@@ -45,13 +32,14 @@ ends when the chief ends, closes the connection or goes silent for ``--chief_tim
 import json
 import multiprocessing.connection
 import os
-import pickle
 import sys
 import threading
 import time
 
 from absl import app, flags
 
+from hetpipe_tf.distributed import protocol
+from hetpipe_tf.distributed.protocol import job_name
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
 from hetpipe_tf.distributed.starter import AUTHKEY_ENV
 
@@ -65,16 +53,6 @@ flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbea
 FLAGS = flags.FLAGS
 
 
-def job_name(worker):
-    """The TensorFlow job of the process that drives virtual worker `worker`."""
-    return f"vw{worker}"
-
-
-def local_device(worker, index):
-    """The TensorFlow name of logical CPU `index` of the process driving `worker`."""
-    return f"/job:{job_name(worker)}/replica:0/task:0/device:CPU:{index}"
-
-
 class _Worker:
     """The process's state: its runner, data and the training thread."""
 
@@ -85,7 +63,7 @@ class _Worker:
         self.first = None
         self.data = None  # the iterator of the last train's data
 
-    def send(self, *message):
+    def send(self, message):
         with self.lock:
             self.conn.send(message)
 
@@ -96,73 +74,65 @@ class _Worker:
         from hetpipe_tf.runtime.wsp_runner import WSPRunner
         from hetpipe_tf.sync.parameter_server import ParameterServers
 
-        model = keras.models.model_from_json(job["model"])
-        model.set_weights(job["weights"])
-        compiled = pickle.loads(job["compiled"])
-        servers = ParameterServers(model, job["ps_devices"], job["stages_per_worker"], run=job["run"],
-                                   variable_devices=job["variable_devices"])
-        self.runner = WSPRunner(
-            model, [job["spec"]], num_in_flight=job["num_in_flight"], staleness_bound=job["staleness_bound"],
-            ps_devices=job["ps_devices"], placement=job["placement"],
-            optimizer=keras.optimizers.deserialize(job["optimizer"]), loss=compiled["loss"],
-            metrics=compiled["metrics"], loss_weights=compiled["loss_weights"], dilation=job["dilation"],
-            timeout_s=job["timeout_s"], servers=servers, worker_ids=[FLAGS.worker], schedule=job["schedule"],
-            sync=job["sync"])
-        self.first = next(iter(dataset_from_bytes(*job["data"])))
-        return self.runner.vws[0].prepare(*self.first)
+        model = keras.models.model_from_json(job.model_json)
+        model.set_weights(job.weights)
+        address = job.servers
+        servers = ParameterServers(model, address.devices, address.stages_per_worker, run=address.run,
+                                   variable_devices=address.variable_devices)
+        self.runner = WSPRunner(model, [job.spec], job.config, address.devices, servers=servers,
+                                worker_ids=[job.worker])
+        self.first = next(iter(dataset_from_bytes(*job.data)))
+        vw = self.runner.vws[0]
+        return protocol.Ready(vw.prepare(*self.first), vw.describe())
 
-    def train(self, data, steps, dilation, calibration, trace):
+    def train(self, order):
         from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
 
-        self.runner.set_dilation(dilation, calibration)
-        if data is not None:
-            self.data = iter(dataset_from_bytes(*data))
+        self.runner.set_dilation(order.dilation, order.calibration)
+        if order.data is not None:
+            self.data = iter(dataset_from_bytes(*order.data))
 
         def run():
             try:
-                self.runner.train([self.data], steps, trace=trace,
-                                  on_minibatch_done=lambda w, p, logs: self.send(
-                                      "done", ({k: float(v) for k, v in logs.items()}, time.perf_counter())),
-                                  on_started=lambda t: self.send("started", t))
+                self.runner.train([self.data], order.steps, trace=order.trace,
+                                  on_minibatch_done=lambda w, p, logs: self.send(protocol.Done(
+                                      {k: float(v) for k, v in logs.items()}, time.perf_counter())),
+                                  on_started=lambda t: self.send(protocol.Started(t)))
                 recorder = self.runner.trace
-                self.send("finished", (recorder.origin, recorder.events()) if recorder else None)
+                self.send(protocol.Finished((recorder.origin, recorder.events()) if recorder else None))
             except BaseException as exc:  # noqa: BLE001 - reported to the chief
-                self.send("failed", *describe_error(exc))
+                self.send(protocol.Failed(*describe_error(exc)))
 
         threading.Thread(target=run, name="hetpipe-train", daemon=True).start()
 
+    def set_learning_rate(self, order):
+        for vw in self.runner.vws:
+            for rt in vw.runtimes or []:
+                rt.optimizer.learning_rate = order.value
+
     def serve(self, order):
-        kind, args = order[0], order[1:]
-        if kind == "job":
-            batch_size = self.build(*args)
-            self.send("ready", batch_size, self.runner.vws[0].describe())
-        elif kind == "probe":
-            dilation, workers = args
-            self.send("probed", self.runner.probe(dilation, [self.first], workers=workers))
-        elif kind == "train":
-            self.train(*args)
-        elif kind == "drain":
-            self.runner.drain()
-            self.send("drained")
-        elif kind == "optimizer_state":
-            self.send("optimizer_state", self.runner.optimizer_states()[0])
-        elif kind == "set_optimizer_state":
-            self.runner.set_optimizer_states([args[0]])
-            self.send("optimizer_state_set")
-        elif kind == "stop":
-            self.runner.request_stop()
-        elif kind == "abort":
-            self.runner.abort()
-        elif kind == "learning_rate":
-            for vw in self.runner.vws:
-                for rt in vw.runtimes or []:
-                    rt.optimizer.learning_rate = args[0]
-        elif kind == "stats":
-            self.send("stats", self.runner.stats(since=args[0]))
-        elif kind == "report":
-            self.send("report", self.runner.emulation_report())
-        else:
-            raise ValueError(f"unknown order {kind!r} from the chief")
+        """Carries out one order of the chief; sends its answer, if it has one."""
+        handlers = {
+            protocol.Job: self.build,
+            protocol.Probe: lambda o: protocol.Probed(self.runner.probe(o.dilation, [self.first], workers=o.workers)),
+            protocol.Train: self.train,
+            protocol.Drain: lambda o: (self.runner.drain(), protocol.Drained())[1],
+            protocol.GetOptimizerState: lambda o: protocol.OptimizerState(self.runner.optimizer_states()[0]),
+            protocol.SetOptimizerState: lambda o: (self.runner.set_optimizer_states([o.state]),
+                                                   protocol.OptimizerStateSet())[1],
+            protocol.Stop: lambda o: self.runner.request_stop(),
+            protocol.Abort: lambda o: self.runner.abort(),
+            protocol.SetLearningRate: self.set_learning_rate,
+            protocol.GetStats: lambda o: protocol.Stats(self.runner.stats(since=o.since)),
+            protocol.GetReport: lambda o: protocol.Report(self.runner.emulation_report()),
+        }
+        handler = handlers.get(type(order))
+        if handler is None:
+            raise ValueError(f"unknown order {order!r} from the chief; the orders are: "
+                             f"{', '.join(sorted(t.__name__ for t in handlers))}")
+        answer = handler(order)
+        if order.answer is not None:
+            self.send(answer)
 
 
 def describe_error(exc):
@@ -211,7 +181,7 @@ def main(argv):
     conn = multiprocessing.connection.Client((chief_host, int(chief_port)),
                                              authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
     worker = _Worker(conn)
-    worker.send("hello", FLAGS.worker)
+    worker.send(protocol.Hello(FLAGS.worker))
     while True:
         try:
             order = conn.recv()
@@ -220,8 +190,8 @@ def main(argv):
         try:
             worker.serve(order)
         except BaseException as exc:  # noqa: BLE001 - reported to the chief, which decides
-            print(f"hetpipe_tf {name}: order {order[0]!r} failed: {exc!r}", file=sys.stderr, flush=True)
-            worker.send("error", *describe_error(exc))
+            print(f"hetpipe_tf {name}: order {type(order).__name__} failed: {exc!r}", file=sys.stderr, flush=True)
+            worker.send(protocol.Error(*describe_error(exc)))
 
 
 if __name__ == "__main__":

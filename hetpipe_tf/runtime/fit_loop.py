@@ -1,4 +1,13 @@
-"""A Keras-like ``fit`` driven by pipelines that train in other threads.
+"""The one ``fit`` of every runner, Keras's, driven by pipelines that train in other threads.
+
+:func:`fit` is written once for the three runners (:class:`Runner`): one virtual worker
+(:class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker`), several in this process
+(:class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`) and several in processes of their own
+(:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`): each worker's shard of the data,
+the epochs (run across without draining, or trained one by one when checkpoints are saved or a
+lost worker may restart, :class:`hetpipe_tf.runtime.checkpoint.EpochSegments`), the weights each
+epoch ended with in the Keras model, validation, the callbacks, the trace and the emulation's
+warning.
 
 Training threads (one per virtual worker) put events on an :class:`Events` queue:
 ``started``, ``done`` (a minibatch's update is in: its logs and when it completed; logs None
@@ -15,13 +24,18 @@ last completed epoch, none of that minibatch's update).
 """
 import collections
 import queue
+import sys
 import threading
+import time
+from typing import Protocol
 
 import keras
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops as _variable_ops
 
+from hetpipe_tf.runtime.checkpoint import EpochSegments
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.worker_data import epoch_steps, mean_batch_size, worker_shards
 
 
 #: The longest fit waits for its training threads after stopping them on an error.
@@ -83,6 +97,132 @@ class Events:
                 self._pending[got].append(payload)
         if self.errors:
             raise self.errors[0]
+
+
+class Runner(Protocol):
+    """What :func:`fit` trains: `num_workers` virtual workers of a run configured by `config`,
+    whose global weights end in `model`."""
+    model: keras.Model
+    config: object
+    num_workers: int
+    trace: object  # the TraceRecorder of the last training, or None
+
+    def begin_fit(self, shards, positions) -> None:
+        """Before training: `shards`, each worker's endless stream of minibatches, of which a
+        resumed run has consumed `positions`."""
+
+    def train_segment(self, steps, events, first, trace, epoch_ends) -> None:
+        """Trains `steps` minibatches of every worker, each where it ended (the fit's `first`: at its
+        position) and returns. Reports to `events` ("started" per worker when `first`, "done" per
+        minibatch with (logs, completion time)); a runner that can records every stage's state
+        right after each minibatch of `epoch_ends` ("snapshot")."""
+
+    def drain(self) -> None:
+        """After a train, every stage takes the global weights (the run goes on from there)."""
+
+    def after_drain(self, positions) -> None:
+        """The workers drained between epochs, at `positions` in their shards."""
+
+    def epoch_weights(self, events, stopped) -> None:
+        """Puts the weights the epoch ended with into the Keras model (for validation and callbacks)."""
+
+    def evaluate(self, dataset) -> dict:
+        """Loss and metrics of the Keras model on `dataset`."""
+
+    def epoch_logs(self) -> dict:
+        """The runner's own logs of an epoch."""
+
+    def run_state(self, epoch, positions, plan):
+        """The run as a checkpoint holds it (:class:`hetpipe_tf.runtime.checkpoint.RunState`)."""
+
+    def stage_optimizers(self) -> list:
+        """The stages' optimizer copies (whose learning rate follows the user's optimizer)."""
+
+    def request_stop(self) -> None:
+        """Admit no more minibatches."""
+
+    def abort(self) -> None:
+        """Stop every worker now."""
+
+    def emulation_report(self):
+        """The emulation's figures of the training (None without emulated devices)."""
+
+    def end_fit(self) -> None:
+        """After training: the global weights in the Keras model."""
+
+    @property
+    def trains_by_epoch(self) -> bool:
+        """Whether every fit trains epoch by epoch, draining between them (a lost worker may restart)."""
+
+
+def fit(runner, x, *, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
+        trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
+    """Trains `runner` (a :class:`Runner`) like ``keras.Model.fit``; returns the History.
+
+    Each worker takes its shard of `x` (:func:`hetpipe_tf.runtime.worker_data.worker_shards`); an
+    epoch is `steps_per_epoch` minibatches of all workers together, and at its end the weights it
+    ended with are in the Keras model for validation and callbacks. With `checkpoints`
+    (:class:`hetpipe_tf.runtime.checkpoint.Checkpoints`) it trains epoch by epoch, draining at
+    each epoch's end, and saves there when due (`plan`: the plan signature saved with it;
+    `positions`: the minibatches each worker's shard has already given, skipped; `initial_epoch`:
+    the epoch a resumed run starts at). `trace_path` writes the trace of every worker."""
+    steps_per_epoch = steps_per_epoch or epoch_steps(x)
+    k = runner.num_workers
+    sizes = runner.config.minibatch_sizes
+    positions = positions or [0] * k
+    runner.begin_fit(worker_shards(x, k, sizes), positions)
+    segments = None if checkpoints is None and not runner.trains_by_epoch else EpochSegments(
+        checkpoints, steps_per_epoch, k, initial_epoch, epochs, positions)
+    traced = trace_path is not None
+
+    def train(events):
+        if segments is None:  # across the epochs without draining
+            epoch_ends = [(e - initial_epoch) * steps_per_epoch // k for e in range(initial_epoch + 1, epochs + 1)]
+            runner.train_segment(-(-(epochs - initial_epoch) * steps_per_epoch // k), events, True, traced,
+                                 epoch_ends)
+            return
+
+        def train_epoch(steps, first):  # each worker goes on in its data where the last epoch ended
+            runner.train_segment(steps, events, first, traced, ())
+            runner.drain()
+
+        segments.train(events, train_epoch)
+
+    def epoch_end(epoch, stopped, events):
+        if segments is not None:
+            segments.epoch_end(epoch, stopped, events, lambda e, p: runner.run_state(e, p, plan), runner.after_drain)
+        runner.epoch_weights(events, stopped)
+        logs = {f"val_{key}": v for key, v in runner.evaluate(validation_data).items()} if validation_data else {}
+        logs.update(runner.epoch_logs())
+        report = runner.emulation_report()
+        if report is not None:
+            logs["emulated_overrun_fraction"] = report.overrun_fraction
+        return logs
+
+    history = run_fit(
+        runner.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+        verbose=verbose, batch_size=mean_batch_size(x, sizes), epoch_end=epoch_end, workers=k,
+        optimizer=runner.config.optimizer, stage_optimizers=runner.stage_optimizers,
+        request_stop=runner.request_stop, abort=lambda: (segments and segments.release(), runner.abort()),
+        timeout_s=runner.config.timeout_s, initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
+    runner.end_fit()
+    if trace_path and runner.trace:
+        runner.trace.write(trace_path)
+    warn_if_not_faithful(runner.emulation_report())
+    return history
+
+
+def done_event(events):
+    """What reports a minibatch done to `events`: on_minibatch_done(..., logs) -> a "done" event
+    with its logs and when it completed."""
+    return lambda *where_and_logs: events.put("done", (where_and_logs[-1], time.perf_counter()))
+
+
+def warn_if_not_faithful(report):
+    """Prints the emulation's warning line to stderr when `report` (or None) was not faithful."""
+    line = report.warning() if report is not None else None
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_size, epoch_end,
@@ -241,22 +381,3 @@ def start_thread(target, name):
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
-
-
-def epoch_steps(dataset):
-    """Minibatches in one pass over `dataset` (a finite tf.data.Dataset)."""
-    steps = int(dataset.cardinality())
-    if steps <= 0:
-        raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
-    return steps
-
-
-def batch_size_of(dataset):
-    """The static batch size of a dataset of (inputs, labels)."""
-    import tensorflow as tf
-
-    size = tf.nest.flatten(dataset.element_spec[0])[0].shape[0]
-    if size is None:
-        raise ValueError(f"the dataset's batch size must be static (batch(..., drop_remainder=True)); its "
-                         f"element spec is {dataset.element_spec}")
-    return int(size)

@@ -2,7 +2,7 @@
 
 Each segment (see :mod:`hetpipe_tf.planning.profile`) runs as a stage of its own, with the
 same stage code the executor runs, and its forward and backward times are measured
-alone (:func:`hetpipe_tf.runtime.stage_runtime.measure_stage_times`). A trivial stage gives
+alone (:func:`measure_stage_times`). A trivial stage gives
 the fixed cost of a task, which is subtracted from every segment, so that a stage of
 several segments costs one task overhead plus its segments' compute. Emulated device
 types use these host times scaled by dilation / speed, as the emulation itself does, so
@@ -23,12 +23,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hetpipe_tf.pipeline.instructions import Backward, Forward
+from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
 from hetpipe_tf.planning.profile import Profile, SegmentTimes, static_profile
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
 from hetpipe_tf.runtime.stage_rewrite import split_model
-from hetpipe_tf.runtime.stage_runtime import StageRuntime, measure_stage_times
+from hetpipe_tf.runtime.run_config import RunConfig
+from hetpipe_tf.runtime.stage_runtime import StageRuntime, is_remote
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf", "profiles")
 
@@ -61,7 +62,8 @@ def _segment_times(staged, loss, x, y, device, repeats):
     """Solo times of every stage (each the minimum over `repeats` runs)."""
     head = LossHead(loss, staged.keras_graph.model.output_names)
     last = staged.num_stages - 1
-    runtimes = [StageRuntime(stage, device, 1, keras.optimizers.SGD(), loss_head=head if s == last else None)
+    config = RunConfig(num_in_flight=1, optimizer=keras.optimizers.SGD(), loss=loss)
+    runtimes = [StageRuntime(stage, device, config, loss_head=head if s == last else None)
                 for s, stage in enumerate(staged.stages)]
     try:
         return measure_stage_times(runtimes, staged.split_inputs, x, y, repeats=repeats)
@@ -231,3 +233,84 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
         with open(path, "w") as f:
             f.write(profile.to_json())
     return profile
+
+
+def _block(tensors):
+    """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
+    for t in tf.nest.flatten(tensors):
+        if hasattr(t, "device") and "GPU" in t.device:
+            np.asarray(tf.reshape(t, [-1])[:1])
+            return
+
+
+def _moved(tensors, device):
+    """`tensors` (any structure; None entries kept) copied onto `device`, there when this returns."""
+    with tf.device(device):
+        moved = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
+    for t in tf.nest.flatten(moved):
+        if t is not None:
+            np.asarray(tf.reshape(t, [-1])[:1])
+    return moved
+
+
+def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
+    """Each stage's forward and backward time, measured alone, one stage at a time.
+
+    Runs minibatch (x, y) through the chain of `runtimes` (id 0, the weights as they
+    are) `repeats` + 1 times; the first run traces the functions, and the minimum of the
+    others is the result (interference from other work only ever adds time): a list
+    with, per stage, {Forward: seconds, Backward: seconds}. A stage on a cluster's device
+    (a task's, not this process's ``localhost``) is timed on that device
+    (:meth:`StageRuntime.timed_solo_pass`): timed from here, its passes would also hold the
+    RPCs that drive them, which pacing (``dilation / speed x`` this time) would then dilate as
+    if they were compute. For the same reason what a stage receives (the previous stage's
+    activations, the next one's gradients, inputs and labels) is on its device before its pass
+    is timed: moving it is communication, which the emulation does not pad.
+    Nothing is applied, and the stages' non-trainable state is restored afterwards.
+    """
+    times = [{Forward: [], Backward: []} for _ in runtimes]
+    on_device = [{Forward: [], Backward: []} if is_remote(rt.device) else None for rt in runtimes]
+    saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
+    for _ in range(repeats + 1):
+        for rt in runtimes:
+            rt.run((StashWeights(0),))
+        loaded = split_inputs(x)
+        carry = None
+        for s, rt in enumerate(runtimes):
+            if carry is not None:
+                rt.set_received(0, _moved(carry, rt.device))
+            if s in loaded:
+                rt.set_loaded(0, _moved(loaded[s], rt.device))
+            if rt.is_last:
+                rt.set_labels(0, _moved(y, rt.device))
+            if on_device[s] is not None:
+                with rt.execution_scope():
+                    forward, backward = rt.timed_solo_pass(0)
+                on_device[s][Forward].append(forward)
+                on_device[s][Backward].append(backward)
+            t0 = time.perf_counter()
+            with rt.execution_scope():
+                rt.run((Forward(0),))
+                carry = None if rt.is_last else rt.sent(0)
+                _block(carry if carry is not None else rt.logs[0])
+            times[s][Forward].append(time.perf_counter() - t0)
+        grads = None
+        for s in reversed(range(len(runtimes))):
+            rt = runtimes[s]
+            if grads is not None:
+                rt.set_output_gradients(0, _moved(grads, rt.device))
+            t0 = time.perf_counter()
+            with rt.execution_scope():
+                rt.run((Backward(0),))
+                _block(rt._weight_grads[0])
+            times[s][Backward].append(time.perf_counter() - t0)
+            grads = rt.input_gradients(0) if rt.stage.io.received else None
+            rt._weight_grads.pop(0)
+            rt.run((ReleaseWeights(0),))
+        runtimes[-1].logs.pop(0, None)
+    for rt, values in zip(runtimes, saved):
+        for v, value in zip(rt.non_trainable, values):
+            v.assign(value)
+        if rt.provenance:
+            rt.provenance.used_versions.pop(0, None)
+    return [{kind: min(ts[1:]) for kind, ts in (device or stage).items()} for stage, device in zip(times, on_device)]

@@ -44,7 +44,6 @@ loss or gradient went bad.
 """
 import contextlib
 import functools
-import time
 from dataclasses import dataclass
 
 import keras
@@ -60,6 +59,7 @@ from hetpipe_tf.pipeline.instructions import (
 from hetpipe_tf.pipeline.schedule import NO_SYNC
 from hetpipe_tf.runtime.compiled import CompiledCall, SplitPass, spec_of
 from hetpipe_tf.runtime.optimizers import stage_optimizer
+from hetpipe_tf.runtime.provenance import Provenance
 from hetpipe_tf.runtime.stage_rewrite import variable_bytes
 from hetpipe_tf.sync.parameter_server import synchronised_variables
 
@@ -96,7 +96,7 @@ def _copy(variable, trainable):
         return keras.Variable(variable.numpy(), dtype=variable.dtype, trainable=trainable, name=variable.name)
 
 
-def _is_remote(device):
+def is_remote(device):
     """Whether `device` belongs to a task of a cluster rather than to this process."""
     job = tf.DeviceSpec.from_string(device or "").job
     return job not in (None, "localhost")
@@ -148,15 +148,15 @@ class NonFiniteError(FloatingPointError):
 @dataclass(frozen=True)
 class StageState:
     """A stage's state right after some update: what a checkpoint or evaluation needs.
-    `applied`: the minibatches whose updates it holds; `used`: the recorded provenance of the
-    versions used so far ({p: local updates}, {p: global pushes}), when recording it; `sync`:
-    (the synchronisation scheme's snapshot of its stage state, the global pushes held)."""
+    `applied`: the minibatches whose updates it holds; `sync`: the synchronisation scheme's
+    snapshot of its stage state; `provenance`: the record's snapshot, when recording it
+    (:class:`hetpipe_tf.runtime.provenance.Provenance`)."""
     trainable: list
     non_trainable: list
     optimizer: list
     applied: tuple = ()
-    used: tuple = ({}, {})
-    sync: tuple = (None, frozenset())
+    sync: object = None
+    provenance: tuple = None
 
 
 def _task_shape(instructions):
@@ -241,8 +241,7 @@ class StageRuntime:
     #: What :meth:`run` carries out (the executor groups a task's consecutive ones into one call).
     device_instructions = DEVICE_INSTRUCTIONS
 
-    def __init__(self, stage, device, num_in_flight, optimizer, loss_head=None, memory=None,
-                 activation_bytes=0, record_provenance=False, single_threaded=False, sync=NO_SYNC,
+    def __init__(self, stage, device, config, loss_head=None, memory=None, activation_bytes=0, sync=NO_SYNC,
                  variable_paths=None):
         self.stage = stage
         self.index = stage.index
@@ -252,14 +251,15 @@ class StageRuntime:
         self.loss_head = loss_head
         self.memory = memory or MemoryAccount(device)
         self.activation_bytes = int(activation_bytes)
-        self.record_provenance = record_provenance
-        self.single_threaded = single_threaded
+        #: Which updates each weight version held, when the run records it (None: it does not).
+        self.provenance = Provenance() if config.record_provenance else None
+        self.single_threaded = config.single_threaded_stages
         with tf.device(device):
             self.trainable = [_copy(v, trainable=True) for v in stage.trainable_variables]
             self.non_trainable = [_copy(v, trainable=False) for v in stage.non_trainable_variables]
-            self.optimizer = stage_optimizer(optimizer)
+            self.optimizer = stage_optimizer(config.optimizer)
             self.optimizer.build(self.trainable)
-        self.stash = WeightStash(num_in_flight, device=device, name=f"stage{self.index}")
+        self.stash = WeightStash(config.num_in_flight, device=device, name=f"stage{self.index}")
         self._dtypes = [v.dtype for v in self.trainable]
         self.version_bytes = variable_bytes(self.trainable)
         self.memory.allocate("weights", self.version_bytes + variable_bytes(self.non_trainable))
@@ -289,7 +289,7 @@ class StageRuntime:
         # stages: the update's conditional (a functional If) then runs inside XLA's cluster, as TF
         # 2.21's single-threaded executor deadlocks two stages that run an If at once.
         elements = sum(int(np.prod(v.shape)) for v in self.trainable)
-        if (elements >= _XLA_APPLY_ELEMENTS or single_threaded) and not _is_remote(device):
+        if (elements >= _XLA_APPLY_ELEMENTS or self.single_threaded) and not is_remote(device):
             self._apply_fn = tf.function(functools.partial(self._apply_graph), jit_compile=True)
         else:  # in the task's own graph
             self._apply_fn = self._apply_graph
@@ -311,11 +311,6 @@ class StageRuntime:
         self._input_grads = {}  # p -> (gradient of each float tensor received, verdict), for the previous stage
         self.applied = []  # minibatch ids whose updates w_local holds, in order
         self._unchecked = []  # (verdict, minibatches, logs) of updates not yet read back
-        self.version_updates = {}  # p -> updates w_p holds (when recording provenance)
-        self.used_versions = {}  # p -> updates the version p's forward pass used
-        self.global_included = frozenset()  # (worker, clock) pushes the live weights hold
-        self.version_globals = {}  # p -> (worker, wave) pushes w_p holds
-        self.used_globals = {}  # p -> (worker, wave) pushes the version p's forward pass used
         self.logs = {}  # p -> loss and metrics, tensors (last stage)
         self._log_names = None  # the order of the logs in a split pass's outputs (last stage)
 
@@ -422,7 +417,8 @@ class StageRuntime:
                 self._kept[p] = (_in_order(self._entering[p]), self._labels.get(p, ()))
             else:
                 self.memory.allocate("activations", self.activation_bytes)
-            self._record_use(p, ins.live)
+            if self.provenance:
+                self.provenance.used(p, ins.live, self.applied)
         elif isinstance(ins, Recompute):
             self.memory.allocate("activations", self.activation_bytes)
         elif isinstance(ins, Backward):
@@ -430,9 +426,8 @@ class StageRuntime:
         elif isinstance(ins, StashWeights):
             self.memory.allocate("stashed versions", self.version_bytes)
             self._stashed.add(p)
-            if self.record_provenance:
-                self.version_updates[p] = tuple(self.applied)
-                self.version_globals[p] = self.global_included
+            if self.provenance:
+                self.provenance.stashed(p, self.applied)
         elif isinstance(ins, ReleaseWeights):
             self._stashed.discard(p)
             self.memory.free("stashed versions", self.version_bytes)
@@ -445,16 +440,6 @@ class StageRuntime:
                 raise RuntimeError(f"stage {self.index}: the flush of microbatches {ins.first}..{p} found the "
                                    f"gradients of {self._summed}; the schedule must accumulate each microbatch once")
             self.applied.extend(self._summed)
-
-    def _record_use(self, p, live):
-        if not self.record_provenance:
-            return
-        if live:
-            self.used_versions[p] = tuple(self.applied)
-            self.used_globals[p] = self.global_included
-        else:
-            self.used_versions[p] = self.version_updates.pop(p)
-            self.used_globals[p] = self.version_globals.pop(p, frozenset())
 
     def _keep(self, kind, p, value, instructions):
         """Keeps output `kind` of minibatch p of a compiled task."""
@@ -781,12 +766,6 @@ class StageRuntime:
         ids = sorted(p for p in self._stashed if p >= first_minibatch)
         return ids, tf.constant(ids + [-1] * (self.stash.capacity - len(ids)), tf.int64)
 
-    def _now_including(self, stashed, included):
-        self.global_included = frozenset(included)
-        if self.record_provenance:
-            for p in stashed:
-                self.version_globals[p] = self.global_included
-
     def add_to_weights(self, deltas, first_minibatch, included):
         """Adds `deltas` (one per synchronised variable) to the live variables and to the versions
         stashed for minibatches >= `first_minibatch`, which thereby hold the global updates
@@ -795,7 +774,8 @@ class StageRuntime:
         stashed, padded = self._stashed_from(first_minibatch)
         with tf.device(self.device):
             self._add_to_weights_fn(list(deltas), padded)
-        self._now_including(stashed, included)
+        if self.provenance:
+            self.provenance.merged(stashed, included)
 
     def merge_pulled(self, base, pulled, first_minibatch, included):
         """:meth:`add_to_weights` of ``pulled - base`` in the same compiled call that computes it (one
@@ -804,7 +784,8 @@ class StageRuntime:
         stashed, padded = self._stashed_from(first_minibatch)
         with tf.device(self.device):
             new_base = self._merge_fn(list(base), list(pulled), padded)
-        self._now_including(stashed, included)
+        if self.provenance:
+            self.provenance.merged(stashed, included)
         return new_base
 
     def end_run(self):
@@ -818,10 +799,11 @@ class StageRuntime:
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)
         for pending in (self._entering, self._labels, self._output_grads, self._sent, self._weight_grads,
-                        self._input_grads, self.version_updates, self.version_globals, self._kept, self._unchecked,
-                        self._summed, self.logs):
+                        self._input_grads, self._kept, self._unchecked, self._summed, self.logs):
             pending.clear()
         self._accumulated = None
+        if self.provenance:
+            self.provenance.drop_pending()
 
     # State -------------------------------------------------------------------------------
     def snapshot(self):
@@ -829,10 +811,8 @@ class StageRuntime:
         return StageState(trainable=[tf.identity(v.value) for v in self.trainable],
                           non_trainable=[tf.identity(v.value) for v in self.non_trainable],
                           optimizer=[tf.identity(v.value) for v in self.optimizer.variables],
-                          applied=tuple(self.applied),
-                          used=(dict(self.used_versions), dict(self.used_globals)) if self.record_provenance
-                          else ({}, {}),
-                          sync=(self.sync_state.snapshot() if self.sync_state else None, self.global_included))
+                          applied=tuple(self.applied), sync=self.sync_state.snapshot() if self.sync_state else None,
+                          provenance=self.provenance.snapshot() if self.provenance else None)
 
     def restore(self, state):
         """Sets the stage's live state back to `state` (a :meth:`snapshot`)."""
@@ -841,10 +821,10 @@ class StageRuntime:
             for v, value in zip(variables, values):
                 v.assign(value)
         self.applied = list(state.applied)
-        self.used_versions, self.used_globals = dict(state.used[0]), dict(state.used[1])
-        sync_state, self.global_included = state.sync
         if self.sync_state:
-            self.sync_state.restore(sync_state)
+            self.sync_state.restore(state.sync)
+        if self.provenance:
+            self.provenance.restore(state.provenance)
 
     def load_model_weights(self):
         """Sets the live weights to the Keras model's own and starts the synchronisation
@@ -854,7 +834,8 @@ class StageRuntime:
             for v, source in zip(variables, sources):
                 v.assign(source.value)
         self.sync_state = self.sync_scheme.stage_state(self)
-        self.global_included = frozenset()
+        if self.provenance:
+            self.provenance.restart()
 
     def write_back(self, state=None):
         """Writes `state` (default: the live state) into the Keras model's own variables."""
@@ -874,84 +855,3 @@ def _subtract_graph(a, b):
 
 def _sum_graph(a, b):
     return [x + y for x, y in zip(a, b)]
-
-
-def _block(tensors):
-    """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
-    for t in tf.nest.flatten(tensors):
-        if hasattr(t, "device") and "GPU" in t.device:
-            np.asarray(tf.reshape(t, [-1])[:1])
-            return
-
-
-def _moved(tensors, device):
-    """`tensors` (any structure; None entries kept) copied onto `device`, there when this returns."""
-    with tf.device(device):
-        moved = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
-    for t in tf.nest.flatten(moved):
-        if t is not None:
-            np.asarray(tf.reshape(t, [-1])[:1])
-    return moved
-
-
-def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
-    """Each stage's forward and backward time, measured alone, one stage at a time.
-
-    Runs minibatch (x, y) through the chain of `runtimes` (id 0, the weights as they
-    are) `repeats` + 1 times; the first run traces the functions, and the minimum of the
-    others is the result (interference from other work only ever adds time): a list
-    with, per stage, {Forward: seconds, Backward: seconds}. A stage on a cluster's device
-    (a task's, not this process's ``localhost``) is timed on that device
-    (:meth:`StageRuntime.timed_solo_pass`): timed from here, its passes would also hold the
-    RPCs that drive them, which pacing (``dilation / speed x`` this time) would then dilate as
-    if they were compute. For the same reason what a stage receives (the previous stage's
-    activations, the next one's gradients, inputs and labels) is on its device before its pass
-    is timed: moving it is communication, which the emulation does not pad.
-    Nothing is applied, and the stages' non-trainable state is restored afterwards.
-    """
-    times = [{Forward: [], Backward: []} for _ in runtimes]
-    on_device = [{Forward: [], Backward: []} if _is_remote(rt.device) else None for rt in runtimes]
-    saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
-    for _ in range(repeats + 1):
-        for rt in runtimes:
-            rt.run((StashWeights(0),))
-        loaded = split_inputs(x)
-        carry = None
-        for s, rt in enumerate(runtimes):
-            if carry is not None:
-                rt.set_received(0, _moved(carry, rt.device))
-            if s in loaded:
-                rt.set_loaded(0, _moved(loaded[s], rt.device))
-            if rt.is_last:
-                rt.set_labels(0, _moved(y, rt.device))
-            if on_device[s] is not None:
-                with rt.execution_scope():
-                    forward, backward = rt.timed_solo_pass(0)
-                on_device[s][Forward].append(forward)
-                on_device[s][Backward].append(backward)
-            t0 = time.perf_counter()
-            with rt.execution_scope():
-                rt.run((Forward(0),))
-                carry = None if rt.is_last else rt.sent(0)
-                _block(carry if carry is not None else rt.logs[0])
-            times[s][Forward].append(time.perf_counter() - t0)
-        grads = None
-        for s in reversed(range(len(runtimes))):
-            rt = runtimes[s]
-            if grads is not None:
-                rt.set_output_gradients(0, _moved(grads, rt.device))
-            t0 = time.perf_counter()
-            with rt.execution_scope():
-                rt.run((Backward(0),))
-                _block(rt._weight_grads[0])
-            times[s][Backward].append(time.perf_counter() - t0)
-            grads = rt.input_gradients(0) if rt.stage.io.received else None
-            rt._weight_grads.pop(0)
-            rt.run((ReleaseWeights(0),))
-        runtimes[-1].logs.pop(0, None)
-    for rt, values in zip(runtimes, saved):
-        for v, value in zip(rt.non_trainable, values):
-            v.assign(value)
-        rt.version_updates.pop(0, None)
-        rt.used_versions.pop(0, None)
-    return [{kind: min(ts[1:]) for kind, ts in (device or stage).items()} for stage, device in zip(times, on_device)]

@@ -12,7 +12,6 @@ The trained weights are written back into the Keras model at the end, so
 ``model.evaluate``, ``predict`` and ``save`` work as usual.
 """
 import dataclasses
-import sys
 import time
 
 import tensorflow as tf
@@ -20,15 +19,17 @@ import tensorflow as tf
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineExecutor
 from hetpipe_tf.pipeline.instructions import Backward, Forward
-from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule
+from hetpipe_tf.pipeline.schedule import NO_SYNC
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
-from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit
+from hetpipe_tf.runtime.checkpoint import skip_consumed
+from hetpipe_tf.runtime.fit_loop import done_event, fit
 from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.loss_head import LossHead
-from hetpipe_tf.runtime.optimizers import check_optimizer
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.stage_rewrite import split_model
-from hetpipe_tf.runtime.stage_runtime import StageRuntime, measure_stage_times
+from hetpipe_tf.runtime.profiler import measure_stage_times
+from hetpipe_tf.runtime.stage_runtime import StageRuntime
 
 
 class VirtualWorker:
@@ -71,42 +72,65 @@ class VirtualWorker:
                  loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
                  record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None,
                  schedule="hetpipe", references=None):
+        config = RunConfig(num_in_flight=num_in_flight, schedule=schedule, optimizer=optimizer, loss=loss,
+                           metrics=metrics, loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
+                           record_provenance=record_provenance, single_threaded_stages=single_threaded_stages)
+        self._setup(model, WorkerSpec(devices, tf_devices=tf_devices, boundaries=boundaries, slowdown=slowdown,
+                                      references=references), config, sync)
+
+    @classmethod
+    def from_config(cls, model, spec, config, sync=None) -> "VirtualWorker":
+        """The virtual worker `spec` (a :class:`WorkerSpec`) of a run configured by `config` (a
+        :class:`RunConfig`); `sync`: its binding to the other workers, if any."""
+        vw = cls.__new__(cls)
+        vw._setup(model, spec, config, sync)
+        return vw
+
+    def _setup(self, model, spec, config, sync):
         self.model = model
-        self.device_specs = parse_devices(devices)
-        if tf_devices is not None and len(tf_devices) != len(self.device_specs):
-            raise ValueError(f"{len(self.device_specs)} devices but {len(tf_devices)} TensorFlow devices")
-        self.device_names = tuple(tf_devices) if tf_devices is not None else configure_tensorflow_devices(
-            self.device_specs)
-        self.sync = sync
-        self.pipeline_schedule = get_schedule(schedule)
-        self.slowdown = slowdown
+        self.device_specs = parse_devices(spec.devices)
         k = len(self.device_specs)
-        self.num_in_flight = int(num_in_flight) if num_in_flight is not None else k
-        if self.num_in_flight < 1:
-            raise ValueError(f"num_in_flight (Nm) must be >= 1, got {num_in_flight}")
-        self.optimizer = check_optimizer(optimizer)
-        self.staged = split_model(model, boundaries=boundaries, num_stages=k,
-                                  devices=self.device_names,
-                                  speeds=[d.speed for d in self.device_specs])
-        self.loss_head = LossHead(loss, self.staged.keras_graph.model.output_names,
-                                  loss_weights=loss_weights, metrics=metrics)
-        if dilation is not None and not float(dilation) >= 1.0:
-            raise ValueError(f"dilation must be None (calibrated) or a number >= 1, got {dilation!r}")
-        self.dilation = None if dilation is None else float(dilation)
-        self.calibration = ()  # (dilation, overrun fraction) of each probe, when calibrated
-        self.timeout_s = float(timeout_s)
-        self.record_provenance = record_provenance
-        if single_threaded_stages and len(set(self.device_names)) > 1:
+        if spec.tf_devices is not None and len(spec.tf_devices) != k:
+            raise ValueError(f"{k} devices but {len(spec.tf_devices)} TensorFlow devices")
+        self.device_names = tuple(spec.tf_devices) if spec.tf_devices is not None else configure_tensorflow_devices(
+            self.device_specs)
+        if config.single_threaded_stages and len(set(self.device_names)) > 1:
             raise ValueError(f"single_threaded_stages needs every stage on one device, got "
                              f"{list(self.device_names)}: TensorFlow's single-threaded executor "
                              f"cannot move tensors between devices")
-        self.single_threaded_stages = single_threaded_stages
+        #: The run's configuration, with this worker's Nm (its number of stages unless given).
+        self.config = config if config.num_in_flight is not None else config.replace(num_in_flight=k)
+        self.sync = sync
+        self.slowdown = spec.slowdown
+        self.staged = split_model(model, boundaries=spec.boundaries, num_stages=k, devices=self.device_names,
+                                  speeds=[d.speed for d in self.device_specs])
+        self.loss_head = LossHead(config.loss, self.staged.keras_graph.model.output_names,
+                                  loss_weights=config.loss_weights, metrics=config.metrics)
+        self.dilation = config.dilation  # calibrated before training when None
+        self.calibration = ()  # (dilation, overrun fraction) of each probe, when calibrated
         self.runtimes = None
-        self.references = None if references is None else _given_references(references, k)
+        self.references = None if spec.references is None else _given_references(spec.references, k)
         self.report = None
         self.trace = None
         self._executor = None
         self._pacers = []  # of the current (or last) run
+
+    @property
+    def num_in_flight(self):
+        """Nm, the minibatches in this worker's pipeline at once (§4)."""
+        return self.config.num_in_flight
+
+    @property
+    def optimizer(self):
+        return self.config.optimizer
+
+    @property
+    def pipeline_schedule(self):
+        return self.config.schedule
+
+    @property
+    def timeout_s(self):
+        return self.config.timeout_s
 
     @property
     def num_stages(self):
@@ -160,11 +184,9 @@ class VirtualWorker:
         for s, (stage, spec, name) in enumerate(zip(self.staged.stages, self.device_specs, self.device_names)):
             memory = MemoryAccount(f"stage {s} ({spec})", spec.memory if spec.emulated else None)
             self.runtimes.append(StageRuntime(
-                stage, name, self.num_in_flight, self.optimizer,
-                loss_head=self.loss_head if s == last else None, memory=memory,
-                activation_bytes=act[s], record_provenance=self.record_provenance,
-                single_threaded=self.single_threaded_stages,
-                sync=self.sync.scheme if self.sync is not None else NO_SYNC, variable_paths=paths))
+                stage, name, self.config, loss_head=self.loss_head if s == last else None, memory=memory,
+                activation_bytes=act[s], sync=self.sync.scheme if self.sync is not None else NO_SYNC,
+                variable_paths=paths))
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references. An
@@ -281,59 +303,68 @@ class VirtualWorker:
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto",
             validation_data=None, trace_path=None):
-        """Trains like ``keras.Model.fit``: callbacks, History, progress bar, validation.
+        """Trains like ``keras.Model.fit``: callbacks, History, progress bar, validation
+        (:func:`hetpipe_tf.runtime.fit_loop.fit`).
 
         The pipeline runs across epoch boundaries without draining. At the end of each
         epoch every stage records its state right after the epoch's last update, and that
         consistent state is written into the Keras model before validation and
         ``on_epoch_end`` (so ModelCheckpoint and friends see it).
         """
-        steps_per_epoch = steps_per_epoch or epoch_steps(x)
-        holder = {}
+        return fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
+                   validation_data=validation_data, trace_path=trace_path)
 
-        def train(events):
-            def keep(executor):
-                holder["executor"] = executor
+    # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
+    num_workers = 1
+    trains_by_epoch = False
+
+    def begin_fit(self, shards, positions):
+        self._fit_data = iter(skip_consumed(shards, positions)[0])
+
+    def train_segment(self, steps, events, first, trace, epoch_ends):
+
+        def started(executor):
+            self._executor = executor
+            if first:
                 events.put("started", time.perf_counter())
 
-            self.train(x.repeat(), epochs * steps_per_epoch, trace=trace_path is not None,
-                       on_minibatch_done=lambda p, logs: events.put("done", (logs, time.perf_counter())),
-                       snapshot_after=[e * steps_per_epoch for e in range(1, epochs + 1)],
-                       on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=keep)
+        self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events), snapshot_after=epoch_ends,
+                   on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=started)
 
-        def epoch_end(epoch, stopped, events):
-            if not stopped:
-                for rt, state in zip(self.runtimes, events.get("snapshot")):
-                    rt.write_back(state)
-            logs = {}
-            if validation_data is not None:
-                logs.update({f"val_{k}": v for k, v in self.evaluate(validation_data).items()})
-            if self.emulated:
-                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
-            return logs
+    def drain(self):
+        pass
 
-        history = run_fit(
-            self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=verbose, batch_size=batch_size_of(x), epoch_end=epoch_end, optimizer=self.optimizer,
-            stage_optimizers=lambda: [rt.optimizer for rt in self.runtimes or []],
-            request_stop=lambda: holder["executor"].request_stop(),
-            abort=lambda: holder["executor"].abort() if "executor" in holder else None,
-            timeout_s=self.timeout_s)
-        if trace_path and self.trace:
-            self.trace.write(trace_path)
-        warn_if_not_faithful(self.emulation_report())
-        return history
+    def after_drain(self, positions):
+        pass
+
+    def epoch_weights(self, events, stopped):
+        if not stopped:
+            for rt, state in zip(self.runtimes, events.get("snapshot")):
+                rt.write_back(state)
+
+    def epoch_logs(self):
+        return {}
+
+    def run_state(self, epoch, positions, plan):
+        raise NotImplementedError("a VirtualWorker alone saves no checkpoints (HetPipeStrategy(checkpoint_dir=...) does)")
+
+    def stage_optimizers(self):
+        return [rt.optimizer for rt in self.runtimes or []]
+
+    def request_stop(self):
+        if self._executor is not None:
+            self._executor.request_stop()
+
+    def abort(self):
+        if self._executor is not None:
+            self._executor.abort()
+
+    def end_fit(self):
+        pass
 
     def evaluate(self, dataset):
         """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
         return self.loss_head.evaluate(self.model, dataset)
-
-
-def warn_if_not_faithful(report):
-    """Prints the emulation's warning line to stderr when `report` (or None) was not faithful."""
-    line = report.warning() if report is not None else None
-    if line:
-        print(line, file=sys.stderr, flush=True)
 
 
 def _given_references(references, num_stages):

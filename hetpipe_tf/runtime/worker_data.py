@@ -1,4 +1,5 @@
-"""Each virtual worker's data: its shard of a batched dataset, at its own minibatch size.
+"""The data a fit trains on: a batched dataset of (inputs, labels), made from arrays if need be,
+and each virtual worker's shard of it, at its own minibatch size.
 
 HetPipe's virtual workers each train their own minibatches of the data (§3): with even sizes,
 worker i of n takes minibatches i, i + n, i + 2n, ... (``Dataset.shard``). With uneven
@@ -13,9 +14,63 @@ data only when the copies agree: a deterministic pipeline, or a shuffle with a s
 """
 import functools
 
+import numpy as np
 import tensorflow as tf
 
-from hetpipe_tf.runtime.fit_loop import batch_size_of
+
+def epoch_steps(dataset):
+    """Minibatches in one pass over `dataset` (a finite tf.data.Dataset)."""
+    steps = int(dataset.cardinality())
+    if steps <= 0:
+        raise ValueError("steps_per_epoch is needed: the dataset's length is unknown or infinite")
+    return steps
+
+
+def batch_size_of(dataset):
+    """The static batch size of a dataset of (inputs, labels)."""
+    size = tf.nest.flatten(dataset.element_spec[0])[0].shape[0]
+    if size is None:
+        raise ValueError(f"the dataset's batch size must be static (batch(..., drop_remainder=True)); its "
+                         f"element spec is {dataset.element_spec}")
+    return int(size)
+
+
+def mean_batch_size(dataset, sizes=None):
+    """The samples per minibatch of a fit: the mean of the workers' `sizes`, or the dataset's."""
+    return sum(sizes) / len(sizes) if sizes else batch_size_of(dataset)
+
+
+def is_dataset(x):
+    return isinstance(x, tf.data.Dataset)
+
+
+def as_dataset(x, y=None, batch_size=None, shuffle=True):
+    """A batched (inputs, labels) dataset from a dataset or from arrays (as Keras's fit)."""
+    if is_dataset(x):
+        if y is not None or batch_size is not None:
+            raise ValueError("with a tf.data.Dataset give neither y nor batch_size (the dataset is batched)")
+        return x
+    if x is None or y is None:
+        raise ValueError(f"fit takes a batched tf.data.Dataset of (inputs, labels), or arrays x and y; got "
+                         f"x={type(x).__name__}, y={type(y).__name__}")
+    n = len(np.asarray(tf.nest.flatten(x)[0]))
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    if shuffle:
+        data = data.shuffle(n, reshuffle_each_iteration=True)
+    return data.batch(batch_size or 32, drop_remainder=True)
+
+
+def first_batch(data, where):
+    """The first minibatch of `data`; a clear error for a dataset made before this process joined
+    its cluster (`where` names it: its ops are placed on devices the process no longer has)."""
+    try:
+        return next(iter(data))
+    except tf.errors.InvalidArgumentError as e:
+        if "unknown device" not in str(e):
+            raise
+        raise ValueError(f"the dataset was made before this process joined the cluster ({where}), so it names a "
+                         f"device that no longer exists ({str(e).splitlines()[0][:160]}); make the dataset inside "
+                         f"`with strategy.scope():`") from None
 
 
 def worker_shards(data, workers, sizes=None):

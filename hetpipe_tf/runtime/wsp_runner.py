@@ -14,35 +14,15 @@ step is SGD's on the concatenated batch of the round
 (:mod:`hetpipe_tf.sync.parameter_server`).
 """
 import time
-from dataclasses import dataclass
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
 from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
-from hetpipe_tf.runtime.checkpoint import (EpochSegments, RunState, set_stage_optimizer_state, skip_consumed,
-                                           stage_optimizer_state)
+from hetpipe_tf.runtime.checkpoint import RunState, set_stage_optimizer_state, skip_consumed, stage_optimizer_state
 from hetpipe_tf.planning.uneven import push_weights
-from hetpipe_tf.runtime.fit_loop import batch_size_of, epoch_steps, run_fit, start_thread
-from hetpipe_tf.runtime.virtual_worker import VirtualWorker, warn_if_not_faithful
-from hetpipe_tf.runtime.worker_data import worker_shards
+from hetpipe_tf.runtime.fit_loop import done_event, fit, start_thread
+from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
-from hetpipe_tf.pipeline.schedule import check_combination
-from hetpipe_tf.sync.wsp import WSP_SCHEME
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
-    this process's), its stage boundaries (None: balanced), and the parameter server on each
-    stage's node (for ``local`` placement), an emulated slowdown (minibatch id -> factor >= 1,
-    see :class:`hetpipe_tf.pipeline.emulation.Pacer`) and the emulation's references (None:
-    measured; see :class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker`)."""
-    devices: object
-    tf_devices: tuple = None
-    boundaries: tuple = None
-    stage_servers: tuple = None
-    slowdown: object = None
-    references: tuple = None
 
 
 class WSPRunner:
@@ -50,67 +30,46 @@ class WSPRunner:
 
     Args:
       model: a built Keras model (every worker cuts it into its own stages).
-      workers: a WorkerSpec per virtual worker.
-      num_in_flight: Nm, the same for every worker (§4).
-      staleness_bound: D (§5) of WSP, s of SSP; BSP's is 0 and ASP has none, so under either it must
-        be 0 (:meth:`hetpipe_tf.sync.wsp.WSP.checked_bound`).
+      workers: a :class:`WorkerSpec` per virtual worker.
+      config: the run's :class:`RunConfig`: Nm (the same for every worker, §4), the staleness bound
+        and the scheme (WSP's D, §5; BSP, SSP, ASP), the schedule, the placement of the global
+        weights (``local`` puts every layer on the server of the node that trains it in worker 0:
+        `stage_servers` of its stage, §8.1), the optimizer, loss and metrics, the dilation (None:
+        one for every worker, calibrated by probe runs of every worker at once, as they share the
+        host), the timeouts and the minibatch sizes (uneven: ``fit`` splits the data so, and the
+        servers this runner creates weight the pushes by :func:`hetpipe_tf.planning.uneven.push_weights`;
+        ``train`` takes the data as given).
       ps_devices: the parameter-server devices.
-      placement: "default" (layers round-robin over the servers) or "local" (every layer on the
-        server of the node that trains it in worker 0: `stage_servers` of its stage, §8.1).
-      sync: the synchronisation scheme between the workers, a registered name ("wsp", "bsp", "ssp",
-        "asp", ...) or a :class:`hetpipe_tf.pipeline.schedule.SyncScheme` (default: WSP, §5).
-      schedule: every worker's pipelining schedule (default: HetPipe's, §4).
-      optimizer, loss, metrics, loss_weights, dilation, timeout_s, record_provenance: as for
-        VirtualWorker; a calibrated dilation (None) is chosen for all workers together, by probe
-        runs of every worker at once (they share the host).
       servers: parameter servers another process created (:class:`ParameterServers` given
         ``variable_devices``), when this runner drives some of a run's workers only; None: this
         runner creates them for `model`.
       worker_ids: the run's index of each worker in `workers` (default 0, 1, ...): a process
         that drives worker 3 of a run gives [3].
-      minibatch_sizes: each worker's minibatch size, uneven (None: every worker the data's batch
-        size): ``fit`` splits the data so, and the servers this runner creates weight the pushes
-        by :func:`hetpipe_tf.planning.uneven.push_weights`. ``train`` takes the data as given.
     """
 
-    def __init__(self, model, workers, num_in_flight, staleness_bound, ps_devices, placement="default",
-                 optimizer="sgd", loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
-                 record_provenance=False, sync=WSP_SCHEME, schedule="hetpipe", servers=None, worker_ids=None,
-                 minibatch_sizes=None):
-        if staleness_bound < 0:
-            raise ValueError(f"the staleness bound D must be >= 0, got {staleness_bound}")
+    def __init__(self, model, workers, config, ps_devices, servers=None, worker_ids=None):
         self.model = model
-        self.staleness_bound = int(staleness_bound)
-        self.timeout_s = float(timeout_s)
-        self.vws = []
-        for w in workers:
-            self.vws.append(VirtualWorker(model, w.devices, num_in_flight=num_in_flight, boundaries=w.boundaries,
-                                          optimizer=optimizer, loss=loss, metrics=metrics,
-                                          loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
-                                          record_provenance=record_provenance, tf_devices=w.tf_devices,
-                                          slowdown=w.slowdown, schedule=schedule, references=w.references))
+        self.config = config
+        self.vws = [VirtualWorker.from_config(model, w, config) for w in workers]
         self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
-        self._scheme = check_combination(self.vws[0].pipeline_schedule, sync)[1]
-        if minibatch_sizes is not None and len(minibatch_sizes) != len(self.vws):
-            raise ValueError(f"{len(minibatch_sizes)} minibatch sizes {list(minibatch_sizes)} for {len(self.vws)} "
-                             f"virtual workers: give one per worker, or None for the data's batch size")
-        self.minibatch_sizes = tuple(minibatch_sizes) if minibatch_sizes is not None else None
+        if config.minibatch_sizes is not None and len(config.minibatch_sizes) != len(self.vws):
+            raise ValueError(f"{len(config.minibatch_sizes)} minibatch sizes {list(config.minibatch_sizes)} for "
+                             f"{len(self.vws)} virtual workers: give one per worker, or None for the data's batch size")
         self._new_servers = None
         if servers is None:
             layer_devices = None
-            if placement == "local":
+            if config.placement == "local":
                 if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
                     raise ValueError("local placement needs worker 0's stage_servers, one per stage")
                 layer_devices = stage_layer_servers(self.vws[0].staged, workers[0].stage_servers)
-            weights = push_weights(self.minibatch_sizes) if self.minibatch_sizes else None
+            weights = push_weights(config.minibatch_sizes) if config.minibatch_sizes else None
             self._new_servers = lambda: ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws],
-                                                         placement, layer_devices, push_weights=weights)
+                                                         config.placement, layer_devices, push_weights=weights)
             servers = self._new_servers()
         self._bind(servers)
         self.aborted = None  # why the last run was aborted, if it was
-        self.optimizer = self.vws[0].optimizer
         self.trace = None
         self.reports = None
         self._executors = {}
@@ -122,7 +81,7 @@ class WSPRunner:
     def _bind(self, servers):
         self.servers = servers
         for w, vw in zip(self.worker_ids, self.vws):
-            vw.sync = self._scheme.bind(w, servers, self.staleness_bound, self.timeout_s)
+            vw.sync = self.config.sync.bind(w, servers, self.config.staleness_bound, self.config.timeout_s)
 
     def _renew_after_abort(self):
         """An aborted run's servers take no more pulls (:meth:`abort`): the next run gets new ones,
@@ -171,7 +130,8 @@ class WSPRunner:
         if any(vw.emulated and vw.dilation is None for vw in self.vws):
             self.calibrate_dilation(firsts)
         if trace:
-            metadata = {"hetpipe_tf": f"{self.num_workers} virtual workers, {self._scheme.name.upper()} D={self.staleness_bound}"}
+            metadata = {"hetpipe_tf": f"{self.num_workers} virtual workers, {self.config.sync.name.upper()} "
+                                      f"D={self.config.staleness_bound}"}
             emulation = self.vws[0].trace_metadata().get("emulation")
             self.trace = TraceRecorder(metadata=dict(metadata, emulation=emulation) if emulation else metadata)
         else:
@@ -315,68 +275,50 @@ class WSPRunner:
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
             trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
-        """Trains like ``keras.Model.fit``. Each worker takes its shard of `x`; an epoch is
-        `steps_per_epoch` minibatches of all workers together; at every epoch's end the global
-        weights go into the Keras model for validation and callbacks. With `checkpoints`
-        (:class:`hetpipe_tf.runtime.checkpoint.Checkpoints`) it trains epoch by epoch, draining at
-        each epoch's end, and saves there when due (`plan`: the plan signature saved with it;
-        `positions`: the minibatches each worker's shard has already given, skipped)."""
-        steps_per_epoch = steps_per_epoch or epoch_steps(x)
+        """Trains like ``keras.Model.fit`` (:func:`hetpipe_tf.runtime.fit_loop.fit`). Each worker takes
+        its shard of `x`; an epoch is `steps_per_epoch` minibatches of all workers together; at every
+        epoch's end the global weights go into the Keras model for validation and callbacks."""
+        return fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
+                   validation_data=validation_data, trace_path=trace_path, initial_epoch=initial_epoch,
+                   checkpoints=checkpoints, positions=positions, plan=plan)
+
+    # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
+    trains_by_epoch = False
+
+    def begin_fit(self, shards, positions):
+        self._fit_data = [iter(s) for s in skip_consumed(shards, positions)]
+
+    def train_segment(self, steps, events, first, trace, epoch_ends):
         k = self.num_workers
-        per_worker = -(-(epochs - initial_epoch) * steps_per_epoch // k)
-        positions = positions or [0] * k
-        shards = skip_consumed(worker_shards(x, k, self.minibatch_sizes), positions)
-        segments = None if checkpoints is None else EpochSegments(checkpoints, steps_per_epoch, k, initial_epoch,
-                                                                  epochs, positions)
+        self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events),
+                   on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
 
-        def train(events):
-            def train_steps(data, steps, first):
-                self.train(data, steps, trace=trace_path is not None,
-                           on_minibatch_done=lambda w, p, logs: events.put("done", (logs, time.perf_counter())),
-                           on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
+    def after_drain(self, positions):
+        pass
 
-            if segments is None:
-                train_steps(shards, per_worker, True)
-                return
-            iterators = [iter(s) for s in shards]  # the next epoch goes on where the last ended
+    def epoch_weights(self, events, stopped):
+        self.finish()
 
-            def train_epoch(steps, first):
-                train_steps(iterators, steps, first)
-                self.drain()
+    def evaluate(self, dataset):
+        return self.vws[0].evaluate(dataset)
 
-            segments.train(events, train_epoch)
+    def epoch_logs(self):
+        return {"global_clock": self.servers.clock.clocks()[1]}
 
-        def epoch_end(epoch, stopped, events):
-            if segments is not None:
-                segments.epoch_end(epoch, stopped, events, lambda e, p: self.run_state(e, p, plan))
-            self.finish()
-            logs = {f"val_{k}": v for k, v in self.vws[0].evaluate(validation_data).items()} if validation_data else {}
-            clocks, global_clock = self.servers.clock.clocks()
-            logs["global_clock"] = global_clock
-            if self.vws[0].emulated:
-                logs["emulated_overrun_fraction"] = self.emulation_report().overrun_fraction
-            return logs
+    def stage_optimizers(self):
+        return [rt.optimizer for vw in self.vws for rt in vw.runtimes or []]
 
-        history = run_fit(
-            self.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=verbose, batch_size=sum(self.minibatch_sizes) / k if self.minibatch_sizes else batch_size_of(x),
-            epoch_end=epoch_end, workers=k, optimizer=self.optimizer,
-            stage_optimizers=lambda: [rt.optimizer for vw in self.vws for rt in vw.runtimes or []],
-            request_stop=self.request_stop, abort=lambda: (segments and segments.release(), self.abort()),
-            timeout_s=self.timeout_s, initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
-        if trace_path and self.trace:
-            self.trace.write(trace_path)
-        warn_if_not_faithful(self.emulation_report())
-        return history
+    def end_fit(self):
+        pass
 
     def provenance(self, stage=0):
         """{(worker, minibatch): (local updates, global (worker, wave) pushes)} that `stage`'s
         weight versions held, for :func:`hetpipe_tf.sync.staleness.check`."""
         out = {}
         for w, vw in zip(self.worker_ids, self.vws):
-            rt = vw.runtimes[stage]
-            for p, local in rt.used_versions.items():
-                out[(w, p)] = (local, rt.used_globals.get(p, frozenset()))
+            record = vw.runtimes[stage].provenance
+            for p, local in record.used_versions.items():
+                out[(w, p)] = (local, record.used_globals.get(p, frozenset()))
         return out
 
     def stats(self, since=None):

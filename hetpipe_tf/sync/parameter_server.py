@@ -37,6 +37,7 @@ import os
 import tensorflow as tf
 
 from hetpipe_tf.ops.wsp_clock import WspClock
+from hetpipe_tf.sync.allreduce import group_of
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 _runs = itertools.count()
@@ -150,6 +151,11 @@ class ParameterServers:
             self._pull_fns[paths] = tf.function(functools.partial(self._pull_graph, paths))
         values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
+
+    def all_reduce_group(self, compression, timeout_s):
+        """The all-reduce group of this run's virtual workers in this process
+        (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD)."""
+        return group_of(self, compression, timeout_s)
 
     def abort(self, reason):
         """Ends the run: every pull of it, waiting or later, in any process, fails at once

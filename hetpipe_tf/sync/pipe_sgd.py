@@ -53,7 +53,6 @@ leaves the others' later all-reduces unanswered until the run's ``timeout_s``, a
 lost worker (``on_worker_failure="continue"`` does not apply): a TimeoutError says so, and
 TensorFlow then aborts every later collective of that process.
 """
-import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -277,16 +276,16 @@ class PipeSGD(SyncScheme):
         return ReplicaBase(runtime)
 
     def bind(self, worker, servers, staleness_bound, timeout_s):
-        """The binding of `worker` to the all-reduce group of the run `servers` belong to (its
-        collectives are TensorFlow's: :mod:`hetpipe_tf.sync.allreduce`, loaded here)."""
+        """The binding of `worker` to the all-reduce group of the run `servers` belong to, which
+        the servers give (:meth:`hetpipe_tf.sync.parameter_server.ParameterServers.all_reduce_group`:
+        TensorFlow's collectives, :mod:`hetpipe_tf.sync.allreduce`)."""
         self.checked_bound(staleness_bound)
         if any(a != 1.0 for a in servers.push_weights):
             raise ValueError(f"Pipe-SGD sums every worker's update as it is (Algorithm 1: g_sum = Σ g_local), but "
                              f"this run weights the workers' pushes by their minibatch sizes "
                              f"({list(servers.push_weights)}): uneven minibatches are for the parameter-server "
                              f"schemes (wsp, bsp, ssp, asp); give one of those, or even minibatches")
-        allreduce = importlib.import_module("hetpipe_tf.sync.allreduce")
-        group = allreduce.group_of(servers, self.compression.name, timeout_s)
+        group = servers.all_reduce_group(self.compression.name, timeout_s)
         return AllReduceBinding(self, worker, servers, group, timeout_s)
 
     def handlers(self, binding):

@@ -104,8 +104,8 @@ def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm)
                        record_provenance=True, timeout_s=60)
     report = vw.train(iter(_batches(model, 16)), 16)
     for rt in vw.runtimes:
-        assert sorted(rt.used_versions) == list(range(1, 17))
-        for p, updates in rt.used_versions.items():
+        assert sorted(rt.provenance.used_versions) == list(range(1, 17))
+        for p, updates in rt.provenance.used_versions.items():
             assert updates == tuple(range(1, max(p - nm, 0) + 1)), (rt.index, p, updates)
         assert rt.applied == list(range(1, 17))
         assert rt.stash.stats().num_versions == 0

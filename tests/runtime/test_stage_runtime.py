@@ -151,7 +151,8 @@ def test_solo_times_are_taken_with_what_a_stage_receives_already_on_its_device(m
     emulation does not pad: measure_stage_times puts them on the receiving stage's device before
     it times the pass (timed with them elsewhere, the pass would hold the copy, which pacing
     then dilates as if it were compute)."""
-    from hetpipe_tf.runtime.stage_runtime import StageRuntime, measure_stage_times
+    from hetpipe_tf.runtime.profiler import measure_stage_times
+    from hetpipe_tf.runtime.stage_runtime import StageRuntime
 
     keras.utils.set_random_seed(0)
     model = test_models.mlp()
@@ -188,7 +189,8 @@ def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_
     versions of the minibatches that will run on them, not to those stashed before."""
     keras.utils.set_random_seed(0)
     model = test_models.mlp()
-    vw = VirtualWorker(model, "cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, timeout_s=30)
+    vw = VirtualWorker(model, "cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, timeout_s=30,
+                       record_provenance=True)
     (x, y), = _batches(model, 1)
     vw.prepare(x, y)
     rt, = vw.runtimes
@@ -202,6 +204,6 @@ def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_
     assert all(np.allclose(v.numpy(), w + 0.5) for v, w in zip(rt.trainable, before))
     assert all(np.array_equal(v, w) for v, w in zip(rt.stash.get(3, dtypes), before))
     assert all(np.allclose(v, w + 0.5) for v, w in zip(rt.stash.get(5, dtypes), before))
-    assert rt.global_included == {(0, 0), (1, 0)}
+    assert rt.provenance.live_globals == {(0, 0), (1, 0)}
     rt.run((ReleaseWeights(3), ReleaseWeights(5)))
     assert rt.stash.stats().num_versions == 0

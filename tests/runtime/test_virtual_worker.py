@@ -119,7 +119,7 @@ def test_keras_and_pipeline_tensorboard_callbacks_write_scalars(tmp_path):
 
 def test_bad_inputs_get_clear_errors():
     model = test_models.mlp()
-    with pytest.raises(ValueError, match="Nm\\) must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_in_flight \(Nm\) must be None or an integer >= 1, got 0"):
         VirtualWorker(model, "1,1", num_in_flight=0, optimizer="sgd", loss=LOSS)
     with pytest.raises(ValueError, match="a loss is needed"):
         VirtualWorker(model, "1,1", optimizer="sgd")

@@ -1,0 +1,89 @@
+"""The TensorFlow devices that serve a plan's virtual workers and servers, as a launch mode names them.
+
+A cluster description's devices (:mod:`hetpipe_tf.planning.cluster`) run, by launch mode:
+
+* ``in_process``: every device a logical device of this process (a logical CPU per emulated or
+  host-CPU device, :func:`hetpipe_tf.runtime.logical_devices.configure_tensorflow_devices`), and
+  the parameter server of node n the first device of that node;
+* ``processes`` and ``tf_config``: node n's devices on its worker task (its logical CPUs, its
+  GPUs) and its parameter server on its ps task; a virtual worker's own process (on its home node,
+  the node of its first stage) holds the home node's emulated and host-CPU devices itself
+  (:func:`hetpipe_tf.distributed.protocol.local_device`), and reaches the others on their
+  node's worker task.
+"""
+from hetpipe_tf.distributed.launch import ps_device, worker_device
+from hetpipe_tf.distributed.protocol import local_device
+from hetpipe_tf.planning.devices import DeviceSpec
+from hetpipe_tf.runtime.run_config import WorkerSpec
+
+#: Where a run's tasks run (see the module docstring).
+LAUNCHES = ("processes", "tf_config", "in_process")
+
+
+def device_spec(device) -> DeviceSpec:
+    """The DeviceSpec that serves a cluster device (:mod:`hetpipe_tf.planning.devices`)."""
+    t = device.type
+    if t.emulated:
+        return DeviceSpec("emulated", speed=t.emulated_speed, memory=t.memory)
+    return DeviceSpec("cpu") if t.host_cpu else DeviceSpec("gpu", index=device.index)
+
+
+class ClusterDevices:
+    """The TensorFlow devices of `cluster` (a :class:`hetpipe_tf.planning.cluster.Cluster`) under
+    `launch` (see the module docstring)."""
+
+    def __init__(self, cluster, launch):
+        self.cluster = cluster
+        self.launch = launch
+        self._nodes = [n.name for n in cluster.nodes]
+        self._local = None  # in_process: this process's logical device of every cluster device, in order
+        if launch == "in_process":
+            from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+
+            self._local = configure_tensorflow_devices([device_spec(d) for d in cluster.devices()])
+            flat = [(n, i) for n, node in enumerate(cluster.nodes) for i in range(node.count)]
+            self._index = {key: i for i, key in enumerate(flat)}
+
+    @property
+    def ps(self) -> list:
+        """The parameter-server device of every node."""
+        if self._local is not None:
+            return [self._local[self._index[(n, 0)]] for n in range(len(self._nodes))]
+        return [ps_device(n) for n in range(len(self._nodes))]
+
+    def device(self, device) -> str:
+        """The TensorFlow device of a cluster device, on its node."""
+        node = self._nodes.index(device.node)
+        if self._local is not None:
+            return self._local[self._index[(node, device.index)]]
+        return worker_device(node, "CPU" if device.type.on_host else "GPU", device.index)
+
+    def home_node(self, devices) -> int:
+        """The node a virtual worker of `devices` (its devices in stage order) is driven from: its first stage's."""
+        return self._nodes.index(devices[0].node)
+
+    def worker(self, w, devices, boundaries, references=None) -> tuple:
+        """Virtual worker `w`'s :class:`WorkerSpec` (its `devices` in stage order, cut at `boundaries`,
+        paced to `references`) and how many of its devices its own process holds: those on its home
+        node but real GPUs (their node's worker task holds them); none in_process."""
+        home = devices[0].node
+        specs, names, servers, local = [], [], [], 0
+        ps = self.ps
+        for d in devices:
+            specs.append(device_spec(d))
+            if self._local is None and d.node == home and d.type.on_host:
+                names.append(local_device(w, local))
+                local += 1
+            else:
+                names.append(self.device(d))
+            servers.append(ps[self._nodes.index(d.node) % len(ps)])
+        return WorkerSpec(tuple(specs), tuple(names), boundaries=tuple(boundaries), stage_servers=tuple(servers),
+                          references=references), local
+
+    def profiling_device(self):
+        """Where a profile times the stages: None (this process's CPU) in process; on a cluster, the
+        worker task's CPU of the first node with a host device (an emulated or CPU one), or None."""
+        if self._local is not None:
+            return None
+        host = next((d for d in self.cluster.devices() if d.type.on_host), None)
+        return None if host is None else self.device(host)

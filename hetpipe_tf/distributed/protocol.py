@@ -1,0 +1,213 @@
+"""The messages between the chief and a virtual worker's process, as typed values both sides use.
+
+The chief (:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`) sends *orders*; the
+worker's process (:mod:`hetpipe_tf.distributed.worker_process`) answers each with the order's
+``answer`` type, or with :class:`Error` when it failed. While it trains it also sends the
+*training messages* :class:`Started`, :class:`Done` (one per minibatch), then :class:`Finished`
+or :class:`Failed`. The connection is ``multiprocessing.connection`` authenticated by the
+cluster's key; messages are pickled, so every value here pickles.
+"""
+from dataclasses import dataclass, field
+
+
+def job_name(worker):
+    """The TensorFlow job of the process that drives virtual worker `worker`."""
+    return f"vw{worker}"
+
+
+def local_device(worker, index):
+    """The TensorFlow name of logical CPU `index` of the process driving `worker`."""
+    return f"/job:{job_name(worker)}/replica:0/task:0/device:CPU:{index}"
+
+
+
+# The worker's side ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    """The first message of a worker's process: which virtual worker it drives."""
+    worker: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A :class:`Job` is built: the minibatch size and the worker's description."""
+    batch_size: int
+    description: str
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A :class:`Probe`'s :class:`hetpipe_tf.pipeline.emulation.EmulationReport`."""
+    report: object
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Every stage took the global weights."""
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The worker's optimizer state per model variable
+    (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
+    state: object
+
+
+@dataclass(frozen=True)
+class OptimizerStateSet:
+    """A :class:`SetOptimizerState` was applied."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The worker's :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.stats`."""
+    stats: list
+
+
+@dataclass(frozen=True)
+class Report:
+    """The worker's emulation report (None without emulated devices)."""
+    report: object
+
+
+@dataclass(frozen=True)
+class Error:
+    """An order failed: the exception's class name (``NonFiniteError`` with the minibatch's logs,
+    for ``TerminateOnNaN``), its message."""
+    kind: str
+    message: str
+    logs: dict = None
+
+
+@dataclass(frozen=True)
+class Started:
+    """Training started (the worker was built and calibrated) at `time` (``time.perf_counter()``)."""
+    time: float
+
+
+@dataclass(frozen=True)
+class Done:
+    """A minibatch's update is in: its logs (floats) and when it completed."""
+    logs: dict
+    time: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Training ended: the trace's origin and events, or None when not traced."""
+    trace: tuple = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Training failed (as :class:`Error`)."""
+    kind: str
+    message: str
+    logs: dict = None
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The chief's own message when a worker's connection ended: its process is gone."""
+    kind: str
+    message: str
+    logs: dict = None
+
+
+#: What a worker's process sends while it trains (not an answer to an order).
+TRAINING_MESSAGES = (Started, Done, Finished, Failed)
+
+
+# The chief's orders ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerAddress:
+    """How a worker's process attaches to the run's parameter servers
+    (:class:`hetpipe_tf.sync.parameter_server.ParameterServers` given ``variable_devices``)."""
+    run: str
+    devices: tuple
+    stages_per_worker: tuple
+    variable_devices: tuple
+
+
+@dataclass(frozen=True)
+class Job:
+    """Build virtual worker `worker`: `spec` (a :class:`hetpipe_tf.runtime.run_config.WorkerSpec`,
+    its devices named as its process names them) of the run configured by `config` (a
+    :class:`hetpipe_tf.runtime.run_config.RunConfig`), the model (its JSON and weights), the
+    servers to attach to and its shard of the data (:mod:`hetpipe_tf.distributed.dataset_transfer`)."""
+    worker: int
+    spec: object
+    config: object
+    model_json: str
+    weights: list = field(repr=False)
+    servers: ServerAddress
+    data: tuple = field(repr=False)
+    answer = Ready
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One emulation probe at `dilation`, `workers` probing at once."""
+    dilation: float
+    workers: int
+    answer = Probed
+
+
+@dataclass(frozen=True)
+class Train:
+    """Train `steps` minibatches of `data` (None: where the last train ended) at `dilation`; answered
+    by the training messages, not by an answer."""
+    data: tuple
+    steps: int
+    dilation: float
+    calibration: tuple
+    trace: bool
+    answer = None
+
+
+@dataclass(frozen=True)
+class Drain:
+    """After a train: every stage takes the global weights."""
+    answer = Drained
+
+
+@dataclass(frozen=True)
+class GetOptimizerState:
+    answer = OptimizerState
+
+
+@dataclass(frozen=True)
+class SetOptimizerState:
+    state: object
+    answer = OptimizerStateSet
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Admit no more minibatches (unanswered)."""
+    answer = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop every stage now (unanswered)."""
+    answer = None
+
+
+@dataclass(frozen=True)
+class SetLearningRate:
+    """Every stage's optimizer takes this learning rate (unanswered)."""
+    value: float
+    answer = None
+
+
+@dataclass(frozen=True)
+class GetStats:
+    """The worker's stats over what came after `since` (``time.perf_counter()`` of this host)."""
+    since: float = None
+    answer = Stats
+
+
+@dataclass(frozen=True)
+class GetReport:
+    answer = Report

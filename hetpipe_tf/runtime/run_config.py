@@ -1,0 +1,136 @@
+"""The configuration of one run, validated once and passed whole.
+
+A :class:`RunConfig` says how a run trains: Nm, the staleness bound, the schedule and the
+synchronisation scheme, where the global weights live, the optimizer and the compiled loss and
+metrics, the emulation's dilation, the timeouts, the minibatch sizes and what happens to a lost
+worker. It is built once from the user's arguments (``HetPipeStrategy``, ``VirtualWorker``,
+``hetpipe-train``), every check of those arguments is made when it is built (each error names
+the argument), and it is handed whole to the virtual workers, the runners and, pickled, to every
+worker process. A :class:`WorkerSpec` says where one virtual worker runs.
+"""
+import dataclasses
+import pickle
+from dataclasses import dataclass
+
+from hetpipe_tf.pipeline.schedule import check_combination
+from hetpipe_tf.runtime.optimizers import check_optimizer
+from hetpipe_tf.sync.wsp import PLACEMENTS
+
+#: What a run does when a virtual worker's process is lost (:mod:`hetpipe_tf.distributed.process_runner`).
+ON_WORKER_FAILURE = ("stop", "continue")
+
+
+def _positive_int(name, value, allow_none=False):
+    if allow_none and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How one run trains (see the module docstring). The fields are the checked values:
+
+    num_in_flight: Nm, the minibatches in each virtual worker's pipeline (§4); None: each worker's
+      number of stages.
+    staleness_bound: D of WSP (§5), s of SSP (BSP and ASP take 0); the scheme's
+      ``checked_bound`` says what its pulls keep.
+    schedule, sync: the registered :class:`hetpipe_tf.pipeline.schedule.PipelineSchedule` and
+      :class:`hetpipe_tf.pipeline.schedule.SyncScheme` (given by name or as objects).
+    placement: of the global weights on the parameter servers (§8.1): "default" or "local".
+    optimizer: the Keras optimizer every stage copies; loss, metrics, loss_weights: as given to
+      ``keras.Model.compile`` (:mod:`hetpipe_tf.runtime.loss_head` gives them Keras's meaning).
+    dilation: of the emulated devices; None: calibrated by probe runs before training.
+    timeout_s: the longest a stage, a pull or a worker's process may go without progress.
+    minibatch_sizes: each worker's minibatch size, uneven (None: the data's batch size).
+    on_worker_failure: "stop" or "continue" (see ``HetPipeStrategy``).
+    record_provenance: record which updates each weight version held (for the staleness checks).
+    single_threaded_stages: each stage's kernels run one after another on its own thread.
+    """
+    num_in_flight: int | None = None
+    staleness_bound: int = 0
+    schedule: object = "hetpipe"
+    sync: object = "wsp"
+    placement: str = "default"
+    optimizer: object = "sgd"
+    loss: object = None
+    metrics: object = ()
+    loss_weights: object = None
+    dilation: float | None = None
+    timeout_s: float = 300.0
+    minibatch_sizes: tuple | None = None
+    on_worker_failure: str = "stop"
+    record_provenance: bool = False
+    single_threaded_stages: bool = False
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("num_in_flight", _positive_int("num_in_flight (Nm)", self.num_in_flight, allow_none=True))
+        schedule, sync = check_combination(self.schedule, self.sync)
+        put("schedule", schedule)
+        put("sync", sync)
+        if isinstance(self.staleness_bound, bool) or not isinstance(self.staleness_bound, int) or \
+                self.staleness_bound < 0:
+            raise ValueError(f"staleness_bound (D) must be an integer >= 0, got {self.staleness_bound!r}")
+        sync.checked_bound(self.staleness_bound)  # the scheme's own rule (BSP and ASP take 0 only)
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
+        put("optimizer", check_optimizer(self.optimizer))
+        if self.dilation is not None:
+            if not float(self.dilation) >= 1.0:
+                raise ValueError(f"dilation must be None (calibrated) or a number >= 1, got {self.dilation!r}")
+            put("dilation", float(self.dilation))
+        if not float(self.timeout_s) > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        put("timeout_s", float(self.timeout_s))
+        if self.minibatch_sizes is not None:
+            put("minibatch_sizes", tuple(_positive_int("each of minibatch_sizes", int(b)) for b in self.minibatch_sizes))
+        if self.on_worker_failure not in ON_WORKER_FAILURE:
+            raise ValueError(f"unknown on_worker_failure {self.on_worker_failure!r}; allowed: "
+                             f"{', '.join(map(repr, ON_WORKER_FAILURE))}")
+
+    def replace(self, **changes) -> "RunConfig":
+        """This configuration with `changes`, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    # Pickled for a worker process: the optimizer as Keras serializes it; the compiled loss and
+    # metrics as they are (they must be importable there, as for any pickled object).
+    def __getstate__(self):
+        import keras
+
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        state["optimizer"] = keras.optimizers.serialize(self.optimizer)
+        return state
+
+    def __setstate__(self, state):
+        import keras
+
+        for name, value in state.items():
+            object.__setattr__(self, name, keras.optimizers.deserialize(value) if name == "optimizer" else value)
+
+    def check_picklable(self) -> None:
+        """Raises a ValueError naming what cannot reach a worker process (before any starts)."""
+        for name in ("loss", "metrics", "loss_weights", "schedule", "sync"):
+            try:
+                pickle.dumps(getattr(self, name))
+            except Exception as e:  # noqa: BLE001 - any pickling failure, said as such
+                raise ValueError(f"{name}={getattr(self, name)!r} cannot be sent to a virtual worker's process "
+                                 f"({type(e).__name__}: {e}): give it by name or as an importable object") from None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
+    this process's), its stage boundaries (None: balanced), and the parameter server on each
+    stage's node (for ``local`` placement), an emulated slowdown (minibatch id -> factor >= 1,
+    see :class:`hetpipe_tf.pipeline.emulation.Pacer`) and the emulation's references (per stage,
+    (forward, backward) seconds its paces scale from; None: measured before training)."""
+    devices: object
+    tf_devices: tuple = None
+    boundaries: tuple = None
+    stage_servers: tuple = None
+    slowdown: object = None
+    references: tuple = None

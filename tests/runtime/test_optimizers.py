@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hetpipe_tf.cli.hetpipe_flags import OPTIMIZERS
 from hetpipe_tf.runtime.optimizers import (
     NAMES, SUPPORTED, UnsupportedOptimizerError, by_name, check_optimizer, slots_per_weight, stage_optimizer)
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
@@ -184,8 +185,8 @@ def test_slots_per_weight_counts_what_each_keras_build_adds():
                                           keras.optimizers.Adam(amsgrad=True))] == [0, 2, 3]
 
 
-def test_by_name_makes_every_supported_optimizer_by_its_name():
-    assert len(NAMES) == len(SUPPORTED)
+def test_by_name_makes_every_name_the_optimizer_flags_take():
+    assert OPTIMIZERS == NAMES and len(NAMES) == len(SUPPORTED)
     for name in NAMES:
         assert type(check_optimizer(by_name(name, 0.001))).__name__.lower() == name
     adamw = by_name("adamw", 0.002, weight_decay=0.05)

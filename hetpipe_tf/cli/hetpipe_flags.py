@@ -6,6 +6,11 @@ from hetpipe_tf.cli import models
 from hetpipe_tf.planning.allocation import POLICIES
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
+#: What the binaries' --optimizer flag takes (hetpipe_tf.runtime.optimizers.by_name makes them; listed
+#: here so that the flags parse without loading Keras).
+OPTIMIZERS = ("sgd", "adam", "adamw", "adamax", "nadam", "lion", "adafactor", "adagrad", "adadelta", "ftrl",
+              "rmsprop", "lamb", "muon", "schedulefreeadamw")
+
 
 def define_flags():
     flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
@@ -23,7 +28,7 @@ def define_flags():
     flags.DEFINE_enum("placement", "default", list(PLACEMENTS), "Parameter placement on the servers.")
     flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
     flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
-    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer (its slots take memory).")
+    flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "Optimizer (its slots take memory).")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).", lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_integer("steps", 400, "simulate: minibatches (steps) per virtual worker.", lower_bound=1)
     flags.DEFINE_bool("json", False, "Print JSON instead of a table.")

@@ -6,6 +6,7 @@ from absl import flags
 from hetpipe_tf.data import datasets
 
 from hetpipe_tf.cli import models
+from hetpipe_tf.cli.hetpipe_flags import OPTIMIZERS
 
 DEFAULT_DEVICES = "1@32M,0.5@32M,0.5@32M,0.25@32M"
 
@@ -33,7 +34,8 @@ def define_flags():
     flags.DEFINE_integer("epochs", 12, "Epochs.", lower_bound=1)
     flags.DEFINE_integer("steps_per_epoch", None, "Minibatches per epoch (default: the whole training split).",
                          lower_bound=1)
-    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer.")
+    flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "Optimizer (keras.optimizers, by its class name in "
+                                                           "lower case).")
     flags.DEFINE_float("learning_rate", 0.01, "Learning rate.", lower_bound=0.0)
     flags.DEFINE_float("momentum", 0.9, "Momentum (sgd).", lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_integer("image_size", None, "Resize images to this side (keras.applications models need >= 32).",

@@ -3,16 +3,82 @@
 Every stage applies its own minibatch updates to its own weights (§4:
 w_local = w_local + u_p), with its own copy of the user's optimizer built from
 the same config, so that with Nm = 1 the updates are exactly plain Keras
-training's. Settings that couple the weights of different stages are refused.
+training's. That holds for an optimizer exactly when its update of a variable
+depends only on that variable, its gradient and its own slots, the iteration
+count and the learning rate: every stage applies every minibatch, so each
+copy's iteration count, and a learning-rate schedule read from it, is Keras's.
+
+Per variable in Keras 3: SGD, Adam, AdamW, Adamax, Nadam (its one scalar
+``u_product`` follows the iteration count alone), Lion, Adafactor (its factored
+moments and its step size come from the variable and its gradient), Adagrad,
+Adadelta, Ftrl, RMSprop, Lamb (its trust ratio is the norm of the variable over
+the norm of its update, per variable), Muon (Newton-Schulz on each 2-D variable
+whole; a cut never splits a variable) and ScheduleFreeAdamW. Any of them with
+``weight_decay`` (decoupled, per variable) and ``clipnorm`` or ``clipvalue``
+(per gradient). A stage's weights keep the model variables' names and paths,
+which weight-decay exclusion by name and Muon's exclusions match against;
+exclusions by variable (``exclude_from_weight_decay(var_list=...)``) are held by
+identity, and :func:`stage_optimizer` gives them to the stage's copies.
+
+Ftrl and ScheduleFreeAdamW keep the weights themselves in their slots (Ftrl's
+``linear``, the schedule-free base sequence), so a change that a WSP pull merges
+into w_local (§5) does not last: Ftrl's next step recomputes the weight from
+its slots, and the schedule-free average keeps a shrinking share of it. With
+one virtual worker they are exact.
+
+Refused, each with its reason (:func:`check_optimizer`): settings that couple
+the stages (``global_clipnorm``) or need the pipeline's own support
+(``use_ema``, ``gradient_accumulation_steps``, ``loss_scale_factor``), and the
+wrappers LossScaleOptimizer and MultiOptimizer.
 """
+from collections.abc import Sequence
+
 import keras
 
-SUPPORTED = ("SGD", "Adam", "RMSprop")
+#: Supported optimizer class -> optimizer variables per weight, from its config (what each Keras
+#: 3 ``build`` adds per model variable; see :func:`slots_per_weight`).
+_SLOTS = {
+    keras.optimizers.SGD: lambda c: int(c["momentum"] != 0),
+    keras.optimizers.Adam: lambda c: 2 + int(bool(c["amsgrad"])),
+    keras.optimizers.AdamW: lambda c: 2 + int(bool(c["amsgrad"])),
+    keras.optimizers.Adamax: lambda c: 2,
+    keras.optimizers.Nadam: lambda c: 2,
+    keras.optimizers.Lion: lambda c: 1,
+    keras.optimizers.Adafactor: lambda c: 1,
+    keras.optimizers.Adagrad: lambda c: 1,
+    keras.optimizers.Adadelta: lambda c: 2,
+    keras.optimizers.Ftrl: lambda c: 2,
+    keras.optimizers.RMSprop: lambda c: 1 + int(c["momentum"] > 0) + int(bool(c["centered"])),
+    keras.optimizers.Lamb: lambda c: 2,
+    keras.optimizers.Muon: lambda c: 2,
+    keras.optimizers.ScheduleFreeAdamW: lambda c: 2,
+}
+SUPPORTED = tuple(cls.__name__ for cls in _SLOTS)
+_BY_NAME = {cls.__name__.lower(): cls for cls in _SLOTS}
+#: The names :func:`by_name` takes (the binaries' --optimizer flag): each supported class's name in lower case.
+NAMES = tuple(_BY_NAME)
+# Optimizers refused for a reason of their own.
+_REFUSED = {
+    "LossScaleOptimizer": "it scales the loss and skips a step whose gradients are not finite, with one scale; in a "
+                          "pipeline the scale and the skip must be one per virtual worker, over every stage's "
+                          "gradients of a minibatch, which is not supported yet: train in float32 or bfloat16",
+    "MultiOptimizer": "it gives each variable one of several optimizers, each with its own learning rate and "
+                      "iteration count, where the pipeline's fit sets one learning rate on each stage's copy, its "
+                      "checkpoints key one optimizer's slots and the planner counts one number of slots per "
+                      "weight; not supported yet",
+}
 # Setting -> (values that are fine, why other values are refused).
-_COUPLING = {
+_REFUSED_SETTINGS = {
     "global_clipnorm": ((None,), "clips by the norm of all gradients together, across stages; use clipnorm"),
-    "use_ema": ((None, False), "keeps an average of all weights; not supported yet"),
-    "gradient_accumulation_steps": ((None, 1), "accumulates across minibatches, which WSP waves already do"),
+    "use_ema": ((None, False), "keeps a moving average of the weights, which Keras's fit writes into the model "
+                               "when training ends; the pipeline does not yet write each stage's averages "
+                               "back, nor give them to the parameter servers"),
+    "gradient_accumulation_steps": ((None,), "applies one update per so many minibatches, where the pipeline "
+                                            "applies each minibatch's update and counts the iterations by "
+                                            "minibatch (§4); use a larger batch, or the gpipe schedule, which "
+                                            "accumulates microbatches"),
+    "loss_scale_factor": ((None,), "divides the gradients by it, and the pipeline's last stage does not multiply "
+                                   "the loss by it yet"),
 }
 
 
@@ -20,46 +86,66 @@ class UnsupportedOptimizerError(ValueError):
     """An optimizer the pipeline cannot run as plain Keras would."""
 
 
-def by_name(name, learning_rate=0.01, momentum=0.0):
-    """A Keras optimizer by the name the binaries' --optimizer flag takes: sgd, adam or rmsprop."""
+def by_name(name: str, learning_rate: float = 0.01, momentum: float = 0.0,
+            weight_decay: float | None = None) -> keras.optimizers.Optimizer:
+    """A Keras optimizer by the name the binaries' --optimizer flag takes (``adamw``, ``sgd``, ...: a
+    supported class's name in lower case); `momentum` is SGD's; `weight_decay` None: the class's default
+    (AdamW's and Muon's 0.004, the others' none)."""
+    if name not in _BY_NAME:
+        raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: {', '.join(NAMES)}")
+    kwargs = {"learning_rate": learning_rate}
     if name == "sgd":
-        return keras.optimizers.SGD(learning_rate, momentum=momentum)
-    if name in ("adam", "rmsprop"):
-        return {"adam": keras.optimizers.Adam, "rmsprop": keras.optimizers.RMSprop}[name](learning_rate)
-    raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: sgd, adam, rmsprop")
+        kwargs["momentum"] = momentum
+    if weight_decay is not None:
+        kwargs["weight_decay"] = weight_decay
+    return _BY_NAME[name](**kwargs)
 
 
-def check_optimizer(optimizer):
+def check_optimizer(optimizer: keras.optimizers.Optimizer | str) -> keras.optimizers.Optimizer:
     """Returns a Keras optimizer for `optimizer` (an instance or a name), or raises."""
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     name = type(optimizer).__name__
-    if not isinstance(optimizer, keras.optimizers.Optimizer) or name not in SUPPORTED:
+    if name in _REFUSED:
+        raise UnsupportedOptimizerError(f"optimizer {name} is not supported: {_REFUSED[name]}")
+    if type(optimizer) not in _SLOTS:
         raise UnsupportedOptimizerError(
-            f"optimizer {name} is not supported; supported: "
-            f"{', '.join('keras.optimizers.' + s for s in SUPPORTED)} (SGD with or without momentum "
-            f"or Nesterov)")
+            f"optimizer {name} is not supported; supported: {', '.join('keras.optimizers.' + s for s in SUPPORTED)} "
+            f"(those whose update of a variable depends only on that variable, its gradient and state, the "
+            f"iteration count and the learning rate)")
     config = optimizer.get_config()
-    for key, (fine, why) in _COUPLING.items():
+    for key, (fine, why) in _REFUSED_SETTINGS.items():
         if config.get(key) not in fine:
             raise UnsupportedOptimizerError(f"optimizer {name} with {key}={config[key]!r}: {why}")
     return optimizer
 
 
-def stage_optimizer(optimizer):
-    """A fresh optimizer with `optimizer`'s class and config, for one stage."""
+def stage_optimizer(optimizer: keras.optimizers.Optimizer | str, originals: Sequence[keras.Variable] = (),
+                    copies: Sequence[keras.Variable] = ()) -> keras.optimizers.Optimizer:
+    """A fresh optimizer with `optimizer`'s class and config, for one stage whose weights `copies` are
+    copies of the model variables `originals` (in the same order), with `optimizer`'s weight-decay
+    exclusions: those by name as they are, those by variable given to the copies of the variables."""
     optimizer = check_optimizer(optimizer)
-    return type(optimizer).from_config(optimizer.get_config())
+    copy = type(optimizer).from_config(optimizer.get_config())
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", set())
+    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    if excluded or pattern is not None:
+        copy.exclude_from_weight_decay(
+            var_list=[c for o, c in zip(originals, copies) if optimizer._var_key(o) in excluded],
+            var_names=None if pattern is None else [pattern.pattern])
+    return copy
 
 
-def slots_per_weight(optimizer):
-    """How many optimizer variables each weight gets (SGD: 0, or 1 with momentum; Adam: 2;
-    RMSprop: 1, plus 1 with momentum and 1 when centered): memory the planner counts."""
+def slots_per_weight(optimizer: keras.optimizers.Optimizer | str) -> int:
+    """How many optimizer variables of a weight's size each weight gets, the memory the planner counts:
+    SGD 0, or 1 with momentum; Adam and AdamW 2, 3 with amsgrad; RMSprop 1, plus 1 with momentum
+    and 1 when centered; Lion, Adagrad 1; Adamax, Nadam, Adadelta, Ftrl, Lamb, ScheduleFreeAdamW 2.
+
+    Two are bounds. Muon: 2, an upper bound: every weight gets a momentum, and those it updates with
+    AdamW (all but the 2-D weights outside embeddings and excluded layers) a velocity too; the 2-D
+    weights it orthogonalises (Newton-Schulz) get the momentum only. Adafactor: 1, a lower bound: its
+    full-size velocity (Keras 3 keeps one besides the factored moments); the factored moments, m + n
+    values for an m x n matrix (1/m + 1/n of its bytes) and two scalars for a vector, are not counted.
+    Nor is Nadam's one scalar per stage."""
     optimizer = check_optimizer(optimizer)
-    config = optimizer.get_config()
-    name = type(optimizer).__name__
-    if name == "SGD":
-        return 1 if config.get("momentum") else 0
-    if name == "Adam":
-        return 2 + (1 if config.get("amsgrad") else 0)
-    return 1 + (1 if config.get("momentum") else 0) + (1 if config.get("centered") else 0)
+    return _SLOTS[type(optimizer)](optimizer.get_config())

@@ -257,7 +257,7 @@ class StageRuntime:
         with tf.device(device):
             self.trainable = [_copy(v, trainable=True) for v in stage.trainable_variables]
             self.non_trainable = [_copy(v, trainable=False) for v in stage.non_trainable_variables]
-            self.optimizer = stage_optimizer(config.optimizer)
+            self.optimizer = stage_optimizer(config.optimizer, stage.trainable_variables, self.trainable)
             self.optimizer.build(self.trainable)
         self.stash = WeightStash(config.num_in_flight, device=device, name=f"stage{self.index}")
         self._dtypes = [v.dtype for v in self.trainable]

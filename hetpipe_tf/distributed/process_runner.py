@@ -48,6 +48,7 @@ from hetpipe_tf.runtime.fit_loop import fit
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.optimizers import check_optimizer
 from hetpipe_tf.runtime.wsp_runner import stage_layer_servers
 from hetpipe_tf.sync.parameter_server import ParameterServers
 
@@ -182,7 +183,7 @@ class ProcessRunner:
         self._segment = {"steps": 0, "done": {}, "started": set()}  # the current train's
         self._shards = None  # each worker's whole shard (repeated), to restart one
         self._restarted = {}  # the shards of workers restarted at the last epoch's end
-        self._learning_rate = _LearningRate(self, float(config.optimizer.learning_rate))
+        self._learning_rate = _LearningRate(self, float(check_optimizer(config.optimizer).learning_rate))
 
     @property
     def num_workers(self):

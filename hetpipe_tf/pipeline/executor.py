@@ -46,15 +46,32 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, ApplyAccumulated, ApplyUpdate, Backward, Forward,
-    LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs, RecvLabels, SendActivation, SendGradient,
+    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, TIED_GRADIENTS, UPDATE_TERMS, ApplyAccumulated,
+    ApplyUpdate, Backward, Forward, LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
+    RecvTiedGradients, RecvUpdateTerms, Send, SendActivation, SendGradient, SendTiedGradients, SendUpdateTerms,
     SnapshotState, StashWeights)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
 
 _FINISHED = object()
-_DEVICE_RESULTS = (ACTIVATION, GRADIENT)  # what a stage's device computes for another stage
+_DEVICE_RESULTS = (ACTIVATION, GRADIENT, UPDATE_TERMS, TIED_GRADIENTS)  # what a device computes for another stage
+
+
+def _nbytes(value):
+    """The bytes of the tensors in `value` (nested lists, tuples and dicts of objects with a shape
+    and a dtype, such as tensors and arrays)."""
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        return 0
+    elements = 1
+    for d in shape:
+        elements *= int(d)
+    return elements * (getattr(dtype, "size", None) or getattr(dtype, "itemsize", 0))
 
 
 class PipelineError(RuntimeError):
@@ -78,6 +95,7 @@ class StageReport:
     memory_peak: int = 0
     stash_peak_versions: int = 0
     stash_bytes_peak: int = 0
+    sent_bytes: int = 0  # what its Send instructions handed to other stages
     emulation: EmulationReport | None = None
 
 
@@ -180,6 +198,8 @@ class PipelineExecutor:
         LoadMinibatch: "_load_minibatch", RecvInputs: "_recv_inputs", RecvLabels: "_recv_labels",
         RecvActivation: "_recv_activation", SendActivation: "_send_activation",
         RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", SnapshotState: "_snapshot_state",
+        SendUpdateTerms: "_send_update_terms", RecvUpdateTerms: "_recv_update_terms",
+        SendTiedGradients: "_send_tied_gradients", RecvTiedGradients: "_recv_tied_gradients",
     }
     _PACED = {Forward: Forward, Recompute: Forward, Backward: Backward}  # what each pass is paced as
 
@@ -421,7 +441,7 @@ class PipelineExecutor:
             if type(ins) in device:
                 if not (isinstance(ins, StashWeights) and ins.minibatch > self._limit):
                     group.append(ins)
-            elif group and isinstance(ins, (SendActivation, SendGradient)):
+            elif group and isinstance(ins, Send):
                 sends.append(ins)
             else:
                 if group:
@@ -498,6 +518,8 @@ class PipelineExecutor:
         values = (getattr(self, method)(s, ins, *taken) if method
                   else self._sync_handlers[type(ins)](self, s, ins, *taken)) or {}
         pacer = self._pacers[s]
+        sent = _nbytes(list(values.values())) if isinstance(ins, Send) else 0
+        self.reports[s].sent_bytes += sent
         for dst, key in ins.provides(s):
             if dst == PARAMETER_SERVER:  # the method itself talked to the parameter servers
                 continue
@@ -508,7 +530,8 @@ class PipelineExecutor:
         t1 = self._clock()
         self._progress = t1
         if self._trace:
-            self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__)
+            self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__,
+                             args={"bytes": sent} if sent else None)
 
     def _wait_for_device(self, s):
         """Waits until stage `s`'s emulated device has ended its tasks (returns at once on a device
@@ -550,6 +573,19 @@ class PipelineExecutor:
 
     def _send_gradient(self, s, ins):
         return {(ins.to, (GRADIENT, ins.minibatch)): self.runtimes[s].input_gradients(ins.minibatch)}
+
+    def _send_update_terms(self, s, ins):
+        terms = self.runtimes[s].update_terms(ins.minibatch)
+        return {key: terms for key in ins.provides(s)}
+
+    def _recv_update_terms(self, s, ins, terms):
+        self.runtimes[s].set_update_terms(ins.minibatch, terms)
+
+    def _send_tied_gradients(self, s, ins):
+        return {key: self.runtimes[s].tied_gradients(ins.minibatch) for key in ins.provides(s)}
+
+    def _recv_tied_gradients(self, s, ins, grads):
+        self.runtimes[s].set_tied_gradients(ins.minibatch, ins.source, grads)
 
     # Reports --------------------------------------------------------------------------
     def _report_done(self, s, ins):

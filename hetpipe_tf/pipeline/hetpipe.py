@@ -14,12 +14,20 @@ that stage), so the planner's memory per stage position is what the stage can ev
 
 A synchronisation scheme (:class:`hetpipe_tf.pipeline.schedule.SyncScheme`) adds its
 instructions after each update, the keys a forward pass waits for, and its own streams.
+
+With a :class:`hetpipe_tf.pipeline.schedule.WorkerUpdate` (a clip by the norm of every stage's
+gradient, a loss scale, tied weights), the first stage sends its update terms of minibatch p after
+its backward pass, and each waiting stage's update of p (with what precedes it: a compensation,
+the release of w_p) and the stash of w_{p+Nm} form a task of its own, in an ``update`` stream that
+takes the terms first; its backward task ends with sending the gradient (and its tied replicas'
+gradients to the first stage).
 """
 from hetpipe_tf.pipeline.instructions import (
     ApplyUpdate, Backward, Forward, LoadMinibatch, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
-    ReleaseWeights, SendActivation, SendGradient, SnapshotState, StashWeights, Task, TaskStream)
+    RecvTiedGradients, RecvUpdateTerms, ReleaseWeights, SendActivation, SendGradient, SendTiedGradients,
+    SendUpdateTerms, SnapshotState, StashWeights, Task, TaskStream)
 from hetpipe_tf.pipeline.schedule import (
-    NO_SYNC, PipelineSchedule, Schedule, StageProgram, get_sync, register_schedule)
+    NO_SYNC, NO_WORKER_UPDATE, PipelineSchedule, Schedule, StageProgram, get_sync, register_schedule)
 from hetpipe_tf.pipeline.stage_programs import after_update, check_run, entry
 
 
@@ -29,7 +37,9 @@ class HetPipeSchedule(PipelineSchedule):
     name = "hetpipe"
     instructions = frozenset({LoadMinibatch, RecvInputs, RecvLabels, RecvActivation, SendActivation,
                               RecvGradient, SendGradient, Forward, Backward, ApplyUpdate, StashWeights,
-                              ReleaseWeights, SnapshotState})
+                              ReleaseWeights, SnapshotState, SendUpdateTerms, RecvUpdateTerms, SendTiedGradients,
+                              RecvTiedGradients})
+    worker_update = True
 
     def activations_held(self, position, num_stages, num_in_flight):
         """min(Nm, k - q) (§4)."""
@@ -40,7 +50,7 @@ class HetPipeSchedule(PipelineSchedule):
         return num_in_flight
 
     def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
-                 sync=NO_SYNC):
+                 sync=NO_SYNC, worker_update=NO_WORKER_UPDATE):
         """Args:
           num_stages: k.
           steps: how many minibatches the run trains.
@@ -48,17 +58,31 @@ class HetPipeSchedule(PipelineSchedule):
           input_stages: the stages that consume model inputs (stage 0 loads them).
           snapshot_after: minibatch ids after whose update every stage records its state.
           sync: the synchronisation scheme between virtual workers (default: none).
+          worker_update: the update terms the stages share (see the module docstring).
         """
         k, n, nm, input_stages = check_run(num_stages, steps, num_in_flight, input_stages)
         snapshots = frozenset(snapshot_after)
         last = k - 1
+        waiting = frozenset(worker_update.waiting)
 
-        def update(s, p):
+        def sent(s, p):  # what a stage's backward pass hands on
             ins = [SendGradient(p, to=s - 1)] if s > 0 else []
-            ins += [*self.before_update(p), ReleaseWeights(p), ApplyUpdate(p)]
+            return ins + ([SendTiedGradients(p, to=0)] if s in worker_update.tied else [])
+
+        def received(s, p):  # what the first stage's backward pass takes besides the gradient
+            return [RecvTiedGradients(p, source=t) for t in worker_update.tied] if s == 0 else []
+
+        def update(s, p):  # the update of p and what follows it
+            ins = [*self.before_update(p), ReleaseWeights(p), ApplyUpdate(p)]
             if p + nm <= n:
                 ins.append(StashWeights(p + nm))
             return ins + after_update(sync, (p,), n, nm, snapshots)
+
+        def backward_end(s, p):
+            if s in waiting:
+                return sent(s, p)
+            terms = [SendUpdateTerms(p, to=tuple(sorted(waiting)))] if s == 0 and waiting else []
+            return sent(s, p) + terms + update(s, p)
 
         programs = []
         for s in range(k):
@@ -71,16 +95,20 @@ class HetPipeSchedule(PipelineSchedule):
                         Forward(p, window=w, waits=sync.forward_waits(p, nm)), SendActivation(p, to=s + 1)]))
 
                 def backward(p, s=s, w=window):
-                    return Task(s, "backward", p, tuple([RecvGradient(p), Backward(p, window=w)] + update(s, p)))
+                    return Task(s, "backward", p, tuple([RecvGradient(p)] + received(s, p) + [Backward(p, window=w)]
+                                                        + backward_end(s, p)))
 
                 streams = (TaskStream("forward", n, forward), TaskStream("backward", n, backward))
             else:
                 def forward_backward(p, s=s):
                     return Task(s, "forward_backward", p, tuple(
-                        entry(s, p, input_stages, last) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)), Backward(p)]
-                        + update(s, p)))
+                        entry(s, p, input_stages, last) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)),
+                                                          Backward(p)] + backward_end(s, p)))
 
                 streams = (TaskStream("forward_backward", n, forward_backward),)
+            if s in waiting:
+                streams += (TaskStream("update", n, lambda p, s=s: Task(s, "update", p, tuple(
+                    [RecvUpdateTerms(p)] + update(s, p)))),)
             streams += sync.streams(s, n, nm)
             programs.append(StageProgram(stage=s, prologue=prologue, streams=streams))
         return Schedule(name=self.name, num_stages=k, steps=n, num_in_flight=nm,

@@ -23,6 +23,8 @@ INPUTS = "inputs"
 LABELS = "labels"
 WEIGHTS = "weights"
 SLOT = "activation slot"
+UPDATE_TERMS = "update terms"
+TIED_GRADIENTS = "tied gradients"
 #: The destination of what a stage sends to the parameter servers.
 PARAMETER_SERVER = "ps"
 
@@ -84,7 +86,13 @@ class RecvActivation(Instruction):
 
 
 @dataclass(frozen=True, repr=False)
-class SendActivation(Instruction):
+class Send(Instruction):
+    """An instruction that hands what this stage made for minibatch p to other stages: it runs
+    right after the instructions that made it (:mod:`hetpipe_tf.pipeline.executor`)."""
+
+
+@dataclass(frozen=True, repr=False)
+class SendActivation(Send):
     """Sends minibatch p's activations (and forwarded skip tensors) to the next stage."""
     to: int = field(default=0, kw_only=True)
 
@@ -104,7 +112,7 @@ class RecvGradient(Instruction):
 
 
 @dataclass(frozen=True, repr=False)
-class SendGradient(Instruction):
+class SendGradient(Send):
     """Sends the gradient of minibatch p's received tensors to the previous stage."""
     to: int = field(default=0, kw_only=True)
 
@@ -113,6 +121,54 @@ class SendGradient(Instruction):
 
     def __repr__(self):
         return f"SendGradient({self.minibatch}, to={self.to})"
+
+
+@dataclass(frozen=True, repr=False)
+class SendUpdateTerms(Send):
+    """The first stage, the last to end minibatch p's backward pass (§4), sends the stages `to` the
+    terms every stage's update of p takes: whether it applies at all (every stage's gradient
+    finite), the factor of a clip by the norm of all the stages' gradients together, the loss
+    scale after p, the sums of tied weights' replicas' gradients (:class:`hetpipe_tf.pipeline.schedule.WorkerUpdate`)."""
+    to: tuple = field(default=(), kw_only=True)
+
+    def provides(self, stage):
+        return tuple((t, (UPDATE_TERMS, self.minibatch)) for t in self.to)
+
+    def __repr__(self):
+        return f"SendUpdateTerms({self.minibatch}, to={list(self.to)})"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvUpdateTerms(Instruction):
+    """Takes minibatch p's update terms from the first stage."""
+
+    def requires(self):
+        return ((UPDATE_TERMS, self.minibatch),)
+
+
+@dataclass(frozen=True, repr=False)
+class SendTiedGradients(Send):
+    """Sends the first stage the gradients of minibatch p of this stage's replicas of tied
+    weights (a layer that several stages call), which it sums with its own for every replica."""
+    to: int = field(default=0, kw_only=True)
+
+    def provides(self, stage):
+        return ((self.to, (TIED_GRADIENTS, self.minibatch, stage)),)
+
+    def __repr__(self):
+        return f"SendTiedGradients({self.minibatch}, to={self.to})"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvTiedGradients(Instruction):
+    """Takes the gradients of minibatch p of stage `source`'s tied replicas."""
+    source: int = field(default=0, kw_only=True)
+
+    def requires(self):
+        return ((TIED_GRADIENTS, self.minibatch, self.source),)
+
+    def __repr__(self):
+        return f"RecvTiedGradients({self.minibatch}, source={self.source})"
 
 
 @dataclass(frozen=True, repr=False)

@@ -17,6 +17,27 @@ and a backward task ready, and the program says so: it lists both streams.
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class WorkerUpdate:
+    """What the stages of a virtual worker share before any applies minibatch p's update: a clip
+    by the norm of all the stages' gradients together and a loss scale need every stage's gradient
+    (whether it is finite, its squared norm), and a tied weight's replicas (a layer several stages
+    call) need the sum of their gradients. The first stage, the last to end p's backward pass (§4),
+    gathers them (the others' come with the gradient they send it, the tied replicas' gradients
+    by :class:`hetpipe_tf.pipeline.instructions.SendTiedGradients` from the stages in `tied`) and
+    sends the stages in `waiting` its terms; their update of p waits for them. That costs no pause:
+    the next version holding update p is w_{p+Nm}, whose forward pass starts on the first stage
+    after it applied p. Empty (the default): every stage applies its update as its backward pass ends."""
+    waiting: tuple = ()
+    tied: tuple = ()
+
+    def __bool__(self):
+        return bool(self.waiting)
+
+
+NO_WORKER_UPDATE = WorkerUpdate()
+
+
 def fifo_pick(candidates):
     """§4 rule 3: the candidate that became ready first; ties go to the older minibatch.
 
@@ -80,11 +101,15 @@ class PipelineSchedule:
     #: Its instructions that cost about an update (elementwise work over the stage's weights):
     #: the planner charges each the stage's apply time.
     apply_like = frozenset()
+    #: Whether its programs can hold a :class:`WorkerUpdate` (each stage's update of minibatch p
+    #: waiting for the first stage's terms).
+    worker_update = False
 
     def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
-                 sync=None):
+                 sync=None, worker_update=NO_WORKER_UPDATE):
         """The :class:`Schedule` of a run of `steps` minibatches with `num_in_flight`
-        (Nm) in flight; `sync` (a :class:`SyncScheme`, default none) adds its instructions."""
+        (Nm) in flight; `sync` (a :class:`SyncScheme`, default none) adds its instructions, and
+        `worker_update` (a :class:`WorkerUpdate`) the terms the stages share before an update."""
         raise NotImplementedError
 
     def activations_held(self, position, num_stages, num_in_flight):
@@ -214,6 +239,15 @@ def get_schedule(schedule):
 def get_sync(scheme):
     """The registered :class:`SyncScheme` named `scheme` (or `scheme` itself; None: no sync)."""
     return NO_SYNC if scheme is None else _lookup("sync", _SYNCS, scheme)
+
+
+def check_worker_update(schedule, worker_update, why):
+    """A ValueError naming the schedules that can, if `schedule` cannot hold `worker_update` (needed
+    for `why`, e.g. "global_clipnorm")."""
+    if worker_update and not schedule.worker_update:
+        able = ", ".join(sorted(name for name, s in _SCHEDULES.items() if s.worker_update))
+        raise ValueError(f"{why} needs every stage's gradient of a minibatch before any stage applies it, which the "
+                         f"schedule {schedule.name!r} cannot wait for; the schedules that can: {able}")
 
 
 def works_with(schedule, scheme):

@@ -34,6 +34,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops as _variable_ops
 
 from hetpipe_tf.runtime.checkpoint import EpochSegments
+from hetpipe_tf.runtime.optimizers import check_optimizer, inner_optimizer
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
 from hetpipe_tf.runtime.worker_data import epoch_steps, mean_batch_size, worker_shards
 
@@ -202,7 +203,7 @@ def fit(runner, x, *, epochs=1, steps_per_epoch=None, callbacks=None, verbose="a
     history = run_fit(
         runner.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
         verbose=verbose, batch_size=mean_batch_size(x, sizes), epoch_end=epoch_end, workers=k,
-        optimizer=runner.config.optimizer, stage_optimizers=runner.stage_optimizers,
+        optimizer=check_optimizer(runner.config.optimizer), stage_optimizers=runner.stage_optimizers,
         request_stop=runner.request_stop, abort=lambda: (segments and segments.release(), runner.abort()),
         timeout_s=runner.config.timeout_s, initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
     runner.end_fit()
@@ -359,7 +360,8 @@ class LearningRateFollower:
         self._set = (None, ())  # the learning rate the copies were last given, and which copies
 
     def __call__(self, completed):
-        template = self._model.optimizer if getattr(self._model, "optimizer", None) is not None else self._template
+        template = inner_optimizer(self._model.optimizer if getattr(self._model, "optimizer", None) is not None
+                                   else self._template)
         iterations = template.iterations.value
         _variable_ops.assign_variable_op(iterations.handle, tf.constant(completed, iterations.dtype))
         given = template._learning_rate

@@ -26,14 +26,21 @@ into w_local (§5) does not last: Ftrl's next step recomputes the weight from
 its slots, and the schedule-free average keeps a shrinking share of it. With
 one virtual worker they are exact.
 
-Refused, each with its reason (:func:`check_optimizer`): settings that couple
-the stages (``global_clipnorm``) or need the pipeline's own support
-(``use_ema``, ``gradient_accumulation_steps``, ``loss_scale_factor``), and the
-wrappers LossScaleOptimizer and MultiOptimizer.
+Two settings couple the stages, and a virtual worker runs them with terms every
+stage's update takes (:mod:`hetpipe_tf.runtime.update_terms`, :func:`update_rule_of`):
+``global_clipnorm``, and the wrapper ``LossScaleOptimizer`` (which Keras's
+``compile`` makes under the ``mixed_float16`` policy); each stage's copy is then
+the inner optimizer without its global clip (:func:`stage_optimizer`).
+
+Refused, each with its reason (:func:`check_optimizer`): settings that need the
+pipeline's own support (``use_ema``, ``gradient_accumulation_steps``,
+``loss_scale_factor``), and the wrapper MultiOptimizer.
 """
 from collections.abc import Sequence
 
 import keras
+
+from hetpipe_tf.runtime.update_terms import LossScaling, UpdateRule
 
 #: Supported optimizer class -> optimizer variables per weight, from its config (what each Keras
 #: 3 ``build`` adds per model variable; see :func:`slots_per_weight`).
@@ -59,9 +66,6 @@ _BY_NAME = {cls.__name__.lower(): cls for cls in _SLOTS}
 NAMES = tuple(_BY_NAME)
 # Optimizers refused for a reason of their own.
 _REFUSED = {
-    "LossScaleOptimizer": "it scales the loss and skips a step whose gradients are not finite, with one scale; in a "
-                          "pipeline the scale and the skip must be one per virtual worker, over every stage's "
-                          "gradients of a minibatch, which is not supported yet: train in float32 or bfloat16",
     "MultiOptimizer": "it gives each variable one of several optimizers, each with its own learning rate and "
                       "iteration count, where the pipeline's fit sets one learning rate on each stage's copy, its "
                       "checkpoints key one optimizer's slots and the planner counts one number of slots per "
@@ -69,7 +73,6 @@ _REFUSED = {
 }
 # Setting -> (values that are fine, why other values are refused).
 _REFUSED_SETTINGS = {
-    "global_clipnorm": ((None,), "clips by the norm of all gradients together, across stages; use clipnorm"),
     "use_ema": ((None, False), "keeps a moving average of the weights, which Keras's fit writes into the model "
                                "when training ends; the pipeline does not yet write each stage's averages "
                                "back, nor give them to the parameter servers"),
@@ -86,14 +89,14 @@ class UnsupportedOptimizerError(ValueError):
     """An optimizer the pipeline cannot run as plain Keras would."""
 
 
-def by_name(name: str, learning_rate: float = 0.01, momentum: float = 0.0,
-            weight_decay: float | None = None) -> keras.optimizers.Optimizer:
+def by_name(name: str, learning_rate: float = 0.01, momentum: float = 0.0, weight_decay: float | None = None,
+            global_clipnorm: float | None = None) -> keras.optimizers.Optimizer:
     """A Keras optimizer by the name the binaries' --optimizer flag takes (``adamw``, ``sgd``, ...: a
     supported class's name in lower case); `momentum` is SGD's; `weight_decay` None: the class's default
     (AdamW's and Muon's 0.004, the others' none)."""
     if name not in _BY_NAME:
         raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: {', '.join(NAMES)}")
-    kwargs = {"learning_rate": learning_rate}
+    kwargs = {"learning_rate": learning_rate, "global_clipnorm": global_clipnorm}
     if name == "sgd":
         kwargs["momentum"] = momentum
     if weight_decay is not None:
@@ -101,10 +104,22 @@ def by_name(name: str, learning_rate: float = 0.01, momentum: float = 0.0,
     return _BY_NAME[name](**kwargs)
 
 
+def check_name(name: str) -> str:
+    """`name` if it names a supported optimizer (:data:`NAMES`, any case), else raises; it makes no
+    optimizer (a Keras optimizer's variables would start TensorFlow's runtime)."""
+    if name.lower() not in _BY_NAME:
+        raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: {', '.join(NAMES)}")
+    return name
+
+
 def check_optimizer(optimizer: keras.optimizers.Optimizer | str) -> keras.optimizers.Optimizer:
-    """Returns a Keras optimizer for `optimizer` (an instance or a name), or raises."""
+    """Returns a Keras optimizer for `optimizer` (an instance, or a name: the class with its
+    defaults), or raises."""
     if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
+        optimizer = _BY_NAME[check_name(optimizer).lower()]()
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        check_optimizer(optimizer.inner_optimizer)
+        return optimizer
     name = type(optimizer).__name__
     if name in _REFUSED:
         raise UnsupportedOptimizerError(f"optimizer {name} is not supported: {_REFUSED[name]}")
@@ -125,8 +140,8 @@ def stage_optimizer(optimizer: keras.optimizers.Optimizer | str, originals: Sequ
     """A fresh optimizer with `optimizer`'s class and config, for one stage whose weights `copies` are
     copies of the model variables `originals` (in the same order), with `optimizer`'s weight-decay
     exclusions: those by name as they are, those by variable given to the copies of the variables."""
-    optimizer = check_optimizer(optimizer)
-    copy = type(optimizer).from_config(optimizer.get_config())
+    optimizer = inner_optimizer(check_optimizer(optimizer))
+    copy = type(optimizer).from_config({**optimizer.get_config(), "global_clipnorm": None})
     excluded = getattr(optimizer, "_exclude_from_weight_decay", set())
     pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
     if excluded or pattern is not None:
@@ -147,5 +162,25 @@ def slots_per_weight(optimizer: keras.optimizers.Optimizer | str) -> int:
     full-size velocity (Keras 3 keeps one besides the factored moments); the factored moments, m + n
     values for an m x n matrix (1/m + 1/n of its bytes) and two scalars for a vector, are not counted.
     Nor is Nadam's one scalar per stage."""
-    optimizer = check_optimizer(optimizer)
+    optimizer = inner_optimizer(check_optimizer(optimizer))
     return _SLOTS[type(optimizer)](optimizer.get_config())
+
+
+def inner_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The optimizer that updates the weights: a LossScaleOptimizer's inner one, else `optimizer`."""
+    optimizer = check_optimizer(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def update_rule_of(optimizer: keras.optimizers.Optimizer) -> UpdateRule:
+    """What every stage's update takes from the others under `optimizer` (a checked one): its
+    inner optimizer's ``global_clipnorm`` and a LossScaleOptimizer's dynamic loss scaling (a name:
+    neither)."""
+    if isinstance(optimizer, str):
+        return UpdateRule()
+    scaling = None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scaling = LossScaling(float(optimizer.initial_scale), int(optimizer.dynamic_growth_steps))
+    return UpdateRule(global_clipnorm=inner_optimizer(optimizer).global_clipnorm, loss_scaling=scaling)

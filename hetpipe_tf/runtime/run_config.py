@@ -12,8 +12,9 @@ import dataclasses
 import pickle
 from dataclasses import dataclass
 
-from hetpipe_tf.pipeline.schedule import check_combination
-from hetpipe_tf.runtime.optimizers import check_optimizer
+from hetpipe_tf.pipeline.schedule import check_combination, check_worker_update
+from hetpipe_tf.runtime.optimizers import check_name, check_optimizer, update_rule_of
+from hetpipe_tf.runtime.update_terms import UpdateRule
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 #: What a run does when a virtual worker's process is lost (:mod:`hetpipe_tf.distributed.process_runner`).
@@ -78,7 +79,10 @@ class RunConfig:
         sync.checked_bound(self.staleness_bound)  # the scheme's own rule (BSP and ASP take 0 only)
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
-        put("optimizer", check_optimizer(self.optimizer))
+        # A name stays a name until a stage makes its copy: an optimizer made here would start
+        # TensorFlow's runtime before the devices of a strategy's cluster are configured.
+        put("optimizer", check_name(self.optimizer) if isinstance(self.optimizer, str)
+            else check_optimizer(self.optimizer))
         if self.dilation is not None:
             if not float(self.dilation) >= 1.0:
                 raise ValueError(f"dilation must be None (calibrated) or a number >= 1, got {self.dilation!r}")
@@ -91,6 +95,14 @@ class RunConfig:
         if self.on_worker_failure not in ON_WORKER_FAILURE:
             raise ValueError(f"unknown on_worker_failure {self.on_worker_failure!r}; allowed: "
                              f"{', '.join(map(repr, ON_WORKER_FAILURE))}")
+        if self.update_rule:
+            check_worker_update(schedule, True, "global clipping and loss scaling")
+
+    @property
+    def update_rule(self) -> UpdateRule:
+        """What every update takes from every stage of a virtual worker: the optimizer's global
+        clip norm and loss scaling (:mod:`hetpipe_tf.runtime.update_terms`)."""
+        return update_rule_of(self.optimizer)
 
     def replace(self, **changes) -> "RunConfig":
         """This configuration with `changes`, checked again."""

@@ -26,11 +26,10 @@ Handled:
   extractor, a model of models): they are flattened into their layer calls, which are
   the nested model's own layers, so the trained weights land in the nested model too.
   A subclassed model or layer (a class with a ``call()`` of its own) is one node;
-* a layer called in several stages (tied weights): with ``replicate_shared`` each of
-  those stages holds a replica, and :attr:`StagedModel.tied` says which stages hold
-  which replica of which model variable; without it (training, until the runtime sums
-  the replicas' gradients) such a cut is refused with
-  :class:`hetpipe_tf.planning.model_graph.SharedLayerError` naming the layer.
+* a layer called in several stages (tied weights): each of those stages holds a
+  replica, and :attr:`StagedModel.tied` says which stages hold which replica of which
+  model variable (the runtime sums the replicas' gradients:
+  :mod:`hetpipe_tf.runtime.update_terms`).
 """
 import functools
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from keras.src.backend import set_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.ops.core import ConvertToTensor
 
-from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, SharedLayerError, TensorInfo
+from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
 
 
@@ -359,7 +358,7 @@ def _sub_model(inputs, outputs, name):
     return model
 
 
-def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None, replicate_shared=False):
+def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None):
     """Cuts a Keras model into stages.
 
     Args:
@@ -368,13 +367,9 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
       boundaries: index of each stage's first layer call (topological order), starting at 0.
       num_stages: instead of `boundaries`, the number of stages; the cut then balances
         a static FLOP estimate (divided by `speeds`), exactly, over the cuts that keep every
-        layer's calls in one stage (all cuts with `replicate_shared`).
+        layer's calls in one stage when there are enough such cuts, else over all cuts.
       devices: the TensorFlow device of each stage (default: none).
       speeds: relative device speeds used with `num_stages`.
-      replicate_shared: whether a layer called in several stages (tied weights) may be
-        replicated into each of them (:attr:`StagedModel.tied` says which stages hold which
-        replica). False refuses such a cut with :class:`SharedLayerError`: the pipeline runtime
-        does not sum the replicas' gradients yet, so it cannot train them.
     Returns:
       A :class:`StagedModel`.
     """
@@ -384,22 +379,14 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
         if num_stages is None:
             num_stages = len(devices) if devices else 1
         cuts = graph.allowed_cuts()
-        if replicate_shared or len(cuts) < num_stages - 1:
-            cuts = None  # any cut; one that replicates a layer is refused below unless replicate_shared
+        if len(cuts) < num_stages - 1:
+            cuts = None  # any cut: a layer called in several stages is replicated
         boundaries = balanced_boundaries([n.flops_per_example for n in graph.nodes], num_stages,
                                          allowed_cuts=cuts, speeds=speeds)
     elif num_stages is not None and len(boundaries) != num_stages:
         raise PartitionError(f"{len(boundaries)} stage boundaries {list(boundaries)} given for {num_stages} stages: "
                              f"give one per stage (each stage's first layer call, starting at 0)")
     boundaries = graph.check_boundaries(boundaries)
-    shared = graph.shared_across(boundaries)
-    if shared and not replicate_shared:
-        layer, stages = next(iter(shared.items()))
-        raise SharedLayerError(
-            f"layer '{layer}' is called in stages {list(stages)} (cut at {list(boundaries)}): tied weights "
-            f"across stages are not trained yet (each stage would hold a replica, and the pipeline does "
-            f"not sum the replicas' gradients); cut where every call of a shared layer falls into one "
-            f"stage (allowed stage starts: {list(graph.allowed_cuts())}), or use fewer stages")
     ios = graph.stage_io(boundaries)
     if devices is not None and len(devices) != len(ios):
         raise PartitionError(f"{len(ios)} stages but {len(devices)} devices were given: give one device per stage")

@@ -56,10 +56,11 @@ from hetpipe_tf.pipeline.emulation import MemoryAccount
 from hetpipe_tf.pipeline.instructions import (
     AccumulateGradient, ApplyAccumulated, ApplyUpdate, Backward, CompensateGradient, Forward, Recompute,
     ReleaseWeights, StashWeights)
-from hetpipe_tf.pipeline.schedule import NO_SYNC
+from hetpipe_tf.pipeline.schedule import NO_SYNC, NO_WORKER_UPDATE
 from hetpipe_tf.runtime.compiled import CompiledCall, SplitPass, spec_of
 from hetpipe_tf.runtime.optimizers import stage_optimizer
 from hetpipe_tf.runtime.provenance import Provenance
+from hetpipe_tf.runtime.update_terms import ScaleState, clip_factor, squared_norm
 from hetpipe_tf.runtime.stage_rewrite import variable_bytes
 from hetpipe_tf.sync.parameter_server import synchronised_variables
 
@@ -100,6 +101,13 @@ def is_remote(device):
     """Whether `device` belongs to a task of a cluster rather than to this process."""
     job = tf.DeviceSpec.from_string(device or "").job
     return job not in (None, "localhost")
+
+
+def _scaled(g, scale):
+    """Gradient `g` with `scale` applied to its values (an IndexedSlices stays one)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(scale(g.values), g.indices, g.dense_shape)
+    return scale(g)
 
 
 def _in_order(entering):
@@ -182,11 +190,14 @@ class _Trace:
     inputs by key, each pass's tape or record, each minibatch's gradients and verdict, the
     running sum of microbatch gradients, and the outputs by key."""
 
-    def __init__(self, offsets, base, inputs):
+    def __init__(self, offsets, base, inputs, terms_at):
         self.id = {o: base + o for o in offsets}
         self.inputs = inputs
+        self.terms_at = terms_at  # offsets whose update terms this call makes (first stage)
         self.taped = {}  # offset -> (tape, sources, number of received sources, targets, regularisation)
-        self.grads = {}  # offset -> (weight gradients, (verdict, finite flag of each))
+        self.grads = {}  # offset -> (weight gradients, verdict)
+        self.terms = {}  # offset -> the update terms of the minibatch (hetpipe_tf.runtime.update_terms)
+        self.scales = {}  # offset -> the loss scale S_p the minibatch's loss was multiplied by
         self.acc = inputs.get(("acc", 0))
         self.outputs = {}
 
@@ -201,6 +212,8 @@ class _Task:
         kinds = [(t, o) for t, o, _ in shape]
         forwards = {o for t, o in kinds if t in (Forward, Recompute)}
         backwards = {o for t, o in kinds if t is Backward}
+        # The first stage makes a minibatch's update terms where its backward pass and update run together.
+        self.terms_at = {o for t, o in kinds if t is ApplyUpdate and o in backwards} if runtime.makes_terms else set()
         keys = []
         for t, o, fixed in shape:
             if t is Forward:
@@ -212,8 +225,12 @@ class _Task:
                     keys.append(("out_grads", o))
                 if o not in forwards:
                     keys.append(("record", o))
+                if o in self.terms_at and runtime.tied_sources:
+                    keys.append(("tied_in", o))
             elif t in (CompensateGradient, ApplyUpdate, AccumulateGradient) and o not in backwards:
                 keys.append(("weight_grads", o))
+            if t is ApplyUpdate and runtime.takes_terms and o not in backwards:
+                keys.append(("terms", o))
         if accumulating:
             keys.append(("acc", 0))
         self.inputs = list(dict.fromkeys(keys))
@@ -242,7 +259,7 @@ class StageRuntime:
     device_instructions = DEVICE_INSTRUCTIONS
 
     def __init__(self, stage, device, config, loss_head=None, memory=None, activation_bytes=0, sync=NO_SYNC,
-                 variable_paths=None):
+                 variable_paths=None, worker_update=NO_WORKER_UPDATE, ties=()):
         self.stage = stage
         self.index = stage.index
         #: The weights' paths of every stage of the virtual worker (for messages naming them).
@@ -261,6 +278,23 @@ class StageRuntime:
             self.optimizer.build(self.trainable)
         self.stash = WeightStash(config.num_in_flight, device=device, name=f"stage{self.index}")
         self._dtypes = [v.dtype for v in self.trainable]
+        # What the run's updates take from every stage (hetpipe_tf.runtime.update_terms): the first
+        # stage makes the terms, the stages in worker_update.waiting take them; `ties` are the run's
+        # trainable TiedVariables, whose replicas apply their summed gradient.
+        self.rule = config.update_rule
+        self.makes_terms = self.index == 0 and (bool(self.rule) or bool(worker_update))
+        self.takes_terms = self.index in worker_update.waiting
+        self.tied_positions = [(g, pos) for g, tie in enumerate(ties) for st, pos in tie.replicas if st == self.index]
+        self.tied_sources = tuple(worker_update.tied) if self.index == 0 else ()
+        self._ties = ties
+        self.scale_state = None
+        if self.rule.loss_scaling is not None:
+            with tf.device(device):
+                if self.index == 0:
+                    self.scale_state = ScaleState(self.rule.loss_scaling)
+                if self.is_last:
+                    self.loss_scale = self.scale_state.scale if self.index == 0 else keras.Variable(
+                        self.rule.loss_scaling.initial_scale, dtype="float32", trainable=False, name="loss_scale")
         self.version_bytes = variable_bytes(self.trainable)
         self.memory.allocate("weights", self.version_bytes + variable_bytes(self.non_trainable))
         self.memory.allocate("optimizer slots", variable_bytes(self.optimizer.variables))
@@ -269,6 +303,10 @@ class StageRuntime:
         self.synchronised = synchronised_variables(self.trainable, self.non_trainable)
         self.synchronised_paths = [v.path for v in synchronised_variables(stage.trainable_variables,
                                                                           stage.non_trainable_variables)]
+        # A tied weight's replica on a later stage is pushed by the first stage holding one only
+        # (the servers hold one copy); every replica pulls and merges, so all stay equal.
+        followers = {pos for tie in ties for st, pos in tie.replicas if st == self.index and st != tie.replicas[0][0]}
+        self._pushed = [i for i in range(len(self.synchronised)) if i not in followers]
         if sync.weight_copies:
             self.memory.allocate("synchronisation copies", sync.weight_copies * variable_bytes(self.synchronised))
         # The weight and synchronisation bookkeeping, each one call (on another task's device
@@ -308,7 +346,13 @@ class StageRuntime:
         self._weight_grads = {}  # p -> (weight gradients, verdict) not applied in their backward's call
         self._accumulated = None  # GPipe: (gradient sum, verdict) since the last flush
         self._summed = []  # the microbatches in that sum
-        self._input_grads = {}  # p -> (gradient of each float tensor received, verdict), for the previous stage
+        self._input_grads = {}  # p -> (gradient of each float tensor received, verdict, squared norm, S_p)
+        self._tied_out = {}  # p -> this stage's tied replicas' gradients, for the first stage
+        self._tied_in = {}  # p -> {stage: its tied replicas' gradients} (first stage)
+        self._terms = {}  # p -> the update terms (made here, or taken from the first stage)
+        self.skipped = set()  # minibatches a loss scale overflow skipped (read back by check_applied)
+        #: When recording provenance: minibatch -> (the global clip's factor, the loss scale S_p) its update took.
+        self.applied_terms = {}
         self.applied = []  # minibatch ids whose updates w_local holds, in order
         self._unchecked = []  # (verdict, minibatches, logs) of updates not yet read back
         self.logs = {}  # p -> loss and metrics, tensors (last stage)
@@ -350,8 +394,23 @@ class StageRuntime:
 
     def input_gradients(self, p):
         """The message for the previous stage: (the gradient of each floating-point tensor this
-        stage received for minibatch p, in order; p's verdict so far)."""
+        stage received for minibatch p, in order; p's verdict so far; the squared norm of the
+        gradients so far, when clipping by the global norm; the loss scale S_p)."""
         return self._input_grads.pop(p)
+
+    def tied_gradients(self, p):
+        """The gradients of minibatch p of this stage's tied replicas, for the first stage."""
+        return self._tied_out.pop(p)
+
+    def set_tied_gradients(self, p, source, grads):
+        self._tied_in.setdefault(p, {})[source] = grads
+
+    def update_terms(self, p):
+        """Minibatch p's update terms, for the stages waiting for them (first stage)."""
+        return self._terms[p]
+
+    def set_update_terms(self, p, terms):
+        self._terms[p] = terms
 
     def _minibatch_id(self, p):
         """Minibatch id p as an int64 tensor, made once for the few calls of a minibatch."""
@@ -376,6 +435,11 @@ class StageRuntime:
             return self._kept.pop(p)
         if kind == "weight_grads":
             return self._weight_grads.pop(p)
+        if kind == "tied_in":
+            given = self._tied_in.pop(p)
+            return [given[t] for t in self.tied_sources]
+        if kind == "terms":
+            return self._terms.pop(p)
         return self._accumulated  # "acc"
 
     def _input_spec(self, kind, value):
@@ -384,7 +448,7 @@ class StageRuntime:
         if kind in ("entering", "labels", "kept"):
             return spec_of(value, relax_batch=True)
         if kind == "out_grads":
-            return spec_of(value[0], relax_batch=True), spec_of(value[1])
+            return (spec_of(value[0], relax_batch=True),) + spec_of(tuple(value[1:]))
         if kind == "record":
             weights, entering, labels, _ = value
             return self._pass_specs(weights, entering, labels) + (self._splits[True].record_specs,)
@@ -451,6 +515,12 @@ class StageRuntime:
             self._inflight[p] = value
         elif kind == "input_grads":
             self._input_grads[p] = value
+        elif kind == "tied":
+            self._tied_out[p] = value
+        elif kind == "terms":
+            self._terms[p] = value
+        elif kind == "applied_terms":
+            self.applied_terms[p] = value
         elif kind == "weight_grads":
             self._weight_grads[p] = value
         elif kind == "acc":
@@ -465,7 +535,7 @@ class StageRuntime:
     # The graph of a task --------------------------------------------------------------
     def _task_graph(self, task, base, *inputs):
         """The graph function of `task` (a :class:`_Task`): each instruction in program order."""
-        tr = _Trace(task.offsets, base, dict(zip(task.inputs, inputs)))
+        tr = _Trace(task.offsets, base, dict(zip(task.inputs, inputs)), task.terms_at)
         for t, o, fixed in task.shape:
             if t is Forward:
                 live, recompute = fixed
@@ -486,8 +556,7 @@ class StageRuntime:
             elif t is CompensateGradient:
                 self._lower_compensate(tr, o, fixed[0])
             elif t is ApplyUpdate:
-                grads, verdict = self._grads_of(tr, o)
-                tr.outputs[("verdict", o)] = self._apply_fn(grads, verdict)
+                self._lower_apply(tr, o)
             elif t is AccumulateGradient:
                 grads, verdict = self._grads_of(tr, o)
                 grads = [tf.convert_to_tensor(g) for g in grads]
@@ -528,11 +597,15 @@ class StageRuntime:
         the split pass, whose record a later call's backward pass takes in."""
         if in_graph:
             float_pos, sources = self._differentiated(weights, entering)
+            scale = tf.convert_to_tensor(self.loss_scale.value) if self.is_last and self.rule.loss_scaling else None
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
                 tape.watch(sources)
                 targets, reg, logs = self._pass_graph(weights, entering, labels, update_state=update_state)
-            tr.taped[o] = (tape, sources, len(float_pos), targets, reg)
+                differentiated = [targets[0] * scale] if scale is not None else targets
+            tr.taped[o] = (tape, sources, len(float_pos), differentiated, reg)
+            if scale is not None:
+                tr.scales[o] = scale
             self._emit_pass(tr, o, targets, logs)
             return
         split = self._split_pass(update_state, weights, entering, labels)
@@ -576,7 +649,7 @@ class StageRuntime:
             if self.is_last:
                 targets, seeds, loss = list(targets), None, targets[0]
             else:
-                out_grads, _ = tr.inputs[("out_grads", o)]
+                out_grads = tr.inputs[("out_grads", o)][0]
                 targets = [t for t in targets if _is_float(t)] + [reg]
                 seeds, loss = list(out_grads) + [tf.ones_like(reg)], None
             grads = tape.gradient(targets, sources, output_gradients=seeds,
@@ -585,8 +658,12 @@ class StageRuntime:
         else:
             weights, entering, labels, record = tr.inputs[("record", o)]
             n = self._splits[True].num_outputs
-            if self.is_last:
-                seeds, loss = [tf.ones_like(record[0])] + [None] * (n - 1), record[0]
+            if self.is_last:  # d(S_p * loss) = S_p * d(loss)
+                seed = tf.ones_like(record[0])
+                if self.rule.loss_scaling is not None:
+                    tr.scales[o] = tf.convert_to_tensor(self.loss_scale.value)
+                    seed = seed * tr.scales[o]
+                seeds, loss = [seed] + [None] * (n - 1), record[0]
             else:
                 out_grads = iter(tr.inputs[("out_grads", o)][0])
                 seeds = [next(out_grads) if _is_float(t) else None for t in record[:n - 1]]
@@ -596,13 +673,59 @@ class StageRuntime:
             weight_grads = grads[:len(weights)]
             received = range(len(self.stage.io.received))
             received_grads = [grads[len(weights) + i] for i in received if _is_float(entering[i])]
-        code = tr.inputs[("out_grads", o)][1] if not self.is_last else tf.constant(FINITE, tf.int32)
+        if self.is_last:
+            code, squared, scale = tf.constant(FINITE, tf.int32), tf.constant(0.0), tr.scales.pop(o, tf.constant(1.0))
+        else:
+            _, code, squared, scale = tr.inputs[("out_grads", o)]
         if loss is not None:
             code = _combined(code, tf.logical_not(tf.math.is_finite(loss)), verdict_code(self.index, loss=True))
         code = _checked_gradient(code, weight_grads, self.index)
+        tied = {pos for _, pos in self.tied_positions}
+        if self.rule.global_clipnorm is not None:  # the tied weights' norms are of their sums, on the first stage
+            squared = squared + squared_norm([g for i, g in enumerate(weight_grads) if i not in tied], scale)
         tr.grads[o] = (list(weight_grads), code)
         if self.stage.io.received:
-            tr.outputs[("input_grads", o)] = (received_grads, code)
+            tr.outputs[("input_grads", o)] = (received_grads, code, squared, scale)
+        if self.index > 0 and self.tied_positions:
+            tr.outputs[("tied", o)] = [tf.convert_to_tensor(weight_grads[pos]) for _, pos in self.tied_positions]
+        if o in tr.terms_at:
+            tr.terms[o] = self._terms_graph(tr, o, weight_grads, code, squared, scale)
+            tr.outputs[("terms", o)] = tr.terms[o]
+
+    def _terms_graph(self, tr, o, weight_grads, code, squared, scale):
+        """The first stage: minibatch p's update terms (hetpipe_tf.runtime.update_terms): (verdict,
+        loss scale S_p, the global clip's factor, the loss scale after p, each tied weight's summed
+        gradient)."""
+        sums = [None] * len(self._ties)
+        for g, pos in self.tied_positions:
+            sums[g] = tf.convert_to_tensor(weight_grads[pos])
+        for source, grads in zip(self.tied_sources, tr.inputs.get(("tied_in", o), [])):
+            held = [g for g, tie in enumerate(self._ties) for st, _ in tie.replicas if st == source]
+            for g, grad in zip(held, grads):
+                sums[g] = grad if sums[g] is None else sums[g] + grad
+        clip = tf.constant(1.0)
+        if self.rule.global_clipnorm is not None:
+            clip = clip_factor(squared + squared_norm(sums, scale), self.rule.global_clipnorm)
+        after = self.scale_state.after(tf.equal(code, FINITE)) if self.scale_state is not None else scale
+        return (code, scale, clip, after, sums)
+
+    def _lower_apply(self, tr, o):
+        grads, code = self._grads_of(tr, o)
+        if o in tr.terms or self.takes_terms:
+            terms = tr.terms.pop(o) if o in tr.terms else tr.inputs[("terms", o)]
+            code, scale, clip, after, sums = terms
+            grads = list(grads)
+            for g, pos in self.tied_positions:
+                grads[pos] = sums[g]
+            if self.rule.loss_scaling is not None:
+                grads = [_scaled(g, lambda x: x / scale) for g in grads]
+            if self.rule.global_clipnorm is not None:
+                grads = [_scaled(g, lambda x: x * clip) for g in grads]
+            if self.rule.loss_scaling is not None and self.is_last and self.index > 0:
+                self.loss_scale.assign(after)
+            if self.provenance is not None:
+                tr.outputs[("applied_terms", o)] = tf.stack([clip, scale])
+        tr.outputs[("verdict", o)] = self._apply_fn(grads, code)
 
     def _grads_of(self, tr, o):
         """(weight gradients, (verdict, finite flag of each)) of minibatch offset `o`: computed in this
@@ -654,14 +777,21 @@ class StageRuntime:
 
     def check_applied(self, logs=None):
         """Reads back the verdicts of the updates since the last check; raises
-        :class:`NonFiniteError` for the first that was not finite (it applied nothing). `logs`:
-        {minibatch: its logs} that the last stage made, for the error of a loss that was not
-        finite, where this stage holds none."""
+        :class:`NonFiniteError` for the first that was not finite (it applied nothing), but under
+        loss scaling a gradient that was not finite is a minibatch skipped (:attr:`skipped`).
+        `logs`: {minibatch: its logs} that the last stage made, for the error of a loss that was
+        not finite, where this stage holds none."""
         unchecked, self._unchecked = self._unchecked, []
         for verdict, minibatches, own in unchecked:
             code = int(verdict)
-            if code != FINITE:
-                raise self._non_finite(code, minibatches, own or (logs or {}).get(minibatches[-1]))
+            if code == FINITE:
+                continue
+            if self.rule.loss_scaling is not None and not read_verdict(code)[1]:
+                # A gradient past float16's range under loss scaling: skipped on every stage, the scale halved.
+                self.skipped.update(minibatches)
+                self.applied = [q for q in self.applied if q not in minibatches]
+                continue
+            raise self._non_finite(code, minibatches, own or (logs or {}).get(minibatches[-1]))
 
     def _non_finite(self, code, minibatches, logs):
         which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
@@ -714,6 +844,11 @@ class StageRuntime:
     # Synchronisation ---------------------------------------------------------------------
     def _read_synchronised_graph(self):
         return [tf.identity(v.value) for v in self.synchronised]
+
+    def pushed(self, deltas):
+        """(paths, deltas) of what this stage pushes to the parameter servers of `deltas` (one per
+        synchronised variable): all but its followers' replicas of tied weights."""
+        return [self.synchronised_paths[i] for i in self._pushed], [deltas[i] for i in self._pushed]
 
     def synchronised_values(self):
         """Copies of the synchronised variables' values now (weights, then floating-point state)."""
@@ -799,7 +934,8 @@ class StageRuntime:
             self._inflight.pop(p)
             self.memory.free("activations", self.activation_bytes)
         for pending in (self._entering, self._labels, self._output_grads, self._sent, self._weight_grads,
-                        self._input_grads, self._kept, self._unchecked, self._summed, self.logs):
+                        self._input_grads, self._kept, self._unchecked, self._summed, self.logs, self._tied_out,
+                        self._tied_in, self._terms):
             pending.clear()
         self._accumulated = None
         if self.provenance:

@@ -19,7 +19,8 @@ import tensorflow as tf
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
 from hetpipe_tf.pipeline.executor import PipelineExecutor
 from hetpipe_tf.pipeline.instructions import Backward, Forward
-from hetpipe_tf.pipeline.schedule import NO_SYNC
+from hetpipe_tf.pipeline.schedule import NO_SYNC, WorkerUpdate, check_worker_update
+from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
 from hetpipe_tf.runtime.checkpoint import skip_consumed
@@ -104,6 +105,12 @@ class VirtualWorker:
         self.slowdown = spec.slowdown
         self.staged = split_model(model, boundaries=spec.boundaries, num_stages=k, devices=self.device_names,
                                   speeds=[d.speed for d in self.device_specs])
+        #: The weights several stages hold a replica of (a layer several stages call): each replica
+        #: applies the replicas' summed gradient (hetpipe_tf.runtime.update_terms).
+        self.ties = tuple(t for t in self.staged.tied if t.trainable)
+        _refuse_untrainable_ties(self.staged)
+        #: What the stages share before an update (hetpipe_tf.pipeline.schedule.WorkerUpdate).
+        self.worker_update = worker_update_of(self.config, self.ties, k)
         self.loss_head = LossHead(config.loss, self.staged.keras_graph.model.output_names,
                                   loss_weights=config.loss_weights, metrics=config.metrics)
         self.dilation = config.dilation  # calibrated before training when None
@@ -169,9 +176,10 @@ class VirtualWorker:
     def schedule(self, steps, snapshot_after=(), synchronised=True):
         """The schedule this worker runs for `steps` minibatches."""
         sync = self.sync.scheme if synchronised and self.sync is not None else NO_SYNC
+        worker_update = {"worker_update": self.worker_update} if self.worker_update else {}
         return self.pipeline_schedule.programs(self.num_stages, steps, self.num_in_flight,
                                                input_stages=self.staged.input_stages(),
-                                               snapshot_after=snapshot_after, sync=sync)
+                                               snapshot_after=snapshot_after, sync=sync, **worker_update)
 
     # Building --------------------------------------------------------------------------
     def _build(self, batch_size):
@@ -186,15 +194,12 @@ class VirtualWorker:
             self.runtimes.append(StageRuntime(
                 stage, name, self.config, loss_head=self.loss_head if s == last else None, memory=memory,
                 activation_bytes=act[s], sync=self.sync.scheme if self.sync is not None else NO_SYNC,
-                variable_paths=paths))
+                variable_paths=paths, worker_update=self.worker_update, ties=self.ties))
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references. An
-        emulated worker paces its stages to them, so it takes the minimum of 63 runs, not 7: on
-        issue 13's cluster the whole model's reference spread over 4.7-6.4 ms across four workers
-        with 7 runs, over 4.3-5.0 ms with 21; in three runs of one two-stage worker, its first
-        stage's reference spread over 3.01-3.24 ms with 21 (3.54 in a fourth), over 2.904-2.908
-        ms with 63 (about a second more per worker)."""
+        emulated worker paces its stages to them, so it takes the minimum of 63 runs, not 7 (the
+        minimum of a few runs varies by a tenth or more between workers on a shared host)."""
         self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y,
                                               repeats=63 if self.emulated else 7)
 
@@ -365,6 +370,29 @@ class VirtualWorker:
     def evaluate(self, dataset):
         """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
         return self.loss_head.evaluate(self.model, dataset)
+
+
+def worker_update_of(config, ties, num_stages):
+    """The :class:`WorkerUpdate` of a worker of `num_stages` stages run by `config` with `ties`: every
+    stage but the first waits for the first stage's terms under a global clip or loss scaling, else
+    the stages that hold a tied replica do; those send the first stage their replicas' gradients."""
+    tied = tuple(sorted({st for t in ties for st, _ in t.replicas} - {0}))
+    waiting = tuple(range(1, num_stages)) if config.update_rule else tied
+    update = WorkerUpdate(waiting=waiting, tied=tied)
+    check_worker_update(config.schedule, update, "a layer called in several stages (tied weights)" if tied
+                        else "global clipping and loss scaling")
+    return update
+
+
+def _refuse_untrainable_ties(staged):
+    """A SharedLayerError for a layer with non-trainable state that several stages call: each
+    replica would keep state of its own (moving statistics), unlike the one layer of the model."""
+    for tie in staged.tied:
+        if not tie.trainable:
+            stages = [st for st, _ in tie.replicas]
+            raise SharedLayerError(f"variable '{tie.path}' is non-trainable state of a layer called in stages {stages} "
+                                   f"(cut at {list(staged.boundaries)}): each stage's replica would update its own "
+                                   f"state; cut the model so that the layer's calls are in one stage")
 
 
 def _given_references(references, num_stages):

@@ -320,7 +320,7 @@ class PipeSGD(SyncScheme):
             rt.sync_state.merge(aggregate, first_minibatch=j + self.staleness + 1,
                                 included=((w, j) for w in range(binding.group.num_workers)))
             if binding.worker == 0:  # the servers mirror worker 0's replica
-                binding.servers.push(0, s, first_wave + j - 1, rt.sync_state.paths, aggregate)
+                binding.servers.push(0, s, first_wave + j - 1, *rt.pushed(aggregate))
 
         return {ContributeUpdate: contribute, MergeAggregate: merge}
 

@@ -195,7 +195,7 @@ class WSP(SyncScheme):
 
         def push(ex, s, ins):
             base = ex.runtimes[s].sync_state
-            binding.servers.push(binding.worker, s, first_wave + ins.wave, base.paths, base.wave_update())
+            binding.servers.push(binding.worker, s, first_wave + ins.wave, *ex.runtimes[s].pushed(base.wave_update()))
 
         def pull(ex, s, ins):
             base, asked = ex.runtimes[s].sync_state, ex.clock()

@@ -1,0 +1,86 @@
+"""The terms every stage's update of a minibatch takes when they depend on every stage's gradient.
+
+Three settings of a run make a stage's update of minibatch p depend on what the other stages
+computed for p (:class:`hetpipe_tf.pipeline.schedule.WorkerUpdate` orders the messages):
+
+* a clip by the **global norm** (``global_clipnorm``, Keras's ``clip_by_global_norm``): every
+  gradient of p is scaled by min(1, clipnorm / ||g||), ||g|| the norm of all the stages'
+  gradients together (a tied weight counted once, with its replicas' summed gradient);
+* **dynamic loss scaling** (``keras.optimizers.LossScaleOptimizer``, which Keras's
+  ``compile`` makes under ``mixed_float16``): the last stage multiplies p's loss by the scale S_p,
+  every stage divides its gradient by S_p; p is applied on no stage if any stage's gradient is
+  not finite, and then the scale halves; after ``dynamic_growth_steps`` applied minibatches in a
+  row it doubles (Keras's rule, one scale per virtual worker);
+* **tied weights** (a layer several stages call, e.g. tied input and output embeddings): every
+  replica applies the sum of the replicas' gradients of p (Megatron's embedding group), so the
+  replicas never drift.
+
+The terms travel as messages: each stage's gradient message carries, with the gradient, p's
+verdict so far (:func:`hetpipe_tf.runtime.stage_runtime.verdict_code`), the squared norm of the
+gradients so far and S_p; the stages that hold a tied replica send the first stage its gradient;
+the first stage, the last to end p's backward pass, makes the terms (the verdict, S_p, the clip's
+factor, the scale after p, each tied weight's summed gradient) and sends them to the stages whose
+update waits for them. With Nm = 1 this is exactly Keras's order of operations: unscale, clip by
+the global norm, apply (with the optimizer's own per-variable clipping), adjust the scale.
+
+A minibatch skipped for an overflow is not counted in any stage's optimizer iterations (their
+learning-rate schedules read those), as in Keras; the user's optimizer, which ``fit`` keeps for
+the callbacks, counts the minibatches trained, skipped ones too.
+"""
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling as Keras's ``LossScaleOptimizer`` does it."""
+    initial_scale: float = 2.0 ** 15
+    dynamic_growth_steps: int = 2000
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """What a run's updates take from every stage (see the module docstring): the global clip norm
+    (None: none) and the loss scaling (None: none)."""
+    global_clipnorm: float | None = None
+    loss_scaling: LossScaling | None = None
+
+    def __bool__(self):
+        return self.global_clipnorm is not None or self.loss_scaling is not None
+
+
+def squared_norm(grads, divisor):
+    """The squared norm of the unscaled `grads` (each divided by `divisor`) as one float32 scalar."""
+    sums = [tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32) / divisor)) for g in grads]
+    return tf.add_n(sums) if sums else tf.constant(0.0)
+
+
+def clip_factor(squared, clipnorm):
+    """Keras's ``clip_by_global_norm`` factor for a global norm of sqrt(`squared`): NaN when the
+    norm is not finite, as Keras's."""
+    use_norm = tf.sqrt(squared)
+    return clipnorm * tf.minimum(1.0 / use_norm, 1.0 / clipnorm) + (use_norm - use_norm)
+
+
+class ScaleState:
+    """The first stage's dynamic loss scale and its count of applied minibatches since it last changed."""
+
+    def __init__(self, scaling):
+        self.scaling = scaling
+        self.scale = keras.Variable(scaling.initial_scale, dtype="float32", trainable=False, name="loss_scale")
+        self.counter = keras.Variable(0, dtype="int32", trainable=False, name="loss_scale_counter")
+
+    def after(self, applied):
+        """Inside a graph: the scale after a minibatch that was `applied` (a bool tensor), as
+        ``LossScaleOptimizer`` moves it; assigns both variables and returns the scale."""
+        grow = tf.logical_and(applied, tf.equal(self.counter.value, self.scaling.dynamic_growth_steps - 1))
+        scale = tf.where(applied, tf.where(grow, self.scale.value * 2.0, self.scale.value), self.scale.value * 0.5)
+        counter = tf.where(tf.logical_and(applied, tf.logical_not(grow)), self.counter.value + 1, 0)
+        self.scale.assign(scale)
+        self.counter.assign(counter)
+        return scale
+
+    def variables(self):
+        return [self.scale, self.counter]

@@ -62,6 +62,7 @@ def _data_and_model():
     from hetpipe_tf.cli import models
 
     keras.utils.set_random_seed(FLAGS.seed)
+    keras.config.set_dtype_policy(train_flags.MIXED_PRECISION[FLAGS.mixed_precision])
     if datasets.holds_token_sequences(FLAGS.dataset, FLAGS.data_dir):
         info = datasets.token_sequences_info(FLAGS.dataset, FLAGS.data_dir)
         load = dict(batch_size=FLAGS.batch_size, data_dir=FLAGS.data_dir)
@@ -107,9 +108,14 @@ def _test_metrics(final):
 
 
 def _optimizer():
+    """The flags' optimizer; under float16, in a LossScaleOptimizer (as Keras's compile wraps it)."""
+    import keras
+
     from hetpipe_tf.runtime.optimizers import by_name
 
-    return by_name(FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum)
+    optimizer = by_name(FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum, weight_decay=FLAGS.weight_decay,
+                        global_clipnorm=FLAGS.global_clipnorm)
+    return keras.optimizers.LossScaleOptimizer(optimizer) if FLAGS.mixed_precision == "fp16" else optimizer
 
 
 def _train_virtual_workers():
@@ -147,7 +153,7 @@ def _train_virtual_workers():
     runner = strategy.runner
     summary = {"model": FLAGS.model, "dataset": FLAGS.dataset, "cluster": strategy.cluster.name,
                "policy": FLAGS.policy, "allocation": strategy.plan.allocation,
-               "staleness_bound": FLAGS.staleness_bound, "num_in_flight": runner.num_in_flight,
+               "staleness_bound": FLAGS.staleness_bound, "num_in_flight": strategy.plan.num_in_flight,
                "minibatch_sizes": list(strategy.plan.sizes),
                **_test_metrics(final), "images_per_s": final.get("images_per_s"),
                "virtual_workers": runner.stats()}

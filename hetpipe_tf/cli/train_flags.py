@@ -11,6 +11,10 @@ from hetpipe_tf.cli.hetpipe_flags import OPTIMIZERS
 DEFAULT_DEVICES = "1@32M,0.5@32M,0.5@32M,0.25@32M"
 
 
+#: --mixed_precision -> the Keras dtype policy the model is built under.
+MIXED_PRECISION = {"none": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
+
 def define_flags():
     flags.DEFINE_enum("model", "cnn", list(models.MODELS), "Model to train.")
     flags.DEFINE_string("dataset", "hetpipe_digits",
@@ -38,6 +42,13 @@ def define_flags():
                                                            "lower case).")
     flags.DEFINE_float("learning_rate", 0.01, "Learning rate.", lower_bound=0.0)
     flags.DEFINE_float("momentum", 0.9, "Momentum (sgd).", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_float("weight_decay", None, "Decoupled weight decay (default: the optimizer's own, AdamW's 0.004). "
+                                             "Under WSP each worker decays its local weights.", lower_bound=0.0)
+    flags.DEFINE_float("global_clipnorm", None, "Clip every minibatch's gradient by the norm of all the stages' "
+                                                "gradients together (Keras's global_clipnorm).", lower_bound=0.0)
+    flags.DEFINE_enum("mixed_precision", "none", list(MIXED_PRECISION),
+                      "Compute in bfloat16 (bf16) or float16 (fp16, with dynamic loss scaling, one scale per "
+                      "virtual worker); weights stay float32.")
     flags.DEFINE_integer("image_size", None, "Resize images to this side (keras.applications models need >= 32).",
                          lower_bound=1)
     flags.DEFINE_float("dilation", None, "Multiplies every emulated device's slowdown. Default: calibrated "

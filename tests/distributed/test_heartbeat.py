@@ -18,21 +18,9 @@ import time
 import pytest
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched
-from tests.processes import alive
+from tests.helpers.processes import alive, responder_process, wait_for
 
 TIMEOUT_S = 10.0
-
-
-def _responder_process():
-    """A task's heartbeat side alone, in a process of its own (so that it can be stopped)."""
-    code = ("import os, time\n"
-            "from hetpipe_tf.distributed.heartbeat import HeartbeatResponder\n"
-            "r = HeartbeatResponder(chief_timeout_s=3.0, on_end=lambda m, f: (print('END', m, flush=True), "
-            "os._exit(0)), on_lost_task=lambda m: print('NOTE', m, flush=True)).start()\n"
-            "print(r.address, flush=True)\n"
-            "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    return proc, proc.stdout.readline().strip()
 
 
 def _watch(address, timeout_s):
@@ -41,39 +29,32 @@ def _watch(address, timeout_s):
     return monitor, lost
 
 
-def _wait_for(condition, seconds):
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
-
-
 def test_a_stopped_task_is_lost_after_timeout_and_a_killed_one_at_once():
-    proc, address = _responder_process()
+    proc, address = responder_process()
     try:
         monitor, lost = _watch(address, 2.0)
         time.sleep(1.0)
         assert not lost  # answering tasks are not lost
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        assert _wait_for(lambda: lost, 5.0)
+        assert wait_for(lambda: lost, 5.0)
         assert 1.5 < time.monotonic() - t0 < 4.0
         assert str(lost[0]).startswith("lost task ps:0 at tf-address: no heartbeat for")
         monitor.stop()
     finally:
         proc.kill()
         proc.wait()
-    proc, address = _responder_process()
+    proc, address = responder_process()
     monitor, lost = _watch(address, 30.0)
     t0 = time.monotonic()
     proc.kill()
-    assert _wait_for(lambda: lost, 5.0) and time.monotonic() - t0 < 3.0
+    assert wait_for(lambda: lost, 5.0) and time.monotonic() - t0 < 3.0
     assert "connection" in lost[0].reason
     monitor.stop()
 
 
 def test_a_task_ends_when_the_chief_goes_silent_or_ends_and_logs_the_task_it_lost():
-    proc, address = _responder_process()
+    proc, address = responder_process()
     host, port = address.split(":")
     conn = socket.create_connection((host, int(port)))
     conn.sendall(b"ping\n")
@@ -83,7 +64,7 @@ def test_a_task_ends_when_the_chief_goes_silent_or_ends_and_logs_the_task_it_los
     assert "END no heartbeat from the chief for 3 s" in out and 2.5 < time.monotonic() - t0 < 6
     conn.close()
 
-    proc, address = _responder_process()
+    proc, address = responder_process()
     monitor, lost = _watch(address, 30.0)
     threading.Timer(0.5, monitor.tell_lost, [LostTask("worker", 1, "127.0.0.1:5", "killed by signal 9")]).start()
     threading.Timer(1.0, monitor.stop).start()
@@ -120,7 +101,7 @@ def _signal_mid_training(cmd, task, sig):
     out = []
     threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
     try:
-        assert _wait_for(lambda: sum("Epoch" in line for line in out) >= 3 or proc.poll() is not None, 300), \
+        assert wait_for(lambda: sum("Epoch" in line for line in out) >= 3 or proc.poll() is not None, 300), \
             "training did not start"
         assert proc.poll() is None, "".join(out)[-3000:] + proc.stderr.read()[-3000:]
         tasks = _tasks_of(proc.pid)
@@ -130,7 +111,7 @@ def _signal_mid_training(cmd, task, sig):
         err = proc.stderr.read()
         proc.wait(timeout=TIMEOUT_S + 60)
         ended_s = time.monotonic() - t0
-        _wait_for(lambda: not any(alive(p) for p in tasks.values()), 10)
+        wait_for(lambda: not any(alive(p) for p in tasks.values()), 10)
         all_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:

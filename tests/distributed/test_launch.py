@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.processes import wait_until_gone
+from tests.helpers.processes import wait_until_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

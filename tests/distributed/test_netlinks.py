@@ -16,9 +16,7 @@ import pytest
 
 from hetpipe_tf.distributed import netlinks
 from hetpipe_tf.distributed.netlinks import EmulatedLinks, NetLinksError
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-                                reason="emulated links need root and iproute2 (ip, tc)")
+from tests.helpers.marks import needs_root
 
 BANDWIDTH_BPS = 20e6
 LATENCY_S = 0.005

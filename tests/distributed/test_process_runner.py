@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.distributed.test_netlinks import needs_root
+from tests.helpers.marks import needs_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

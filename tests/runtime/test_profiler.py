@@ -2,11 +2,11 @@ import keras
 
 from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.runtime.profiler import measure_profile
-from tests.cli import test_models
+from tests.helpers import models
 
 
 def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
-    model = test_models.mlp()
+    model = models.mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     before = [v.numpy() for v in model.weights]
     p = measure_profile(model, 8, loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
@@ -34,7 +34,7 @@ def test_synthetic_transfer_benchmark_measures_growing_times():
 def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path):
     """stage_device: the segments' passes timed where the stages will run (a cluster task's CPU
     for launch="processes"), not where the profile is taken; the cache keeps both."""
-    model = test_models.mlp()
+    model = models.mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     here = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3)
     there = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3, stage_device="/device:CPU:1")

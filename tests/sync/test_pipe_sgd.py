@@ -19,8 +19,9 @@ from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
 from hetpipe_tf.sync.parameter_server import ParameterServers
 from hetpipe_tf.sync.pipe_sgd import (MERGED_AGGREGATE, AllReduceModel, ContributeUpdate, MergeAggregate, PipeSGD,
                                       iteration_seconds, ring_allreduce_seconds, scaling_efficiency)
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS
 
 LR = 0.05
 
@@ -68,8 +69,8 @@ def _algorithm_1(model, data, k):
 @pytest.mark.parametrize("k,nm,stages", [(0, 1, 1), (1, 2, 2), (2, 1, 1)])
 def test_the_weights_are_those_of_algorithm_1_and_k_0_is_synchronous_all_reduce_sgd(k, nm, stages):
     keras.utils.set_random_seed(1)
-    model = test_models.mlp()
-    data = [_batches(model, 6, seed=w) for w in range(2)]
+    model = models.mlp()
+    data = [random_batches(model, 6, seed=w) for w in range(2)]
     want = _algorithm_1(model, data, k)
     runner = WSPRunner(model, _workers(stages), num_in_flight=nm, staleness_bound=0, ps_devices=["/device:CPU:0"],
                        optimizer=keras.optimizers.SGD(LR), loss=LOSS, timeout_s=60, sync=PipeSGD(staleness=k),
@@ -151,7 +152,7 @@ def test_the_registered_scheme_is_the_seeds_default():
 
 
 def test_uneven_minibatches_are_refused_since_algorithm_1_sums_every_update_as_it_is():
-    servers = ParameterServers(test_models.mlp(), ["/device:CPU:0"], [1, 1], push_weights=(1.5, 0.5))
+    servers = ParameterServers(models.mlp(), ["/device:CPU:0"], [1, 1], push_weights=(1.5, 0.5))
     with pytest.raises(ValueError, match=r"weights the workers' pushes by their minibatch sizes \(\[1.5, 0.5\]\): "
                                          r"uneven minibatches are for the parameter-server schemes"):
         PipeSGD().bind(0, servers, 0, 5.0)

@@ -10,7 +10,7 @@ from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, Watched
 from hetpipe_tf.distributed.process_runner import rejoin_at_global_clock
 from hetpipe_tf.ops.wsp_clock import WspClock
 from tests.helpers.counting_run import TIMEOUT_S, applied_exactly, run_counting
-from tests.helpers.processes import responder_process, wait_for
+from tests.helpers.processes import responder_process, silent_s, wait_for
 
 def _check_continued(proc, result, why):
     assert proc.returncode == 0 and result, proc.stderr[-3000:]
@@ -46,7 +46,8 @@ def test_a_killed_worker_is_retired_the_others_go_on_and_it_rejoins_at_the_globa
 def test_a_stopped_worker_is_given_up_after_timeout_and_the_others_go_on():
     proc, result = run_counting("continue", ("vw1", "SIGSTOP", 1, 1))  # after epoch 1's second minibatch
     lost = _check_continued(proc, result, "no heartbeat for")
-    assert TIMEOUT_S <= lost["detected_s"] < TIMEOUT_S + 10, lost
+    # Given up once a ping went unanswered for timeout_s (how long after the signal is the host's).
+    assert silent_s(lost["reason"]) >= TIMEOUT_S, lost
     print(f"worker SIGSTOP: retired {lost['detected_s']:.2f} s after the signal")
 
 

@@ -1,5 +1,6 @@
 """Helpers of the tests that start processes: whether a process still runs, waiting for a
-condition, and a heartbeat responder in a process of its own."""
+condition, a heartbeat responder in a process of its own, and what a lost task's line says."""
+import re
 import subprocess
 import sys
 import time
@@ -40,3 +41,9 @@ def responder_process():
             "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     return proc, proc.stdout.readline().strip()
+
+
+def silent_s(text):
+    """How long the first task `text` names as lost had not answered a ping: the heartbeat
+    monitor's "no heartbeat for X s", X measured from the unanswered ping (at least timeout_s)."""
+    return float(re.search(r"no heartbeat for ([\d.]+) s", text).group(1))

@@ -3,7 +3,6 @@
 The multi-process runs on TensorFlow's distributed runtime are in test_launch.py.
 """
 import threading
-import time
 
 import keras
 import numpy as np
@@ -16,6 +15,7 @@ from tests.helpers import models
 from tests.helpers.data import random_batches
 from tests.helpers.models import LOSS, constant_gradient_model, mean_output
 from tests.helpers.references import constant_gradients, exact_sgd_case
+from tests.helpers.processes import wait_for
 from tests.helpers.runners import wsp_runner
 
 
@@ -93,15 +93,22 @@ def test_a_failed_worker_ends_every_pull_and_the_next_run_starts_clean():
 
     runner = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output, timeout_s=120, dilation=1)
     runner.vws[1].slowdown = fail_at_4
-    started = time.monotonic()
+    ended, train = {}, runner.vws[0].train
+
+    def worker_0(*args, **kwargs):  # keeps what ended worker 0's run
+        try:
+            return train(*args, **kwargs)
+        except Exception as exc:
+            ended["error"] = exc
+            raise
+
+    runner.vws[0].train = worker_0
     with pytest.raises(Exception, match="device lost"):
         runner.train(data, 6)
-    # Worker 0 waited in a pull for worker 1's wave: the abort ended it, not its 120 s timeout.
-    assert time.monotonic() - started < 60
-    deadline = time.monotonic() + 10
-    while _pipeline_threads() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _pipeline_threads()
+    # Worker 0 waited in a pull for worker 1's wave: the abort ended it (its pull's, or its pipeline's
+    # if that stopped first), not its 120 s timeout.
+    assert "aborted" in str(ended["error"]) and "waited" not in str(ended["error"]), ended["error"]
+    assert wait_for(lambda: not _pipeline_threads(), 60), _pipeline_threads()
     assert runner.aborted.startswith("virtual worker 1 failed")
     failed = runner.servers
     with pytest.raises(tf.errors.AbortedError, match="virtual worker 1 failed"):
@@ -130,11 +137,10 @@ def test_a_worker_that_ends_its_run_early_no_longer_holds_the_others_back():
                          optimizer=keras.optimizers.SGD(0.05), loss=mean_output, timeout_s=60, dilation=1,
                          servers=servers, worker_ids=[w]) for w in (0, 1)]
     short = threading.Thread(target=lambda: workers[1].train([data[1][:9]], 9))
-    started = time.monotonic()
     short.start()
-    workers[0].train([data[0]], 16)
+    [report] = workers[0].train([data[0]], 16)
     short.join()
-    assert time.monotonic() - started < 30  # not the pull's 60 s timeout
+    assert report.steps == 16  # all of them, none ended by the pull's 60 s timeout
     assert servers.clock.clocks() == ((8, 5), 5)  # worker 1 pushed its partial wave 4; both retired now
     servers.write_to(model)
     for v in model.trainable_variables:  # nothing of the shorter run lost, nothing applied twice
@@ -178,23 +184,33 @@ def _missed(records, nm):
             for (w, p), (_, pushed) in records.items()}
 
 
-def _slow(batches, seconds):
-    """`batches`, each after `seconds` more: a worker far slower than one that has none."""
-    for b in batches:
-        time.sleep(seconds)
-        yield b
+def _held(batches, first, release):
+    """`batches`, all but the first `first` only once `release` is set: a worker held back."""
+    yield from batches[:first]
+    assert release.wait(120), "the held worker was never released"
+    yield from batches[first:]
 
 
 @pytest.mark.parametrize("sync,s,nm", [("bsp", 0, 1), ("ssp", 1, 1), ("ssp", 2, 2)])
-def test_bsp_and_ssp_keep_their_bound_and_a_slow_worker_makes_the_fast_one_reach_it(sync, s, nm):
+def test_bsp_and_ssp_keep_their_bound_and_a_worker_held_back_makes_the_other_reach_it(sync, s, nm):
     # Minibatch p's weights hold every other worker's minibatches 1 .. p - Nm - s (with Nm = 1
-    # and s = 0, BSP: no worker starts p + 1 before every worker pushed p). Worker 1 is far slower,
-    # so worker 0 runs into the bound: some minibatch of it misses exactly s of worker 1's.
+    # and s = 0, BSP: no worker starts p + 1 before every worker pushed p). Worker 1 asks for its
+    # minibatch Nm + 1 once it applied and pushed its first, and is held there until worker 0 has
+    # done minibatch c + Nm + s, c the minibatches worker 1 pushed: the furthest the bound lets it
+    # go, whose weights miss exactly s of worker 1's, whatever the threads' timing.
     keras.utils.set_random_seed(0)
     model = models.mlp()
     n = 10
     runner = wsp_runner(model, ("1,1", "1,1"), nm, s, loss=LOSS, record_provenance=True, sync=sync, dilation=1)
-    runner.train([random_batches(model, n, seed=0), _slow(random_batches(model, n, seed=1), 0.2)], n)
+    release = threading.Event()
+
+    def done(w, p, logs):
+        if w == 0 and p == runner.servers.clock.clocks()[0][1] + nm + s:
+            release.set()
+
+    runner.train([random_batches(model, n, seed=0), _held(random_batches(model, n, seed=1), nm, release)], n,
+                 on_minibatch_done=done)
+    assert release.is_set()
     for stage in range(2):
         records = runner.provenance(stage)
         assert staleness.check(records, nm, s, 2, sync=sync) == 2 * n

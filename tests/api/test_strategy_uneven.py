@@ -19,8 +19,10 @@ def test_fit_on_np_trains_each_worker_at_its_own_minibatch_size():
     assert plan.allocation == "FF SS"  # NP on the local preset: speeds 1 and 0.5
     fast, slow = plan.sizes
     # Proportional to the predicted images/s (not 2:1: the executor's and the links' fixed costs do
-    # not scale with the devices' speeds; tests/planning/test_uneven.py checks 2:1 without them).
-    assert fast + slow == 32 and fast > slow, plan.sizes
+    # not scale with the devices' speeds; tests/planning/test_uneven.py checks 2:1 without them), which
+    # follow the profile measured here: the fast worker never gets fewer (where fixed costs dwarf the
+    # compute, as many).
+    assert fast + slow == 32 and fast >= slow, plan.sizes
     # Each worker trained at its size, and the servers weighted its pushes by n * b_i / B.
     assert strategy.runner.batch_sizes == [fast, slow]
     assert strategy.runner.servers.push_weights == pytest.approx(push_weights((fast, slow)))

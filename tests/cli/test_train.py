@@ -4,12 +4,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.helpers.cli import CLUSTER_RUN, hetpipe_train
-from tests.helpers.processes import wait_until_gone
+from tests.helpers.processes import wait_for, wait_until_gone
 
 
 def test_main_job_trains_on_bundled_data_and_labels_emulation(tmp_path):
@@ -121,8 +120,7 @@ def test_hetpipe_launch_runs_the_chief_under_tf_config_and_stops_every_task(tmp_
         assert re.search(rf"task starter: started vw{w}:0 \(pid \d+\) at 127\.0\.0\.1:\d+",
                          (logs / f"worker-{w}.log").read_text()), (logs / f"worker-{w}.log").read_text()
         assert f"vw{w}:0" not in (logs / f"worker-{1 - w}.log").read_text()
-    time.sleep(1.0)
-    assert not _processes_with(f"--parent_pid={proc.pid}"), "tasks outlived hetpipe launch"
+    assert wait_for(lambda: not _processes_with(f"--parent_pid={proc.pid}"), 60), "tasks outlived hetpipe launch"
 
 
 @pytest.mark.slow

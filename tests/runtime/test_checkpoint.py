@@ -73,7 +73,7 @@ state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e],
 checkpoints = Checkpoints(sys.argv[1])
 checkpoints.save(state(1, [np.ones(3, "float32")]))
 print("saving", flush=True)
-checkpoints.save(state(2, [np.full(2 ** 20, i, "float32") for i in range(200)]))  # 800 MB
+checkpoints.save(state(2, [np.full(2 ** 20, i, "float32") for i in range(50)]))  # 200 MB
 print("saved", flush=True)
 """
 
@@ -87,9 +87,16 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.stdout.readline().strip() == "saving"
-    time.sleep(0.5)  # the 800 MB save takes seconds
+    # Killed once it writes the new checkpoint's files (first temporary ones), which takes far longer
+    # than this loop's look at the directory every 5 ms.
+    def writing():
+        return any(p.name.startswith("ckpt-2") for p in tmp_path.iterdir())
+
+    while not writing() and proc.poll() is None:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not proc.stdout.read()  # killed before it completed
+    assert writing()  # ... while it wrote
     state = Checkpoints(str(tmp_path)).latest()
     assert state.epoch == 1 and state.clocks == [1]
     np.testing.assert_array_equal(state.weights[0], np.ones(3, "float32"))

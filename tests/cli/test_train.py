@@ -24,6 +24,7 @@ def test_main_job_trains_on_bundled_data_and_labels_emulation(tmp_path):
     assert list(tb.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_bad_flags_fail_with_a_clear_message(tmp_path):
     run = hetpipe_train(tmp_path, "--devices=fast,1")
     assert run.returncode != 0 and "cannot read device 'fast'" in run.stderr
@@ -70,7 +71,8 @@ def _processes_with(text):
     return found
 
 
-@pytest.mark.parametrize("sync, bound", [("ssp", 1), ("bsp", 0), ("asp", 0)])
+@pytest.mark.parametrize("sync, bound", [("ssp", 1), pytest.param("bsp", 0, marks=pytest.mark.slow),
+                                         pytest.param("asp", 0, marks=pytest.mark.slow)])
 def test_cluster_flags_train_under_per_minibatch_clocks(tmp_path, sync, bound):
     # --sync=ssp, bsp and asp push after every minibatch: each worker's clock counts its 4
     # minibatches (WSP's, waves of Nm = 2, would be 2).

@@ -132,7 +132,7 @@ def _train_command(tmp_path, *flags):
     pytest.param("worker", 1, signal.SIGKILL, marks=pytest.mark.slow),
     pytest.param("worker", 1, signal.SIGSTOP, marks=pytest.mark.slow),
     pytest.param("vw1", 0, signal.SIGKILL, marks=pytest.mark.slow),
-    ("vw1", 0, signal.SIGSTOP)])
+    pytest.param("vw1", 0, signal.SIGSTOP, marks=pytest.mark.slow)])
 def test_a_lost_task_ends_every_process_with_one_line_naming_it(tmp_path, job, index, sig):
     """ps and worker tasks, and the process that drives virtual worker 1."""
     err, status, left = _signal_mid_training(_train_command(tmp_path, "--launch=processes"),

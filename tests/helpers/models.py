@@ -123,14 +123,15 @@ class AddBias(keras.layers.Layer):
 
 def constant_gradient_model():
     """Every trainable weight's gradient depends on the data only (the Dense layer after the
-    first is frozen), so SGD's result does not depend on which weights a minibatch saw."""
+    first is frozen), so SGD's result does not depend on which weights a minibatch saw. Named,
+    so that a strategy measures its profile once (the cache is keyed by the model's name)."""
     keras.utils.set_random_seed(3)
     x = keras.Input((6,))
     h = keras.layers.Dense(5, name="first")(x)
     frozen = keras.layers.Dense(4, name="frozen", trainable=False)
     h = frozen(h)
     y = AddBias(name="bias")(h)
-    return keras.Model(x, y)
+    return keras.Model(x, y, name="constant_gradient")
 
 
 def scalar_chain():

@@ -1,3 +1,6 @@
+"""The pipeline executor running a virtual worker's stages: Keras's and stale SGD's results, weight
+versions, stashes, stalls, failures, emulated memory and time. Emulated devices run at dilation 1
+(no calibration probes) where a test is not about the emulation's timing."""
 import json
 
 import keras
@@ -37,7 +40,8 @@ def test_nm1_equals_plain_keras_training_after_20_steps(build, devices, opt):
     batches = random_batches(model, 20)
     for x, y in batches:
         ref.train_on_batch(x, y)
-    vw = VirtualWorker(model, devices, num_in_flight=1, optimizer=_optimizer(opt), loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, devices, num_in_flight=1, optimizer=_optimizer(opt), loss=LOSS, dilation=1.0,
+                       timeout_s=60)
     vw.train(iter(batches), 20)
     for got, want, v in zip(model.weights, ref.weights, model.weights):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, err_msg=v.path)
@@ -52,7 +56,7 @@ def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, n
     want_weights, want_losses = stale_sgd_reference(model, batches, nm, keras.optimizers.SGD(0.1, momentum=0.5))
     logs = {}
     vw = VirtualWorker(model, devices, num_in_flight=nm, optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
-                       loss=LOSS, timeout_s=60)
+                       loss=LOSS, dilation=1.0, timeout_s=60)
     vw.train(iter(batches), 24, on_minibatch_done=lambda p, l: logs.__setitem__(p, float(l["loss"])))
     assert sorted(logs) == list(range(1, 25))
     # Each minibatch's loss was computed with its own labels and its own weight version.
@@ -65,7 +69,7 @@ def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, n
 def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm):
     model = models.mlp()
     vw = VirtualWorker(model, "1,0.5,1", num_in_flight=nm, optimizer="sgd", loss=LOSS,
-                       record_provenance=True, timeout_s=60)
+                       record_provenance=True, dilation=1.0, timeout_s=60)
     report = vw.train(iter(random_batches(model, 16)), 16)
     for rt in vw.runtimes:
         assert sorted(rt.used_versions) == list(range(1, 17))
@@ -82,7 +86,7 @@ def test_a_stage_without_weights_trains():
     batches = random_batches(model, 6)
     want, _ = stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
     vw = VirtualWorker(model, "1,1,1", num_in_flight=2, boundaries=(0, 1, 2), optimizer=keras.optimizers.SGD(0.1),
-                       loss=LOSS, timeout_s=60)
+                       loss=LOSS, dilation=1.0, timeout_s=60)
     vw.train(iter(batches), 6)
     assert vw.runtimes[1].trainable == []
     for got, w in zip(model.trainable_variables, want):
@@ -91,7 +95,7 @@ def test_a_stage_without_weights_trains():
 
 def test_stash_reports_bytes_of_nm_versions():
     model = models.mlp()
-    vw = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=60)
     report = vw.train(iter(random_batches(model, 8)), 8)
     for rt, stage in zip(vw.runtimes, report.stages):
         assert stage.stash_bytes_peak == 3 * rt.version_bytes > 0
@@ -99,9 +103,9 @@ def test_stash_reports_bytes_of_nm_versions():
 
 def test_stalled_stage_times_out_naming_what_it_waits_for():
     model = models.mlp()
-    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=1.5)
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=1.5)
     batches = random_batches(model, 6)
-    vw.train(iter(batches[:1]), 1)  # builds and calibrates
+    vw.train(iter(batches[:1]), 1)  # builds and times the stages
     good = vw.schedule(6)
 
     def drop_send(task):  # stage 0 never sends minibatch 3's activations
@@ -124,7 +128,7 @@ def test_stalled_stage_times_out_naming_what_it_waits_for():
 
 def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():
     model = models.mlp()
-    vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=30)
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=30)
     batches = random_batches(model, 10)
 
     def data():
@@ -139,15 +143,16 @@ def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():
 def test_emulated_memory_capacity_fails_like_an_out_of_memory():
     model = models.cnn()
     with pytest.raises(DeviceOutOfMemoryError, match=r"out of memory on stage 0 .*capacity 1.0 KiB"):
-        VirtualWorker(model, "1@1K,1", num_in_flight=2, optimizer="sgd", loss=LOSS).train(
+        VirtualWorker(model, "1@1K,1", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=1.0).train(
             iter(random_batches(model, 2)), 2)
     # Enough for weights, slots and Nm versions, but not for Nm minibatches' activations.
-    probe = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS)
+    probe = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0)
     probe.train(iter(random_batches(model, 3)), 3)
     held = probe.runtimes[0].memory
     fixed = held.peak - 3 * probe.runtimes[0].activation_bytes
     capacity = fixed + 2 * probe.runtimes[0].activation_bytes
-    vw = VirtualWorker(model, f"1@{capacity},1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=30)
+    vw = VirtualWorker(model, f"1@{capacity},1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0,
+                       timeout_s=30)
     with pytest.raises(PipelineError, match=r"DeviceOutOfMemoryError: out of memory on stage 0.*activations"):
         vw.train(iter(random_batches(model, 6)), 6)
 
@@ -157,7 +162,7 @@ def test_unknown_instruction_is_refused_before_running():
         pass
 
     model = models.mlp()
-    vw = VirtualWorker(model, "1", num_in_flight=1, optimizer="sgd", loss=LOSS)
+    vw = VirtualWorker(model, "1", num_in_flight=1, optimizer="sgd", loss=LOSS, dilation=1.0)
     vw.train(iter(random_batches(model, 1)), 1)
     bad = Schedule("bad", 1, 1, 1, (StageProgram(0, (Teleport(1),), ()),))
     with pytest.raises(UnknownInstructionError, match=r"Teleport\(1\).*it knows: .*ApplyUpdate"):
@@ -207,7 +212,7 @@ def test_stage_state_lives_on_its_device_apart_from_the_keras_model():
     model = models.cnn()
     before = [v.numpy() for v in model.weights]
     vw = VirtualWorker(model, "1,1,1", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                       loss=LOSS)
+                       loss=LOSS, dilation=1.0)
     vw._build(batch_size=4)
     for rt, device in zip(vw.runtimes, vw.device_names):
         owned = rt.trainable + rt.non_trainable + list(rt.optimizer.variables)

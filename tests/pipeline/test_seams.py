@@ -168,7 +168,7 @@ def test_virtual_workers_train_with_the_toy_schedule_and_the_toy_scheme_exactly(
     model = constant_gradient_model()
     n = 6
     data, expected = exact_sgd_case(model, n)
-    runner = wsp_runner(model, ("1,1", "1,1"), 1, 0, loss=mean_output, dilation=1.0, sync="toy-every-wave",
+    runner = wsp_runner(model, ("1,1", "1,1"), 1, 0, loss=mean_output, sync="toy-every-wave",
                         schedule=TOY_SCHEDULE)
     runner.train(data, n)
     for v in model.trainable_variables:

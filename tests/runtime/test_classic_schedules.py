@@ -82,7 +82,7 @@ def test_two_virtual_workers_under_wsp_lose_no_update_and_keep_its_bounds(schedu
         for x, _ in batches:
             for path, g in constant_gradients(model, x).items():
                 expected[path] -= 0.05 * g / group
-    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, dilation=1.0, schedule=schedule,
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, schedule=schedule,
                         record_provenance=True)
     runner.train(data, n)
     for stage in range(2):

@@ -93,7 +93,7 @@ def test_a_nan_in_one_worker_pushes_nothing_of_it_to_the_parameter_servers():
     keras.utils.set_random_seed(0)
     model = _nan_carrying_mlp()
     nm, n = 2, 8
-    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=LOSS, dilation=1.0)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=LOSS)
     with pytest.raises(PipelineError, match=r"virtual worker 1: stage \d failed at .*minibatch 5: the loss is nan on "
                                             r"stage 1"):
         runner.train([random_batches(model, n), _poisoned(model, n, bad=5, seed=1)], n)

@@ -123,7 +123,7 @@ def test_two_virtual_workers_under_wsp_train_with_the_compensation_and_keep_its_
     n, nm = 6, 2
     data, _ = exact_sgd_case(model, n)
     start = [v.numpy().copy() for v in model.trainable_variables]
-    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, dilation=1.0, schedule=schedule,
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, schedule=schedule,
                         record_provenance=True)
     runner.train(data, n)
     for stage in range(2):

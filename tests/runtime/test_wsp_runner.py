@@ -91,7 +91,7 @@ def test_a_failed_worker_ends_every_pull_and_the_next_run_starts_clean():
             raise RuntimeError("device lost")
         return 1.0
 
-    runner = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output, timeout_s=120, dilation=1)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output, timeout_s=120)
     runner.vws[1].slowdown = fail_at_4
     ended, train = {}, runner.vws[0].train
 
@@ -154,7 +154,7 @@ def _pipeline_threads():
 def test_stats_and_trace_show_every_worker():
     keras.utils.set_random_seed(0)
     model = models.mlp()
-    runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=2, d=0, loss=LOSS)
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=2, d=0, loss=LOSS, dilation=None)  # calibrated
     runner.train([random_batches(model, 8, seed=i) for i in range(2)], 8, trace=True)
     stats = runner.stats()
     assert [s["worker"] for s in stats] == [0, 1]
@@ -201,7 +201,7 @@ def test_bsp_and_ssp_keep_their_bound_and_a_worker_held_back_makes_the_other_rea
     keras.utils.set_random_seed(0)
     model = models.mlp()
     n = 10
-    runner = wsp_runner(model, ("1,1", "1,1"), nm, s, loss=LOSS, record_provenance=True, sync=sync, dilation=1)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, s, loss=LOSS, record_provenance=True, sync=sync)
     release = threading.Event()
 
     def done(w, p, logs):
@@ -235,7 +235,7 @@ def test_asp_a_stopped_worker_does_not_hold_back_the_others():
             seen["clocks"] = runner.servers.clock.clocks()[0]
             release.set()
 
-    runner = wsp_runner(model, ("1", "1"), 1, 0, loss=mean_output, sync="asp", dilation=1, record_provenance=True)
+    runner = wsp_runner(model, ("1", "1"), 1, 0, loss=mean_output, sync="asp", record_provenance=True)
     runner.train([data[0], stopped(data[1])], 8, on_minibatch_done=done)
     assert seen["clocks"][0] >= 7 and seen["clocks"][1] <= 1, seen
     assert staleness.check(runner.provenance(0), 1, 0, 2, sync="asp") == 16  # the local bound only
@@ -247,7 +247,7 @@ def test_asp_a_stopped_worker_does_not_hold_back_the_others():
 def test_bsp_ssp_and_asp_apply_every_update_of_every_worker_exactly_once(sync, s):
     model = constant_gradient_model()
     data, expected = exact_sgd_case(model, 7)
-    runner = wsp_runner(model, ("1,1", "0.5,0.5"), 2, s, loss=mean_output, sync=sync, dilation=1)
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), 2, s, loss=mean_output, sync=sync)
     runner.train(data, 7)
     for v in model.trainable_variables:
         np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)

@@ -6,39 +6,14 @@ import keras
 import numpy as np
 import pytest
 
-from hetpipe_tf.data import datasets
-
 from hetpipe_tf.api.strategy import HetPipeStrategy
-from hetpipe_tf.cli import models
 from hetpipe_tf.pipeline.instructions import Backward, Forward
-
-
-def _compiled(strategy, name="mlp"):
-    with strategy.scope():
-        train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=16, shuffle=True, seed=0)
-        test = datasets.load_image_classification("hetpipe_digits", "test", batch_size=16)
-        keras.utils.set_random_seed(0)
-        model = models.build_model(name, tuple(train.element_spec[0].shape[1:]), 10)
-        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return train, test, model
-
-
-class Counter(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epochs, self.batches = [], 0
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epochs.append(dict(logs))
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches += 1
+from tests.helpers.strategy import Counter, compiled_digits
 
 
 def test_fit_trains_virtual_workers_like_keras_fit():
     strategy = HetPipeStrategy(cluster="local", policy="ed", staleness_bound=1, launch="in_process", dilation=1)
-    train, test, model = _compiled(strategy)
+    train, test, model = compiled_digits(strategy)
     counter = Counter()
     history = model.fit(train, epochs=2, steps_per_epoch=12, validation_data=test, callbacks=[counter], verbose=0)
     assert strategy.plan.allocation == "FS FS" and len(strategy.runner.vws) == 2  # §8.1's ED
@@ -62,7 +37,7 @@ def test_fit_trains_virtual_workers_like_keras_fit():
 
 def test_host_cpu_devices_train_as_they_are_and_fit_goes_on_where_it_ended():
     strategy = HetPipeStrategy(cluster="local_cpu", policy="np", vw_size=2, num_in_flight=2, launch="in_process")
-    train, test, model = _compiled(strategy)
+    train, test, model = compiled_digits(strategy)
     first = model.fit(train, epochs=1, steps_per_epoch=8, verbose=0)
     assert len(strategy.runner.vws) == 2 and not strategy.runner.emulated
     assert "emulated_overrun_fraction" not in first.history and "EMULATED" not in strategy.describe()
@@ -88,7 +63,7 @@ def test_host_cpu_devices_train_as_they_are_and_fit_goes_on_where_it_ended():
 
 def test_fit_takes_arrays_and_names_what_it_does_not_take():
     strategy = HetPipeStrategy(cluster="local", policy="np", launch="in_process", dilation=1)
-    train, _, model = _compiled(strategy)
+    train, _, model = compiled_digits(strategy)
     x = np.concatenate([b[0].numpy() for b in train.take(4)])
     y = np.concatenate([b[1].numpy() for b in train.take(4)])
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -126,7 +101,7 @@ def test_bad_arguments_are_named(kwargs, message):
 def test_devices_emulated_from_a_given_profile_pace_to_its_times_and_no_stage_is_timed_again(tmp_path):
     first = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1,
                             emulation_references="profile")
-    train, _, model = _compiled(first)
+    train, _, model = compiled_digits(first)
     model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
     for w, vw in enumerate(first.runner.vws):  # each stage paced to its segments' times by the plan's profile
         expected = first.plan.host_pass_seconds(w)
@@ -141,7 +116,7 @@ def test_devices_emulated_from_a_given_profile_pace_to_its_times_and_no_stage_is
     path.write_text(first.plan.profile.with_times("host", slower).to_json())
     second = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, profile=str(path),
                              emulation_references="profile")
-    train, _, model = _compiled(second)
+    train, _, model = compiled_digits(second)
     model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
     assert second.plan.profile.times["host"] == slower
     for w, vw in enumerate(second.runner.vws):
@@ -149,6 +124,6 @@ def test_devices_emulated_from_a_given_profile_pace_to_its_times_and_no_stage_is
             pytest.approx(p) for p in second.plan.host_pass_seconds(w)]
     # A profile of another model, or of another batch size, is refused before anything runs.
     third = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, profile=str(path))
-    train, _, model = _compiled(third, name="cnn")
+    train, _, model = compiled_digits(third, name="cnn")
     with pytest.raises(ValueError, match="give the profile of this model and batch size, or profile=None"):
         model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)

@@ -3,13 +3,13 @@ schedule it is given, and the planner planned for it."""
 import numpy as np
 
 from hetpipe_tf.api.strategy import HetPipeStrategy
-from tests.api.test_strategy import Counter, _compiled
+from tests.helpers.strategy import Counter, compiled_digits
 
 
 def test_fit_trains_with_gpipe_and_the_plan_is_gpipes():
     strategy = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, schedule="gpipe",
                                num_in_flight=2)
-    train, test, model = _compiled(strategy)
+    train, test, model = compiled_digits(strategy)
     counter = Counter()
     history = model.fit(train, epochs=2, steps_per_epoch=4, validation_data=test, callbacks=[counter], verbose=0)
     assert strategy.plan.schedule.name == "gpipe"

@@ -9,7 +9,7 @@ import hetpipe_tf.sync.ssp  # noqa: F401
 import hetpipe_tf.sync.wsp  # noqa: F401
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from hetpipe_tf.pipeline.schedule import combinations, get_schedule, get_sync
-from tests.api.test_strategy import _compiled
+from tests.helpers.strategy import compiled_digits
 
 SCHEDULES = ("hetpipe", "gpipe", "gpipe-recompute", "pipedream", "pipedream-vsync", "naivepipe", "taylorpipe",
              "hetpipe-taylor")
@@ -31,7 +31,7 @@ def test_the_lists_name_every_registration():
 def test_fit_trains_the_digits_with_the_schedule_and_the_scheme_given(schedule, sync):
     strategy = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, num_in_flight=2,
                                schedule=schedule, sync=sync)
-    train, test, model = _compiled(strategy)
+    train, test, model = compiled_digits(strategy)
     before_loss, _ = model.evaluate(test, verbose=0)
     before = [v.numpy() for v in model.trainable_variables]
     history = model.fit(train, epochs=1, steps_per_epoch=16, validation_data=test, verbose=0)

@@ -3,13 +3,13 @@ WSP with TaylorPipe's compensation (seed 003) before every update, and the plan 
 import numpy as np
 
 from hetpipe_tf.api.strategy import HetPipeStrategy
-from tests.api.test_strategy import Counter, _compiled
+from tests.helpers.strategy import Counter, compiled_digits
 
 
 def test_fit_trains_with_the_compensation_inside_wsp():
     strategy = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1,
                                schedule="hetpipe-taylor", num_in_flight=2)
-    train, test, model = _compiled(strategy)
+    train, test, model = compiled_digits(strategy)
     counter = Counter()
     history = model.fit(train, epochs=2, steps_per_epoch=4, validation_data=test, callbacks=[counter], verbose=0)
     assert strategy.plan.schedule.name == "hetpipe-taylor"

@@ -1,5 +1,4 @@
 """The baselines' data, model need and pacing (benchmarks/baselines/training.py), in one process."""
-import statistics
 import time
 
 import keras
@@ -69,5 +68,6 @@ def test_a_paced_step_of_speed_half_takes_twice_its_reference():
         started = time.perf_counter()
         training.paced_step(compute, apply, batch, pacer, reference)
         ratios.append((applied_at[-1] - started) / reference)
-    assert 2.0 <= min(ratios) and statistics.median(ratios) < 2.5, ratios  # padded, never cut short
-    assert pacer.tasks == 10
+    assert 2.0 <= min(ratios), ratios  # padded, never cut short
+    # An overrun (the compute itself took longer than its target) only ever lengthens a step.
+    assert pacer.tasks == 10 and pacer.overran <= sum(r > 2.0 for r in ratios), (pacer.overran, ratios)

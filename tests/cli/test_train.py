@@ -4,23 +4,17 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.processes import wait_until_gone
-
-
-def _train(tmp_path, *flags):
-    cmd = [sys.executable, "-m", "hetpipe_tf.cli.train", f"--data_dir={tmp_path / 'tfds'}", "--show_schedule=false",
-           *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+from tests.helpers.cli import CLUSTER_RUN, hetpipe_train
+from tests.helpers.processes import wait_for, wait_until_gone
 
 
 def test_main_job_trains_on_bundled_data_and_labels_emulation(tmp_path):
     trace, tb = tmp_path / "trace.json", tmp_path / "tb"
-    run = _train(tmp_path, "--epochs=2", "--steps_per_epoch=12", "--devices=1@64M,0.5@64M", "--num_in_flight=2",
-                 "--dilation=2", f"--trace_file={trace}", f"--tensorboard_dir={tb}")
+    run = hetpipe_train(tmp_path, "--epochs=2", "--steps_per_epoch=12", "--devices=1@64M,0.5@64M", "--num_in_flight=2",
+                        "--dilation=2", f"--trace_file={trace}", f"--tensorboard_dir={tb}")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
     assert summary["num_in_flight"] == 2 and 0.0 <= summary["test_accuracy"] <= 1.0
@@ -30,24 +24,25 @@ def test_main_job_trains_on_bundled_data_and_labels_emulation(tmp_path):
     assert list(tb.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_bad_flags_fail_with_a_clear_message(tmp_path):
-    run = _train(tmp_path, "--devices=fast,1")
+    run = hetpipe_train(tmp_path, "--devices=fast,1")
     assert run.returncode != 0 and "cannot read device 'fast'" in run.stderr
-    run = _train(tmp_path, "--dataset=mnist", "--epochs=1")
+    run = hetpipe_train(tmp_path, "--dataset=mnist", "--epochs=1")
     assert run.returncode != 0 and "'mnist' is not prepared" in run.stderr and "never downloads" in run.stderr
-    run = _train(tmp_path, "--num_stages=3", "--devices=1,1")
+    run = hetpipe_train(tmp_path, "--num_stages=3", "--devices=1,1")
     assert run.returncode != 0 and "--num_stages=3 but --devices lists 2 devices" in run.stderr
-    run = _train(tmp_path, "--schedule=gpipe-typo")
+    run = hetpipe_train(tmp_path, "--schedule=gpipe-typo")
     assert run.returncode != 0 and "unknown schedule 'gpipe-typo'; the registered ones are: " in run.stderr
-    run = _train(tmp_path, "--sync=wsp-typo")
+    run = hetpipe_train(tmp_path, "--sync=wsp-typo")
     assert run.returncode != 0 and "--sync chooses how several virtual workers synchronise" in run.stderr
-    run = _train(tmp_path, "--cluster=local", "--sync=asp", "--staleness_bound=2")
+    run = hetpipe_train(tmp_path, "--cluster=local", "--sync=asp", "--staleness_bound=2")
     assert run.returncode != 0 and "ASP bounds no staleness" in run.stderr and "sync='ssp' for a bound of 2" in run.stderr
 
 
 def test_plan_auto_profiles_plans_and_trains(tmp_path):
-    run = _train(tmp_path, "--plan=auto", "--epochs=1", "--steps_per_epoch=8", "--devices=1@64M,0.5@64M,0.5@64M",
-                 "--model=mlp", "--dilation=2")
+    run = hetpipe_train(tmp_path, "--plan=auto", "--epochs=1", "--steps_per_epoch=8", "--devices=1@64M,0.5@64M,0.5@64M",
+                        "--model=mlp", "--dilation=2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "policy GIVEN" in run.stdout and "predicted" in run.stdout and "Max_m=" in run.stdout
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
@@ -76,17 +71,14 @@ def _processes_with(text):
     return found
 
 
-CLUSTER_RUN = ["--cluster=local", "--model=mlp", "--epochs=2", "--steps_per_epoch=8", "--dilation=2", "--num_in_flight=2",
-               "--momentum=0", "--learning_rate=0.1"]
-
-
-@pytest.mark.parametrize("sync, bound", [("ssp", 1), ("bsp", 0), ("asp", 0)])
+@pytest.mark.parametrize("sync, bound", [("ssp", 1), pytest.param("bsp", 0, marks=pytest.mark.slow),
+                                         pytest.param("asp", 0, marks=pytest.mark.slow)])
 def test_cluster_flags_train_under_per_minibatch_clocks(tmp_path, sync, bound):
     # --sync=ssp, bsp and asp push after every minibatch: each worker's clock counts its 4
     # minibatches (WSP's, waves of Nm = 2, would be 2).
-    run = _train(tmp_path, "--cluster=local", "--model=mlp", "--epochs=1", "--steps_per_epoch=8", "--dilation=2",
-                 "--num_in_flight=2", "--policy=ed", f"--sync={sync}", f"--staleness_bound={bound}",
-                 "--launch=in_process")
+    run = hetpipe_train(tmp_path, "--cluster=local", "--model=mlp", "--epochs=1", "--steps_per_epoch=8", "--dilation=2",
+                        "--num_in_flight=2", "--policy=ed", f"--sync={sync}", f"--staleness_bound={bound}",
+                        "--launch=in_process")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
     assert summary["staleness_bound"] == bound and [w["clock"] for w in summary["virtual_workers"]] == [4, 4]
@@ -96,8 +88,8 @@ def test_cluster_flags_train_under_per_minibatch_clocks(tmp_path, sync, bound):
 @pytest.mark.slow
 def test_cluster_flags_train_virtual_workers_on_ps_and_worker_processes(tmp_path):
     trace, tb = tmp_path / "trace.json", tmp_path / "tb"
-    run = _train(tmp_path, *CLUSTER_RUN, "--policy=ed", "--staleness_bound=1", f"--trace_file={trace}",
-                 f"--tensorboard_dir={tb}")
+    run = hetpipe_train(tmp_path, *CLUSTER_RUN, "--policy=ed", "--staleness_bound=1", f"--trace_file={trace}",
+                        f"--tensorboard_dir={tb}")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
     assert summary["allocation"] == "FS FS" and summary["staleness_bound"] == 1
@@ -130,8 +122,7 @@ def test_hetpipe_launch_runs_the_chief_under_tf_config_and_stops_every_task(tmp_
         assert re.search(rf"task starter: started vw{w}:0 \(pid \d+\) at 127\.0\.0\.1:\d+",
                          (logs / f"worker-{w}.log").read_text()), (logs / f"worker-{w}.log").read_text()
         assert f"vw{w}:0" not in (logs / f"worker-{1 - w}.log").read_text()
-    time.sleep(1.0)
-    assert not _processes_with(f"--parent_pid={proc.pid}"), "tasks outlived hetpipe launch"
+    assert wait_for(lambda: not _processes_with(f"--parent_pid={proc.pid}"), 60), "tasks outlived hetpipe launch"
 
 
 @pytest.mark.slow
@@ -175,7 +166,7 @@ def test_tasks_started_by_hand_as_on_other_hosts_run_a_process_per_virtual_worke
 
 
 def test_cluster_flags_refuse_single_worker_flags(tmp_path):
-    run = _train(tmp_path, "--cluster=local", "--devices=1,1")
+    run = hetpipe_train(tmp_path, "--cluster=local", "--devices=1,1")
     assert run.returncode != 0 and "--devices is for one virtual worker" in run.stderr
-    run = _train(tmp_path, "--cluster=local", "--num_vws=3")
+    run = hetpipe_train(tmp_path, "--cluster=local", "--num_vws=3")
     assert run.returncode != 0 and "--num_vws=3 must divide the cluster's 4 devices" in run.stderr

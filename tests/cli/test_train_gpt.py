@@ -2,12 +2,12 @@
 import json
 import re
 
-from tests.cli.test_train import _train
+from tests.helpers.cli import hetpipe_train
 
 
 def test_gpt_on_addition_reports_exact_match_and_prints_greedy_answers(tmp_path):
-    run = _train(tmp_path, "--model=gpt", "--dataset=hetpipe_addition", "--epochs=1", "--steps_per_epoch=6",
-                 "--devices=cpu,cpu")
+    run = hetpipe_train(tmp_path, "--model=gpt", "--dataset=hetpipe_addition", "--epochs=1", "--steps_per_epoch=6",
+                        "--devices=cpu,cpu")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
     assert 0.0 <= summary["test_exact_match"] <= 1.0 and "test_accuracy" not in summary

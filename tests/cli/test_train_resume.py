@@ -47,14 +47,15 @@ def test_a_chief_killed_mid_run_and_resumed_ends_with_the_weights_of_an_uninterr
         seen.setdefault(_newest(killed), time.monotonic())
         time.sleep(0.02)
     epoch_s = seen["ckpt-2"] - seen["ckpt-1"]  # epoch 2, from its checkpoint to the next
-    time.sleep(epoch_s / 2)  # half-way into epoch 3
+    time.sleep(epoch_s / 2)  # about half-way into epoch 3
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
-    assert Checkpoints(str(killed)).latest().epoch == 2
+    saved = Checkpoints(str(killed)).latest().epoch
+    assert saved in (2, 3)  # on a loaded host epoch 3 may have been faster than half of epoch 2
     resumed = subprocess.run(_command(tmp_path, *RUN, f"--checkpoint_dir={killed}", "--resume"), cwd=ROOT,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Epoch 3/4" in resumed.stdout and "Epoch 1/4" not in resumed.stdout, resumed.stdout[-2000:]
+    assert f"Epoch {saved + 1}/4" in resumed.stdout and "Epoch 1/4" not in resumed.stdout, resumed.stdout[-2000:]
     expected, got = Checkpoints(str(tmp_path / "whole")).latest(), Checkpoints(str(killed)).latest()
     assert got.epoch == expected.epoch == 4 and got.positions == expected.positions == [24]
     assert got.clocks == expected.clocks == [12]

@@ -3,7 +3,7 @@
     python -m tests.distributed.cluster_scenarios SCENARIO
 
 A process can connect to one cluster only, and tasks end with the chief that started
-them, so test_cluster.py runs every scenario in a fresh process and reads the JSON
+them, so test_launch.py runs every scenario in a fresh process and reads the JSON
 line it prints last.
 """
 import json
@@ -24,12 +24,13 @@ def _cluster(num_ps, worker_cpus):
 def _two_workers(cluster, model, speeds, nm, d, loss, timeout_s=60, record_provenance=True):
     import keras
 
-    from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+    from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+    from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
-    return WSPRunner(model, [WorkerSpec(s, tuple(cluster.worker_devices(w))) for w, s in enumerate(speeds)],
-                     num_in_flight=nm, staleness_bound=d, ps_devices=cluster.ps_devices(),
-                     optimizer=keras.optimizers.SGD(0.05), loss=loss, record_provenance=record_provenance,
-                     timeout_s=timeout_s)
+    config = RunConfig(num_in_flight=nm, staleness_bound=d, optimizer=keras.optimizers.SGD(0.05), loss=loss,
+                       record_provenance=record_provenance, timeout_s=timeout_s)
+    return WSPRunner(model, [WorkerSpec(s, tuple(cluster.worker_devices(w))) for w, s in enumerate(speeds)], config,
+                     cluster.ps_devices())
 
 
 def wsp_exact():
@@ -39,7 +40,8 @@ def wsp_exact():
     import numpy as np
 
     from hetpipe_tf.sync import staleness
-    from tests.runtime.test_wsp_runner import constant_gradient_model, exact_sgd_case, mean_output
+    from tests.helpers.models import constant_gradient_model, mean_output
+    from tests.helpers.references import exact_sgd_case
 
     cluster = _cluster(2, [2, 2])
     model = constant_gradient_model()
@@ -60,14 +62,15 @@ def seed_001():
     import keras
 
     from hetpipe_tf.sync import staleness
-    from tests.cli import test_models
-    from tests.pipeline.test_executor import LOSS, _batches
+    from tests.helpers import models
+    from tests.helpers.data import random_batches
+    from tests.helpers.models import LOSS
 
     cluster = _cluster(1, [2, 2])
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     runner = _two_workers(cluster, model, ("1,1", "0.5,0.5"), 4, 0, LOSS)
-    runner.train([_batches(model, 16, seed=i) for i in range(2)], 16)
+    runner.train([random_batches(model, 16, seed=i) for i in range(2)], 16)
     records = runner.provenance(0)
     return {"checked": staleness.check(records, 4, 0, 2),
             "mb11": [sorted(records[(0, 11)][0]), sorted(records[(0, 11)][1])],
@@ -78,12 +81,13 @@ def killed_worker():
     """A worker task dies mid-training: training must fail within its timeout with an error."""
     import keras
 
-    from tests.cli import test_models
-    from tests.pipeline.test_executor import LOSS, _batches
+    from tests.helpers import models
+    from tests.helpers.data import random_batches
+    from tests.helpers.models import LOSS
 
     cluster = _cluster(1, [2, 2])
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     runner = _two_workers(cluster, model, ("1,1", "1,1"), 2, 0, LOSS, timeout_s=15, record_provenance=False)
     victim = cluster.pid("worker", 1)
     killed = {}
@@ -95,7 +99,7 @@ def killed_worker():
 
     t0 = time.monotonic()
     try:
-        runner.train([_batches(model, 8, seed=i) * 100 for i in range(2)], 800, on_minibatch_done=kill)
+        runner.train([random_batches(model, 8, seed=i) * 100 for i in range(2)], 800, on_minibatch_done=kill)
         outcome = {"error": None}
     except Exception as exc:  # noqa: BLE001 - what the test inspects
         outcome = {"error": type(exc).__name__, "message": str(exc)[:2000]}

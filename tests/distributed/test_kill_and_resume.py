@@ -2,14 +2,14 @@
 in their own processes, checkpointing every epoch, whose chief or parameter server is killed with
 SIGKILL mid-epoch, then resumed with --resume's equivalent, applies every minibatch's update
 exactly once: the global weights are the start minus lr * g for each of the run's minibatches,
-none of the killed epoch's twice and none lost (the run of tests/distributed/test_lost_worker.py,
+none of the killed epoch's twice and none lost (the run of tests/helpers/counting_run.py,
 whose every update is the same -lr * g)."""
 import re
 
 import pytest
 
 from hetpipe_tf.runtime.checkpoint import Checkpoints
-from tests.distributed.test_lost_worker import _run, applied_exactly
+from tests.helpers.counting_run import applied_exactly, run_counting
 
 EPOCHS, STEPS_PER_EPOCH = 4, 8
 
@@ -17,10 +17,10 @@ EPOCHS, STEPS_PER_EPOCH = 4, 8
 def _killed_then_resumed(tmp_path, task, mode="stop"):
     directory = str(tmp_path / "checkpoints")
     # Killed after the chief saw epoch 2's second minibatch, once epoch 2's checkpoint was saved.
-    killed, _ = _run(mode, kill=(task, "SIGKILL", 2, 1), epochs=EPOCHS, checkpoint_dir=directory)
+    killed, _ = run_counting(mode, kill=(task, "SIGKILL", 2, 1), epochs=EPOCHS, checkpoint_dir=directory)
     saved = Checkpoints(directory).latest()
     assert saved.epoch == 2 and saved.clocks == [4, 4] and saved.positions == [8, 8]
-    resumed, result = _run(epochs=EPOCHS, checkpoint_dir=directory, resume=True)
+    resumed, result = run_counting(epochs=EPOCHS, checkpoint_dir=directory, resume=True)
     assert resumed.returncode == 0 and result, resumed.stderr[-3000:]
     assert result["epochs"] == EPOCHS - 2 and result["clocks"] == [8, 8]
     # Every update of the 4 epochs applied once: the 16 minibatches of the first two (in the

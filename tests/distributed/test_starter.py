@@ -9,7 +9,7 @@ import pytest
 from hetpipe_tf.distributed.launch import ClusterConfigError, TFConfigCluster
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, TaskStarter,
                                             authkey_from, starter_file)
-from tests.processes import wait_until_gone
+from tests.helpers.processes import wait_until_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASK = "tests.distributed.ready_task"

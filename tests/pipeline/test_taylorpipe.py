@@ -23,8 +23,7 @@ from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.planning.planner import plan
 from hetpipe_tf.sync.wsp import WSP_SCHEME, ParameterServerModel
-from tests.pipeline.test_classic_schedules import _run
-from tests.pipeline.test_schedule_properties import _check_across_stages, _check_stage, runs
+from tests.helpers.schedule_runs import check_across_stages, check_stage, runs, simulate_schedule
 from tests.planning.test_cost_model import toy_profile
 
 TAYLOR = ("taylorpipe", "hetpipe-taylor")
@@ -46,7 +45,7 @@ def _check_compensation(stage, spans, n, variance_control):
 @settings(max_examples=60, deadline=None)
 @given(run=runs())
 def test_taylorpipe_runs_1f1b_with_the_seeds_replicas_and_compensates_before_every_update(run):
-    schedule, spans = _run("taylorpipe", run)
+    schedule, spans = simulate_schedule("taylorpipe", run)
     for q, stage in spans.items():
         for kind in (Forward, Backward):
             assert sorted(s.instruction.minibatch for s in stage if type(s.instruction) is kind) == \
@@ -85,9 +84,9 @@ def test_hetpipe_taylor_keeps_the_rules_of_section_4_and_compensates_before_ever
     result = simulate(programs, run.duration, transfer=run.transfer)  # raises ScheduleDeadlock if stuck
     for q in range(run.k):
         stage = [sp for sp in result.spans if sp.stage == q]
-        _check_stage(run, q, stage)
+        check_stage(run, q, stage)
         _check_compensation(q, stage, run.n, DEFAULT_VARIANCE_CONTROL)
-    _check_across_stages(run, result)
+    check_across_stages(run, result)
 
 
 @settings(max_examples=25, deadline=None)

@@ -6,28 +6,12 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from hetpipe_tf.cli import models
 from hetpipe_tf.data import datasets
 from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState, for_workers
-from tests.runtime.test_wsp_runner import constant_gradient_model, mean_output
-
-
-def _two_workers(directory, resume=False, **plan):
-    """2 virtual workers of 2 host-CPU stages (no pacing), D = 0, Adam on a model whose gradients depend on
-    the data only, so that the result does not depend on the threads' timing (nor on Nm or the cuts);
-    `plan` overrides the plan's arguments."""
-    strategy = HetPipeStrategy(**dict(dict(cluster="local_cpu", policy="np", vw_size=2, staleness_bound=0,
-                                           num_in_flight=2, launch="in_process", dilation=1,
-                                           checkpoint_dir=directory, resume=resume), **plan))
-    with strategy.scope():
-        x = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
-        data = tf.data.Dataset.from_tensor_slices((x, np.zeros(64, "int64"))).batch(4, drop_remainder=True)
-        model = constant_gradient_model()
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=mean_output)
-    return strategy, model, data
+from tests.helpers.checkpoints import stopped_and_resumed, two_workers
 
 
 def _one_worker(directory, resume=False):
@@ -43,25 +27,11 @@ def _one_worker(directory, resume=False):
     return strategy, model, data
 
 
-def _stopped_and_resumed(build, tmp_path, epochs, stop_at, steps_per_epoch):
-    whole, model, data = build(str(tmp_path / "whole"))
-    model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
-    expected = [v.numpy() for v in model.variables]
-    _, model, data = build(str(tmp_path / "stopped"))
-    model.fit(data, epochs=stop_at, steps_per_epoch=steps_per_epoch, verbose=0)
-    resumed, model, data = build(str(tmp_path / "stopped"), resume=True)
-    history = model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
-    assert len(history.history["loss"]) == epochs - stop_at  # Keras's initial_epoch: epochs stop_at..epochs-1
-    assert resumed.runner.servers.clock.clocks() == whole.runner.servers.clock.clocks()
-    got = [v.numpy() for v in model.variables]
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)), got, expected
-
-
 @pytest.mark.slow
 def test_two_workers_resumed_end_with_the_weights_of_an_uninterrupted_run(tmp_path):
-    diff, got, expected = _stopped_and_resumed(_two_workers, tmp_path, epochs=4, stop_at=2, steps_per_epoch=16)
+    diff, got, expected = stopped_and_resumed(two_workers, tmp_path, epochs=4, stop_at=2, steps_per_epoch=16)
     assert diff <= 1e-6, diff
-    assert any(np.max(np.abs(a - b)) > 0 for a, b in zip(got, _two_workers(None)[1].get_weights()))  # it trained
+    assert any(np.max(np.abs(a - b)) > 0 for a, b in zip(got, two_workers(None)[1].get_weights()))  # it trained
     saved = sorted(os.listdir(tmp_path / "whole"))
     assert saved == ["checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index", "ckpt-4.data-00000-of-00001",
                      "ckpt-4.index"], saved  # every epoch, the newest two kept
@@ -73,7 +43,7 @@ def test_two_workers_resumed_end_with_the_weights_of_an_uninterrupted_run(tmp_pa
 
 
 def test_one_worker_at_nm_2_resumed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
-    diff, _, _ = _stopped_and_resumed(_one_worker, tmp_path, epochs=2, stop_at=1, steps_per_epoch=8)
+    diff, _, _ = stopped_and_resumed(_one_worker, tmp_path, epochs=2, stop_at=1, steps_per_epoch=8)
     assert diff <= 1e-6, diff
 
 
@@ -103,7 +73,7 @@ state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e],
 checkpoints = Checkpoints(sys.argv[1])
 checkpoints.save(state(1, [np.ones(3, "float32")]))
 print("saving", flush=True)
-checkpoints.save(state(2, [np.full(2 ** 20, i, "float32") for i in range(200)]))  # 800 MB
+checkpoints.save(state(2, [np.full(2 ** 20, i, "float32") for i in range(50)]))  # 200 MB
 print("saved", flush=True)
 """
 
@@ -117,9 +87,16 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.stdout.readline().strip() == "saving"
-    time.sleep(0.5)  # the 800 MB save takes seconds
+    # Killed once it writes the new checkpoint's files (first temporary ones), which takes far longer
+    # than this loop's look at the directory every 5 ms.
+    def writing():
+        return any(p.name.startswith("ckpt-2") for p in tmp_path.iterdir())
+
+    while not writing() and proc.poll() is None:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not proc.stdout.read()  # killed before it completed
+    assert writing()  # ... while it wrote
     state = Checkpoints(str(tmp_path)).latest()
     assert state.epoch == 1 and state.clocks == [1]
     np.testing.assert_array_equal(state.weights[0], np.ones(3, "float32"))
@@ -129,16 +106,16 @@ def test_resuming_from_nothing_or_from_another_model_says_what_was_given_and_wha
     with pytest.raises(ValueError, match="resume=True needs the checkpoint_dir to resume from, got checkpoint_dir=None"):
         HetPipeStrategy(launch="in_process", resume=True)
     missing = tmp_path / "missing"
-    _, model, data = _two_workers(str(missing), resume=True)
+    _, model, data = two_workers(str(missing), resume=True)
     with pytest.raises(FileNotFoundError, match=f"cannot resume: the checkpoint directory '{missing}' does not exist; "
                                                 f"give the checkpoint_dir .* or start without resume"):
         model.fit(data, epochs=1, verbose=0)
     (tmp_path / "empty").mkdir()
-    _, model, data = _two_workers(str(tmp_path / "empty"), resume=True)
+    _, model, data = two_workers(str(tmp_path / "empty"), resume=True)
     with pytest.raises(FileNotFoundError, match="'.*empty' holds no complete checkpoint"):
         model.fit(data, epochs=1, verbose=0)
     Checkpoints(str(tmp_path / "other")).save(_state(1, [np.ones((6, 7), "float32")]))
-    _, model, data = _two_workers(str(tmp_path / "other"), resume=True)
+    _, model, data = two_workers(str(tmp_path / "other"), resume=True)
     with pytest.raises(ValueError, match=r"is not of this model: it holds 1 variables, the model 5, and variable 0 "
                                          r"differs \(\(\(6, 7\), 'float32'\) saved, \(\(6, 5\), 'float32'\) in the "
                                          r"model: shape, dtype\); give the checkpoint_dir of this model's run"):
@@ -154,12 +131,12 @@ def test_resumed_under_another_allocation_and_nm_it_ends_with_the_weights_of_an_
     # Saved by 2 workers of 2 stages at Nm = 2 (NP), resumed by 2 workers of 2 stages at Nm = 1 (ED):
     # every stage takes its variables' optimizer slots wherever the cuts fall. Gradients that depend
     # on the data only make the result independent of Nm, so it must equal the run never stopped.
-    whole, model, data = _two_workers(str(tmp_path / "whole"))
+    whole, model, data = two_workers(str(tmp_path / "whole"))
     model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
     expected = [v.numpy() for v in model.variables]
-    _, model, data = _two_workers(str(tmp_path / "stopped"))
+    _, model, data = two_workers(str(tmp_path / "stopped"))
     model.fit(data, epochs=1, steps_per_epoch=16, verbose=0)
-    resumed, model, data = _two_workers(str(tmp_path / "stopped"), resume=True, policy="ed", num_in_flight=1)
+    resumed, model, data = two_workers(str(tmp_path / "stopped"), resume=True, policy="ed", num_in_flight=1)
     history = model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
     assert len(history.history["loss"]) == 1 and resumed.runner.num_in_flight == 1
     nodes = lambda strategy: [d.node for d in strategy.plan.workers[0].devices]  # noqa: E731
@@ -171,7 +148,7 @@ def test_resumed_under_another_allocation_and_nm_it_ends_with_the_weights_of_an_
 
 def test_resumed_by_another_number_of_workers_each_starts_from_the_saved_workers_mean(tmp_path):
     directory = str(tmp_path / "stopped")
-    _, model, data = _two_workers(directory)
+    _, model, data = two_workers(directory)
     model.fit(data, epochs=1, steps_per_epoch=16, verbose=0)
     saved = Checkpoints(directory).latest()
     assert len(saved.optimizers) == 2 and saved.positions == [8, 8] and saved.clocks == [4, 4]
@@ -186,7 +163,7 @@ def test_resumed_by_another_number_of_workers_each_starts_from_the_saved_workers
             for worker in four.optimizers:
                 np.testing.assert_allclose(worker["slots"][path][slot], mean, rtol=1e-6)
     # Resumed by 4 workers of 1 stage each (another partition), it trains epoch 1 from there.
-    resumed, model, data = _two_workers(directory, resume=True, vw_size=1)
+    resumed, model, data = two_workers(directory, resume=True, vw_size=1)
     history = model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
     assert len(history.history["loss"]) == 1 and len(resumed.plan.workers) == 4
     final = Checkpoints(directory).latest()

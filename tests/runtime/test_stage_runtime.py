@@ -9,14 +9,15 @@ from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches
-from tests.runtime.test_wsp_runner import _runner
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS
+from tests.helpers.runners import wsp_runner
 
 
 def _poisoned(model, n, bad, seed=0):
     """n minibatches; minibatch `bad` (1-based) holds a NaN input."""
-    batches = _batches(model, n, seed=seed)
+    batches = random_batches(model, n, seed=seed)
     x, y = batches[bad - 1]
     x = x.copy()
     x[0, 0] = np.nan
@@ -42,7 +43,7 @@ def test_a_nan_loss_stops_the_run_naming_minibatch_worker_and_stage_and_applies_
     model = _nan_carrying_mlp()
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=30)
-    vw.train(iter(_batches(model, 4)), 4)
+    vw.train(iter(random_batches(model, 4)), 4)
     before = _weights(vw)
     with pytest.raises(PipelineError, match=r"virtual worker 0: stage 0 failed at .*minibatch 3: the loss is nan on "
                                             r"stage 1 \(the last\); nothing of it was applied on any stage") as info:
@@ -58,7 +59,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_refused_by_the_apply():
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
 
     def finite_loss_nan_gradient(y_true, y_pred):  # sqrt at 0: value 0, gradient inf * 0 = NaN
         return LOSS(y_true, y_pred) + tf.reduce_mean(tf.sqrt(tf.square(y_pred) * 0.0))
@@ -69,13 +70,13 @@ def test_a_nan_gradient_with_a_finite_loss_is_refused_by_the_apply():
     # and fails the run before it reports the minibatch done, naming the stage and weight that went bad.
     with pytest.raises(PipelineError, match=r"stage 0 failed at \[Backward\(1\).*minibatch 1: the gradient of "
                                             r"stage 1 is not finite \(NaN or Inf in mlp/dense_\d+/kernel"):
-        vw.train(iter(_batches(model, 4)), 4)
+        vw.train(iter(random_batches(model, 4)), 4)
     assert all(np.isfinite(w).all() for w in _weights(vw))
 
 
 def test_a_nan_gradient_of_the_last_minibatch_is_refused_before_the_run_ends():
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
 
     def finite_loss_nan_gradient(y_true, y_pred):
         return LOSS(y_true, y_pred) + tf.reduce_mean(tf.sqrt(tf.square(y_pred) * 0.0))
@@ -84,7 +85,7 @@ def test_a_nan_gradient_of_the_last_minibatch_is_refused_before_the_run_ends():
                        loss=finite_loss_nan_gradient, timeout_s=30)
     before = [v.numpy() for v in model.trainable_weights]
     with pytest.raises(PipelineError, match=r"minibatch 1: the gradient of stage \d is not finite"):
-        vw.train(iter(_batches(model, 1)), 1)  # one minibatch: no next apply reads the verdict
+        vw.train(iter(random_batches(model, 1)), 1)  # one minibatch: no next apply reads the verdict
     assert all(np.array_equal(b, w) for b, w in zip(before, _weights(vw)))  # nothing of it was applied
 
 
@@ -92,10 +93,10 @@ def test_a_nan_in_one_worker_pushes_nothing_of_it_to_the_parameter_servers():
     keras.utils.set_random_seed(0)
     model = _nan_carrying_mlp()
     nm, n = 2, 8
-    runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=LOSS, dilation=1.0)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=LOSS)
     with pytest.raises(PipelineError, match=r"virtual worker 1: stage \d failed at .*minibatch 5: the loss is nan on "
                                             r"stage 1"):
-        runner.train([_batches(model, n), _poisoned(model, n, bad=5, seed=1)], n)
+        runner.train([random_batches(model, n), _poisoned(model, n, bad=5, seed=1)], n)
     values = runner.servers.values()
     assert all(np.isfinite(v).all() for v in values.values())
     clocks, _ = runner.servers.clock.clocks()
@@ -123,10 +124,10 @@ def test_a_pass_timed_on_the_stages_device_consumes_nothing_and_changes_no_state
     """StageRuntime.timed_solo_pass (the reference of a stage on another task's device): both
     passes timed, the minibatch's inputs and stashed version still there for its real passes."""
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=30)
-    (x, y), = _batches(model, 1)
+    (x, y), = random_batches(model, 1)
     vw.prepare(x, y)
     first, last = vw.runtimes
     for rt in vw.runtimes:
@@ -134,11 +135,11 @@ def test_a_pass_timed_on_the_stages_device_consumes_nothing_and_changes_no_state
     first.set_loaded(0, vw.staged.split_inputs(x)[0])
     state = [v.numpy() for rt in vw.runtimes for v in rt.trainable + rt.non_trainable]
     forward, backward = first.timed_solo_pass(0)
-    assert 0 < forward < 1 and 0 < backward < 1
+    assert forward > 0 and backward > 0
     first.run((Forward(0),))  # its inputs and w_0 are still there
     last.set_received(0, first.sent(0))
     last.set_labels(0, y)
-    assert all(0 < t < 1 for t in last.timed_solo_pass(0))
+    assert all(t > 0 for t in last.timed_solo_pass(0))
     last.run((Forward(0), Backward(0)))
     first.set_output_gradients(0, last.input_gradients(0))
     first.run((Backward(0),))
@@ -155,10 +156,10 @@ def test_solo_times_are_taken_with_what_a_stage_receives_already_on_its_device(m
     from hetpipe_tf.runtime.stage_runtime import StageRuntime
 
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=30, tf_devices=("/device:CPU:0", "/device:CPU:1"))
-    (x, y), = _batches(model, 1)
+    (x, y), = random_batches(model, 1)
     vw.prepare(x, y)
     assert len({rt.device for rt in vw.runtimes}) == 2
     where = []
@@ -188,10 +189,10 @@ def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_
     """§5: merging global weights pulled after wave c adds (pulled - base) to w_local and to the
     versions of the minibatches that will run on them, not to those stashed before."""
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, timeout_s=30,
                        record_provenance=True)
-    (x, y), = _batches(model, 1)
+    (x, y), = random_batches(model, 1)
     vw.prepare(x, y)
     rt, = vw.runtimes
     before = [v.numpy() for v in rt.trainable]

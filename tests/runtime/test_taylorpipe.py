@@ -11,10 +11,11 @@ from hetpipe_tf.pipeline.instructions import (
 from hetpipe_tf.pipeline.taylorpipe import HetPipeTaylorSchedule, TaylorPipeSchedule
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync import staleness
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches, _clone
-from tests.runtime.test_classic_schedules import _VERSIONS, _scalar_chain
-from tests.runtime.test_wsp_runner import _runner, constant_gradient_model, exact_sgd_case, mean_output
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS, constant_gradient_model, mean_output, scalar_chain
+from tests.helpers.references import WEIGHT_VERSIONS, clone, exact_sgd_case
+from tests.helpers.runners import wsp_runner
 
 
 def test_the_compensated_update_is_g_plus_lambda_g_g_times_master_minus_local_elementwise():
@@ -22,12 +23,12 @@ def test_the_compensated_update_is_g_plus_lambda_g_g_times_master_minus_local_el
     # W_t = W0; update 1 moves the master to W1; minibatch 2's gradient g (against W0, computed
     # here with Keras) must reach the weights as W2 = W1 - lr·(g + λ·g⊙g⊙(W1 - W0)).
     keras.utils.set_random_seed(2)
-    model = test_models.mlp()
-    ref = _clone(model)
+    model = models.mlp()
+    ref = clone(model)
     lr, lam = 0.1, 2.0
     vw = VirtualWorker(model, "cpu", num_in_flight=2, optimizer=keras.optimizers.SGD(lr), loss=LOSS,
                        timeout_s=60, schedule=TaylorPipeSchedule(variance_control=lam))
-    (x1, y1), (x2, y2) = _batches(model, 2, seed=4)
+    (x1, y1), (x2, y2) = random_batches(model, 2, seed=4)
     vw.prepare(x1, y1)
     [rt] = vw.runtimes
     w0 = [v.numpy() for v in rt.trainable]
@@ -56,7 +57,7 @@ def test_the_compensated_update_is_g_plus_lambda_g_g_times_master_minus_local_el
 
 def _train(schedule, batches, devices="cpu,cpu", nm=2):
     keras.utils.set_random_seed(5)
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, devices, num_in_flight=nm, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                        loss=LOSS, timeout_s=60, schedule=schedule)
     done = []
@@ -69,7 +70,7 @@ def _train(schedule, batches, devices="cpu,cpu", nm=2):
 def test_lambda_0_equals_uncompensated_pipelined_sgd_and_lambda_2_does_not():
     # k = 2, Nm = 2: TaylorPipe's order and versions are PipeDream's (weight stashing), so with
     # λ = 0 the final weights are PipeDream's; with the seed's λ = 2 they differ.
-    batches = _batches(test_models.mlp(), 8, seed=1)
+    batches = random_batches(models.mlp(), 8, seed=1)
     plain = _train("pipedream", batches)
     for got, want in zip(_train(TaylorPipeSchedule(variance_control=0.0), batches), plain):
         np.testing.assert_allclose(got, want, atol=1e-6)
@@ -79,7 +80,7 @@ def test_lambda_0_equals_uncompensated_pipelined_sgd_and_lambda_2_does_not():
 
 def test_three_stages_admitting_the_seeds_replicas_finish_in_the_executor():
     # Nm = 5 on k = 3: stages admit min(5, 5), min(5, 3) and 1 minibatches (Figure 2).
-    _train("taylorpipe", _batches(test_models.mlp(), 9, seed=2), devices="cpu,cpu,cpu", nm=5)
+    _train("taylorpipe", random_batches(models.mlp(), 9, seed=2), devices="cpu,cpu,cpu", nm=5)
 
 
 def _by_hand(versions, means, lr, lam):
@@ -97,8 +98,8 @@ def _by_hand(versions, means, lr, lam):
     return np.array([*stage0[-1], *stage1[-1]])
 
 
-@pytest.mark.parametrize("schedule,versions", [("taylorpipe", _VERSIONS["pipedream"]),
-                                               ("hetpipe-taylor", _VERSIONS["hetpipe"])])
+@pytest.mark.parametrize("schedule,versions", [("taylorpipe", WEIGHT_VERSIONS["pipedream"]),
+                                               ("hetpipe-taylor", WEIGHT_VERSIONS["hetpipe"])])
 def test_every_update_is_the_compensated_gradient_by_hand(schedule, versions):
     # k = 2, Nm = 2 on x -> a·x -> b·(a·x) | -> c·(b·a·x): TaylorPipe's stage 0 computes g against
     # the version stashed at its forward pass, one update behind its master; HetPipe's versions
@@ -106,7 +107,7 @@ def test_every_update_is_the_compensated_gradient_by_hand(schedule, versions):
     inputs = np.random.default_rng(1).uniform(0.5, 1.5, size=(6, 4, 1)).astype("float32")
     expected = _by_hand(versions, inputs.mean(axis=(1, 2)), lr=0.1, lam=2.0)
     assert np.abs(expected - _by_hand(versions, inputs.mean(axis=(1, 2)), lr=0.1, lam=0.0)).max() > 1e-4
-    model = _scalar_chain()
+    model = scalar_chain()
     vw = VirtualWorker(model, "cpu,cpu", num_in_flight=2, boundaries=[0, 2], optimizer=keras.optimizers.SGD(0.1),
                        loss=mean_output, timeout_s=60, schedule=schedule)
     vw.train(iter([(x, np.zeros_like(x)) for x in inputs]), 6)
@@ -122,8 +123,8 @@ def test_two_virtual_workers_under_wsp_train_with_the_compensation_and_keep_its_
     n, nm = 6, 2
     data, _ = exact_sgd_case(model, n)
     start = [v.numpy().copy() for v in model.trainable_variables]
-    runner = _runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, dilation=1.0, schedule=schedule,
-                     record_provenance=True)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, 0, loss=mean_output, schedule=schedule,
+                        record_provenance=True)
     runner.train(data, n)
     for stage in range(2):
         assert staleness.check(runner.provenance(stage), nm, 0, 2) == 2 * n

@@ -11,7 +11,8 @@ from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
-from tests.cli import test_models
+from tests.helpers import models
+from tests.helpers.data import gpt2_batches
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 STEPS = 6
@@ -154,7 +155,7 @@ def test_a_loss_that_is_not_finite_still_fails_the_run_under_loss_scaling(mixed_
 
 def _gpt2_causal_lm():
     keras.utils.set_random_seed(8)
-    return test_models.gpt2_causal_lm()
+    return models.gpt2_causal_lm()
 
 
 def _replicas_equal(vw):
@@ -166,7 +167,7 @@ def _replicas_equal(vw):
 
 @pytest.mark.parametrize("nm", [1, 3])
 def test_tied_embedding_across_stages_equals_keras(nm):
-    data = test_models.gpt2_batches(5)
+    data = gpt2_batches(5)
     model, vw = _pipeline(keras.optimizers.SGD(0.1), 3, nm, make_model=_gpt2_causal_lm)
     assert {stage for tie in vw.ties for stage, _ in tie.replicas} == {0, 2}
     vw.train(iter(data), len(data))
@@ -185,7 +186,7 @@ def test_tied_embedding_under_wsp_is_pushed_once():
     config = RunConfig(num_in_flight=2, staleness_bound=0, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=60)
     runner = WSPRunner(model, [WorkerSpec("cpu,cpu,cpu", references=((1.0, 1.0),) * 3)], config, ["/cpu:0"])
-    runner.train([iter(test_models.gpt2_batches(6))], 6)
+    runner.train([iter(gpt2_batches(6))], 6)
     vw, global_weights = runner.vws[0], runner.servers.values()
     _replicas_equal(vw)
     for tie in vw.ties:

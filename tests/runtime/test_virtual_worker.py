@@ -8,8 +8,9 @@ import tensorflow as tf
 from hetpipe_tf.api.callbacks import PipelineTensorBoard
 from hetpipe_tf.pipeline.instructions import Backward, Forward
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _stale_sgd_reference
+from tests.helpers import models
+from tests.helpers.models import LOSS
+from tests.helpers.references import stale_sgd_reference
 
 
 def _dataset(n_batches, batch=8, seed=0):
@@ -41,7 +42,7 @@ class Recorder(keras.callbacks.Callback):
 
 def test_fit_behaves_like_keras_fit():
     keras.utils.set_random_seed(1)
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1),
                        loss=LOSS, metrics=["accuracy"], timeout_s=60)
     recorder = Recorder()
@@ -59,11 +60,11 @@ def test_fit_behaves_like_keras_fit():
 
 def test_epoch_end_weights_are_the_state_right_after_the_epochs_last_update():
     keras.utils.set_random_seed(2)
-    model = test_models.mlp()
+    model = models.mlp()
     data = _dataset(6)
     batches = [(x.numpy(), y.numpy()) for x, y in data]
     # Epoch 1 ends after update 6; the pipeline has already started minibatches 7 and 8.
-    want, _ = _stale_sgd_reference(model, batches, 3, keras.optimizers.SGD(0.1))
+    want, _ = stale_sgd_reference(model, batches, 3, keras.optimizers.SGD(0.1))
     vw = VirtualWorker(model, "1,1,1", num_in_flight=3, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=60)
     recorder = Recorder()
@@ -78,7 +79,7 @@ def test_stop_training_stops_the_pipeline_early():
             if batch == 2:
                 self.model.stop_training = True
 
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=60)
     history = vw.fit(_dataset(20), epochs=5, callbacks=[StopAt()], verbose=0)
     assert len(history.history["loss"]) == 1
@@ -93,7 +94,7 @@ def test_failing_callback_stops_every_stage():
             if batch == 1:
                 raise RuntimeError("callback failed")
 
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, timeout_s=60)
     with pytest.raises(RuntimeError, match="callback failed"):
         vw.fit(_dataset(50), epochs=4, callbacks=[Boom()], verbose=0)
@@ -102,7 +103,7 @@ def test_failing_callback_stops_every_stage():
 
 
 def test_keras_and_pipeline_tensorboard_callbacks_write_scalars(tmp_path):
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer="sgd", loss=LOSS, metrics=["accuracy"],
                        timeout_s=60)
     vw.fit(_dataset(4), epochs=2, verbose=0,
@@ -118,7 +119,7 @@ def test_keras_and_pipeline_tensorboard_callbacks_write_scalars(tmp_path):
 
 
 def test_bad_inputs_get_clear_errors():
-    model = test_models.mlp()
+    model = models.mlp()
     with pytest.raises(ValueError, match=r"num_in_flight \(Nm\) must be None or an integer >= 1, got 0"):
         VirtualWorker(model, "1,1", num_in_flight=0, optimizer="sgd", loss=LOSS)
     with pytest.raises(ValueError, match="a loss is needed"):
@@ -129,7 +130,7 @@ def test_bad_inputs_get_clear_errors():
 
 
 def test_given_references_are_what_the_emulated_devices_pace_to():
-    model = test_models.mlp()
+    model = models.mlp()
     given = ((0.004, 0.006), (0.002, 0.010))
     vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=2.0, references=given)
     vw.train(_dataset(6), 6, trace=True)
@@ -146,7 +147,7 @@ def test_given_references_are_what_the_emulated_devices_pace_to():
 
 
 def test_learning_rate_callbacks_reach_every_stage():
-    model = test_models.mlp()
+    model = models.mlp()
     vw = VirtualWorker(model, "1,1,1", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                        timeout_s=60)
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))

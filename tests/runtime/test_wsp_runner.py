@@ -3,71 +3,21 @@
 The multi-process runs on TensorFlow's distributed runtime are in test_launch.py.
 """
 import threading
-import time
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+from hetpipe_tf.runtime.wsp_runner import WSPRunner
 from hetpipe_tf.sync import staleness
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches
-
-
-class AddBias(keras.layers.Layer):
-    def build(self, input_shape):
-        self.bias = self.add_weight(shape=(input_shape[-1],), initializer="zeros", name="bias")
-
-    def call(self, x):
-        return x + self.bias
-
-
-def constant_gradient_model():
-    """Every trainable weight's gradient depends on the data only (the Dense layer after the
-    first is frozen), so SGD's result does not depend on which weights a minibatch saw."""
-    keras.utils.set_random_seed(3)
-    x = keras.Input((6,))
-    h = keras.layers.Dense(5, name="first")(x)
-    frozen = keras.layers.Dense(4, name="frozen", trainable=False)
-    h = frozen(h)
-    y = AddBias(name="bias")(h)
-    return keras.Model(x, y)
-
-
-def mean_output(y_true, y_pred):
-    del y_true
-    return tf.reduce_mean(y_pred)
-
-
-def constant_gradients(model, x):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(model(x))
-    return {v.path: g.numpy() for v, g in zip(model.trainable_variables,
-                                                tape.gradient(loss, model.trainable_variables))}
-
-
-def exact_sgd_case(model, n, workers=2, lr=0.05):
-    """n minibatches per worker, and the weights SGD must end with: w0 - lr * every gradient."""
-    data = [[(np.random.default_rng(10 * w + i).normal(size=(4, 6)).astype("float32"), np.zeros(4, "int64"))
-             for i in range(n)] for w in range(workers)]
-    expected = {v.path: v.numpy().copy() for v in model.trainable_variables}
-    for batches in data:
-        for x, _ in batches:
-            for p, g in constant_gradients(model, x).items():
-                expected[p] -= lr * g
-    return data, expected
-
-
-def _runner(model, speeds, nm, d, **kw):
-    workers, n = [], 0
-    for s in speeds:
-        k = len(s.split(","))
-        workers.append(WorkerSpec(s, tuple(f"/device:CPU:{(n + j) % 4}" for j in range(k))))
-        n += k
-    return WSPRunner(model, workers, num_in_flight=nm, staleness_bound=d, ps_devices=["/device:CPU:0"],
-                     optimizer=keras.optimizers.SGD(0.05), **dict({"timeout_s": 60}, **kw))
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS, constant_gradient_model, mean_output
+from tests.helpers.references import constant_gradients, exact_sgd_case
+from tests.helpers.processes import wait_for
+from tests.helpers.runners import wsp_runner
 
 
 @pytest.mark.parametrize("speeds,d", [
@@ -77,10 +27,10 @@ def _runner(model, speeds, nm, d, **kw):
 ])
 def test_every_minibatch_of_every_worker_keeps_the_wsp_bounds(speeds, d):
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     nm, n = 3, 24
-    runner = _runner(model, speeds, nm, d, loss=LOSS, record_provenance=True)
-    runner.train([_batches(model, n, seed=i) for i in range(len(speeds))], n)
+    runner = wsp_runner(model, speeds, nm, d, loss=LOSS, record_provenance=True)
+    runner.train([random_batches(model, n, seed=i) for i in range(len(speeds))], n)
     for stage in range(2):
         checked = staleness.check(runner.provenance(stage), nm, d, len(speeds))
         assert checked == n * len(speeds)
@@ -90,9 +40,9 @@ def test_every_minibatch_of_every_worker_keeps_the_wsp_bounds(speeds, d):
 
 def test_seed_001_example_d0_nm4():
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
-    runner = _runner(model, ("1,1", "0.5,0.5"), nm=4, d=0, loss=LOSS, record_provenance=True)
-    runner.train([_batches(model, 16, seed=i) for i in range(2)], 16)
+    model = models.mlp()
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=4, d=0, loss=LOSS, record_provenance=True)
+    runner.train([random_batches(model, 16, seed=i) for i in range(2)], 16)
     records = runner.provenance(0)
     local, pushed = records[(0, 11)]
     assert set(local) == set(range(1, 8))  # the local updates of 5..7 ...
@@ -110,7 +60,7 @@ def test_global_weights_hold_every_update_of_every_worker_exactly_once(nm, n):
     model = constant_gradient_model()
     frozen = model.get_layer("frozen").get_weights()
     data, expected = exact_sgd_case(model, n)
-    runner = _runner(model, ("1,1", "0.5,0.5"), nm, d=1, loss=mean_output)
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm, d=1, loss=mean_output)
     runner.train(data, n)
     for v in model.trainable_variables:
         np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)
@@ -124,7 +74,7 @@ def test_a_second_run_goes_on_where_the_first_ended():
     # global weights hold every update of both runs exactly once.
     model = constant_gradient_model()
     data, expected = exact_sgd_case(model, 12)
-    runner = _runner(model, ("1,1", "0.5,0.5"), nm=3, d=0, loss=mean_output)
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=3, d=0, loss=mean_output)
     runner.train([d[:7] for d in data], 7)
     assert runner.servers.clock.clocks() == ((3, 3), 3)
     runner.train([d[7:] for d in data], 5)
@@ -142,17 +92,24 @@ def test_a_failed_worker_ends_every_pull_and_the_next_run_starts_clean():
             raise RuntimeError("device lost")
         return 1.0
 
-    runner = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output, timeout_s=120, dilation=1)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output, timeout_s=120)
     runner.vws[1].slowdown = fail_at_4
-    started = time.monotonic()
+    ended, train = {}, runner.vws[0].train
+
+    def worker_0(*args, **kwargs):  # keeps what ended worker 0's run
+        try:
+            return train(*args, **kwargs)
+        except Exception as exc:
+            ended["error"] = exc
+            raise
+
+    runner.vws[0].train = worker_0
     with pytest.raises(Exception, match="device lost"):
         runner.train(data, 6)
-    # Worker 0 waited in a pull for worker 1's wave: the abort ended it, not its 120 s timeout.
-    assert time.monotonic() - started < 60
-    deadline = time.monotonic() + 10
-    while _pipeline_threads() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _pipeline_threads()
+    # Worker 0 waited in a pull for worker 1's wave: the abort ended it (its pull's, or its pipeline's
+    # if that stopped first), not its 120 s timeout.
+    assert "aborted" in str(ended["error"]) and "waited" not in str(ended["error"]), ended["error"]
+    assert wait_for(lambda: not _pipeline_threads(), 60), _pipeline_threads()
     assert runner.aborted.startswith("virtual worker 1 failed")
     failed = runner.servers
     with pytest.raises(tf.errors.AbortedError, match="virtual worker 1 failed"):
@@ -175,17 +132,16 @@ def test_a_worker_that_ends_its_run_early_no_longer_holds_the_others_back():
     for x, _ in data[0] + data[1][:9]:
         for path, g in constant_gradients(model, x).items():
             expected[path] -= 0.05 * g
-    servers = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output).servers
-    workers = [WSPRunner(model, [WorkerSpec("1,1", (f"/device:CPU:{2 * w}", f"/device:CPU:{2 * w + 1}"))],
-                         num_in_flight=2, staleness_bound=0, ps_devices=["/device:CPU:0"],
-                         optimizer=keras.optimizers.SGD(0.05), loss=mean_output, timeout_s=60, dilation=1,
-                         servers=servers, worker_ids=[w]) for w in (0, 1)]
+    servers = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output).servers
+    config = RunConfig(num_in_flight=2, staleness_bound=0, optimizer=keras.optimizers.SGD(0.05), loss=mean_output,
+                       timeout_s=60, dilation=1)
+    workers = [WSPRunner(model, [WorkerSpec("1,1", (f"/device:CPU:{2 * w}", f"/device:CPU:{2 * w + 1}"))], config,
+                         ["/device:CPU:0"], servers=servers, worker_ids=[w]) for w in (0, 1)]
     short = threading.Thread(target=lambda: workers[1].train([data[1][:9]], 9))
-    started = time.monotonic()
     short.start()
-    workers[0].train([data[0]], 16)
+    [report] = workers[0].train([data[0]], 16)
     short.join()
-    assert time.monotonic() - started < 30  # not the pull's 60 s timeout
+    assert report.steps == 16  # all of them, none ended by the pull's 60 s timeout
     assert servers.clock.clocks() == ((8, 5), 5)  # worker 1 pushed its partial wave 4; both retired now
     servers.write_to(model)
     for v in model.trainable_variables:  # nothing of the shorter run lost, nothing applied twice
@@ -198,9 +154,9 @@ def _pipeline_threads():
 
 def test_stats_and_trace_show_every_worker():
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
-    runner = _runner(model, ("1,1", "0.5,0.5"), nm=2, d=0, loss=LOSS)
-    runner.train([_batches(model, 8, seed=i) for i in range(2)], 8, trace=True)
+    model = models.mlp()
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=2, d=0, loss=LOSS, dilation=None)  # calibrated
+    runner.train([random_batches(model, 8, seed=i) for i in range(2)], 8, trace=True)
     stats = runner.stats()
     assert [s["worker"] for s in stats] == [0, 1]
     assert all(s["clock"] == 4 and s["clock_distance"] == 0 for s in stats)
@@ -210,12 +166,12 @@ def test_stats_and_trace_show_every_worker():
 
 
 def test_bad_arguments_are_named():
-    model = test_models.mlp()
+    model = models.mlp()
     with pytest.raises(ValueError, match="staleness bound D must be >= 0, got -1"):
-        _runner(model, ("1,1",), nm=2, d=-1, loss=LOSS)
-    runner = _runner(model, ("1,1", "1,1"), nm=2, d=0, loss=LOSS)
+        wsp_runner(model, ("1,1",), nm=2, d=-1, loss=LOSS)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=LOSS)
     with pytest.raises(ValueError, match="2 workers but data for 1"):
-        runner.train([_batches(model, 4)], 4)
+        runner.train([random_batches(model, 4)], 4)
 
 
 # BSP, SSP and ASP (§2.2): WSP's machinery with per-minibatch clocks ------------------------------
@@ -229,23 +185,33 @@ def _missed(records, nm):
             for (w, p), (_, pushed) in records.items()}
 
 
-def _slow(batches, seconds):
-    """`batches`, each after `seconds` more: a worker far slower than one that has none."""
-    for b in batches:
-        time.sleep(seconds)
-        yield b
+def _held(batches, first, release):
+    """`batches`, all but the first `first` only once `release` is set: a worker held back."""
+    yield from batches[:first]
+    assert release.wait(120), "the held worker was never released"
+    yield from batches[first:]
 
 
 @pytest.mark.parametrize("sync,s,nm", [("bsp", 0, 1), ("ssp", 1, 1), ("ssp", 2, 2)])
-def test_bsp_and_ssp_keep_their_bound_and_a_slow_worker_makes_the_fast_one_reach_it(sync, s, nm):
+def test_bsp_and_ssp_keep_their_bound_and_a_worker_held_back_makes_the_other_reach_it(sync, s, nm):
     # Minibatch p's weights hold every other worker's minibatches 1 .. p - Nm - s (with Nm = 1
-    # and s = 0, BSP: no worker starts p + 1 before every worker pushed p). Worker 1 is far slower,
-    # so worker 0 runs into the bound: some minibatch of it misses exactly s of worker 1's.
+    # and s = 0, BSP: no worker starts p + 1 before every worker pushed p). Worker 1 asks for its
+    # minibatch Nm + 1 once it applied and pushed its first, and is held there until worker 0 has
+    # done minibatch c + Nm + s, c the minibatches worker 1 pushed: the furthest the bound lets it
+    # go, whose weights miss exactly s of worker 1's, whatever the threads' timing.
     keras.utils.set_random_seed(0)
-    model = test_models.mlp()
+    model = models.mlp()
     n = 10
-    runner = _runner(model, ("1,1", "1,1"), nm, s, loss=LOSS, record_provenance=True, sync=sync, dilation=1)
-    runner.train([_batches(model, n, seed=0), _slow(_batches(model, n, seed=1), 0.2)], n)
+    runner = wsp_runner(model, ("1,1", "1,1"), nm, s, loss=LOSS, record_provenance=True, sync=sync)
+    release = threading.Event()
+
+    def done(w, p, logs):
+        if w == 0 and p == runner.servers.clock.clocks()[0][1] + nm + s:
+            release.set()
+
+    runner.train([random_batches(model, n, seed=0), _held(random_batches(model, n, seed=1), nm, release)], n,
+                 on_minibatch_done=done)
+    assert release.is_set()
     for stage in range(2):
         records = runner.provenance(stage)
         assert staleness.check(records, nm, s, 2, sync=sync) == 2 * n
@@ -270,7 +236,7 @@ def test_asp_a_stopped_worker_does_not_hold_back_the_others():
             seen["clocks"] = runner.servers.clock.clocks()[0]
             release.set()
 
-    runner = _runner(model, ("1", "1"), 1, 0, loss=mean_output, sync="asp", dilation=1, record_provenance=True)
+    runner = wsp_runner(model, ("1", "1"), 1, 0, loss=mean_output, sync="asp", record_provenance=True)
     runner.train([data[0], stopped(data[1])], 8, on_minibatch_done=done)
     assert seen["clocks"][0] >= 7 and seen["clocks"][1] <= 1, seen
     assert staleness.check(runner.provenance(0), 1, 0, 2, sync="asp") == 16  # the local bound only
@@ -282,7 +248,7 @@ def test_asp_a_stopped_worker_does_not_hold_back_the_others():
 def test_bsp_ssp_and_asp_apply_every_update_of_every_worker_exactly_once(sync, s):
     model = constant_gradient_model()
     data, expected = exact_sgd_case(model, 7)
-    runner = _runner(model, ("1,1", "0.5,0.5"), 2, s, loss=mean_output, sync=sync, dilation=1)
+    runner = wsp_runner(model, ("1,1", "0.5,0.5"), 2, s, loss=mean_output, sync=sync)
     runner.train(data, 7)
     for v in model.trainable_variables:
         np.testing.assert_allclose(v.numpy(), expected[v.path], atol=1e-5, err_msg=v.path)

@@ -5,9 +5,10 @@ import tensorflow as tf
 
 from hetpipe_tf.planning.uneven import push_weights
 from hetpipe_tf.runtime.worker_data import worker_shards
-from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+from hetpipe_tf.runtime.wsp_runner import WSPRunner
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
-from tests.cli import test_models
+from tests.helpers import models
 
 SERVERS = ["/device:CPU:0", "/device:CPU:1"]
 
@@ -17,7 +18,7 @@ def _layers(model):
 
 
 def test_default_placement_puts_layers_round_robin_on_the_servers():
-    model = test_models.mlp()
+    model = models.mlp()
     ps = ParameterServers(model, SERVERS, [2])
     layers = list(dict.fromkeys(_layers(model)))
     assert layers == [f"mlp/{layer.name}" for layer in model.layers]  # a layer, not the model
@@ -29,7 +30,7 @@ def test_default_placement_puts_layers_round_robin_on_the_servers():
 
 
 def test_local_placement_follows_the_layer_map_and_names_a_missing_layer():
-    model = test_models.mlp()
+    model = models.mlp()
     layers = list(dict.fromkeys(_layers(model)))
     ps = ParameterServers(model, SERVERS, [1], "local", {name: SERVERS[1] for name in layers})
     assert set(ps.device_of.values()) == {SERVERS[1]}
@@ -42,7 +43,7 @@ def test_local_placement_follows_the_layer_map_and_names_a_missing_layer():
 
 
 def test_push_adds_the_update_and_pull_waits_for_the_wave():
-    model = test_models.mlp()
+    model = models.mlp()
     ps = ParameterServers(model, SERVERS, [1, 1])
     paths = [v.path for v in model.trainable_variables]
     before = ps.values()
@@ -60,7 +61,7 @@ def test_push_adds_the_update_and_pull_waits_for_the_wave():
 
 
 def test_batchnorm_statistics_are_kept_but_not_integer_state():
-    model = test_models.cnn()  # BatchNorm, and Dropout's integer seed state
+    model = models.cnn()  # BatchNorm, and Dropout's integer seed state
     ps = ParameterServers(model, SERVERS, [1])
     state = {v.path for v in model.non_trainable_variables}
     kept = state & set(ps.variables)
@@ -71,7 +72,7 @@ def test_batchnorm_statistics_are_kept_but_not_integer_state():
 def test_weighted_pushes_apply_each_update_once_scaled_by_its_workers_weight():
     # Uneven minibatches (issue 14 item 4): w_global += a_i * u, each push once; a process that
     # attaches to the run reads the same weights from the first server.
-    model = test_models.mlp()
+    model = models.mlp()
     ps = ParameterServers(model, SERVERS, [1, 1], push_weights=push_weights((32, 16)))
     assert ps.push_weights == pytest.approx((4 / 3, 2 / 3))
     attached = ParameterServers(model, SERVERS, [1, 1], run=ps.run, variable_devices=ps.variable_devices())
@@ -127,8 +128,8 @@ def test_uneven_minibatches_with_weighted_pushes_equal_sgd_on_the_concatenated_b
                 w -= lr * g.numpy()
     runner = WSPRunner(model, [WorkerSpec("1,1", ("/device:CPU:0", "/device:CPU:1")),
                                WorkerSpec("1,1", ("/device:CPU:2", "/device:CPU:3"))],
-                       num_in_flight=1, staleness_bound=0, ps_devices=SERVERS, optimizer=keras.optimizers.SGD(lr),
-                       loss=loss, dilation=1, timeout_s=60, minibatch_sizes=sizes)
+                       RunConfig(num_in_flight=1, staleness_bound=0, optimizer=keras.optimizers.SGD(lr), loss=loss,
+                                 dilation=1, timeout_s=60, minibatch_sizes=sizes), SERVERS)
     runner.train(worker_shards(data, 2, sizes), rounds)
     assert runner.servers.clock.clocks() == ((rounds, rounds), rounds)
     for v, want in zip(model.trainable_variables, reference):

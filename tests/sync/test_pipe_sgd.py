@@ -15,12 +15,14 @@ from hetpipe_tf.pipeline.hetpipe import hetpipe_schedule
 from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
 from hetpipe_tf.pipeline.schedule import check_combination, get_sync
 from hetpipe_tf.pipeline.simulator import simulate_workers
-from hetpipe_tf.runtime.wsp_runner import WorkerSpec, WSPRunner
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+from hetpipe_tf.runtime.wsp_runner import WSPRunner
 from hetpipe_tf.sync.parameter_server import ParameterServers
 from hetpipe_tf.sync.pipe_sgd import (MERGED_AGGREGATE, AllReduceModel, ContributeUpdate, MergeAggregate, PipeSGD,
                                       iteration_seconds, ring_allreduce_seconds, scaling_efficiency)
-from tests.cli import test_models
-from tests.pipeline.test_executor import LOSS, _batches
+from tests.helpers import models
+from tests.helpers.data import random_batches
+from tests.helpers.models import LOSS
 
 LR = 0.05
 
@@ -68,12 +70,12 @@ def _algorithm_1(model, data, k):
 @pytest.mark.parametrize("k,nm,stages", [(0, 1, 1), (1, 2, 2), (2, 1, 1)])
 def test_the_weights_are_those_of_algorithm_1_and_k_0_is_synchronous_all_reduce_sgd(k, nm, stages):
     keras.utils.set_random_seed(1)
-    model = test_models.mlp()
-    data = [_batches(model, 6, seed=w) for w in range(2)]
+    model = models.mlp()
+    data = [random_batches(model, 6, seed=w) for w in range(2)]
     want = _algorithm_1(model, data, k)
-    runner = WSPRunner(model, _workers(stages), num_in_flight=nm, staleness_bound=0, ps_devices=["/device:CPU:0"],
-                       optimizer=keras.optimizers.SGD(LR), loss=LOSS, timeout_s=60, sync=PipeSGD(staleness=k),
-                       record_provenance=True)
+    config = RunConfig(num_in_flight=nm, staleness_bound=0, optimizer=keras.optimizers.SGD(LR), loss=LOSS,
+                       timeout_s=60, sync=PipeSGD(staleness=k), record_provenance=True)
+    runner = WSPRunner(model, _workers(stages), config, ["/device:CPU:0"])
     runner.train([iter(d) for d in data], 6)
     for v, expected in zip(model.trainable_variables, want):  # the servers mirror worker 0's replica
         np.testing.assert_allclose(v.numpy(), expected, atol=1e-6, err_msg=v.path)
@@ -151,7 +153,7 @@ def test_the_registered_scheme_is_the_seeds_default():
 
 
 def test_uneven_minibatches_are_refused_since_algorithm_1_sums_every_update_as_it_is():
-    servers = ParameterServers(test_models.mlp(), ["/device:CPU:0"], [1, 1], push_weights=(1.5, 0.5))
+    servers = ParameterServers(models.mlp(), ["/device:CPU:0"], [1, 1], push_weights=(1.5, 0.5))
     with pytest.raises(ValueError, match=r"weights the workers' pushes by their minibatch sizes \(\[1.5, 0.5\]\): "
                                          r"uneven minibatches are for the parameter-server schemes"):
         PipeSGD().bind(0, servers, 0, 5.0)

@@ -94,12 +94,12 @@ def define_flags():
                                                "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")
     flags.DEFINE_string("sync", "wsp", "With --cluster: how the virtual workers synchronise, a registered scheme "
                                        "(default: WSP, §5; also bsp, ssp, asp: per-minibatch clocks, §2.2; "
-                                       "pipe-sgd: all-reduce, no servers, seed 002).")
-    flags.DEFINE_integer("pipe_sgd_staleness", 1, "With --sync=pipe-sgd: the gradient staleness k (seed 002, "
+                                       "pipe-sgd: all-reduce, no servers, Pipe-SGD).")
+    flags.DEFINE_integer("pipe_sgd_staleness", 1, "With --sync=pipe-sgd: the gradient staleness k (Pipe-SGD, "
                          "Algorithm 1: minibatch t waits for the aggregate of t - (k + 1); 1 is the seed's optimum, "
                          "0 is synchronous all-reduce SGD).", lower_bound=0)
     flags.DEFINE_enum("compression", "none", ["none", "truncate16", "quant8"],
-                      "With --sync=pipe-sgd: what the all-reduce communicates (seed 002): float32 as it is, "
+                      "With --sync=pipe-sgd: what the all-reduce communicates (Pipe-SGD): float32 as it is, "
                       "truncated to its 16 high bits, or 8-bit scalar quantisation.")
     flags.DEFINE_enum("on_worker_failure", "stop", ["stop", "continue"],
                       "With --cluster and --launch=processes or tf_config, when a virtual worker's process is lost "

@@ -4,4 +4,4 @@ emulation rules and the trace (HetPipe §4)."""
 
 from hetpipe_tf.pipeline import hetpipe  # noqa: E402,F401 - registers the "hetpipe" schedule
 from hetpipe_tf.pipeline import gpipe, naivepipe, pipedream  # noqa: E402,F401 - and the classic ones
-from hetpipe_tf.pipeline import taylorpipe  # noqa: E402,F401 - and TaylorPipe's (seed 003)
+from hetpipe_tf.pipeline import taylorpipe  # noqa: E402,F401 - and TaylorPipe's

@@ -104,11 +104,8 @@ def calibrate_dilation(probe, candidates=DILATIONS, limit=FAITHFUL_OVERRUN / 2, 
     on fewer than `limit` of its tasks, then `extra_steps` candidates further, else the last
     candidate. Both are margins: a probe is short (about 120 tasks), a run meets slower phases
     of a shared machine and work no probe includes (WSP's servers, the data pipeline, validation
-    beside the running pipeline). Measured on the 2-core machine: the main job's probe passed at 3
-    and the run overran 5.3 %; several workers' probes passed at 4 and the run overran 5.7 %; one
-    step further, 0.3-1 % (25 Nov). Since a stage's thread goes on while its emulated device runs
-    (the device timeline), one step was not enough: on 27 Nov (an AMD EPYC host) the main job's
-    probes passed at 3 (0-1.7 %) and three runs at 4 overran 3.2, 6.9 and 9.8 %; at 6, 0.3 %.
+    beside the running pipeline), and a stage's thread goes on while its emulated device runs (the
+    device timeline), so a run overruns more than its probe did (docs/performance.md).
 
     `probe(dilation)` runs the real pipeline briefly at that dilation, keeps nothing of it, and
     returns its EmulationReport. Returns (dilation, ((dilation, overrun fraction), ...))."""

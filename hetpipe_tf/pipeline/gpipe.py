@@ -1,4 +1,4 @@
-"""GPipe's schedule (paper 000 §2.3; Huang et al., NeurIPS 2019): microbatches, one flush
+"""GPipe's schedule (HetPipe §2.3; Huang et al., NeurIPS 2019): microbatches, one flush
 per minibatch. A registration of the schedule seam, in two variants: "gpipe" keeps every
 microbatch's activations until its backward pass, "gpipe-recompute" re-materialises them.
 
@@ -53,7 +53,7 @@ def microbatch_groups(steps, num_in_flight, snapshot_after=()):
 
 
 class GPipeSchedule(PipelineSchedule):
-    """Nm microbatches forward, then backward, one update at the flush (paper 000 §2.3)."""
+    """Nm microbatches forward, then backward, one update at the flush (HetPipe §2.3)."""
 
     def __init__(self, recompute):
         self.recompute = bool(recompute)

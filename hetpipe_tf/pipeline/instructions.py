@@ -202,9 +202,9 @@ class Forward(Instruction):
 class Recompute(Instruction):
     """Runs minibatch p's forward pass on the stage again, from the inputs its
     ``Forward(p, recompute=True)`` kept, with the stage's live weights, and keeps its
-    activations for Backward(p): GPipe's re-materialisation (paper 000 §2.3; the live weights
+    activations for Backward(p): GPipe's re-materialisation (HetPipe §2.3; the live weights
     are the forward pass's, no update comes in between) and NaivePipe's backward against the
-    live weights, whatever updates came in between (seed 003). The stage's non-trainable
+    live weights, whatever updates came in between (TaylorPipe, §2). The stage's non-trainable
     state is not updated twice."""
 
 
@@ -230,7 +230,7 @@ class ApplyUpdate(Instruction):
 
 @dataclass(frozen=True, repr=False)
 class CompensateGradient(Instruction):
-    """TaylorPipe's delay compensation (seed 003 §3.2, Algorithm 1) of minibatch p's weight
+    """TaylorPipe's delay compensation (TaylorPipe §3.2, Algorithm 1) of minibatch p's weight
     gradient g, computed against the version w_p its forward pass used (the local model W_t):
     g := g + λ·g⊙g⊙(W̄ − W_t), the first-order Taylor prediction of the gradient at the stage's
     live (master) weights W̄, with the Hessian approximated by λ·g⊙g. It runs after
@@ -249,7 +249,7 @@ class AccumulateGradient(Instruction):
 
 @dataclass(frozen=True, repr=False)
 class ApplyAccumulated(Instruction):
-    """GPipe's flush (paper 000 §2.3): one update from the mean of the accumulated gradients of
+    """GPipe's flush (HetPipe §2.3): one update from the mean of the accumulated gradients of
     microbatches `first`..p, w_local += u(mean); the sum starts again from zero."""
     first: int = field(default=1, kw_only=True)
 

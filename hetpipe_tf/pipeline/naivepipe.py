@@ -1,10 +1,10 @@
-"""NaivePipe (seed 003's term, its §2 and Tables 2-3): pipelined SGD without weight stashing.
+"""NaivePipe (TaylorPipe's term, its §2 and Tables 2-3): pipelined SGD without weight stashing.
 A registration of the schedule seam: "naivepipe".
 
 Pure Python. The order is PipeDream's 1F1B (:mod:`hetpipe_tf.pipeline.pipedream`), as seed
 003 runs all its pipelines, but a stage keeps no weight versions: a minibatch's forward pass
 uses the stage's live weights, and its backward pass uses the live weights as they are then,
-whatever updates the stage applied in between (seed 003's weight inconsistency). TensorFlow
+whatever updates the stage applied in between (TaylorPipe's weight inconsistency). TensorFlow
 differentiates a pass at the weights it ran with, so a stage other than the last keeps the
 minibatch's inputs and runs its forward pass again with the live weights right before the
 backward pass (:class:`hetpipe_tf.pipeline.instructions.Recompute`): the gradient is the
@@ -21,7 +21,7 @@ from hetpipe_tf.pipeline.stage_programs import after_update
 
 
 class NaivePipeSchedule(PipelineSchedule):
-    """1F1B, no stashed versions: backward passes use the live weights (seed 003)."""
+    """1F1B, no stashed versions: backward passes use the live weights (TaylorPipe, §2)."""
 
     name = "naivepipe"
     instructions = frozenset({LoadMinibatch, RecvInputs, RecvLabels, RecvActivation, SendActivation, RecvGradient,

@@ -1,4 +1,4 @@
-"""PipeDream's schedule (paper 000 §2.3; Narayanan et al., SOSP 2019): one-forward-one-backward
+"""PipeDream's schedule (HetPipe §2.3; Narayanan et al., SOSP 2019): one-forward-one-backward
 (1F1B) with weight stashing, and vertical sync as a second registration. A registration of the
 schedule seam: "pipedream" and "pipedream-vsync".
 

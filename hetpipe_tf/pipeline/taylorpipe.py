@@ -1,4 +1,4 @@
-"""TaylorPipe (seed 003, Jang, Yoo and Yook, Applied Sciences 2023): pipelined SGD with a master
+"""TaylorPipe (Jang, Yoo and Yook, Applied Sciences 2023): pipelined SGD with a master
 and local models per stage and the first-order Taylor compensation of the delayed gradient. A
 registration of the schedule seam: "taylorpipe", and "hetpipe-taylor", HetPipe's schedule with
 the same compensation, which works inside WSP (none of the seeds has it).
@@ -38,7 +38,7 @@ from hetpipe_tf.pipeline.instructions import CompensateGradient
 from hetpipe_tf.pipeline.pipedream import PipeDreamSchedule
 from hetpipe_tf.pipeline.schedule import register_schedule
 
-#: λ of seed 003, Appendix A (Tables A1-A3: "Variance Control Parameter (λ) 2.0").
+#: λ of TaylorPipe, Appendix A (Tables A1-A3: "Variance Control Parameter (λ) 2.0").
 DEFAULT_VARIANCE_CONTROL = 2.0
 
 
@@ -70,7 +70,7 @@ class TaylorCompensation:
 
 
 class TaylorPipeSchedule(TaylorCompensation, PipeDreamSchedule):
-    """TaylorPipe (seed 003, Algorithm 1): 1F1B with weight stashing, stage q admitting
+    """TaylorPipe (Algorithm 1): 1F1B with weight stashing, stage q admitting
     min(Nm, 2(k - q) - 1) minibatches (Figure 2), each gradient compensated before its update."""
 
     def __init__(self, variance_control=DEFAULT_VARIANCE_CONTROL, name="taylorpipe"):
@@ -85,7 +85,7 @@ class TaylorPipeSchedule(TaylorCompensation, PipeDreamSchedule):
 
 
 class HetPipeTaylorSchedule(TaylorCompensation, HetPipeSchedule):
-    """HetPipe's schedule (§4) with TaylorPipe's compensation (seed 003 §3.2) before every update:
+    """HetPipe's schedule (§4) with TaylorPipe's compensation (TaylorPipe §3.2) before every update:
     under WSP it also compensates the staleness of the pulled global weights."""
 
     def __init__(self, variance_control=DEFAULT_VARIANCE_CONTROL, name="hetpipe-taylor"):

@@ -12,7 +12,7 @@ instructions (:data:`DEVICE_INSTRUCTIONS`) do to the stage:
   keeps only the pass's inputs, for ``Recompute(p)``, the same pass again with the live
   weights (GPipe's re-materialisation; NaivePipe's backward against the live weights);
 * ``Backward(p)``: gradients of p against the weights its pass used (w_p);
-* ``CompensateGradient(p)``: TaylorPipe's delay compensation (seed 003 §3.2) of p's
+* ``CompensateGradient(p)``: TaylorPipe's delay compensation (TaylorPipe §3.2) of p's
   weight gradient g, computed against w_p: g := g + λ·g⊙g⊙(w_local − w_p);
 * ``ApplyUpdate(p)``: w_local := w_local + u_p with the stage's optimizer;
 * ``AccumulateGradient(p)`` and ``ApplyAccumulated(first, p)``: GPipe's sum of

@@ -1,4 +1,4 @@
-"""Pipe-SGD's all-reduce on TensorFlow's collective ops (seed 002, Algorithm 1, communication
+"""Pipe-SGD's all-reduce on TensorFlow's collective ops (Pipe-SGD, Algorithm 1, communication
 thread line 4: g_sum[t] = Σ g_local[t] over the workers).
 
 Stage s of every virtual worker is one collective group; a stage's all-reduce of minibatch j is

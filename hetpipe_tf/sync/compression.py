@@ -1,4 +1,4 @@
-"""Pipe-SGD's light compressions in TensorFlow (seed 002, "Compression": "floating-point
+"""Pipe-SGD's light compressions in TensorFlow (Pipe-SGD, "Compression": "floating-point
 truncation on 16-bit LSBs, and scalar 8-bit quantization"), and their wire formats.
 
 What :mod:`hetpipe_tf.sync.pipe_sgd` names and bounds (:data:`hetpipe_tf.sync.pipe_sgd.COMPRESSIONS`)

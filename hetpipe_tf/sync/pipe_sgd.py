@@ -1,4 +1,4 @@
-"""Pipe-SGD (seed 002, Li et al., NeurIPS 2018) behind the synchronisation seam: decentralised,
+"""Pipe-SGD (Li et al., NeurIPS 2018) behind the synchronisation seam: decentralised,
 pipelined all-reduce SGD with gradient staleness k, no parameter servers.
 
 Pure Python. Algorithm 1 of the seed, on each worker: iteration t = 1..T waits until the
@@ -79,7 +79,7 @@ class Compression:
 
     def link_share(self, workers):
         """The bytes a worker's link carries per all-reduce, as a multiple of its float32 values'
-        bytes n: a ring all-reduce 2(p-1)/p·n (seed 002, Ring-AllReduce), compressed; a ring
+        bytes n: a ring all-reduce 2(p-1)/p·n (Pipe-SGD, Ring-AllReduce), compressed; a ring
         all-gather of the compressed payloads (p-1)·n_c."""
         p, ratio = int(workers), self.wire_bytes / 4.0
         return (p - 1) * ratio if self.gathered else 2 * (p - 1) / p * ratio
@@ -99,14 +99,14 @@ def get_compression(name):
     """The :class:`Compression` named `name`, or a ValueError naming the ones that exist."""
     if name not in COMPRESSIONS:
         raise ValueError(f"unknown compression {name!r}; Pipe-SGD's are: {', '.join(COMPRESSIONS)} "
-                         f"(seed 002: none, truncation of the 16 low bits, scalar 8-bit quantisation)")
+                         f"(Pipe-SGD: none, truncation of the 16 low bits, scalar 8-bit quantisation)")
     return COMPRESSIONS[name]
 
 
 # The seed's timing model ------------------------------------------------------------------------
 def ring_allreduce_seconds(workers, nbytes, latency, byte_seconds, reduce_byte_seconds=0.0, sync_seconds=0.0,
                            segments=1):
-    """l_comm of a Ring-AllReduce of `nbytes` over p = `workers` (seed 002, "Finding the Optimal
+    """l_comm of a Ring-AllReduce of `nbytes` over p = `workers` (Pipe-SGD, "Finding the Optimal
     Level of Pipelining"): 2(p-1)·L·α + 2((p-1)/p)·n·β + ((p-1)/p)·n·γ + L·S, with L gradient
     `segments` (level of pipeline 1: L = 1), α the latency, β and γ the seconds per byte
     transferred and summed, S the global synchronisation time. One worker communicates nothing."""
@@ -119,7 +119,7 @@ def ring_allreduce_seconds(workers, nbytes, latency, byte_seconds, reduce_byte_s
 
 
 def iteration_seconds(update, compute, communicate, staleness=1):
-    """Per-iteration time of Pipe-SGD under limited resources (seed 002, "Finding the Optimal
+    """Per-iteration time of Pipe-SGD under limited resources (Pipe-SGD, "Finding the Optimal
     Staleness"): l_total = T·max(l_up + l_comp, l_comm), for k >= 1; with k = 0 nothing
     overlaps: l_up + l_comp + l_comm."""
     if staleness < 0:
@@ -130,7 +130,7 @@ def iteration_seconds(update, compute, communicate, staleness=1):
 
 
 def scaling_efficiency(update, compute, communicate):
-    """SE = (l_up + l_comp) / max(l_up + l_comp, l_comm) (seed 002, "Finding the Optimal
+    """SE = (l_up + l_comp) / max(l_up + l_comp, l_comm) (Pipe-SGD, "Finding the Optimal
     Communication Ratio"): 1 once the system is compute bound."""
     return (update + compute) / max(update + compute, communicate)
 

@@ -1,10 +1,10 @@
-"""HetPipe against the all-reduce baselines on the same EMULATED devices, in one run (issue 13):
+"""HetPipe against the all-reduce baselines on the same EMULATED devices, in one run:
 the pieces that benchmarks/throughput_vs_horovod.py (Fig. 4) and benchmarks/whimpy_devices.py
 (Table 4) share.
 
 The devices: one emulated device per node, one node per device type (HetPipe §3: a node's
 devices are of one type), with the types named as the paper's Table 1 (V, R, Q, G) and their
-memories Table 1's in MiB instead of GiB (12, 24, 8, 6). Their speeds are issue 13's example,
+memories Table 1's in MiB instead of GiB (12, 24, 8, 6). Their speeds are the Fig. 4 example of benchmarks/README.md,
 1, 0.67, 0.4 and 0.33 (slowdowns 3 / 4.5 / 7.5 / 9 at a dilation of 3), given in the order of
 Table 1's peak FP32 (V and R, then G, then Q: V 1, R 0.67, G 0.4, Q 0.33, as
 benchmarks/nm_sweep.py has them): the paper's relative speeds at this machine's scale are not

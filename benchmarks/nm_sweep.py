@@ -1,6 +1,6 @@
 """One virtual worker's throughput as Nm grows, per allocation policy (HetPipe Fig. 3), MEASURED on EMULATED devices.
 
-The cluster is issue 13's four device types, EMULATED on this host: V, R, G and Q of speed
+The cluster is Fig. 4's four device types, EMULATED on this host: V, R, G and Q of speed
 1, 0.67, 0.4 and 0.33 relative to this host running a task alone, with memory in the
 paper's proportions (Table 1: 12, 24, 6 and 8 GB, here 48, 96, 24 and 32 MiB), four of each
 type on a node of their own. The allocation policies (§8.1: NP a node per virtual worker,

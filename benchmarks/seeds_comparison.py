@@ -1,4 +1,4 @@
-"""The seeds' schemes side by side (issue 14): throughput, time per epoch and time to accuracy on the same EMULATED devices.
+"""The seeds' schemes side by side: throughput, time per epoch and time to accuracy on the same EMULATED devices.
 
 One run trains every scheme this checkout registers, each in a process of its own, on the
 bundled digits (1437 train / 360 test images) with the ``cnn``, minibatches of 32, SGD

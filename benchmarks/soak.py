@@ -1,4 +1,4 @@
-"""Soak: three virtual workers, one process each, for minutes, with random transient slowdowns (issue 12).
+"""Soak: three virtual workers, one process each, for minutes, with random transient slowdowns.
 
 Three EMULATED nodes of two devices (the NP policy makes a virtual worker of each node:
 two stages, Nm = 2) train an MLP on the bundled digits under WSP with staleness bound D,

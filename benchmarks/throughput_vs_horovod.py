@@ -26,7 +26,7 @@ per device (per rank; per pipeline slot), same data (the bundled digits, 44 mini
 epoch in every system), plain SGD; communication is not padded. images/s: over the epochs after
 the first. JSON lines: a setup line (the machine and its load average at start), one row per
 system (its overrun fraction, whether the emulation was faithful), the ratio HetPipe / Horovod
-and HetPipe / MWMS per policy and a summary against issue 13's target (best policy >= 1.5x
+and HetPipe / MWMS per policy and a summary against the target (best policy >= 1.5x
 Horovod; the ceiling on these devices is sum(v) / (n x min(v)) = 1.8x).
 
     python benchmarks/throughput_vs_horovod.py [--epochs=4] [--dilation=D] [--nm_candidates=4,8,16]
@@ -97,7 +97,7 @@ def best_by_policy(rows):
 
 
 def summary(rows, types):
-    """The best HetPipe policy in processes against Horovod, issue 13's target and the ceiling
+    """The best HetPipe policy in processes against Horovod, the target and the ceiling
     (rows run in one process stand beside, they do not count)."""
     table = ratios([r for r in rows if r.get("launch", "processes") == "processes"])
     measured = [t for t in table if t["hetpipe_over_horovod"] is not None]

@@ -1,11 +1,17 @@
 """HetPipeStrategy: Keras training on virtual workers under Wave Synchronous Parallel (HetPipe §3-§5, §8).
 
-    strategy = hetpipe_tf.HetPipeStrategy(cluster="local", policy="ed", staleness_bound=0)
-    with strategy.scope():
-        model = build_model()
-        model.compile(optimizer="sgd", loss=..., metrics=["accuracy"])
-    model.fit(dataset, epochs=5, validation_data=test, callbacks=[...])
+    strategy = hetpipe_tf.HetPipeStrategy(cluster="local", policy="ed", staleness_bound=1)
+    with strategy.scope():  # the datasets and the model are made inside it
+        train = load_image_classification("hetpipe_digits", "train", batch_size=32, shuffle=True)
+        test = load_image_classification("hetpipe_digits", "test", batch_size=32)
+        model = build_model("cnn", input_shape=(8, 8, 1), num_classes=10)
+        model.compile(optimizer=keras.optimizers.AdamW(1e-3, global_clipnorm=1.0), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(train, epochs=12, validation_data=test)
     print(strategy.plan.format())
+
+(``build_model`` is :func:`hetpipe_tf.cli.models.build_model`, ``load_image_classification``
+:func:`hetpipe_tf.data.datasets.load_image_classification`.)
 
 Behind ``fit``: the model is profiled on this host, the planner groups the cluster's
 devices into virtual workers by the policy and cuts the model for each (with Nm), and

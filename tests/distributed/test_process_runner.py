@@ -18,6 +18,9 @@ import numpy as np, keras, tensorflow as tf
 from hetpipe_tf import HetPipeStrategy
 
 launch, out, links = sys.argv[1], sys.argv[2], sys.argv[3] == "links"
+# Today's recipe: bfloat16 compute (activations and gradients cross stages and processes in it),
+# float32 weights, AdamW clipped by the norm of every stage's gradients together.
+keras.config.set_dtype_policy("mixed_bfloat16")
 strategy = HetPipeStrategy(cluster="local", policy="ed", vw_size=4, num_in_flight=2, staleness_bound=0,
                            dilation=1.0, launch=launch, timeout_s=60, emulate_links=links)
 keras.utils.set_random_seed(0)
@@ -30,7 +33,7 @@ with strategy.scope():
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.BatchNormalization(), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+    model.compile(optimizer=keras.optimizers.AdamW(0.01, global_clipnorm=1.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 early_error = None
 if early is not None:
@@ -51,7 +54,8 @@ print("RESULT " + json.dumps({
     "tasks": [list(t) + [runner.cluster.address(*t)] for t in getattr(getattr(runner, "cluster", None), "tasks", [])],
     "descriptions": getattr(runner, "descriptions", []),
     "home": nodes.index(worker.devices[0].node), "worker_nodes": sorted({nodes.index(d.node) for d in worker.devices}),
-    "clocks": list(runner.servers.clock.clocks()[0]), "early_error": early_error}))
+    "clocks": list(runner.servers.clock.clocks()[0]), "early_error": early_error,
+    "weight_dtypes": sorted({v.dtype for v in model.weights})}))
 """
 
 
@@ -66,6 +70,8 @@ def _train(tmp_path, launch, links=False):
 
 
 def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tmp_path):
+    """In bfloat16 with AdamW and a global clip norm: what crosses the process boundary is the
+    compute dtype, the weights stay float32, and the result is one process's."""
     alone, expected = _train(tmp_path, "in_process")
     apart, got = _train(tmp_path, "processes")
     # The virtual worker has a process of its own beside the ps and worker tasks.
@@ -81,6 +87,7 @@ def test_a_virtual_worker_in_its_own_process_trains_exactly_as_in_one_process(tm
     assert apart["clocks"] == alone["clocks"] == [16]  # 32 minibatches, waves of Nm = 2
     assert "make the dataset inside `with strategy.scope():`" in apart["early_error"], apart["early_error"]
     assert len(got) == len(expected)
+    assert apart["weight_dtypes"] == alone["weight_dtypes"] == ["float32"]
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, atol=1e-5)
     for key in ("loss", "accuracy"):

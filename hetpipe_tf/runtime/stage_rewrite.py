@@ -347,12 +347,45 @@ class StagedModel:
 
 
 def _sub_model(inputs, outputs, name):
-    """The Keras model from `inputs` to `outputs`, tensors of a model's graph. Keras 3.15.1 clones
-    the graph's nodes between them (``clone_graph_nodes``) and points the history of each of the
-    model's own inputs among `inputs` at its clone, after which the model could no longer be
-    saved: those histories are put back."""
+    """The Keras model from `inputs` to `outputs`, tensors of a model's graph.
+
+    Keras 3.15's own way (``keras.Model`` on intermediate tensors, ``clone_graph_nodes``) maps
+    the layer that produced an intermediate input to the new input by the layer, not by its
+    call, so a later call of the same layer inside the stage (a tied layer whose first call ends
+    the stage before) would become an input too. The graph between is cloned here instead, a new
+    ``keras.Input`` standing for each intermediate input's call only; the history of each of the
+    model's own inputs, which the clone of its input layer's call points at the clone, is put
+    back (the model could no longer be saved otherwise)."""
+    from keras.src.models.functional import (
+        clone_keras_tensors, clone_single_keras_tensor, find_nodes_by_inputs_and_outputs, is_input_keras_tensor)
+    from keras.src.ops.node import Node
+
     histories = [t._keras_history for t in inputs]
-    model = keras.Model(inputs=_one_or_list(inputs), outputs=_one_or_list(outputs), name=name)
+    mapping, replaced, cloned_inputs = {}, {}, []
+    for t in inputs:
+        if is_input_keras_tensor(t):
+            clone = t
+        else:
+            clone = keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse, name=f"{t.name}CLONE")
+            history = t._keras_history
+            replaced[id(history.operation._inbound_nodes[history.node_index])] = clone._keras_history.operation
+        cloned_inputs.append(clone)
+        mapping[id(t)] = clone
+    cloned_outputs = []
+    for t in outputs:
+        clone = clone_single_keras_tensor(t)
+        clone._keras_history = t._keras_history
+        cloned_outputs.append(clone)
+        mapping[id(t)] = clone
+    for node in find_nodes_by_inputs_and_outputs(inputs, outputs):
+        operation = replaced.get(id(node), node.operation)
+        produced = clone_keras_tensors(node.output_tensors, mapping)
+        if operation is node.operation:
+            Node(operation, call_args=clone_keras_tensors(node.arguments.args, mapping),
+                 call_kwargs=clone_keras_tensors(node.arguments.kwargs, mapping), outputs=produced)
+        else:
+            Node(operation, call_args=(), call_kwargs={}, outputs=produced)
+    model = keras.Model(inputs=_one_or_list(cloned_inputs), outputs=_one_or_list(cloned_outputs), name=name)
     for t, history in zip(inputs, histories):
         t._keras_history = history
     return model

@@ -33,12 +33,12 @@ from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule, get_sync
 from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.planning.allocation import AllocationError, allocate, candidate_allocations, describe
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
-from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, distinct_orders, fits
+from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
 from hetpipe_tf.planning.partitioner import Partition
 from hetpipe_tf.planning.profile import coarsen
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
                                         proportional_sizes)
-from hetpipe_tf.sync.wsp import PLACEMENTS, WSP_SCHEME
+from hetpipe_tf.sync.wsp import PLACEMENTS, WSP_SCHEME, ParameterServerModel
 
 MAX_SEGMENTS = 48
 
@@ -167,15 +167,10 @@ def _max_num_in_flight(model, devices, limit):
 
     Memory grows with Nm, so the feasible Nm are 1..Max_m: a binary search.
     """
-    orders = distinct_orders(devices)
-
-    def ok(nm):
-        return any(fits(model, order, nm) for order in orders)
-
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ok(mid):
+        if fits_some_order(model, devices, mid):
             lo = mid
         else:
             hi = mid - 1
@@ -228,56 +223,86 @@ def _role(device, devices):
     return (device.type.name, tuple(sorted(d.type.name for d in devices if d.node == device.node)))
 
 
-def _ps_nodes(cluster):
-    return [n.name for n in cluster.nodes]
-
-
-def _server(model, segment, device, placement):
-    """The node whose parameter server holds `segment`'s weights when `device` trains it (§8.1)."""
-    nodes = _ps_nodes(model.cluster)
-    return device.node if placement == "local" else nodes[segment % len(nodes)]
-
-
-def _push_seconds(model, stage, placement, workers):
-    """Seconds for a stage to send its layers' update to their parameter servers (or pull them).
+def _push_times(model, workers, placement):
+    """Per worker, per stage: seconds to send its layers' update to their parameter servers (or
+    pull them), one server per node (§8.1): ``default`` placement puts segment s on node
+    s mod H, ``local`` on the stage's own node.
 
     The workers push a wave at about the same time, so the devices of other nodes that push
     the same segment to a server share that server's inter-node link (§8.1: one per node)."""
     cluster, links, p = model.cluster, model.links, model.profile
-    host = {n: next(d for d in cluster.devices() if d.node == n) for n in _ps_nodes(cluster)}
-    total = 0.0
-    for seg in range(*stage.segments):
-        if not p.weight_bytes[seg]:
-            continue
-        server = _server(model, seg, stage.device, placement)
-        holders = [st.device for w in workers for st in w.stages if st.segments[0] <= seg < st.segments[1]]
-        flows = sum(1 for d in holders if d.node != server)
-        total += links.seconds(p.weight_bytes[seg], stage.device, host[server], cluster, flows=flows)
-    return total
+    nodes = [n.name for n in cluster.nodes]
+    host = {}
+    for d in cluster.devices():
+        host.setdefault(d.node, d)
+    holders = [[] for _ in range(p.num_segments)]  # the node of every stage that holds each segment
+    for w in workers:
+        for st in w.stages:
+            for seg in range(*st.segments):
+                holders[seg].append(st.device.node)
+    out = []
+    for w in workers:
+        times = []
+        for st in w.stages:
+            total = 0.0
+            for seg in range(*st.segments):
+                if not p.weight_bytes[seg]:
+                    continue
+                server = st.device.node if placement == "local" else nodes[seg % len(nodes)]
+                flows = sum(1 for node in holders[seg] if node != server)
+                total += links.seconds(p.weight_bytes[seg], st.device, host[server], cluster, flows=flows)
+            times.append(total)
+        out.append(tuple(times))
+    return out
 
 
 def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
-    schedules = [model.schedule.programs(len(w.stages), n, num_in_flight, sync=model.sync) for w in workers]
+    """The workers' schedules in the simulator: (result, same_as), where same_as[w] is the
+    worker whose agents in the result stand for worker w.
 
+    Workers whose stages cost the same and whose pushes and pulls take as long run as one
+    (:func:`hetpipe_tf.pipeline.simulator.simulate_workers`' ``same_as``): they meet the others
+    only at the parameter servers, which get their requests at the same times, so one of them
+    runs for all (exact)."""
+    push = _push_times(model, workers, placement)
+    same_as, first = [], {}
+    for w, part in enumerate(workers):
+        key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient) for st in part.stages),
+               push[w])
+        same_as.append(first.setdefault(key, w))
+    programs = {}
+    for k in sorted({len(w.stages) for w in workers}):
+        programs[k] = model.schedule.programs(k, n, num_in_flight, sync=model.sync)
+    schedules = [programs[len(w.stages)] for w in workers]
     per_instruction = model.profile.instruction_seconds
+    known = {}
 
     def duration(agent, ins):
-        st = workers[agent[0]].stages[agent[1]]
         kind = type(ins)
-        if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
-            return st.forward
-        if kind is Backward:
-            return st.backward
-        if ins.applies() or kind in model.sync.apply_like or kind in model.schedule.apply_like:
-            return st.apply
-        link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
-        return link + per_instruction
+        if (agent, kind) not in known:
+            st = workers[agent[0]].stages[agent[1]]
+            if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
+                seconds = st.forward
+            elif kind is Backward:
+                seconds = st.backward
+            elif ins.applies() or kind in model.sync.apply_like or kind in model.schedule.apply_like:
+                seconds = st.apply
+            else:
+                link = (st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient
+                        else 0.0)
+                seconds = link + per_instruction
+            known[(agent, kind)] = seconds
+        return known[(agent, kind)]
 
     def transfer(agent, ins):  # a push or a pull moves the stage's weights to or from the servers
-        return _push_seconds(model, workers[agent[0]].stages[agent[1]], placement, workers)
+        return push[agent[0]][agent[1]]
 
     servers = model.sync.simulation_model(staleness_bound, push_time=transfer, pull_time=transfer)
-    return simulate_workers(schedules, duration, parameter_servers=servers)
+    # WSP's servers (and its family's) answer a pull once every worker pushed: how many workers ask
+    # does not matter, so they hear from the workers that run only; other schemes' from all.
+    counted = not isinstance(servers, ParameterServerModel)
+    return simulate_workers(schedules, duration, parameter_servers=servers, same_as=same_as,
+                            servers_hear_every_worker=counted), same_as
 
 
 def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None):
@@ -289,8 +314,9 @@ def predict(model, workers, num_in_flight, staleness_bound=0, placement="default
     scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`).
     """
     n = steps or max(6 * num_in_flight, 32)
-    result = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
-    per = long_run_pace(model.sync, [result.steady_throughput((w, 0)) for w in range(len(workers))])
+    result, same_as = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
+    alone = {w: result.steady_throughput((w, 0)) for w in set(same_as)}
+    per = long_run_pace(model.sync, [alone[same_as[w]] for w in range(len(workers))])
     return sum(per), per
 
 
@@ -462,16 +488,16 @@ def simulate_plan(p, steps=400):
     model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic,
                       link_flows=link_flows([w.devices for w in p.workers]))
     parts = [w.partition for w in p.workers]
-    result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps)
-    alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]
-    busy = result.busy_fraction()
+    result, same_as = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps)
+    alone = [result.steady_throughput((same_as[w], 0)) for w in range(len(parts))]
+    busy = dict(zip(result.agents, result.busy_fraction()))
     workers = []
     for w, part in enumerate(parts):
-        waits = result.wait_and_idle(w)
+        waits = result.wait_and_idle(same_as[w])
         workers.append({
             "index": w, "device_types": [d.type.name for d in part.devices],
             "minibatches_per_s": alone[w],
-            "busy_fraction": [busy[result.agents.index((w, s))] for s in range(len(part.stages))],
+            "busy_fraction": [busy[(same_as[w], s)] for s in range(len(part.stages))],
             "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
             "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0})
     return {"images_per_s": sum(r * b for r, b in zip(long_run_pace(p.sync, alone), p.sizes)),

@@ -1,7 +1,10 @@
 """The planner's faster searches choose what trying every case one by one chose (issue 29).
 
-The reference is the search as it was before: every grouping of HD, the first most alike kept.
-On random small clusters (seeded) HD must give the same workers.
+Each reference is the search as it was before: every grouping of HD, the first most alike kept;
+every distinct order of a worker's devices cut by the dynamic program, the first best kept, and
+every order for Max_m (tests/planning/test_partitioner.py); every virtual worker simulated. On
+random small clusters (seeded) HD must give the same workers, and a whole plan on the paper's
+cluster and on small random clusters the same allocation, Nm, cuts and prediction.
 """
 import itertools
 import json
@@ -9,10 +12,12 @@ import random
 
 import pytest
 
-from hetpipe_tf.planning import allocation
+from hetpipe_tf.pipeline.simulator import simulate_workers
+from hetpipe_tf.planning import allocation, planner
 from hetpipe_tf.planning.allocation import AllocationError, _by_node, _compute, _equal_shares, _spread, describe
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
-from tests.planning.test_partitioner import random_cluster
+from hetpipe_tf.planning.partitioner import distinct_orders, fits
+from tests.planning.test_partitioner import one_by_one, random_cluster, random_profile
 
 
 def every_grouping(cluster, vw_size=None, group_size=2):
@@ -82,3 +87,35 @@ def test_hd_on_the_paper_cluster_is_table_3_and_needs_few_states_at_1024_gpus():
     spec["nodes"] = [{"name": f"n{i:03d}", "device_type": types[i % 4], "count": 8} for i in range(128)]
     workers = allocation.hybrid_distribution(load_cluster(spec))
     assert len(workers) == 128 and set(describe(workers).split()) == {"VVVVQQQQ", "RRRRGGGG"}
+
+
+def reference_planner(monkeypatch):
+    """The planner with every search one by one (the searches above, every worker simulated)."""
+    monkeypatch.setattr(planner, "best_partition", lambda model, devices, nm, method: one_by_one(model, devices, nm))
+    monkeypatch.setattr(planner, "fits_some_order",
+                        lambda model, devices, nm: any(fits(model, o, nm) for o in distinct_orders(devices)))
+    monkeypatch.setattr(allocation, "hybrid_distribution", every_grouping)
+    run_all = simulate_workers
+    monkeypatch.setattr(planner, "simulate_workers", lambda *a, same_as=None, **k: run_all(*a, **k))
+
+
+def plan_outcome(profile, cluster, policy, placement="default"):
+    try:
+        p = planner.plan(profile, cluster, policy=policy, placement=placement, method="dp", max_num_in_flight=4)
+    except planner.PlanError as e:
+        return str(e)
+    return (p.allocation, p.num_in_flight, round(p.minibatches_per_s, 9),
+            [[d.name for d in w.devices] for w in p.workers], [w.partition.boundaries for w in p.workers])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plans_choose_what_the_searches_one_by_one_chose(seed, monkeypatch):
+    rng = random.Random(seed)
+    if seed == 0:
+        cluster, profile = load_cluster("paper"), random_profile(rng, 8)
+    else:
+        cluster, profile = random_cluster(rng, max_nodes=4, max_count=3), random_profile(rng)
+    cases = [(policy, "default") for policy in ("np", "ed", "hd")] + [("ed", "local")]
+    fast = [plan_outcome(profile, cluster, *case) for case in cases]
+    reference_planner(monkeypatch)
+    assert fast == [plan_outcome(profile, cluster, *case) for case in cases]

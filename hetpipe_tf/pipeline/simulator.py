@@ -166,7 +166,8 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
     spans, pulls = result.spans, result.pulls
     ps = parameter_servers
     asked = [False]  # whether the servers received something since they last answered
-    made, provided = {}, {}  # tasks by (stream, index), shared by the agents that run one program
+    made, steps_of = {}, {}  # tasks by (stream, index), shared by the agents that run one program
+    wanted = {a: () for a in agents}  # keys the agent's next tasks need: others do not change its choice
 
     def task_at(stream, i):
         key = (stream, i)
@@ -175,19 +176,23 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
             task = made[key] = stream[i]
         return task
 
+    def steps(instructions, stage):
+        """(instruction, what it provides) of each instruction, asked once per program."""
+        key = (id(instructions), stage)
+        out = steps_of.get(key)
+        if out is None:
+            out = steps_of[key] = (instructions, [(ins, tuple(ins.provides(stage))) for ins in instructions])
+        return out[1]
+
     touched = set()  # agents whose candidate task may have changed
 
     def run(agent, instructions, start):
         t = start
         touched.add(agent)
         worker, stage = agent
-        for ins in instructions:
+        for ins, gives in steps(instructions, stage):
             end = t + duration(agent, ins)
             spans.append(Span(agent, ins, t, end))
-            key = (id(ins), stage)
-            gives = provided.get(key)
-            if gives is None:
-                gives = provided[key] = tuple(ins.provides(stage))
             for dst, what in gives:
                 if dst == PARAMETER_SERVER:
                     if ps is None:
@@ -199,20 +204,23 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
                 target = (worker, dst)
                 delay = transfer(agent, target, ins) if (transfer and target != agent) else 0.0
                 avail[target][what] = end + delay
-                touched.add(target)
+                if what in wanted[target]:
+                    touched.add(target)
             t = end
         if asked[0]:  # answers change only with what the servers receive
             asked[0] = False
             for who, what, requested, arrival in ps.answers(heard):
                 if who in avail:
                     avail[who][what] = arrival
-                    touched.add(who)
+                    if what in wanted[who]:
+                        touched.add(who)
                     pulls.append((who[0], who[1], what, requested, arrival))
         return t
 
     def candidate(a):
-        """(start, agent, stream index, task) of the task `a` would run next, or None."""
-        ready = []
+        """(start, agent, stream index, task) of the task `a` would run next, or None; and the keys
+        its next tasks need."""
+        ready, needs = [], []
         have = avail[a]
         at = pos[a]
         for i, stream in enumerate(programs[a].streams):
@@ -220,6 +228,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
                 continue
             task = task_at(stream, at[i])
             needed = task.requires
+            needs += needed
             r = 0.0
             for key in needed:
                 if key not in have:
@@ -228,6 +237,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
                     r = have[key]
             else:
                 ready.append(((r, task.minibatch, i), task))
+        wanted[a] = frozenset(needs)
         if not ready:
             return None
         if len(ready) == 1:

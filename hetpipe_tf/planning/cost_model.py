@@ -33,6 +33,7 @@ from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
 from hetpipe_tf.pipeline.schedule import NO_SYNC
 
 REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GPU
+_ANALYTIC = {}  # (id of a profile, device type, assumptions) -> (the profile, its analytic times)
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,13 @@ class CostModel:
         if device_type.name in self.profile.times:
             return self.profile.times[device_type.name], 1.0
         from hetpipe_tf.planning.profile import AnalyticAssumptions, analytic_times
-        return analytic_times(self.profile, device_type, self.analytic or AnalyticAssumptions()), 1.0
+        assume = self.analytic or AnalyticAssumptions()
+        key = (id(self.profile), device_type, assume)
+        if key not in _ANALYTIC:  # the roofline of every segment, once per profile and device type
+            if len(_ANALYTIC) > 64:
+                _ANALYTIC.clear()
+            _ANALYTIC[key] = (self.profile, analytic_times(self.profile, device_type, assume))
+        return _ANALYTIC[key][1], 1.0
 
     def apply_seconds(self, device_type, weight_bytes, num_in_flight=1):
         """Applying an update: measured on the host for the devices it serves; on an accelerator,

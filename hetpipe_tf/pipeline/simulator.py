@@ -13,6 +13,7 @@ With several virtual workers, the synchronisation scheme's simulation model
 :class:`hetpipe_tf.sync.wsp.ParameterServerModel`) plays the servers: it receives
 what instructions send to ``PARAMETER_SERVER`` and says when its answers arrive.
 """
+import bisect
 import heapq
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -93,10 +94,23 @@ class SimulationResult:
 
     def wait_and_idle(self, worker):
         """Per pull of `worker`'s first stage: (seconds waited for the answer, seconds of that
-        wait in which the stage ran nothing), §8.4."""
-        busy = [(s.start, s.end) for s in self.spans_of((worker, 0))]
-        return wait_and_idle([(asked, answered) for w, stage, key, asked, answered in self.pulls
-                              if w == worker and stage == 0], busy)
+        wait in which the stage ran nothing), §8.4. A stage runs one instruction at a time, so
+        its busy time up to any moment is a prefix sum of its spans (a search per pull)."""
+        spans = self.spans_of((worker, 0))
+        starts = [s.start for s in spans]
+        done = [0.0]
+        for s in spans:
+            done.append(done[-1] + (s.end - s.start))
+
+        def busy_until(t):
+            i = bisect.bisect_right(starts, t)  # spans that started by t; the last may run past it
+            return done[i] - (max(0.0, spans[i - 1].end - t) if i else 0.0)
+
+        out = []
+        for w, stage, key, asked, answered in self.pulls:
+            if w == worker and stage == 0:
+                out.append((answered - asked, answered - asked - (busy_until(answered) - busy_until(asked))))
+        return out
 
 
 def wait_and_idle(waits, busy):

@@ -66,7 +66,8 @@ def make_plan():
         profile = static_profile(describe_model(model).graph, FLAGS.batch_size)
     return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_in_flight,
                 staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
-                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links)
+                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links,
+                time_budget_s=FLAGS.time_budget_s)
 
 
 def simulate_plan(p, steps):

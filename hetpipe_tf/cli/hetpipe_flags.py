@@ -25,6 +25,9 @@ def define_flags():
     flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
     flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer (its slots take memory).")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_float("time_budget_s", None, "plan/simulate with --policy=auto: stop trying allocations after this "
+                       "many seconds and take the best found (the three policies' own are always tried).",
+                       lower_bound=0.001)
     flags.DEFINE_integer("steps", 400, "simulate: minibatches (steps) per virtual worker.", lower_bound=1)
     flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
     flags.DEFINE_string("png", None, "plan: also draw the plan into this PNG file (needs matplotlib).")

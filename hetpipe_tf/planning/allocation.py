@@ -127,8 +127,17 @@ class _Grouping:
         self.kinds = list(dict.fromkeys(kind_of))
         self.members = [[i for i, k in enumerate(kind_of) if k == kind] for kind in self.kinds]
         self.types = {d.type.name: d.type for v in nodes.values() for d in v}
+        devices = [d for v in nodes.values() for d in v]
+        count = max(1, len(devices) // vw_size)
+        self.means = (sum(_compute(d.type) for d in devices) / count, sum(d.type.memory for d in devices) / count)
+        self.nodes = nodes
         self.group_kinds = {}
         self.reach = {}  # node kind -> least and greatest (compute, memory) of a worker of any group with it
+        sizes = sorted({c for _, c in self.kinds})  # whether a group gives equal workers depends on its counts
+        nodes_of_size = [sum(len(m) for k, m in zip(self.kinds, self.members) if k[1] == c) for c in sizes]
+        if not any(self._equal([sizes[i] for i in g]) for g in _kind_groups(range(len(sizes)), group_size,
+                                                                             nodes_of_size)):
+            return
         for g in _kind_groups(range(len(self.kinds)), group_size, [len(m) for m in self.members]):
             values = self._values(g)
             if values is None:
@@ -138,18 +147,18 @@ class _Grouping:
                 lo_c, hi_c, lo_m, hi_m = self.reach.get(k, (values[0], values[0], values[1], values[1]))
                 self.reach[k] = (min(lo_c, values[0]), max(hi_c, values[0]), min(lo_m, values[1]),
                                  max(hi_m, values[1]))
-        devices = [d for v in nodes.values() for d in v]
-        count = len(devices) // vw_size
-        self.means = (sum(_compute(d.type) for d in devices) / count, sum(d.type.memory for d in devices) / count)
-        self.nodes = nodes
+
+    def _equal(self, counts):
+        """Whether nodes of these device counts give equal workers of vw_size."""
+        total = sum(counts)
+        return total % self.vw_size == 0 and all(c % (total // self.vw_size) == 0 for c in counts)
 
     def _values(self, group):
         """(compute, memory) of each worker of a group of nodes of these kinds (its workers are
         equal), or None when they do not give equal workers of vw_size."""
-        total = sum(self.kinds[k][1] for k in group)
-        share = total // self.vw_size
-        if total % self.vw_size or any(self.kinds[k][1] % share for k in group):
+        if not self._equal([self.kinds[k][1] for k in group]):
             return None
+        share = sum(self.kinds[k][1] for k in group) // self.vw_size
         return (sum(self.kinds[k][1] // share * _compute(self.types[self.kinds[k][0]]) for k in group),
                 sum(self.kinds[k][1] // share * self.types[self.kinds[k][0]].memory for k in group))
 
@@ -339,11 +348,12 @@ def describe(workers):
     return " ".join("".join(d.type.name for d in w) for w in workers)
 
 
-def candidate_allocations(cluster):
-    """Every allocation the policies can make on `cluster`, labelled: the `auto` search space."""
+def candidate_allocations(cluster, max_size=None):
+    """Every allocation the policies can make on `cluster` with workers of at most `max_size`
+    devices, labelled: part of the `auto` search space."""
     nodes = _by_node(cluster)
     total = sum(len(v) for v in nodes.values())
-    sizes = [s for s in range(1, total + 1) if total % s == 0]
+    sizes = [s for s in range(1, min(total, max_size or total) + 1) if total % s == 0]
     seen, out = set(), []
     for policy in POLICIES:
         groups = [g for g in range(2, len(nodes)) if len(nodes) % g == 0] if policy == "hd" else [2]
@@ -354,9 +364,98 @@ def candidate_allocations(cluster):
                 except AllocationError:
                     continue
                 key = tuple(sorted(tuple(sorted(d.name for d in w)) for w in workers))
-                if key not in seen and all(len(w) == len(workers[0]) for w in workers):
+                if key not in seen and all(len(w) == len(workers[0]) for w in workers) and (
+                        max_size is None or len(workers[0]) <= max_size):
                     seen.add(key)
-                    label = policy.upper() + (f"(groups of {g})" if policy == "hd" else "")
+                    label = policy.upper() + "(" + ", ".join(
+                        ([f"groups of {g}"] if policy == "hd" else []) + [f"workers of {len(workers[0])}"]) + ")"
                     out.append((label, workers))
     return out
 
+
+def compositions(cluster, max_size):
+    """Worker compositions (sorted tuples of (device type, count)) of one or two device types,
+    each count a power of two or a node's device count, at most a node of that type holds, and
+    at most `max_size` devices: what `auto` mixes beside the policies' allocations."""
+    nodes = _by_node(cluster)
+    most = {}
+    for devices in nodes.values():
+        t = devices[0].type.name
+        most[t] = max(most.get(t, 0), len(devices))
+    counts = {t: sorted({2 ** i for i in range(m.bit_length()) if 2 ** i <= m} | {len(v) for v in nodes.values()
+                                                                                  if v[0].type.name == t})
+              for t, m in most.items()}
+    types = sorted(most)
+    out = [((t, c),) for t in types for c in counts[t] if c <= max_size]
+    for i, a in enumerate(types):
+        for b in types[i + 1:]:
+            out += [((a, ca), (b, cb)) for ca in counts[a] for cb in counts[b] if ca + cb <= max_size]
+    return out
+
+
+def mixed_allocations(cluster, rates, limit=3):
+    """Allocations of virtual workers of several compositions (sizes and mixes of device types).
+
+    `rates`: {composition: predicted minibatches/s of one worker of it}. Under a bounded
+    staleness every worker goes at the slowest one's pace (§5), so W workers whose slowest goes
+    at r are worth W·r: for each rate r, the most workers of compositions at least as fast that
+    the cluster's devices hold (an integer program over how many workers of each composition;
+    devices may stay idle), best W·r first, at most `limit` of them. Each worker's devices of a
+    type come from one node where one has them free (the first such), else node by node."""
+    nodes = _by_node(cluster)
+    have = {}
+    for devices in nodes.values():
+        have[devices[0].type.name] = have.get(devices[0].type.name, 0) + len(devices)
+    usable = {c: r for c, r in rates.items() if r > 0 and all(n <= have.get(t, 0) for t, n in c)}
+    found, seen = [], set()
+    for r in sorted(set(usable.values()), reverse=True):
+        chosen = [c for c in usable if usable[c] >= r]
+        most_workers = sum(have.values()) // min(sum(n for _, n in c) for c in chosen)
+        if len(found) >= limit and most_workers * r <= found[-1][0]:
+            break
+        counts = _most_workers(chosen, have)
+        key = tuple(sorted(counts.items()))
+        if not counts or key in seen:
+            continue
+        seen.add(key)
+        found.append((sum(counts.values()) * r, counts))
+        found.sort(key=lambda f: -f[0])
+        del found[limit:]
+    out = []
+    for _, counts in found:
+        label = "MIX(" + ", ".join(f"{k}x{''.join(t * n for t, n in c)}" for c, k in sorted(counts.items())) + ")"
+        out.append((label, pack_workers(cluster, counts)))
+    return out
+
+
+def _most_workers(chosen, have):
+    """{composition: count} of the most workers of the `chosen` compositions the devices hold."""
+    types = sorted(have)
+    program = Program(len(chosen))
+    for t in types:
+        program.add([(i, dict(c).get(t, 0)) for i, c in enumerate(chosen)], 0, have[t])
+    x = program.solve(-np.ones(len(chosen)), np.ones(len(chosen)), np.zeros(len(chosen)),
+                      np.full(len(chosen), np.inf))
+    if x is None:
+        return {}
+    return {c: int(round(v)) for c, v in zip(chosen, x) if round(v) > 0}
+
+
+def pack_workers(cluster, counts):
+    """Workers of each composition in `counts` ({composition: how many}), the larger first, their
+    devices of each type from the first node that has that many free, else node by node."""
+    nodes = _by_node(cluster)
+    free = {n: list(v) for n, v in nodes.items()}
+    workers = []
+    for comp, k in sorted(counts.items(), key=lambda ck: (-sum(n for _, n in ck[0]), ck[0])):
+        for _ in range(k):
+            devices = []
+            for t, n in comp:
+                of_type = [name for name, v in free.items() if nodes[name][0].type.name == t]
+                home = next((name for name in of_type if len(free[name]) >= n), None)
+                for name in ([home] if home else of_type):
+                    take = free[name][:n - len([d for d in devices if d.type.name == t])]
+                    devices += take
+                    del free[name][:len(take)]
+            workers.append(tuple(devices))
+    return tuple(workers)

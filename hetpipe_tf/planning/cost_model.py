@@ -27,6 +27,7 @@ in flight:
   more copy (the weights at the last push).
 """
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
@@ -165,11 +166,15 @@ class CostModel:
     analytic: object = None  # AnalyticAssumptions for device types that are not measured
     link_flows: tuple = ()  # ((node_a, node_b), workers sending between them at once), see link_flows
 
+    @cached_property
+    def _flows(self):
+        return dict(self.link_flows)
+
     def link_seconds(self, nbytes, src, dst):
         """Seconds for `nbytes` from device `src` to device `dst`, sharing an inter-node link with
         the other virtual workers that cross it (``link_flows``)."""
-        flows = dict(self.link_flows).get(tuple(sorted((src.node, dst.node))), 1)
-        return self.links.seconds(nbytes, src, dst, self.cluster, flows=flows)
+        pair = (src.node, dst.node) if src.node < dst.node else (dst.node, src.node)
+        return self.links.seconds(nbytes, src, dst, self.cluster, flows=self._flows.get(pair, 1))
 
     def times(self, device_type):
         """SegmentTimes of a device type, and the factor its compute is scaled by."""

@@ -589,6 +589,16 @@ class _OrderSearch:
         _walk_orders(self.pools, self.blocks, signature, visit)
 
 
+def least_slowest_stage(model, devices, num_in_flight=1):
+    """A lower bound on the slowest stage of every cut of the model over every order of `devices`
+    at `num_in_flight`, without cutting: the segments' time spread over the devices at their best
+    speed on any segment (the order search's bound before any device is placed)."""
+    search = _OrderSearch(model, devices, num_in_flight)
+    speeds = search._speeds()
+    total = float(search._segment_times(search.devices[0].type).sum())
+    return total / sum(speeds[d.type.name] for d in search.devices)
+
+
 def fits_some_order(model, devices, num_in_flight):
     """Whether some order of `devices` among those :func:`best_partition` searches, with some
     cut, fits their memory."""

@@ -7,9 +7,19 @@ from hetpipe_tf.planning.allocation import POLICIES
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 
+# Models `hetpipe plan` predicts beside the zoo's (hetpipe_tf.cli.models): keras_hub's backbones from a
+# config (hetpipe_tf.cli.hetpipe.build_transformer), built only to read their graphs.
+TRANSFORMERS = {"gpt2_medium": {"vocabulary_size": 50257, "num_layers": 24, "num_heads": 16, "hidden_dim": 1024,
+                                "intermediate_dim": 4096, "max_sequence_length": 1024}}
+# Optimizers the runtime does not run yet, planned by their slots: AdamW keeps Adam's two moments per
+# weight; its decoupled weight decay keeps nothing.
+PLANNED_OPTIMIZER_SLOTS = {"adamw": 2}
+
+
 def define_flags():
     flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
-    flags.DEFINE_enum("model", "resnet152", list(models.MODELS), "Model to plan for.")
+    flags.DEFINE_enum("model", "resnet152", list(models.MODELS) + list(TRANSFORMERS),
+                      "Model to plan for (gpt2_medium: a GPT-2-medium-sized transformer, keras_hub; plan only).")
     flags.DEFINE_enum("policy", "hd", list(POLICIES) + ["auto"], "Allocation of devices to virtual workers.")
     flags.DEFINE_integer("vw_size", None, "Devices per virtual worker (default: the smallest node's count).",
                          lower_bound=1)
@@ -23,7 +33,10 @@ def define_flags():
     flags.DEFINE_enum("placement", "default", list(PLACEMENTS), "Parameter placement on the servers.")
     flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
     flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
-    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"], "Optimizer (its slots take memory).")
+    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam", "rmsprop"] + list(PLANNED_OPTIMIZER_SLOTS),
+                      "Optimizer (its slots take memory; adamw: planned only, for real GPUs).")
+    flags.DEFINE_integer("sequence_length", None, "Transformers: the sequence planned for (default: the model's "
+                         "longest, 1024 for gpt2_medium).", lower_bound=1)
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).", lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_float("time_budget_s", None, "plan/simulate with --policy=auto: stop trying allocations after this "
                        "many seconds and take the best found (the three policies' own are always tried).",

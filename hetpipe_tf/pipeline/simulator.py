@@ -135,7 +135,7 @@ def simulate(schedule, duration, transfer=None):
 
 
 def simulate_workers(schedules, duration, transfer=None, parameter_servers=None, same_as=None,
-                     servers_hear_every_worker=True):
+                     servers_hear_every_worker=True, by_type=False, stages_recorded=None):
     """Runs the schedules of several virtual workers in one simulated time.
 
     Args:
@@ -154,6 +154,9 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
         (exact whatever the servers do); if not, they hear from the workers that run only, which
         is exact for servers whose answers do not depend on how many workers ask (WSP's, which
         wait for every worker's push: the ones that do not run push at the same times).
+      by_type: whether `duration` depends on the agent and the instruction's type only, so that
+        it is asked once per pair.
+      stages_recorded: the stage indices whose spans the result keeps (default: every stage's).
     Returns:
       A :class:`SimulationResult` whose agents are the (worker, stage) pairs that ran.
     Raises:
@@ -183,13 +186,6 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
     made, steps_of = {}, {}  # tasks by (stream, index), shared by the agents that run one program
     wanted = {a: () for a in agents}  # keys the agent's next tasks need: others do not change its choice
 
-    def task_at(stream, i):
-        key = (stream, i)
-        task = made.get(key)
-        if task is None:
-            task = made[key] = stream[i]
-        return task
-
     def steps(instructions, stage):
         """(instruction, what it provides) of each instruction, asked once per program."""
         key = (id(instructions), stage)
@@ -199,14 +195,25 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
         return out[1]
 
     touched = set()  # agents whose candidate task may have changed
+    seconds = {}  # (agent, instruction type) -> seconds, with by_type
 
     def run(agent, instructions, start):
         t = start
         touched.add(agent)
         worker, stage = agent
-        for ins, gives in steps(instructions, stage):
-            end = t + duration(agent, ins)
-            spans.append(Span(agent, ins, t, end))
+        record = stages_recorded is None or stage in stages_recorded
+        known = steps_of.get((id(instructions), stage))
+        for ins, gives in (known[1] if known is not None else steps(instructions, stage)):
+            if by_type:
+                key = (agent, type(ins))
+                took = seconds.get(key)
+                if took is None:
+                    took = seconds[key] = duration(agent, ins)
+                end = t + took
+            else:
+                end = t + duration(agent, ins)
+            if record:
+                spans.append(Span(agent, ins, t, end))
             for dst, what in gives:
                 if dst == PARAMETER_SERVER:
                     if ps is None:
@@ -231,16 +238,21 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
                     pulls.append((who[0], who[1], what, requested, arrival))
         return t
 
+    streams_of = {a: tuple(enumerate(programs[a].streams)) for a in agents}
+    ends = {stream: len(stream) for a in agents for stream in programs[a].streams}
+
     def candidate(a):
         """(start, agent, stream index, task) of the task `a` would run next, or None; and the keys
         its next tasks need."""
         ready, needs = [], []
         have = avail[a]
         at = pos[a]
-        for i, stream in enumerate(programs[a].streams):
-            if at[i] >= len(stream):
+        for i, stream in streams_of[a]:
+            if at[i] >= ends[stream]:
                 continue
-            task = task_at(stream, at[i])
+            task = made.get((stream, at[i]))
+            if task is None:
+                task = made[(stream, at[i])] = stream[at[i]]
             needed = task.requires
             needs += needed
             r = 0.0

@@ -322,7 +322,7 @@ def _push_times(model, workers, placement):
     return out
 
 
-def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
+def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push=None, stages=None):
     """The workers' schedules in the simulator: (result, same_as), where same_as[w] is the
     worker whose agents in the result stand for worker w.
 
@@ -330,7 +330,7 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
     (:func:`hetpipe_tf.pipeline.simulator.simulate_workers`' ``same_as``): they meet the others
     only at the parameter servers, which get their requests at the same times, so one of them
     runs for all (exact)."""
-    push = _push_times(model, workers, placement)
+    push = push or _push_times(model, workers, placement)
     same_as, first = [], {}
     for w, part in enumerate(workers):
         key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient) for st in part.stages),
@@ -341,24 +341,18 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
         programs[k] = model.schedule.programs(k, n, num_in_flight, sync=model.sync)
     schedules = [programs[len(w.stages)] for w in workers]
     per_instruction = model.profile.instruction_seconds
-    known = {}
 
-    def duration(agent, ins):
+    def duration(agent, ins):  # by the instruction's type only
+        st = workers[agent[0]].stages[agent[1]]
         kind = type(ins)
-        if (agent, kind) not in known:
-            st = workers[agent[0]].stages[agent[1]]
-            if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
-                seconds = st.forward
-            elif kind is Backward:
-                seconds = st.backward
-            elif ins.applies() or kind in model.sync.apply_like or kind in model.schedule.apply_like:
-                seconds = st.apply
-            else:
-                link = (st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient
-                        else 0.0)
-                seconds = link + per_instruction
-            known[(agent, kind)] = seconds
-        return known[(agent, kind)]
+        if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
+            return st.forward
+        if kind is Backward:
+            return st.backward
+        if ins.applies() or kind in model.sync.apply_like or kind in model.schedule.apply_like:
+            return st.apply
+        link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
+        return link + per_instruction
 
     def transfer(agent, ins):  # a push or a pull moves the stage's weights to or from the servers
         return push[agent[0]][agent[1]]
@@ -368,19 +362,20 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
     # does not matter, so they hear from the workers that run only; other schemes' from all.
     counted = not isinstance(servers, ParameterServerModel)
     return simulate_workers(schedules, duration, parameter_servers=servers, same_as=same_as,
-                            servers_hear_every_worker=counted), same_as
+                            servers_hear_every_worker=counted, by_type=True, stages_recorded=stages), same_as
 
 
-def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None):
+def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None, push=None):
     """Predicted minibatches/s of the cluster and of each worker, by simulation.
 
     `workers` are Partitions; with several, they synchronise by `model.sync` (WSP, §5), and
     in the long run every worker goes at the pace of the slowest (a finite staleness bound
     only lets the others run ahead by D waves), which is what each worker is given; under a
-    scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`).
+    scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`). `push`: the
+    workers' push times (:func:`_push_times`) when already known.
     """
     n = steps or _steps(num_in_flight)
-    result, same_as = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
+    result, same_as = _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push, stages={0})
     alone = {w: result.steady_throughput((w, 0)) for w in set(same_as)}
     per = long_run_pace(model.sync, [alone[same_as[w]] for w in range(len(workers))])
     return sum(per), per
@@ -391,7 +386,7 @@ def _steps(num_in_flight):
     return max(6 * num_in_flight, 32)
 
 
-def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="default"):
+def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="default", push=None):
     """Upper bounds on each worker's pace as :func:`predict` gives it (minibatches/s), without
     simulating, for HetPipe's schedule (None for another).
 
@@ -414,7 +409,7 @@ def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="def
     if waves:
         gate = model.sync.checked_bound(staleness_bound)
         chains = max(0, (n - num_in_flight) // num_in_flight - -(-(start + num_in_flight) // num_in_flight) + 1)
-        push = _push_times(model, workers, placement)
+        push = push or _push_times(model, workers, placement)
     pi = model.profile.instruction_seconds
     out = []
     for w, part in enumerate(workers):
@@ -473,10 +468,11 @@ def uneven_sizes(model, parts, minibatch_sizes):
 
 def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, solved, notes,
                   minibatch_sizes=None, floor=None):
-    """The plan of one allocation: Max_m, Nm, partitions and prediction (steps 2-5 above). With
-    `floor` (auto), None if no Nm can predict more than `floor` minibatches/s, and the Nm whose
-    bound cannot beat it (nor 0.98 of the best found) are not simulated: they could be neither
-    the best nor chosen, so the plan is the same, its by_num_in_flight without them."""
+    """The plan of one allocation: Max_m, Nm, partitions and prediction (steps 2-5 above). The Nm
+    whose bound (:func:`pace_bounds`) is below 0.98 of the best found are not simulated: they
+    could be neither the best nor chosen, so the plan is the one of simulating every Nm, its
+    by_num_in_flight without them. With `floor` (auto): None if no Nm can predict more than `floor`
+    minibatches/s, and the Nm whose bound cannot beat it are not simulated either."""
     if placement not in PLACEMENTS:
         raise PlanError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
     if placement == "local" and len({tuple(d.type.name for d in w) for w in workers}) > 1:
@@ -506,9 +502,15 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
             costed[nm] = solved.partitions(model, workers, nm)
         return costed[nm]
 
+    def push_at(nm):
+        if (nm, "push") not in costed:
+            costed[(nm, "push")] = _push_times(model, parts_at(nm), placement)
+        return costed[(nm, "push")]
+
     def tried(nm):
         if nm not in results:
-            results[nm] = predict(model, parts_at(nm), nm, staleness_bound, placement) + (parts_at(nm),)
+            results[nm] = predict(model, parts_at(nm), nm, staleness_bound, placement, push=push_at(nm)) + (
+                parts_at(nm),)
         return results[nm][0]
 
     def reached(nm):
@@ -516,32 +518,27 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
         # fits a larger Nm fits a smaller one): once it is reached, larger Nm cannot do better.
         return 0.999 * len(workers) * min(1.0 / p.bottleneck for p in parts_at(nm))
 
-    if floor is None:
-        for nm in candidates:
-            if tried(nm) >= reached(nm):
-                break
-    else:  # auto: only the Nm whose bound (pace_bounds) can beat `floor` and 0.98 of the best
-        bound = {}
-        for nm in candidates:
-            paces = pace_bounds(model, parts_at(nm), nm, staleness_bound, placement)
-            bound[nm] = sum(long_run_pace(model.sync, paces)) if paces and not minibatch_sizes else float("inf")
-        if max(bound.values()) <= floor:
-            return None
-        last = candidates[-1]
-        for nm in candidates:  # where the loop above could stop, it must be run as it runs
-            if bound[nm] >= reached(nm) and tried(nm) >= reached(nm):
-                last = nm
-                break
-        considered = [nm for nm in candidates if nm <= last]
-        for nm in sorted(considered, key=lambda nm: -bound[nm]):
-            if bound[nm] >= max([floor] + [0.98 * v[0] for v in results.values()]):
-                tried(nm)
-        best = max([v[0] for v in results.values()], default=0.0)
-        if best <= floor:
-            return None
-        for nm in considered:  # those it left out that may still be within 2 % of its best
-            if bound[nm] >= 0.98 * best:
-                tried(nm)
+    bound = {}  # pace_bounds of each Nm: an Nm below 0.98 of the best is neither best nor chosen
+    for nm in candidates:
+        paces = pace_bounds(model, parts_at(nm), nm, staleness_bound, placement, push_at(nm))
+        bound[nm] = sum(long_run_pace(model.sync, paces)) if paces and not minibatch_sizes else float("inf")
+    if floor is not None and max(bound.values()) <= floor:
+        return None
+    last = candidates[-1]
+    for nm in candidates:  # the loop of every Nm in turn stops once one reaches its bound: run it where it might
+        if bound[nm] >= reached(nm) and tried(nm) >= reached(nm):
+            last = nm
+            break
+    considered = [nm for nm in candidates if nm <= last]
+    for nm in sorted(considered, key=lambda nm: -bound[nm]):
+        if bound[nm] >= max([floor or 0.0] + [0.98 * v[0] for v in results.values()]):
+            tried(nm)
+    best = max([v[0] for v in results.values()], default=0.0)
+    if floor is not None and best <= floor:
+        return None
+    for nm in considered:  # those left out that may still be within 2 % of the best
+        if bound[nm] >= 0.98 * best:
+            tried(nm)
     best = max(v[0] for v in results.values())
     chosen = min(nm for nm, v in results.items() if v[0] >= 0.98 * best)
     total, per, parts = results[chosen]
@@ -699,12 +696,12 @@ def _auto(settings, solved, notes, time_budget_s):
     The three policies' own allocations are planned first, as ``--policy`` plans them; the others
     in the order of their quick bound (:func:`_quick_bound`), until it falls to the best found,
     each cut off where no Nm's bound (:func:`pace_bounds`) beats the best, and cut by the dynamic
-    program (the MILP's optimum, found faster); the chosen one is then planned as the policies
-    are, with `solved`'s method."""
+    program (the MILP's optimum, found faster: its cut may differ from the MILP's where two cuts
+    are as slow)."""
     started = time.monotonic()
     cluster, profile = settings.cluster, settings.profile
     search = solved if solved.method == "dp" else _Solved("dp", solved.max_num_in_flight)
-    tried, errors, best = [], [], None  # best: (plan, group, the _Solved that planned it)
+    tried, errors, best = [], [], None
     skipped = {"bound": 0, "budget": 0}
 
     def over_budget():
@@ -722,9 +719,8 @@ def _auto(settings, solved, notes, time_budget_s):
             skipped["bound"] += 1
             return
         tried.append((Alternative(label, p.allocation, p.minibatches_per_s, p.images_per_s, p.num_in_flight), group))
-        if best is None or p.minibatches_per_s > best[0].minibatches_per_s:
-            best = (p, group, by)
-        return p
+        if best is None or p.minibatches_per_s > best.minibatches_per_s:
+            best = p
 
     fixed = []
     for policy in POLICIES:  # as --policy gives them: always planned, and printed beside the choice
@@ -732,7 +728,8 @@ def _auto(settings, solved, notes, time_budget_s):
             fixed.append((policy.upper(), allocate(cluster, policy)))
         except AllocationError as e:
             tried.append((Alternative(policy.upper(), "", error=str(e)), ()))
-    planned = [p for p in (attempt(label, group, solved) for label, group in fixed) if p is not None]
+    for label, group in fixed:
+        attempt(label, group, solved)
     seen = {_key(g) for _, g in fixed}
     pool = [(label, g) for label, g in candidate_allocations(cluster, max_size=profile.num_segments)
             if _key(g) not in seen]
@@ -748,16 +745,13 @@ def _auto(settings, solved, notes, time_budget_s):
         if over_budget():
             skipped["budget"] = len(ranked) - i
             break
-        if best is not None and quick <= best[0].minibatches_per_s:
+        if best is not None and quick <= best.minibatches_per_s:
             skipped["bound"] += len(ranked) - i  # ranked by this bound: none after can do better
             break
-        attempt(label, group, search, floor=best[0].minibatches_per_s if best else None)
+        attempt(label, group, search, floor=best.minibatches_per_s if best else None)
     if best is None:
         raise PlanError("no plan fits:\n" + "\n".join(errors))
-    chosen, group, by = best
-    if by is not solved:  # cut as the policies are cut; kept if still above the policies' best
-        chosen = max([settings.plan(group, chosen.policy, solved, notes)] + planned, key=lambda p: p.minibatches_per_s)
-    mine = _key(tuple(w.devices for w in chosen.workers))
+    mine = _key(tuple(w.devices for w in best.workers))
     others = sorted((a for a, g in tried if _key(g) != mine or a.error), key=lambda a: (a.error != "", -a.minibatches_per_s))
     policies = {label for label, _ in fixed} | {p.upper() for p in POLICIES}
     beside = tuple([a for a in others if a.policy in policies] +
@@ -768,7 +762,7 @@ def _auto(settings, solved, notes, time_budget_s):
                f"{len(tried)} planned, {skipped['bound']} cut off by their bound"
                + (f", {skipped['budget']} not tried within the time budget of {time_budget_s:g} s" if skipped["budget"]
                   else "") + f", in {time.monotonic() - started:.1f} s")
-    return replace(chosen, notes=chosen.notes + (summary,), alternatives=beside)
+    return replace(best, notes=best.notes + (summary,), alternatives=beside)
 
 
 def _key(workers):

@@ -17,6 +17,11 @@ each hold devices of one type:
 
 Compute capability is a device type's peak TFLOP/s, or its speed relative to this host for
 the devices the host serves (emulated ones and the host CPU).
+
+For ``auto`` (beyond the paper): :func:`candidate_allocations` lists every allocation the
+policies make at every worker size and HD group size, and :func:`mixed_allocations` those of
+workers of several compositions (:func:`compositions`: one or two device types), given each
+composition's predicted rate.
 """
 import numpy as np
 

@@ -9,7 +9,9 @@ maximum execution time of the partitions") subject to every stage's memory:
   :class:`hetpipe_tf.planning.cost_model.CostModel` as a MILP (HiGHS, as §7 uses CPLEX), and
   :func:`partition_dp` solves the same problem exactly by dynamic programming, as a
   cross-check;
-* :func:`best_partition` tries every distinct order of the devices (seed 004).
+* :func:`best_partition` finds the best of the devices' distinct orders (seed 004) by branch
+  and bound (:class:`_OrderSearch`), the MILP or the dynamic program then cutting that order;
+  :func:`fits_some_order` says whether any of them fits.
 """
 import math
 from dataclasses import dataclass

@@ -81,7 +81,7 @@ def equal_distribution(cluster, vw_size=None):
     return _equal_shares(nodes, num_workers, "ED")
 
 
-def hybrid_distribution(cluster, vw_size=None, group_size=2):
+def hybrid_distribution(cluster, vw_size=None, group_size=2, first_in_order=True):
     """HD: the most alike workers (§8.1), of the first grouping in the order of the recursion that
     puts the first node left in a group with each combination of the others (itertools'
     order), then groups the rest.
@@ -102,7 +102,10 @@ def hybrid_distribution(cluster, vw_size=None, group_size=2):
 
     The walk's work grows with its states (at most the product over node kinds of their counts
     + 1, times the extremes), the program's with H / group size steps of at most one small
-    integer program per kind of group: neither with the number of groupings."""
+    integer program per kind of group: neither with the number of groupings. With
+    `first_in_order` False (``auto``'s candidates, which are all planned and compared by their
+    prediction), a grouping alike enough will do: the walk's best after HD_STATES states (not
+    proven the most alike), or, if it found none by then, the program's first solution."""
     nodes = _by_node(cluster)
     names = list(nodes)
     vw_size = vw_size or min(len(v) for v in nodes.values())  # as NP and ED (k = 4 in the paper)
@@ -113,7 +116,7 @@ def hybrid_distribution(cluster, vw_size=None, group_size=2):
                              f"virtual workers of {vw_size} devices")
     if len(hd.reach) < len(hd.kinds):  # some node is in no group that gives equal workers
         raise failed
-    groups = hd.walk() or hd.build()
+    groups = hd.walk(settle=not first_in_order) or hd.build(first_in_order)
     if groups is None:
         raise failed
     return tuple(w for g in groups for w in _equal_shares(
@@ -204,8 +207,9 @@ class _Grouping:
         return _spread([sum(_compute(d.type) for d in w) for w in workers]) + _spread(
             [sum(d.type.memory for d in w) for w in workers])
 
-    def walk(self):
-        """The best grouping by the walk, or None when it needs more than HD_STATES states."""
+    def walk(self, settle=False):
+        """The best grouping by the walk, or when it needs more than HD_STATES states, None (or, to
+        `settle`, the best it found by then, if any)."""
         best, dead, path = [None, None], set(), []
 
         def visit(offsets, extremes):
@@ -233,11 +237,12 @@ class _Grouping:
         try:
             visit(tuple(0 for _ in self.kinds), None)
         except _TooMany:
-            return None
+            return best[1] if settle else None
         return best[1] or ()
 
-    def build(self):
-        """The best grouping by the integer program, or None if there is none."""
+    def build(self, first_in_order=True):
+        """The best grouping by the integer program, or None if there is none: the first in the
+        walk's order, or (not `first_in_order`) the program's first solution's."""
         left = [len(m) for m in self.members]
         least = _least_spread(self.group_kinds, left, None, self.means)
         if least is None:
@@ -250,6 +255,8 @@ class _Grouping:
                     continue
                 if witness.get(kind, 0) > 0:  # the last solution's other groups complete it
                     witness = {**witness, kind: witness[kind] - 1}
+                elif not first_in_order:
+                    continue
                 else:
                     rest = [len(m) - t for m, t in zip(self.members, taken)]
                     found = _least_spread(self.group_kinds, rest, now, self.means)
@@ -336,15 +343,16 @@ def _kind_groups(kinds, size, available):
     return out
 
 
-def allocate(cluster, policy, vw_size=None, group_size=2):
-    """Virtual workers (tuples of cluster devices) by `policy` (np, ed or hd)."""
+def allocate(cluster, policy, vw_size=None, group_size=2, first_in_order=True):
+    """Virtual workers (tuples of cluster devices) by `policy` (np, ed or hd; for HD's
+    `first_in_order`, see :func:`hybrid_distribution`)."""
     policy = policy.lower()
     if policy == "np":
         return node_partition(cluster, vw_size)
     if policy == "ed":
         return equal_distribution(cluster, vw_size)
     if policy == "hd":
-        return hybrid_distribution(cluster, vw_size, group_size)
+        return hybrid_distribution(cluster, vw_size, group_size, first_in_order)
     raise AllocationError(f"unknown allocation policy {policy!r}; allowed: {', '.join(POLICIES)} or auto")
 
 
@@ -355,7 +363,7 @@ def describe(workers):
 
 def candidate_allocations(cluster, max_size=None):
     """Every allocation the policies can make on `cluster` with workers of at most `max_size`
-    devices, labelled: part of the `auto` search space."""
+    devices (HD: any of its most alike groupings), labelled: part of the `auto` search space."""
     nodes = _by_node(cluster)
     total = sum(len(v) for v in nodes.values())
     sizes = [s for s in range(1, min(total, max_size or total) + 1) if total % s == 0]
@@ -365,7 +373,7 @@ def candidate_allocations(cluster, max_size=None):
         for size in [None] + sizes:
             for g in groups:
                 try:
-                    workers = allocate(cluster, policy, size, g)
+                    workers = allocate(cluster, policy, size, g, first_in_order=False)
                 except AllocationError:
                     continue
                 key = tuple(sorted(tuple(sorted(d.name for d in w)) for w in workers))

@@ -20,7 +20,7 @@ from hetpipe_tf.planning.partitioner import distinct_orders, fits
 from tests.planning.test_partitioner import one_by_one, random_cluster, random_profile
 
 
-def every_grouping(cluster, vw_size=None, group_size=2):
+def every_grouping(cluster, vw_size=None, group_size=2, first_in_order=True):
     """HD by trying every grouping of the nodes; the first most alike kept."""
     nodes = _by_node(cluster)
     vw_size = vw_size or min(len(v) for v in nodes.values())
@@ -78,6 +78,19 @@ def test_hd_chooses_what_every_grouping_one_by_one_chose(seed, monkeypatch):
     assert names(allocation.hybrid_distribution) == expected
     monkeypatch.setattr(allocation, "HD_STATES", 0)  # the integer program's way
     assert names(allocation.hybrid_distribution) == expected
+    if expected != "no grouping":  # auto's way: the program's first solution, as alike, maybe other nodes
+        alike = allocation.hybrid_distribution(cluster, vw_size, group, first_in_order=False)
+        assert score(alike) == pytest.approx(score(every_grouping(cluster, vw_size, group)), abs=1e-9)
+        assert sorted(d.name for w in alike for d in w) == sorted(d for w in expected for d in w)  # every device once
+        monkeypatch.setattr(allocation, "HD_STATES", 1)  # the walk's best when it stops: no more alike than the best
+        settled = allocation.hybrid_distribution(cluster, vw_size, group, first_in_order=False)
+        assert score(settled) >= score(alike) - 1e-9
+        assert sorted(d.name for w in settled for d in w) == sorted(d for w in expected for d in w)
+
+
+def score(workers):
+    return _spread([sum(_compute(d.type) for d in w) for w in workers]) + _spread(
+        [sum(d.type.memory for d in w) for w in workers])
 
 
 def test_hd_on_the_paper_cluster_is_table_3_and_needs_few_states_at_1024_gpus():

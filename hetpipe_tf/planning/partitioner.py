@@ -427,9 +427,10 @@ class _OrderSearch:
       as many workers): its subtree is the same with two nodes swapped, so it holds an order as
       good that comes first.
 
-    Beyond MAX_ORDERS distinct orders, at most MAX_ORDERS x k prefixes are extended once an
-    order that fits is found (the search is then not exhaustive, as the first MAX_ORDERS orders
-    of the nodes were not before)."""
+    Beyond MAX_ORDERS distinct orders, at most MAX_ORDERS prefixes are extended once an order
+    that fits is known (the search is then not exhaustive, as the first MAX_ORDERS orders of the
+    nodes were not before; the best of a few orders, :meth:`_seed_orders`, is known from the
+    start)."""
 
     def __init__(self, model, devices, num_in_flight, limit=MAX_ORDERS):
         self.model, self.devices, self.num_in_flight = model, tuple(devices), num_in_flight
@@ -438,7 +439,7 @@ class _OrderSearch:
         self.n = self.tables.n
         self.pools = _pools(self.devices)
         self.blocks = _count_orders(self.pools, limit) > limit
-        self.budget = limit * self.k if self.blocks else None
+        self.budget = limit if self.blocks else None
         nodes = sorted({d.node for d in self.devices})
         flows = dict(model.link_flows)
         self.symmetric = len({flows.get((a, b), 1) for i, a in enumerate(nodes) for b in nodes[i + 1:]}) <= 1
@@ -501,12 +502,21 @@ class _OrderSearch:
 
     # Time: the best order -----------------------------------------------------------------------
     def best_order(self):
-        """(slowest stage, order) of the best order that fits, or None if none does."""
+        """(slowest stage, order) of the best order that fits, or None if none does.
+
+        The orders are walked in their sequence and the first within 1e-12 of the best kept, as
+        trying them one by one keeps it; the bound cuts off a prefix that cannot come within
+        1e-12 of the best found, which starts as the best of a few orders (fastest devices first,
+        slowest first, most memory first), so that it cuts from the start."""
         if self.k > self.n or not self.fits():
             return None
         speeds = self._speeds()
         work = np.concatenate([[0.0], np.cumsum(self._segment_times(self.devices[0].type))])
-        best = [math.inf, None]
+        total_speed = sum(speeds[d.type.name] for d in self.devices)
+        seeds = [(self._value(order), order) for order in self._seed_orders(speeds)]
+        best = min(seeds, key=lambda s: s[0])
+        least = [best[0]]  # the least value known
+        within = []  # (value, order) of the orders reached within 1e-12 of the least known then, in sequence
         extended = [0]
         arrays = {}  # q -> best[c] over cuts c where stage q starts, along the current prefix
 
@@ -519,21 +529,48 @@ class _OrderSearch:
             f = arrays[top]
             if top == self.k - 1:
                 value = float(np.maximum(f, self._last_stage(prefix)).min())
-                if value < best[0] - 1e-12:
-                    best[:] = [value, prefix]
+                if value <= least[0] + 1e-12:
+                    within.append((value, prefix))
+                    least[0] = min(least[0], value)
                 return False
-            if best[1] is not None:
-                if self.budget is not None and extended[0] >= self.budget:
-                    return False
-                left = sum(speeds[d.type.name] for d in self._remaining(prefix[:-1]))  # stage `top` on
-                bound = float(np.maximum(f, (work[self.n] - work) / left).min()) if left > 0 else float(f.min())
-                if bound >= best[0] - 1e-12:
-                    return False
+            if self.budget is not None and extended[0] >= self.budget and least[0] < math.inf:
+                return False
+            left = total_speed - sum(speeds[d.type.name] for d in prefix[:-1])  # stage `top` on
+            bound = float(np.maximum(f, (work[self.n] - work) / left).min()) if left > 0 else float(f.min())
+            if bound > least[0] + 1e-12:
+                return False
             reach = self._reach(np.isfinite(f), top, prefix[top].type)
             return self._fits_rest(top + 1, reach, self._units_left(self._used(prefix)))
 
         self._walk(visit)
-        return (best[0], best[1]) if best[1] is not None else None
+        found = next(((v, o) for v, o in within if v <= least[0] + 1e-12), None)
+        if found is None and best[0] < math.inf:  # the walk stopped by its budget before reaching it
+            found = best
+        return found
+
+    def _seed_orders(self, speeds):
+        """A few orders among those searched: devices (beyond MAX_ORDERS: nodes) fastest first,
+        slowest first, and with the most memory first."""
+        units = list(self.pools.values()) if self.blocks else [[d] for d in self.devices]
+        out = []
+        for key in (lambda u: -speeds[u[0].type.name], lambda u: speeds[u[0].type.name],
+                    lambda u: (-u[0].type.memory, -speeds[u[0].type.name])):
+            ordered = sorted(units, key=key)
+            taken, order = {}, []  # each (node, type)'s devices in their pool's order
+            for unit in ordered:
+                for d in unit:
+                    pool = self.pools[(d.node, d.type.name)]
+                    order.append(pool[taken.get(d.node, 0)] if not self.blocks else d)
+                    taken[d.node] = taken.get(d.node, 0) + 1
+            out.append(tuple(order))
+        return out
+
+    def _value(self, order):
+        """The slowest stage of the best cut of `order`, inf if none fits."""
+        arrays = {}
+        for q in range(self.k):
+            arrays[q] = self._extend(arrays, order, q)
+        return float(np.maximum(arrays[self.k - 1], self._last_stage(order)).min())
 
     def _extend(self, arrays, prefix, q):
         """best[c] where stage q starts, from stage q - 1's (every device up to q known)."""
@@ -560,10 +597,6 @@ class _OrderSearch:
         if self.blocks:
             return {key for key, pool in self.pools.items() if used.get(key, 0) == len(pool)}
         return used
-
-    def _remaining(self, prefix):
-        placed = set(prefix)
-        return [d for d in self.devices if d not in placed]
 
     def _speeds(self):
         """Per device type: its best speed on any segment relative to the reference type (the

@@ -123,19 +123,21 @@ def run_cell(profile_path, cluster, policy, timeout_s, memory_gib, optimizer_slo
         cap = int(memory_gib * 2 ** 30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
+    load = round(os.getloadavg()[0], 2)  # this shared machine's load as the cell starts
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--profile", profile_path, "--cluster", cluster,
            "--policy", policy, "--simulate_waves", str(simulate_waves), "--optimizer_slots", str(optimizer_slots)]
     t0 = time.perf_counter()
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=limit)
     except subprocess.TimeoutExpired:
-        return {"stopped": f"timeout after {timeout_s:g} s", "wall_s": round(time.perf_counter() - t0, 1)}
+        return {"stopped": f"timeout after {timeout_s:g} s", "wall_s": round(time.perf_counter() - t0, 1),
+                "load_average": load}
     wall = round(time.perf_counter() - t0, 2)
     if run.returncode != 0:
         tail = run.stderr.strip().splitlines()[-1:] or ["(no message)"]
         stopped = "memory limit" if "MemoryError" in run.stderr else "error"
-        return {"stopped": f"{stopped}: {tail[0][:300]}", "wall_s": wall}
-    return {**json.loads(run.stdout.strip().splitlines()[-1]), "wall_s": wall}
+        return {"stopped": f"{stopped}: {tail[0][:300]}", "wall_s": wall, "load_average": load}
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "wall_s": wall, "load_average": load}
 
 
 def main():

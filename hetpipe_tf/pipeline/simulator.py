@@ -14,6 +14,7 @@ With several virtual workers, the synchronisation scheme's simulation model
 what instructions send to ``PARAMETER_SERVER`` and says when its answers arrive.
 """
 import bisect
+import gc
 import heapq
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -273,6 +274,19 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
             task = next(t for c, t in ready if c == chosen)
         return (max(free[a], chosen[0]), a, chosen[2], task)
 
+    # The loop makes millions of spans and tasks and frees none: the cycle collector would walk them
+    # again and again (a quarter of a long run's time), so it waits until the loop ends.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _loop(agents, programs, pos, avail, free, result, touched, candidate, run, schedules)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _loop(agents, programs, pos, avail, free, result, touched, candidate, run, schedules):
+    """simulate_workers' event loop."""
     for a in agents:
         free[a] = run(a, programs[a].prologue, 0.0)
 

@@ -104,8 +104,8 @@ def hybrid_distribution(cluster, vw_size=None, group_size=2, first_in_order=True
     + 1, times the extremes), the program's with H / group size steps of at most one small
     integer program per kind of group: neither with the number of groupings. With
     `first_in_order` False (``auto``'s candidates, which are all planned and compared by their
-    prediction), a grouping alike enough will do: the walk's best after HD_STATES states (not
-    proven the most alike), or, if it found none by then, the program's first solution."""
+    prediction), a grouping alike enough will do: the walk's best after HD_STATES / 8 states
+    (not proven the most alike), or, if it found none by then, the program's first solution."""
     nodes = _by_node(cluster)
     names = list(nodes)
     vw_size = vw_size or min(len(v) for v in nodes.values())  # as NP and ED (k = 4 in the paper)
@@ -221,7 +221,7 @@ class _Grouping:
                 return False
             if (offsets, extremes) in dead:  # the best only falls: what improved on nothing then cannot now
                 return False
-            if len(dead) >= HD_STATES:
+            if len(dead) >= (HD_STATES // 8 if settle else HD_STATES):
                 raise _TooMany()
             improved = False
             for chosen, now, taken, _, bound in self._children(offsets, extremes):
@@ -237,7 +237,7 @@ class _Grouping:
         try:
             visit(tuple(0 for _ in self.kinds), None)
         except _TooMany:
-            return best[1] if settle else None
+            return best[1] if settle and best[1] else None
         return best[1] or ()
 
     def build(self, first_in_order=True):
@@ -389,12 +389,14 @@ def candidate_allocations(cluster, max_size=None):
 def compositions(cluster, max_size):
     """Worker compositions (sorted tuples of (device type, count)) of one or two device types,
     each count a power of two or a node's device count, at most a node of that type holds, and
-    at most `max_size` devices: what `auto` mixes beside the policies' allocations."""
+    at most `max_size` devices and a node's worth (the largest node's count; larger workers are the
+    policies'): what `auto` mixes beside the policies' allocations."""
     nodes = _by_node(cluster)
     most = {}
     for devices in nodes.values():
         t = devices[0].type.name
         most[t] = max(most.get(t, 0), len(devices))
+    max_size = min(max_size, max(most.values()))
     counts = {t: sorted({2 ** i for i in range(m.bit_length()) if 2 ** i <= m} | {len(v) for v in nodes.values()
                                                                                   if v[0].type.name == t})
               for t, m in most.items()}

@@ -63,10 +63,11 @@ def test_mixes_take_the_most_workers_at_least_as_fast_as_each_rate():
 
 
 def test_compositions_are_one_or_two_types_of_powers_of_two_a_node_holds():
-    comps = compositions(load_cluster("paper"), max_size=6)
-    assert (("V", 4),) in comps and (("V", 8),) not in comps and (("G", 2), ("V", 4)) in comps
-    assert all(len(c) <= 2 and sum(n for _, n in c) <= 6 for c in comps)
+    comps = compositions(load_cluster("paper"), max_size=6)  # nodes of 4: a worker of at most 4
+    assert (("V", 4),) in comps and (("V", 8),) not in comps and (("G", 2), ("V", 2)) in comps
+    assert (("G", 2), ("V", 4)) not in comps and all(len(c) <= 2 and sum(n for _, n in c) <= 4 for c in comps)
     assert all(n in (1, 2, 4) for c in comps for _, n in c)
+    assert len(compositions(load_cluster("paper"), max_size=2)) == 4 * 2 + 6  # 1 or 2 of a type, or 1 + 1
     (worker,) = pack_workers(load_cluster("paper"), {(("Q", 2), ("V", 1)): 1})
     assert sorted(d.type.name for d in worker) == ["Q", "Q", "V"]
 

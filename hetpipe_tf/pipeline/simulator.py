@@ -43,6 +43,8 @@ class SimulationResult:
     task_order: dict = field(default_factory=dict)  # agent -> [(kind, minibatch), ...]
     pulls: list = field(default_factory=list)  # (worker, stage, key, requested, answered) of server answers
     num_workers: int = 0  # virtual workers simulated, with those that ran as another (0: those of agents)
+    busy: dict = field(default_factory=dict)  # agent -> seconds its instructions took (spans kept or not)
+    ended: float = 0.0  # when the last instruction ended
     _index: tuple = field(default=(0, {}), repr=False, compare=False)  # (spans indexed, agent -> its spans)
 
     @property
@@ -51,7 +53,7 @@ class SimulationResult:
 
     @property
     def makespan(self):
-        return max((s.end for s in self.spans), default=0.0)
+        return self.ended
 
     @property
     def throughput(self):
@@ -70,7 +72,7 @@ class SimulationResult:
         return by_agent.get(agent, [])
 
     def busy_time(self, agent):
-        return sum(s.end - s.start for s in self.spans_of(agent))
+        return self.busy.get(agent, 0.0)
 
     def busy_fraction(self):
         m = self.makespan
@@ -130,7 +132,8 @@ def simulate(schedule, duration, transfer=None):
                               None if transfer is None else (lambda a, b, ins: transfer(a[1], b[1], ins)))
     stages = list(range(schedule.num_stages))
     plain = SimulationResult(agents=stages, steps=schedule.steps,
-                             task_order={a[1]: order for a, order in result.task_order.items()})
+                             task_order={a[1]: order for a, order in result.task_order.items()},
+                             busy={a[1]: seconds for a, seconds in result.busy.items()}, ended=result.ended)
     plain.spans = [Span(s.stage[1], s.instruction, s.start, s.end) for s in result.spans]
     return plain
 
@@ -203,6 +206,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
         touched.add(agent)
         worker, stage = agent
         record = stages_recorded is None or stage in stages_recorded
+        busy = result.busy.get(agent, 0.0)
         known = steps_of.get((id(instructions), stage))
         for ins, gives in (known[1] if known is not None else steps(instructions, stage)):
             if by_type:
@@ -213,6 +217,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
                 end = t + took
             else:
                 end = t + duration(agent, ins)
+            busy += end - t
             if record:
                 spans.append(Span(agent, ins, t, end))
             for dst, what in gives:
@@ -229,6 +234,9 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
                 if what in wanted[target]:
                     touched.add(target)
             t = end
+        result.busy[agent] = busy
+        if t > result.ended:
+            result.ended = t
         if asked[0]:  # answers change only with what the servers receive
             asked[0] = False
             for who, what, requested, arrival in ps.answers(heard):

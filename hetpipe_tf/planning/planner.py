@@ -794,7 +794,7 @@ def simulate_plan(p, steps=400):
     model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic,
                       link_flows=link_flows([w.devices for w in p.workers]))
     parts = [w.partition for w in p.workers]
-    result, same_as = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps)
+    result, same_as = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps, stages={0})
     paces = {w: result.steady_throughput((w, 0)) for w in set(same_as)}
     alone = [paces[same_as[w]] for w in range(len(parts))]
     busy = dict(zip(result.agents, result.busy_fraction()))

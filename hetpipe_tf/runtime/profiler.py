@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
-from hetpipe_tf.planning.profile import Profile, SegmentTimes, static_profile
+from hetpipe_tf.planning.profile import AttentionBlock, Profile, SegmentTimes, static_profile
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
 from hetpipe_tf.runtime.stage_rewrite import split_model
@@ -161,6 +161,48 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     return instruction, (max(1.0, float(np.median(ratios))) if ratios else 1.0), overshoot
 
 
+# keras_hub's transformer blocks (self-attention then a feed-forward layer) and table lookups
+# without keras.layers.Embedding among their bases, by class name: keras_hub is optional.
+_TRANSFORMER_BLOCKS = ("TransformerEncoder", "TransformerDecoder")
+_LOOKUPS = ("PositionEmbedding", "TokenAndPositionEmbedding")
+
+
+def static_facts(keras_graph):
+    """What the layer graph of a Keras model does not show about its layer calls (issue 28):
+    ({node index: AttentionBlock} of its attention layers, node indices of its table lookups).
+
+    Attention layers: keras_hub's TransformerEncoder and TransformerDecoder (their heads, width
+    per head, feed-forward width and dropout) and keras.layers.MultiHeadAttention (alone); table
+    lookups: keras.layers.Embedding (and ReversibleEmbedding, a subclass) and keras_hub's position
+    embeddings."""
+    attention, lookups = {}, []
+    for index, op in enumerate(keras_graph.operations):
+        name = type(op).__name__
+        if name in _TRANSFORMER_BLOCKS:
+            inner = getattr(op, "_self_attention_layer", None)
+            hidden = keras_graph.graph.tensors[keras_graph.graph.nodes[index].outputs[0]].shape[-1]
+            attention[index] = AttentionBlock(
+                heads=op.num_heads, head_dim=getattr(inner, "key_dim", None) or hidden // op.num_heads,
+                feedforward=op.intermediate_dim, dropout=bool(op.dropout))
+        elif isinstance(op, keras.layers.MultiHeadAttention):
+            attention[index] = AttentionBlock(heads=op.num_heads, head_dim=op.key_dim, dropout=bool(op.dropout))
+        elif isinstance(op, keras.layers.Embedding) or name in _LOOKUPS:
+            lookups.append(index)
+    return attention, tuple(lookups)
+
+
+def model_profile(model, batch_size, sequence_length=None):
+    """The static profile of a Keras model at `batch_size` (no times), with what its graph does
+    not show (:func:`static_facts`): at `sequence_length`, every unknown dimension of its
+    tensors (a transformer's sequence) is that long."""
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
+
+    described = describe_model(model)
+    graph = described.graph if sequence_length is None else described.graph.at_sequence_length(sequence_length)
+    attention, lookups = static_facts(described)
+    return static_profile(graph, batch_size, attention=attention, lookups=lookups)
+
+
 def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repeats=5):
     """The synthetic transfer benchmark of §7: (bytes, seconds) for moving float32 tensors of
     `sizes` elements from device `src` to `dst` (the least time of `repeats` each)."""
@@ -191,7 +233,7 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     graph = describe_model(model).graph
-    base = static_profile(graph, batch_size)
+    base = model_profile(model, batch_size)
     optimizer = check_optimizer(optimizer)
     host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
     key = f"{graph.name}-{_fingerprint(graph)}-b{batch_size}-{type(optimizer).__name__}-{host}"

@@ -112,10 +112,10 @@ def test_hetpipe_plan_command_prints_json_with_table_3():
 
 
 def test_hetpipe_plan_refuses_what_this_host_cannot_measure():
-    run = subprocess.run([sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "plan", "--cluster=local", "--optimizer=adamw"],
+    run = subprocess.run([sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "plan", "--cluster=local", "--model=gpt2_medium"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
-    assert "--optimizer=adamw can be planned for real GPUs (a cluster file or the paper preset), not for cluster " \
+    assert "--model=gpt2_medium can be planned for real GPUs (a cluster file or the paper preset), not for cluster " \
            "'local'" in run.stderr
 
 

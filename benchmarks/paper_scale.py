@@ -28,8 +28,17 @@ Fig. 4's bars carry no numbers in the paper's text: its Horovod and ED-local bar
 Table 4 cells of the same cluster (ED-local is 1.8x Horovod for VGG-19 and 1.4x for
 ResNet-152, §8.3), and for NP, ED and HD the text's statements are checked instead.
 
+A transformer the paper did not train (issue 28): a GPT-2-medium-sized language model
+(keras_hub's GPT2Backbone, 24 blocks of 1,024, 16 heads, a Dense head over the 50,257-token
+vocabulary: 406M parameters), sequences of 1,024 tokens, 2 per minibatch, AdamW (two slots per
+weight), predicted on the same cluster for NP, ED, HD, ED-local and Horovod, in tokens/s, with
+the links and all-reduce rates calibrated above and the analytic compute efficiency's default
+(0.5: no cell of the paper calibrates it). Its attention blocks keep their scores (16 x 1,024 x
+1,024 per block and sequence) for the backward pass, so on the 6 GB GeForce RTX 2060s memory, not
+speed, decides the cut: the same plans with 12 GB G cards are printed beside them.
+
     python benchmarks/paper_scale.py [--out=benchmarks/results/paper_scale.jsonl]
-                                     [--png=benchmarks/results/paper_scale.png]
+                                     [--png=benchmarks/results/paper_scale.png] [--skip_transformer]
 """
 import argparse
 import json
@@ -80,6 +89,17 @@ def _profiles():
         del model
         keras.backend.clear_session()
     return out
+
+
+TRANSFORMER = {"name": "gpt2_medium", "batch_size": 2, "sequence_length": 1024, "optimizer_slots": 2}  # AdamW
+
+
+def _transformer_profile():
+    from hetpipe_tf.cli.hetpipe import build_transformer
+    from hetpipe_tf.runtime.profiler import model_profile
+
+    return model_profile(build_transformer(TRANSFORMER["name"]), TRANSFORMER["batch_size"],
+                         sequence_length=TRANSFORMER["sequence_length"])
 
 
 def _cluster(types):
@@ -237,6 +257,71 @@ def figure_4(model, out):
     return cells, checks
 
 
+def _stages_on(p, device_type):
+    """The stages of worker 0's kind on `device_type` in plan `p`: their layers, time and memory."""
+    names = p.profile.layer_names
+    out = []
+    for w in p.workers:
+        for st in w.partition.stages:
+            if st.device.type.name == device_type:
+                end = p.profile.starts[st.segments[1]] if st.segments[1] < p.profile.num_segments else len(names)
+                out.append({"layers": f"{names[p.profile.starts[st.segments[0]]]}..{names[end - 1]}",
+                            "time_ms": round(st.time * 1e3, 1), "memory_GiB": round(st.memory_total / 2 ** 30, 2),
+                            "capacity_GiB": round(st.capacity / 2 ** 30, 2)})
+        if out:
+            return out
+    return out
+
+
+def transformer(model, profile, out):
+    """The GPT-2-medium-sized model on the paper's cluster and on it with 12 GB G cards: NP, ED, HD,
+    ED-local and Horovod (module docstring)."""
+    from hetpipe_tf.planning.cluster import PRESETS, load_cluster
+    from hetpipe_tf.planning.data_parallel import AllReduceModel, predict_data_parallel
+    from hetpipe_tf.planning.planner import PlanError, plan
+
+    spec = json.loads(json.dumps(PRESETS["paper"]))
+    spec["device_types"]["G"]["memory"] = "12G"
+    tokens = TRANSFORMER["sequence_length"]
+    rows = []
+    for label, cluster in (("paper", load_cluster("paper")), ("paper, G with 12 GB", load_cluster(spec))):
+        for system, policy, placement in (("NP", "np", "default"), ("ED", "ed", "default"), ("HD", "hd", "default"),
+                                          ("ED-local", "ed", "local")):
+            row = {"model": TRANSFORMER["name"], "cluster": label, "system": system}
+            try:
+                p = plan(profile, cluster, policy=policy, placement=placement, links=model.links(),
+                         optimizer_slots=TRANSFORMER["optimizer_slots"])
+            except PlanError as e:
+                row.update(predicted_tokens_per_s=None, reason=str(e).splitlines()[-1][:300])
+            else:
+                row.update(predicted_tokens_per_s=round(p.images_per_s * tokens), num_in_flight=p.num_in_flight,
+                           allocation=p.allocation, stages_on_G=_stages_on(p, "G"))
+            rows.append(row)
+            _emit(out, figure="transformer", **row)
+        allreduce = AllReduceModel(intra_node_bandwidth=model.allreduce_bandwidth["intra"],
+                                   inter_node_bandwidth=model.allreduce_bandwidth["inter"])
+        row = {"model": TRANSFORMER["name"], "cluster": label, "system": "Horovod"}
+        try:
+            h = predict_data_parallel(profile, cluster, links=model.links(), allreduce=allreduce,
+                                      optimizer_slots=TRANSFORMER["optimizer_slots"])
+        except ValueError as e:
+            row.update(predicted_tokens_per_s=None, reason=str(e))
+        else:
+            row.update(predicted_tokens_per_s=round(h.images_per_s * tokens), gpus=len(h.devices),
+                       left_out=sorted({d.type.name for d in h.left_out}), step_ms=round(h.step_seconds * 1e3, 1),
+                       allreduce_ms=round(h.allreduce_seconds * 1e3, 1))
+        rows.append(row)
+        _emit(out, figure="transformer", **row)
+    paper = {r["system"]: r["predicted_tokens_per_s"] for r in rows if r["cluster"] == "paper"}
+    roomy = {r["system"]: r["predicted_tokens_per_s"] for r in rows if r["cluster"] != "paper"}
+    gains = {k: round(roomy[k] / paper[k] - 1, 3) for k in paper if paper[k] and roomy[k] and k != "Horovod"}
+    best = max((k for k in paper if k != "Horovod" and paper[k]), key=lambda k: paper[k])
+    _emit(out, figure="transformer", summary=True, best_hetpipe=best,
+          best_hetpipe_over_horovod=round(paper[best] / paper["Horovod"], 2) if paper["Horovod"] else None,
+          gain_with_12GB_G_cards=gains)
+    return rows
+
+
 def plot(cells, path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -267,6 +352,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/paper_scale.jsonl")
     parser.add_argument("--png", default="benchmarks/results/paper_scale.png")
+    parser.add_argument("--skip_transformer", action="store_true", help="leave out the GPT-2-medium-sized rows")
     args = parser.parse_args()
     model = Model(_profiles())
     with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
@@ -298,6 +384,8 @@ def main():
             summary[system] = {"cells_predicted": len(errs), "max_abs_error": max(abs(e) for e in errs),
                                "within_15_percent": sum(abs(e) <= 0.15 for e in errs)}
         _emit(out, summary=True, table_4=summary, fig_4_checks=checks)
+        if not args.skip_transformer:
+            transformer(model, _transformer_profile(), out)
     if args.png:
         plot(cells + [c for c in fig4 if c["system"] not in ("ED-local", "Horovod")], args.png)
 

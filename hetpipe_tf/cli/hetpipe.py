@@ -1,6 +1,7 @@
 """hetpipe: plan, simulate and launch HetPipe training on a cluster, and draw plans and traces.
 
     hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json] [--png=plan.png]
+    hetpipe plan --cluster=paper --model=gpt2_medium --batch_size=4 --optimizer=adamw --policy=auto
     hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
     hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
     hetpipe trace plot TRACE.json [-o timeline.png]
@@ -32,24 +33,43 @@ FLAGS = flags.FLAGS
 COMMANDS = "plan, simulate, launch -- COMMAND [ARGS...], trace plot TRACE.json [-o PNG]"
 
 
+def build_transformer(name):
+    """A GPT-2-sized language model (about 355M parameters for gpt2_medium): keras_hub's GPT2Backbone
+    from its config in hetpipe_flags.TRANSFORMERS (random weights, nothing downloaded), with a Dense
+    head over the vocabulary on its output (logits per position); its TransformerDecoder layers
+    are atomic, so stages are cut between them."""
+    import keras
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(**hetpipe_flags.TRANSFORMERS[name])
+    logits = keras.layers.Dense(hetpipe_flags.TRANSFORMERS[name]["vocabulary_size"], name="lm_head")(backbone.output)
+    return keras.Model(backbone.input, logits, name=name)
+
+
 def make_plan():
     """The plan the flags ask for, and a one-line description of where its times come from."""
-    from hetpipe_tf.cli import models
     from hetpipe_tf.planning.cluster import load_cluster
-    from hetpipe_tf.planning.planner import plan
-    from hetpipe_tf.planning.profile import static_profile
-    from hetpipe_tf.runtime.optimizers import by_name, slots_per_weight
-    from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     cluster = load_cluster(FLAGS.cluster)
+    if cluster.on_host and FLAGS.model in hetpipe_flags.TRANSFORMERS:
+        raise app.UsageError(f"--model={FLAGS.model} can be planned for real GPUs (a cluster file or the paper "
+                             f"preset), not for cluster '{cluster.name}', whose devices this host serves and measures")
+    from hetpipe_tf.cli import models
+    from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.runtime.optimizers import by_name, slots_per_weight
+    from hetpipe_tf.runtime.profiler import model_profile
+
     if cluster.on_host:  # logical devices before anything starts TensorFlow's runtime
         from hetpipe_tf.planning.devices import DeviceSpec
         from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
         names = configure_tensorflow_devices([DeviceSpec("emulated")] * 2)
-    big = models.input_requirements(FLAGS.model)[0] is not None
-    shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
-    classes = FLAGS.num_classes or (1000 if big else 10)
-    model = models.build_model(FLAGS.model, shape, classes)
+    if FLAGS.model in hetpipe_flags.TRANSFORMERS:
+        model = build_transformer(FLAGS.model)
+    else:
+        big = models.input_requirements(FLAGS.model)[0] is not None
+        shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
+        classes = FLAGS.num_classes or (1000 if big else 10)
+        model = models.build_model(FLAGS.model, shape, classes)
     optimizer = by_name(FLAGS.optimizer, momentum=FLAGS.momentum)  # only its slots matter to a plan
     links = None
     if cluster.on_host:
@@ -63,10 +83,11 @@ def make_plan():
         profile = measure_profile(model, FLAGS.batch_size, optimizer=optimizer,
                                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     else:
-        profile = static_profile(describe_model(model).graph, FLAGS.batch_size)
+        length = FLAGS.sequence_length or hetpipe_flags.TRANSFORMERS.get(FLAGS.model, {}).get("max_sequence_length")
+        profile = model_profile(model, FLAGS.batch_size, sequence_length=length)
     return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_in_flight,
                 staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
-                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links)
+                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links, time_budget_s=FLAGS.time_budget_s)
 
 
 def simulate_plan(p, steps):

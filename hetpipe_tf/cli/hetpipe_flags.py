@@ -12,9 +12,16 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adamax", "nadam", "lion", "adafactor", "a
               "rmsprop", "lamb", "muon", "schedulefreeadamw")
 
 
+# Models `hetpipe plan` predicts beside the zoo's (hetpipe_tf.cli.models): keras_hub's backbones from a
+# config (hetpipe_tf.cli.hetpipe.build_transformer), built only to read their graphs.
+TRANSFORMERS = {"gpt2_medium": {"vocabulary_size": 50257, "num_layers": 24, "num_heads": 16, "hidden_dim": 1024,
+                                "intermediate_dim": 4096, "max_sequence_length": 1024}}
+
+
 def define_flags():
     flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
-    flags.DEFINE_enum("model", "resnet152", list(models.MODELS), "Model to plan for.")
+    flags.DEFINE_enum("model", "resnet152", list(models.MODELS) + list(TRANSFORMERS),
+                      "Model to plan for (gpt2_medium: a GPT-2-medium-sized transformer, keras_hub; plan only).")
     flags.DEFINE_enum("policy", "hd", list(POLICIES) + ["auto"], "Allocation of devices to virtual workers.")
     flags.DEFINE_integer("vw_size", None, "Devices per virtual worker (default: the smallest node's count).",
                          lower_bound=1)
@@ -29,7 +36,12 @@ def define_flags():
     flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
     flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
     flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "Optimizer (its slots take memory).")
+    flags.DEFINE_integer("sequence_length", None, "Transformers: the sequence planned for (default: the model's "
+                         "longest, 1024 for gpt2_medium).", lower_bound=1)
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0: no slot).", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_float("time_budget_s", None, "plan/simulate with --policy=auto: stop trying allocations after this "
+                       "many seconds and take the best found (the three policies' own are always tried).",
+                       lower_bound=0.001)
     flags.DEFINE_integer("steps", 400, "simulate: minibatches (steps) per virtual worker.", lower_bound=1)
     flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
     flags.DEFINE_string("png", None, "plan: also draw the plan into this PNG file (needs matplotlib).")

@@ -13,7 +13,11 @@ With several virtual workers, the synchronisation scheme's simulation model
 :class:`hetpipe_tf.sync.wsp.ParameterServerModel`) plays the servers: it receives
 what instructions send to ``PARAMETER_SERVER`` and says when its answers arrive.
 """
+import bisect
+import gc
+import heapq
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER
 from hetpipe_tf.pipeline.schedule import fifo_pick
@@ -23,8 +27,7 @@ class ScheduleDeadlock(RuntimeError):
     """No stage can go on, but some tasks have not run: the schedules can never finish."""
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """One instruction as carried out: where (stage, or (worker, stage)), which, and when."""
     stage: object
     instruction: object
@@ -39,6 +42,10 @@ class SimulationResult:
     spans: list = field(default_factory=list)
     task_order: dict = field(default_factory=dict)  # agent -> [(kind, minibatch), ...]
     pulls: list = field(default_factory=list)  # (worker, stage, key, requested, answered) of server answers
+    num_workers: int = 0  # virtual workers simulated, with those that ran as another (0: those of agents)
+    busy: dict = field(default_factory=dict)  # agent -> seconds its instructions took (spans kept or not)
+    ended: float = 0.0  # when the last instruction ended
+    _index: tuple = field(default=(0, {}), repr=False, compare=False)  # (spans indexed, agent -> its spans)
 
     @property
     def num_stages(self):
@@ -46,16 +53,26 @@ class SimulationResult:
 
     @property
     def makespan(self):
-        return max((s.end for s in self.spans), default=0.0)
+        return self.ended
 
     @property
     def throughput(self):
         """Minibatches per second over the whole run, all virtual workers together."""
-        workers = {a[0] for a in self.agents} if isinstance(self.agents[0], tuple) else {0}
-        return len(workers) * self.steps / self.makespan if self.makespan > 0 else 0.0
+        workers = self.num_workers or len({a[0] for a in self.agents} if isinstance(self.agents[0], tuple) else {0})
+        return workers * self.steps / self.makespan if self.makespan > 0 else 0.0
+
+    def spans_of(self, agent):
+        """The spans of `agent`, in the order they ran."""
+        indexed, by_agent = self._index
+        if indexed != len(self.spans):
+            by_agent = {}
+            for span in self.spans:
+                by_agent.setdefault(span.stage, []).append(span)
+            self._index = (len(self.spans), by_agent)
+        return by_agent.get(agent, [])
 
     def busy_time(self, agent):
-        return sum(s.end - s.start for s in self.spans if s.stage == agent)
+        return self.busy.get(agent, 0.0)
 
     def busy_fraction(self):
         m = self.makespan
@@ -66,9 +83,9 @@ class SimulationResult:
         end of the instruction that applied it (``applies()``; a GPipe flush applies several), or
         with `instruction_type`, of that type's instruction about it."""
         if instruction_type is not None:
-            return {s.instruction.minibatch: s.end for s in self.spans
-                    if s.stage == agent and type(s.instruction) is instruction_type}
-        return {p: s.end for s in self.spans if s.stage == agent for p in s.instruction.applies()}
+            return {s.instruction.minibatch: s.end for s in self.spans_of(agent)
+                    if type(s.instruction) is instruction_type}
+        return {p: s.end for s in self.spans_of(agent) for p in s.instruction.applies()}
 
     def steady_throughput(self, agent=0, skip=None):
         """Minibatches per second between the completions of minibatch `skip` and the last,
@@ -80,11 +97,23 @@ class SimulationResult:
 
     def wait_and_idle(self, worker):
         """Per pull of `worker`'s first stage: (seconds waited for the answer, seconds of that
-        wait in which the stage ran nothing), §8.4."""
-        agent = (worker, 0)
-        busy = [(s.start, s.end) for s in self.spans if s.stage == agent]
-        return wait_and_idle([(asked, answered) for w, stage, key, asked, answered in self.pulls
-                              if w == worker and stage == 0], busy)
+        wait in which the stage ran nothing), §8.4. A stage runs one instruction at a time, so
+        its busy time up to any moment is a prefix sum of its spans (a search per pull)."""
+        spans = self.spans_of((worker, 0))
+        starts = [s.start for s in spans]
+        done = [0.0]
+        for s in spans:
+            done.append(done[-1] + (s.end - s.start))
+
+        def busy_until(t):
+            i = bisect.bisect_right(starts, t)  # spans that started by t; the last may run past it
+            return done[i] - (max(0.0, spans[i - 1].end - t) if i else 0.0)
+
+        out = []
+        for w, stage, key, asked, answered in self.pulls:
+            if w == worker and stage == 0:
+                out.append((answered - asked, answered - asked - (busy_until(answered) - busy_until(asked))))
+        return out
 
 
 def wait_and_idle(waits, busy):
@@ -103,12 +132,14 @@ def simulate(schedule, duration, transfer=None):
                               None if transfer is None else (lambda a, b, ins: transfer(a[1], b[1], ins)))
     stages = list(range(schedule.num_stages))
     plain = SimulationResult(agents=stages, steps=schedule.steps,
-                             task_order={a[1]: order for a, order in result.task_order.items()})
+                             task_order={a[1]: order for a, order in result.task_order.items()},
+                             busy={a[1]: seconds for a, seconds in result.busy.items()}, ended=result.ended)
     plain.spans = [Span(s.stage[1], s.instruction, s.start, s.end) for s in result.spans]
     return plain
 
 
-def simulate_workers(schedules, duration, transfer=None, parameter_servers=None):
+def simulate_workers(schedules, duration, transfer=None, parameter_servers=None, same_as=None,
+                     servers_hear_every_worker=True, by_type=False, stages_recorded=None):
     """Runs the schedules of several virtual workers in one simulated time.
 
     Args:
@@ -119,73 +150,167 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None)
       parameter_servers: the synchronisation scheme's simulation model, needed when the
         schedules talk to parameter servers: receive(agent, key, instruction, time) takes a
         request, answers(agents) gives (agent, key, requested, arrival) of those answered now.
+      same_as: per worker, the index of a worker (itself, or an earlier one) whose schedule,
+        durations and transfers are its own, so that it runs exactly as that one does. Only the
+        workers that are their own run.
+      servers_hear_every_worker: with `same_as`, whether the servers get every request of a
+        worker that runs once for each worker the same as it, and see every worker's agents
+        (exact whatever the servers do); if not, they hear from the workers that run only, which
+        is exact for servers whose answers do not depend on how many workers ask (WSP's, which
+        wait for every worker's push: the ones that do not run push at the same times).
+      by_type: whether `duration` depends on the agent and the instruction's type only, so that
+        it is asked once per pair.
+      stages_recorded: the stage indices whose spans the result keeps (default: every stage's).
     Returns:
-      A :class:`SimulationResult` whose agents are (worker, stage) pairs.
+      A :class:`SimulationResult` whose agents are the (worker, stage) pairs that ran.
     Raises:
       ScheduleDeadlock: if the programs can never all finish.
     """
-    agents = [(w, s) for w, sched in enumerate(schedules) for s in range(sched.num_stages)]
-    programs = {(w, s): sched.programs[s] for w, sched in enumerate(schedules) for s in range(sched.num_stages)}
+    same_as = list(range(len(schedules))) if same_as is None else list(same_as)
+    if len(same_as) != len(schedules) or any(not 0 <= r <= w or same_as[r] != r for w, r in enumerate(same_as)):
+        raise ValueError(f"same_as must give every one of the {len(schedules)} workers itself or an earlier worker "
+                         f"that is its own, got {same_as}")
+    agents = [(w, s) for w, sched in enumerate(schedules) if same_as[w] == w for s in range(sched.num_stages)]
+    twins = {w: [w] for w in set(same_as)}
+    heard = agents
+    if servers_hear_every_worker:
+        for w, r in enumerate(same_as):
+            if w != r:
+                twins[r].append(w)
+        heard = [(w, s) for w, sched in enumerate(schedules) for s in range(sched.num_stages)]
+    programs = {(w, s): schedules[w].programs[s] for w, s in agents}
     avail = {a: {} for a in agents}
     free = {a: 0.0 for a in agents}
     pos = {a: [0] * len(programs[a].streams) for a in agents}
-    result = SimulationResult(agents=agents, steps=schedules[0].steps,
-                              task_order={a: [] for a in agents})
+    result = SimulationResult(agents=agents, steps=schedules[0].steps, task_order={a: [] for a in agents},
+                              num_workers=len(schedules))
+    spans, pulls = result.spans, result.pulls
     ps = parameter_servers
+    asked = [False]  # whether the servers received something since they last answered
+    made, steps_of = {}, {}  # tasks by (stream, index), shared by the agents that run one program
+    wanted = {a: () for a in agents}  # keys the agent's next tasks need: others do not change its choice
+
+    def steps(instructions, stage):
+        """(instruction, what it provides) of each instruction, asked once per program."""
+        key = (id(instructions), stage)
+        out = steps_of.get(key)
+        if out is None:
+            out = steps_of[key] = (instructions, [(ins, tuple(ins.provides(stage))) for ins in instructions])
+        return out[1]
 
     touched = set()  # agents whose candidate task may have changed
+    seconds = {}  # (agent, instruction type) -> seconds, with by_type
 
     def run(agent, instructions, start):
         t = start
         touched.add(agent)
-        for ins in instructions:
-            end = t + duration(agent, ins)
-            result.spans.append(Span(agent, ins, t, end))
-            for dst, key in ins.provides(agent[1]):
+        worker, stage = agent
+        record = stages_recorded is None or stage in stages_recorded
+        busy = result.busy.get(agent, 0.0)
+        known = steps_of.get((id(instructions), stage))
+        for ins, gives in (known[1] if known is not None else steps(instructions, stage)):
+            if by_type:
+                key = (agent, type(ins))
+                took = seconds.get(key)
+                if took is None:
+                    took = seconds[key] = duration(agent, ins)
+                end = t + took
+            else:
+                end = t + duration(agent, ins)
+            busy += end - t
+            if record:
+                spans.append(Span(agent, ins, t, end))
+            for dst, what in gives:
                 if dst == PARAMETER_SERVER:
                     if ps is None:
                         raise ValueError(f"{ins!r} talks to parameter servers, but none are simulated")
-                    ps.receive(agent, key, ins, end)
+                    for w in twins[worker]:
+                        ps.receive((w, stage), what, ins, end)
+                    asked[0] = True
                     continue
-                target = (agent[0], dst)
+                target = (worker, dst)
                 delay = transfer(agent, target, ins) if (transfer and target != agent) else 0.0
-                avail[target][key] = end + delay
-                touched.add(target)
+                avail[target][what] = end + delay
+                if what in wanted[target]:
+                    touched.add(target)
             t = end
-        if ps is not None:
-            for who, key, asked, arrival in ps.answers(agents):
-                avail[who][key] = arrival
-                touched.add(who)
-                result.pulls.append((who[0], who[1], key, asked, arrival))
+        result.busy[agent] = busy
+        if t > result.ended:
+            result.ended = t
+        if asked[0]:  # answers change only with what the servers receive
+            asked[0] = False
+            for who, what, requested, arrival in ps.answers(heard):
+                if who in avail:
+                    avail[who][what] = arrival
+                    if what in wanted[who]:
+                        touched.add(who)
+                    pulls.append((who[0], who[1], what, requested, arrival))
         return t
 
+    streams_of = {a: tuple(enumerate(programs[a].streams)) for a in agents}
+    ends = {stream: len(stream) for a in agents for stream in programs[a].streams}
+
     def candidate(a):
-        """(start, agent, stream index, task) of the task `a` would run next, or None."""
-        ready = []
-        for i, stream in enumerate(programs[a].streams):
-            if pos[a][i] >= len(stream):
+        """(start, agent, stream index, task) of the task `a` would run next, or None; and the keys
+        its next tasks need."""
+        ready, needs = [], []
+        have = avail[a]
+        at = pos[a]
+        for i, stream in streams_of[a]:
+            if at[i] >= ends[stream]:
                 continue
-            task = stream[pos[a][i]]
+            task = made.get((stream, at[i]))
+            if task is None:
+                task = made[(stream, at[i])] = stream[at[i]]
             needed = task.requires
-            if all(key in avail[a] for key in needed):
-                r = max((avail[a][key] for key in needed), default=0.0)
+            needs += needed
+            r = 0.0
+            for key in needed:
+                if key not in have:
+                    break
+                if have[key] > r:
+                    r = have[key]
+            else:
                 ready.append(((r, task.minibatch, i), task))
+        wanted[a] = frozenset(needs)
         if not ready:
             return None
-        chosen = fifo_pick([c for c, _ in ready])
-        task = next(t for c, t in ready if c == chosen)
+        if len(ready) == 1:
+            chosen, task = ready[0]
+        else:
+            chosen = fifo_pick([c for c, _ in ready])
+            task = next(t for c, t in ready if c == chosen)
         return (max(free[a], chosen[0]), a, chosen[2], task)
 
+    # The loop makes millions of spans and tasks and frees none: the cycle collector would walk them
+    # again and again (a quarter of a long run's time), so it waits until the loop ends.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _loop(agents, programs, pos, avail, free, result, touched, candidate, run, schedules)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _loop(agents, programs, pos, avail, free, result, touched, candidate, run, schedules):
+    """simulate_workers' event loop."""
     for a in agents:
         free[a] = run(a, programs[a].prologue, 0.0)
 
-    candidates = {}
+    # Every agent's next task, in a heap by (start, agent): §4's order across agents is the
+    # earliest start, ties to the lower agent; an entry is stale once its agent was looked at again.
+    candidates, heap, looked = {}, [], {a: 0 for a in agents}
     while True:
         for a in touched:
-            candidates[a] = candidate(a)
+            candidates[a] = c = candidate(a)
+            looked[a] += 1
+            if c is not None:
+                heapq.heappush(heap, (c[0], a, looked[a]))
         touched.clear()
-        live = [c for c in candidates.values() if c is not None]
-        if not live:
+        while heap and heap[0][2] != looked[heap[0][1]]:
+            heapq.heappop(heap)
+        if not heap:
             pending = [(a, stream.kind, stream[pos[a][i]]) for a in agents
                        for i, stream in enumerate(programs[a].streams) if pos[a][i] < len(stream)]
             if not pending:
@@ -195,9 +320,11 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None)
                 f"{task!r} lacks {[key for key in task.requires if key not in avail[a]]}"
                 for a, kind, task in pending)
             raise ScheduleDeadlock(f"schedule '{schedules[0].name}' cannot go on: {detail}")
-        start, a, i, task = min(live, key=lambda c: (c[0], c[1]))
+        _, a, _ = heapq.heappop(heap)
+        start, a, i, task = candidates[a]
+        have = avail[a]
         for key in task.requires:
-            del avail[a][key]
+            del have[key]
         free[a] = run(a, task.instructions, start)
         pos[a][i] += 1
         result.task_order[a].append((task.kind, task.minibatch))

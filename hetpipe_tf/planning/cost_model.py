@@ -27,12 +27,14 @@ in flight:
   more copy (the weights at the last push).
 """
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
 from hetpipe_tf.pipeline.schedule import NO_SYNC
 
 REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GPU
+_ANALYTIC = {}  # (id of a profile, device type, assumptions) -> (the profile, its analytic times)
 
 
 @dataclass(frozen=True)
@@ -164,11 +166,15 @@ class CostModel:
     analytic: object = None  # AnalyticAssumptions for device types that are not measured
     link_flows: tuple = ()  # ((node_a, node_b), workers sending between them at once), see link_flows
 
+    @cached_property
+    def _flows(self):
+        return dict(self.link_flows)
+
     def link_seconds(self, nbytes, src, dst):
         """Seconds for `nbytes` from device `src` to device `dst`, sharing an inter-node link with
         the other virtual workers that cross it (``link_flows``)."""
-        flows = dict(self.link_flows).get(tuple(sorted((src.node, dst.node))), 1)
-        return self.links.seconds(nbytes, src, dst, self.cluster, flows=flows)
+        pair = (src.node, dst.node) if src.node < dst.node else (dst.node, src.node)
+        return self.links.seconds(nbytes, src, dst, self.cluster, flows=self._flows.get(pair, 1))
 
     def times(self, device_type):
         """SegmentTimes of a device type, and the factor its compute is scaled by."""
@@ -177,7 +183,13 @@ class CostModel:
         if device_type.name in self.profile.times:
             return self.profile.times[device_type.name], 1.0
         from hetpipe_tf.planning.profile import AnalyticAssumptions, analytic_times
-        return analytic_times(self.profile, device_type, self.analytic or AnalyticAssumptions()), 1.0
+        assume = self.analytic or AnalyticAssumptions()
+        key = (id(self.profile), device_type, assume)
+        if key not in _ANALYTIC:  # the roofline of every segment, once per profile and device type
+            if len(_ANALYTIC) > 64:
+                _ANALYTIC.clear()
+            _ANALYTIC[key] = (self.profile, analytic_times(self.profile, device_type, assume))
+        return _ANALYTIC[key][1], 1.0
 
     def apply_seconds(self, device_type, weight_bytes, num_in_flight=1):
         """Applying an update: measured on the host for the devices it serves; on an accelerator,

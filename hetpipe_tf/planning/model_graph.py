@@ -24,7 +24,7 @@ weights, such as an input embedding used again for the output logits) is
 memory; the copies stay equal when their gradients of a minibatch are summed before
 any of them applies (Megatron's embedding group).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class PartitionError(ValueError):
@@ -97,6 +97,26 @@ class ModelGraph:
     @property
     def num_nodes(self):
         return len(self.nodes)
+
+    def at_sequence_length(self, length):
+        """This graph with every unknown dimension of a per-example shape (a transformer's
+        sequence: Keras gives it as None) set to `length`, so that bytes count every position.
+        A layer's static FLOP estimate is per element of its outputs (2 x multiply-adds per
+        output position), so it grows as they do."""
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"a sequence length is an integer >= 1, got {length!r}")
+
+        def bound(shape):
+            return tuple(length if d is None else d for d in shape)
+
+        tensors = tuple(replace(t, shape=bound(t.shape)) for t in self.tensors)
+        nodes = []
+        for node in self.nodes:
+            before = sum(self.tensors[t].bytes_per_example for t in node.outputs)
+            after = sum(tensors[t].bytes_per_example for t in node.outputs)
+            nodes.append(replace(node, flops_per_example=node.flops_per_example * after // before if before else
+                                 node.flops_per_example))
+        return replace(self, nodes=tuple(nodes), tensors=tensors)
 
     def check_boundaries(self, boundaries):
         """Returns `boundaries` as a tuple after checking it is a valid cut.

@@ -9,12 +9,16 @@ maximum execution time of the partitions") subject to every stage's memory:
   :class:`hetpipe_tf.planning.cost_model.CostModel` as a MILP (HiGHS, as §7 uses CPLEX), and
   :func:`partition_dp` solves the same problem exactly by dynamic programming, as a
   cross-check;
-* :func:`best_partition` tries every distinct order of the devices (seed 004).
+* :func:`best_partition` finds the best of the devices' distinct orders (seed 004) by branch
+  and bound (:class:`_OrderSearch`), the MILP or the dynamic program then cutting that order;
+  :func:`fits_some_order` says whether any of them fits.
 """
-import contextlib
-import itertools
 import math
 from dataclasses import dataclass
+
+import numpy as np
+
+from hetpipe_tf.planning.milp import Program
 
 
 def balanced_boundaries(costs, num_stages, allowed_cuts=None, speeds=None):
@@ -74,40 +78,97 @@ class Partition:
         return max(s.time for s in self.stages)
 
 
-class _Coefficients:
-    """Prefix sums that make a stage's time and memory linear in its boundaries."""
+class _Tables:
+    """What a stage costs on a device type at a position, as prefix sums over the segments, and
+    what crosses each cut between two devices: shared by every order of one worker's devices.
 
-    def __init__(self, model, devices, num_in_flight):
-        p = model.profile
-        n, k = p.num_segments, len(devices)
+    A stage's time and memory depend on its device's type and its position (the schedule's
+    activations held, the executor's instructions), and the links into and out of it on the
+    nodes of its neighbours only (§7)."""
+
+    def __init__(self, model, num_stages, num_in_flight):
+        self.model, self.k, self.num_in_flight = model, num_stages, num_in_flight
+        self.n = model.profile.num_segments
+        self.cut = model.profile.cut_bytes
+        self._own, self._links = {}, {}
+
+    def own(self, device_type, q):
+        """(time const, time prefix, memory const, memory prefix, activations held, capacity) of a
+        stage at position q on `device_type`, its links left out."""
+        key = (device_type.name, q)
+        if key not in self._own:
+            model, p, nm = self.model, self.model.profile, self.num_in_flight
+            t, scale = model.times(device_type)
+            apply_base = model.apply_seconds(device_type, 0, nm)
+            apply_per_byte = model.apply_seconds(device_type, 1, nm) - apply_base
+            per_seg = [scale * (f + b) + apply_per_byte * w
+                       for f, b, w in zip(t.forward, t.backward, p.weight_bytes)]
+            late = 2 * p.pacing_overshoot_seconds if device_type.emulated else 0.0
+            time_const = (scale * (t.forward_overhead + t.backward_overhead) + apply_base
+                          + model.executor_seconds(q, self.k) + late)
+            held = model.schedule.activations_held(q, self.k, nm)
+            copies = model.weight_copies(nm) + model.optimizer_slots
+            mem = [w * copies + s + held * a for w, s, a in zip(p.weight_bytes, p.state_bytes, p.activation_bytes)]
+            self._own[key] = (time_const, np.array(_prefix(per_seg)), 0 if device_type.on_host else _reserve(),
+                              np.array(_prefix(mem), dtype=float), held, device_type.memory)
+        return self._own[key]
+
+    def link(self, src, dst):
+        """Seconds for what crosses each cut c = 0..n to go from device `src` to device `dst`."""
+        key = (src.node, dst.node)
+        if key not in self._links:
+            self._links[key] = np.array([self.model.link_seconds(self.cut[c] if c < self.n else 0, src, dst)
+                                         for c in range(self.n + 1)])
+        return self._links[key]
+
+    def stage_times(self, q, device, before, after):
+        """(time, memory) of stage q on `device` for every (lo, hi) as (n + 1) x (n + 1) arrays
+        (inf where hi <= lo), with the device `before` it and `after` it (None at the ends)."""
+        time_const, time_prefix, mem_const, mem_prefix, held, _ = self.own(device.type, q)
+        time = (time_const + time_prefix)[None, :] - time_prefix[:, None]
+        if before is not None:
+            time = time + self.link(before, device)[:, None]
+        if after is not None:
+            time = time + self.link(after, device)[None, :]
+        memory = (mem_const + mem_prefix)[None, :] - mem_prefix[:, None]
+        if before is not None:
+            memory = memory + (held * np.array(self.cut + (0,), dtype=float))[:, None]
+        return np.where(_UPPER[self.n], time, math.inf), memory
+
+
+class _Upper(dict):
+    """lo < hi masks by segment count."""
+
+    def __missing__(self, n):
+        self[n] = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+        return self[n]
+
+
+_UPPER = _Upper()
+
+
+class _Coefficients:
+    """Prefix sums that make a stage's time and memory linear in its boundaries, for one order."""
+
+    def __init__(self, model, devices, num_in_flight, tables=None):
+        tables = tables or _Tables(model, len(devices), num_in_flight)
+        n, k = tables.n, len(devices)
         self.n, self.k = n, k
-        copies = model.weight_copies(num_in_flight) + model.optimizer_slots
         self.time_prefix, self.time_const, self.mem_prefix, self.mem_const, self.cap = [], [], [], [], []
         self.held = []
         for q, d in enumerate(devices):
-            t, scale = model.times(d.type)
-            apply_base = model.apply_seconds(d.type, 0, num_in_flight)
-            apply_per_byte = model.apply_seconds(d.type, 1, num_in_flight) - apply_base
-            per_seg = [scale * (f + b) + apply_per_byte * w
-                       for f, b, w in zip(t.forward, t.backward, p.weight_bytes)]
-            self.time_prefix.append(_prefix(per_seg))
-            late = 2 * p.pacing_overshoot_seconds if d.type.emulated else 0.0
-            self.time_const.append(scale * (t.forward_overhead + t.backward_overhead) + apply_base
-                                   + model.executor_seconds(q, k) + late)
-            held = model.schedule.activations_held(q, k, num_in_flight)
+            time_const, time_prefix, mem_const, mem_prefix, held, cap = tables.own(d.type, q)
+            self.time_prefix.append(time_prefix.tolist())
+            self.time_const.append(time_const)
             self.held.append(held)
-            self.mem_prefix.append(_prefix([w * copies + s + held * a for w, s, a in
-                                            zip(p.weight_bytes, p.state_bytes, p.activation_bytes)]))
-            self.mem_const.append(0 if d.type.on_host else _reserve())
-            self.cap.append(d.type.memory)
-        self.cut = p.cut_bytes
+            self.mem_prefix.append(mem_prefix.tolist())
+            self.mem_const.append(mem_const)
+            self.cap.append(cap)
+        self.cut = tables.cut
         # link[q][c]: seconds for the bytes crossing cut c to reach stage q from stage q - 1
-        self.link_in = [[0.0] * (n + 1)] + [
-            [model.link_seconds(p.cut_bytes[c] if c < n else 0, devices[q - 1], devices[q])
-             for c in range(n + 1)] for q in range(1, k)]
-        self.link_grad = [[model.link_seconds(p.cut_bytes[c] if c < n else 0, devices[q + 1], devices[q])
-                           for c in range(n + 1)]
-                          for q in range(k - 1)] + [[0.0] * (n + 1)]
+        self.link_in = [[0.0] * (n + 1)] + [tables.link(devices[q - 1], devices[q]).tolist() for q in range(1, k)]
+        self.link_grad = ([tables.link(devices[q + 1], devices[q]).tolist() for q in range(k - 1)]
+                          + [[0.0] * (n + 1)])
 
     def time(self, q, lo, hi):
         t = self.time_const[q] + self.time_prefix[q][hi] - self.time_prefix[q][lo]
@@ -205,9 +266,6 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
     stage's compute is P(end) - P(start) and its memory likewise, so every stage's time
     and memory are linear in y; T bounds every stage's time and is minimised.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    import numpy as np
-
     co = _Coefficients(model, devices, num_in_flight)
     n, k = co.n, co.k
     if k > n:
@@ -222,16 +280,8 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
     def y(c, q):
         return (q * len(cuts)) + (c - 1)
 
-    rows, lb, ub = [], [], []
-
-    def add(coeffs, low, high):
-        row = np.zeros(nvar)
-        for i, v in coeffs:
-            row[i] += v
-        rows.append(row)
-        lb.append(low)
-        ub.append(high)
-
+    program = Program(nvar)
+    add = program.add
     for q in range(k - 1):  # each boundary at exactly one cut
         add([(y(c, q), 1.0) for c in cuts], 1.0, 1.0)
     for q in range(k - 2):  # boundaries in order, every stage non-empty
@@ -256,31 +306,12 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
     cost[t_index] = 1.0
     integrality = np.ones(nvar)
     integrality[t_index] = 0
-    bounds = Bounds(np.zeros(nvar), np.concatenate([np.ones(nvar - 1), [np.inf]]))
-    with _quiet_stdout():  # HiGHS prints debug lines of its own
-        res = milp(cost, constraints=LinearConstraint(np.array(rows), lb, ub), integrality=integrality,
-                   bounds=bounds, options={"time_limit": time_limit, "mip_rel_gap": 0.0})
-    if res.x is None:
+    x = program.solve(cost, integrality, np.zeros(nvar), np.concatenate([np.ones(nvar - 1), [np.inf]]),
+                      time_limit=time_limit)
+    if x is None:
         raise _infeasible(model, devices, num_in_flight, co)
-    bounds_out = [0] + [next(c for c in cuts if res.x[y(c, q)] > 0.5) for q in range(k - 1)]
+    bounds_out = [0] + [next(c for c in cuts if x[y(c, q)] > 0.5) for q in range(k - 1)]
     return _result(model, devices, tuple(bounds_out), num_in_flight)
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """Silences file descriptor 1 (C-level prints) for the duration."""
-    import os
-    import sys
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 def fits(model, devices, num_in_flight):
@@ -295,60 +326,326 @@ def fits(model, devices, num_in_flight):
 MAX_ORDERS = 720
 
 
-def distinct_orders(devices, limit=MAX_ORDERS):
-    """The orders of `devices` that differ in their (node, type) sequence, which is all costs see.
-
-    When there are more than `limit` of them, only the orders that keep each node's devices
-    together are tried (every order of the nodes), which is also what keeps slow inter-node
-    links few.
-    """
-    keys = [(d.node, d.type.name) for d in devices]
-    counts = {}
-    for k in keys:
-        counts[k] = counts.get(k, 0) + 1
-    total = math.factorial(len(keys))
-    for c in counts.values():
-        total //= math.factorial(c)
+def _pools(devices):
+    """The worker's devices by (node, type), in order of first appearance."""
     pools = {}
     for d in devices:
         pools.setdefault((d.node, d.type.name), []).append(d)
-    if total > limit:
-        blocks = list(pools.values())
-        return [tuple(d for block in perm for d in block) for perm in itertools.permutations(blocks)][:limit]
+    return pools
+
+
+def _count_orders(pools, limit):
+    """How many orders differ in their (node, type) sequence, counted up to limit + 1."""
+    total, placed = 1, 0
+    for pool in pools.values():
+        for i in range(1, len(pool) + 1):
+            placed += 1
+            total = total * placed // i
+            if total > limit:
+                return limit + 1
+    return total
+
+
+def distinct_orders(devices, limit=MAX_ORDERS):
+    """The orders of `devices` that differ in their (node, type) sequence, which is all costs see.
+
+    When there are more than `limit` of them, only orders that keep each node's devices together
+    are listed (the first `limit` orders of the nodes). :func:`best_partition` searches the same
+    orders, without listing them.
+    """
+    pools = _pools(devices)
+    blocks = _count_orders(pools, limit) > limit
     out = []
 
-    def extend(prefix, remaining):
-        if not remaining:
-            used = {k: 0 for k in pools}
-            order = []
-            for k in prefix:
-                order.append(pools[k][used[k]])
-                used[k] += 1
-            out.append(tuple(order))
-            return
-        for k in list(remaining):
-            remaining[k] -= 1
-            if not remaining[k]:
-                del remaining[k]
-            extend(prefix + [k], remaining)
-            remaining[k] = remaining.get(k, 0) + 1
+    def visit(prefix):
+        if len(prefix) == len(devices):
+            out.append(prefix)
+        return len(out) < limit
 
-    extend([], dict(counts))
+    _walk_orders(pools, blocks, lambda prefix, key, left: key, visit)
     return out
 
 
+def _walk_orders(pools, blocks, signature, visit):
+    """Calls visit(prefix) for every prefix of the orders, in distinct_orders' sequence (the
+    devices' (node, type) keys in the order of a recursion over the keys left, or the nodes'
+    permutations in order); visit returns False to skip the orders that start with the prefix.
+    Of siblings with equal signature(prefix, key, devices left of the key), only the first is
+    walked."""
+    if blocks:
+        keys = list(pools)
+
+        def extend(prefix, left):
+            if prefix and not visit(tuple(prefix)):
+                return
+            seen = set()
+            for key in left:
+                sig = signature(prefix, key, len(pools[key]))
+                if sig not in seen:
+                    seen.add(sig)
+                    extend(prefix + pools[key], [k for k in left if k != key])
+
+        extend([], keys)
+        return
+
+    def extend(prefix, remaining):
+        if prefix and not visit(tuple(prefix)):
+            return
+        seen = set()
+        for key in list(remaining):
+            sig = signature(prefix, key, remaining[key])
+            if sig in seen:
+                continue
+            seen.add(sig)
+            remaining[key] -= 1
+            if not remaining[key]:
+                del remaining[key]
+            pool = pools[key]
+            extend(prefix + [pool[len(pool) - 1 - remaining.get(key, 0)]], remaining)
+            remaining[key] = remaining.get(key, 0) + 1
+
+    extend([], {k: len(v) for k, v in pools.items()})
+
+
+class _OrderSearch:
+    """Branch and bound over the orders of one virtual worker's devices (seed 004, §7).
+
+    The orders are those of :func:`distinct_orders`: every order that differs in its (node,
+    type) sequence, or, beyond MAX_ORDERS of them, every order of the worker's nodes with each
+    node's devices together; they are walked in the same sequence, as a tree of prefixes. Along a
+    prefix the dynamic program runs forwards: ``best[c]``, the least slowest stage of the stages
+    placed so far when the next stage starts at segment c, is extended by one device in O(n^2)
+    (numpy). A prefix is cut off when
+
+    * no order that starts with it fits the devices' memory (memory depends on the devices'
+      types only, so this is decided once per (position, remaining types, reachable cuts)); or
+    * its bound, min over c of max(best[c], the segments from c on spread over the remaining
+      devices at their best speed on any segment), cannot beat the best order found so far by
+      more than 1e-12 (the tie rule of trying the orders one by one: the first best one is kept);
+    * a sibling before it differs only by nodes the links cannot tell apart (same type, same
+      devices left, not the previous device's node, every pair of the worker's nodes shared by
+      as many workers): its subtree is the same with two nodes swapped, so it holds an order as
+      good that comes first.
+
+    Beyond MAX_ORDERS distinct orders, at most MAX_ORDERS prefixes are extended once an order
+    that fits is known (the search is then not exhaustive, as the first MAX_ORDERS orders of the
+    nodes were not before; the best of a few orders, :meth:`_seed_orders`, is known from the
+    start)."""
+
+    def __init__(self, model, devices, num_in_flight, limit=MAX_ORDERS):
+        self.model, self.devices, self.num_in_flight = model, tuple(devices), num_in_flight
+        self.k = len(self.devices)
+        self.tables = _Tables(model, self.k, num_in_flight)
+        self.n = self.tables.n
+        self.pools = _pools(self.devices)
+        self.blocks = _count_orders(self.pools, limit) > limit
+        self.budget = limit if self.blocks else None
+        nodes = sorted({d.node for d in self.devices})
+        flows = dict(model.link_flows)
+        self.symmetric = len({flows.get((a, b), 1) for i, a in enumerate(nodes) for b in nodes[i + 1:]}) <= 1
+        self._dead = set()
+
+    # Memory: which cuts a prefix can reach ------------------------------------------------------
+    def _reach(self, reach, q, device_type):
+        """Cuts the stage after q can start at, when stage q on `device_type` starts at one of `reach`."""
+        time_const, time_prefix, mem_const, mem_prefix, held, cap = self.tables.own(device_type, q)
+        memory = (mem_const + mem_prefix)[None, :] - mem_prefix[:, None]
+        if q > 0:
+            memory = memory + (held * np.array(self.tables.cut + (0,), dtype=float))[:, None]
+        ok = (memory <= cap) & _UPPER[self.n] & reach[:, None]
+        out = ok.any(axis=0)
+        out[self.n - (self.k - q - 1) + 1:] = False  # the later stages need a segment each
+        return out
+
+    def _fits_rest(self, q, reach, remaining):
+        """Whether the types `remaining` (a sorted tuple of (types of a unit, count)) can take
+        the stages from q on, starting at a cut in `reach`."""
+        if not reach.any():
+            return False
+        if not remaining:
+            return bool(reach[self.n])
+        key = (q, remaining, reach.tobytes())
+        if key in self._dead:
+            return False
+        for i, (types, count) in enumerate(remaining):
+            r = reach
+            for j, t in enumerate(types):
+                r = self._reach(r, q + j, t)
+            rest = remaining[:i] + ((types, count - 1),) * (count > 1) + remaining[i + 1:]
+            if self._fits_rest(q + len(types), r, rest):
+                return True
+        self._dead.add(key)
+        return False
+
+    def _units_left(self, used):
+        """The remaining units' types as a sorted tuple of (types, count)."""
+        counts = {}
+        if self.blocks:
+            for key, pool in self.pools.items():
+                if key not in used:
+                    types = tuple(d.type for d in pool)
+                    counts[types] = counts.get(types, 0) + 1
+        else:
+            for key, pool in self.pools.items():
+                left = len(pool) - used.get(key, 0)
+                if left:
+                    counts[(pool[0].type,)] = counts.get((pool[0].type,), 0) + left
+        return tuple(sorted(counts.items(), key=lambda kv: [t.name for t in kv[0]] + [kv[1]]))
+
+    def fits(self):
+        """Whether some order fits the devices' memory (with some cut)."""
+        if self.k > self.n:
+            return False
+        start = np.zeros(self.n + 1, dtype=bool)
+        start[0] = True
+        return self._fits_rest(0, start, self._units_left({}))
+
+    # Time: the best order -----------------------------------------------------------------------
+    def best_order(self):
+        """(slowest stage, order) of the best order that fits, or None if none does.
+
+        The orders are walked in their sequence and the first within 1e-12 of the best kept, as
+        trying them one by one keeps it; the bound cuts off a prefix that cannot come within
+        1e-12 of the best found, which starts as the best of a few orders (fastest devices first,
+        slowest first, most memory first), so that it cuts from the start."""
+        if self.k > self.n or not self.fits():
+            return None
+        speeds = self._speeds()
+        work = np.concatenate([[0.0], np.cumsum(self._segment_times(self.devices[0].type))])
+        total_speed = sum(speeds[d.type.name] for d in self.devices)
+        seeds = [(self._value(order), order) for order in self._seed_orders(speeds)]
+        best = min(seeds, key=lambda s: s[0])
+        least = [best[0]]  # the least value known
+        within = []  # (value, order) of the orders reached within 1e-12 of the least known then, in sequence
+        extended = [0]
+        arrays = {}  # q -> best[c] over cuts c where stage q starts, along the current prefix
+
+        def visit(prefix):
+            top = len(prefix) - 1
+            added = len(self.pools[(prefix[-1].node, prefix[-1].type.name)]) if self.blocks else 1
+            for q in range(top + 1 - added, top + 1):  # the positions before are the parent's
+                arrays[q] = self._extend(arrays, prefix, q)
+                extended[0] += 1
+            f = arrays[top]
+            if top == self.k - 1:
+                value = float(np.maximum(f, self._last_stage(prefix)).min())
+                if value <= least[0] + 1e-12:
+                    within.append((value, prefix))
+                    least[0] = min(least[0], value)
+                return False
+            if self.budget is not None and extended[0] >= self.budget and least[0] < math.inf:
+                return False
+            left = total_speed - sum(speeds[d.type.name] for d in prefix[:-1])  # stage `top` on
+            bound = float(np.maximum(f, (work[self.n] - work) / left).min()) if left > 0 else float(f.min())
+            if bound > least[0] + 1e-12:
+                return False
+            reach = self._reach(np.isfinite(f), top, prefix[top].type)
+            return self._fits_rest(top + 1, reach, self._units_left(self._used(prefix)))
+
+        self._walk(visit)
+        found = next(((v, o) for v, o in within if v <= least[0] + 1e-12), None)
+        if found is None and best[0] < math.inf:  # the walk stopped by its budget before reaching it
+            found = best
+        return found
+
+    def _seed_orders(self, speeds):
+        """A few orders among those searched: devices (beyond MAX_ORDERS: nodes) fastest first,
+        slowest first, and with the most memory first."""
+        units = list(self.pools.values()) if self.blocks else [[d] for d in self.devices]
+        out = []
+        for key in (lambda u: -speeds[u[0].type.name], lambda u: speeds[u[0].type.name],
+                    lambda u: (-u[0].type.memory, -speeds[u[0].type.name])):
+            ordered = sorted(units, key=key)
+            taken, order = {}, []  # each (node, type)'s devices in their pool's order
+            for unit in ordered:
+                for d in unit:
+                    pool = self.pools[(d.node, d.type.name)]
+                    order.append(pool[taken.get(d.node, 0)] if not self.blocks else d)
+                    taken[d.node] = taken.get(d.node, 0) + 1
+            out.append(tuple(order))
+        return out
+
+    def _value(self, order):
+        """The slowest stage of the best cut of `order`, inf if none fits."""
+        arrays = {}
+        for q in range(self.k):
+            arrays[q] = self._extend(arrays, order, q)
+        return float(np.maximum(arrays[self.k - 1], self._last_stage(order)).min())
+
+    def _extend(self, arrays, prefix, q):
+        """best[c] where stage q starts, from stage q - 1's (every device up to q known)."""
+        f = np.full(self.n + 1, math.inf)
+        if q == 0:
+            f[0] = 0.0
+            return f
+        time, memory = self.tables.stage_times(q - 1, prefix[q - 1], prefix[q - 2] if q > 1 else None, prefix[q])
+        stage = np.where(memory <= self.tables.own(prefix[q - 1].type, q - 1)[5], time, math.inf)
+        f = np.maximum(arrays[q - 1][:, None], stage).min(axis=0)
+        f[self.n - (self.k - q) + 1:] = math.inf  # the later stages need a segment each
+        return f
+
+    def _last_stage(self, prefix):
+        q = self.k - 1
+        time, memory = self.tables.stage_times(q, prefix[q], prefix[q - 1] if q > 0 else None, None)
+        return np.where(memory[:, self.n] <= self.tables.own(prefix[q].type, q)[5], time[:, self.n], math.inf)
+
+    def _used(self, prefix):
+        used = {}
+        for d in prefix:
+            key = (d.node, d.type.name)
+            used[key] = used.get(key, 0) + 1
+        if self.blocks:
+            return {key for key, pool in self.pools.items() if used.get(key, 0) == len(pool)}
+        return used
+
+    def _speeds(self):
+        """Per device type: its best speed on any segment relative to the reference type (the
+        worker's first), 1 / min over segments of (its time / the reference's)."""
+        ref = self._segment_times(self.devices[0].type)
+        out = {}
+        for d in self.devices:
+            if d.type.name not in out:
+                ratios = [m / r for m, r in zip(self._segment_times(d.type), ref) if r > 0]
+                slowest = min(ratios) if ratios else 0.0
+                out[d.type.name] = 1.0 / slowest if slowest > 0 else math.inf
+        return out
+
+    def _segment_times(self, device_type):
+        return np.diff(self.tables.own(device_type, 0)[1])
+
+    def _walk(self, visit):
+        """The orders' prefixes in distinct_orders' sequence, skipping a sibling that only swaps
+        two nodes the links cannot tell apart (a node of the previous device differs from both)."""
+        def signature(prefix, key, left):
+            if not self.symmetric or (prefix and prefix[-1].node == key[0]):
+                return key
+            return (key[1], left)
+
+        _walk_orders(self.pools, self.blocks, signature, visit)
+
+
+def least_slowest_stage(model, devices, num_in_flight=1):
+    """A lower bound on the slowest stage of every cut of the model over every order of `devices`
+    at `num_in_flight`, without cutting: the segments' time spread over the devices at their best
+    speed on any segment (the order search's bound before any device is placed)."""
+    search = _OrderSearch(model, devices, num_in_flight)
+    speeds = search._speeds()
+    total = float(search._segment_times(search.devices[0].type).sum())
+    return total / sum(speeds[d.type.name] for d in search.devices)
+
+
+def fits_some_order(model, devices, num_in_flight):
+    """Whether some order of `devices` among those :func:`best_partition` searches, with some
+    cut, fits their memory."""
+    return _OrderSearch(model, devices, num_in_flight).fits()
+
+
 def best_partition(model, devices, num_in_flight, method="milp"):
-    """The best partition over every distinct order of the devices (seed 004)."""
+    """The best partition over the orders of the devices (seed 004; :class:`_OrderSearch`): the
+    orders are searched by branch and bound on the dynamic program, and `method` ("milp", §7's
+    MILP, or "dp") then cuts the best order, so that the MILP runs once, where it decides."""
     solve = {"milp": partition_milp, "dp": partition_dp}[method]
-    best, errors = None, []
-    for order in distinct_orders(devices):
-        try:
-            part = solve(model, order, num_in_flight)
-        except InfeasiblePartitionError as e:
-            errors.append(e)
-            continue
-        if best is None or part.bottleneck < best.bottleneck - 1e-12:
-            best = part
-    if best is None:
-        raise errors[0]
-    return best
+    found = _OrderSearch(model, devices, num_in_flight).best_order()
+    if found is None:  # the first order's error, as when every order was tried one by one
+        return solve(model, tuple(d for pool in _pools(devices).values() for d in pool), num_in_flight)
+    return solve(model, found[1], num_in_flight)

@@ -3,9 +3,11 @@
 Pure Python, over a :class:`hetpipe_tf.planning.profile.Profile`:
 
 1. **allocation**: the devices are grouped into virtual workers by a policy (NP,
-   ED, HD; :mod:`hetpipe_tf.planning.allocation`), or by ``auto``, which tries every
-   allocation the policies can make and keeps the best predicted throughput (a
-   search the paper does not do);
+   ED, HD; :mod:`hetpipe_tf.planning.allocation`), or by ``auto`` (a search the paper
+   does not do): every allocation the policies can make (every worker size and HD group
+   size) and mixes of workers of different sizes and device types
+   (:func:`hetpipe_tf.planning.allocation.mixed_allocations`), the best predicted
+   throughput kept and the policies' own beside it (``Plan.alternatives``);
 2. **partition**: each worker's model cut minimises its slowest stage under every
    stage's memory, over every distinct order of its devices
    (:mod:`hetpipe_tf.planning.partitioner`);
@@ -24,21 +26,50 @@ Pure Python, over a :class:`hetpipe_tf.planning.profile.Profile`:
    size times the number of workers) proportional to its predicted images/s alone, within its
    stages' memory at its cut and Nm (:mod:`hetpipe_tf.planning.uneven`); the prediction is
    then made again with every worker's stages costed at its own size.
+
+**What it costs** (n segments, at most MAX_SEGMENTS; k devices per worker; W workers of S
+distinct shapes (device types and which share a node); C of them simulated; Nm <= M = 16):
+
+* work that is the same for many workers is done once: Max_m and the best partition per
+  shape (and link sharing, and Nm), a worker's push and pull times per prediction, and in
+  the simulator one worker for every set of workers with equal stage costs and push times
+  (C <= W; for the policies on nodes of one type and count, C grows with the nodes that hold
+  parameter servers, not with W);
+* a partition is a branch and bound over the worker's distinct device orders (at most
+  MAX_ORDERS, else the orders of its nodes) with an O(k n^2) dynamic program along each
+  prefix, cut off by memory, by a bound and by nodes the links cannot tell apart; the MILP (if
+  asked for) runs once, on the best order;
+* a prediction simulates C workers for max(6 Nm, 32) minibatches: O(C k Nm) events, each
+  O(log(C k)); a policy's plan is at most M predictions, O(S) partitions per Nm and the
+  grouping (HD: its states, at most prod over node kinds of (count + 1), or one small integer
+  program per group);
+* ``auto`` plans the three policies' own allocations, then the others in the order of a bound
+  on their throughput that needs no cut (the model's time spread over each worker's devices at
+  their best speed) until it falls below the best found; an allocation is then cut off without
+  simulating if no Nm's bound beats the best (:func:`pace_bounds`: the window predict measures,
+  and under WSP the chain from a push to the merge that minibatch p + Nm waits for), and of
+  its Nm only those whose bound beats the best and 0.98 of its own best are simulated. Its
+  work is the policies' plus, per allocation tried, its bounds (its partitions and push
+  times), and a plan for those not cut off. ``time_budget_s`` stops it with the best found.
+
+Measured times are in benchmarks/README.md (planner_scale).
 """
+import time
 from dataclasses import dataclass, replace
 
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import Backward, Forward, Recompute, RecvActivation, RecvGradient
 from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule, get_sync
 from hetpipe_tf.pipeline.simulator import simulate_workers
-from hetpipe_tf.planning.allocation import AllocationError, allocate, candidate_allocations, describe
+from hetpipe_tf.planning.allocation import (POLICIES, AllocationError, allocate, candidate_allocations, compositions,
+                                            describe, mixed_allocations, pack_workers)
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
-from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, distinct_orders, fits
-from hetpipe_tf.planning.partitioner import Partition
+from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
+from hetpipe_tf.planning.partitioner import Partition, _result, least_slowest_stage
 from hetpipe_tf.planning.profile import coarsen
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
                                         proportional_sizes)
-from hetpipe_tf.sync.wsp import PLACEMENTS, WSP_SCHEME
+from hetpipe_tf.sync.wsp import PLACEMENTS, WSP, WSP_SCHEME, ParameterServerModel
 
 MAX_SEGMENTS = 48
 
@@ -76,6 +107,7 @@ class Plan:
     schedule: object = HETPIPE  # the PipelineSchedule planned for
     sync: object = NO_SYNC  # the SyncScheme between its virtual workers
     minibatch_sizes: tuple = ()  # each worker's minibatch size when uneven; () when all train batch_size
+    alternatives: tuple = ()  # auto: Alternative allocations it tried, beside the one it chose
 
     @property
     def sizes(self):
@@ -137,7 +169,10 @@ class Plan:
                 "predicted_images_per_s": self.images_per_s,
                 "predicted_minibatches_per_s": self.minibatches_per_s,
                 "predicted_by_num_in_flight": {str(k): v for k, v in self.by_num_in_flight.items()},
-                "virtual_workers": workers, "notes": list(self.notes)}
+                "virtual_workers": workers, "notes": list(self.notes),
+                "alternatives": [{"policy": a.policy, "allocation": a.allocation,
+                                  "predicted_images_per_s": a.images_per_s, "num_in_flight": a.num_in_flight,
+                                  **({"error": a.error} if a.error else {})} for a in self.alternatives]}
 
     def format(self):
         from hetpipe_tf.pipeline.emulation import format_bytes
@@ -158,6 +193,11 @@ class Plan:
                 layers = f"{st['layers'][0]}..{st['layers'][1]} ({st['layer_names'][0]}..{st['layer_names'][1]})"
                 lines.append(f"  {q:<5} {st['device']:<12} {layers[:34]:<34} {st['time_ms']['total']:>9.2f} "
                              f"{format_bytes(st['memory_bytes']['total']):>11} {format_bytes(st['capacity_bytes']):>10}")
+        if self.alternatives:
+            lines += ["", "beside it (auto):"] + [
+                f"  {a.policy:<32} {a.allocation[:48]:<48} " + (f"cannot: {a.error[:60]}" if a.error else
+                                                                f"Nm = {a.num_in_flight:<3} {a.images_per_s:.1f} images/s")
+                for a in self.alternatives]
         lines += [""] + [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -167,15 +207,10 @@ def _max_num_in_flight(model, devices, limit):
 
     Memory grows with Nm, so the feasible Nm are 1..Max_m: a binary search.
     """
-    orders = distinct_orders(devices)
-
-    def ok(nm):
-        return any(fits(model, order, nm) for order in orders)
-
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ok(mid):
+        if fits_some_order(model, devices, mid):
             lo = mid
         else:
             hi = mid - 1
@@ -188,39 +223,64 @@ def _shape(devices):
     return tuple((d.type.name, nodes.setdefault(d.node, len(nodes))) for d in sorted(devices, key=lambda d: d.name))
 
 
-class _PartitionCache:
-    """Best partitions by worker shape and Nm: identical workers (as in ED, HD) are solved once.
+class _Solved:
+    """Max_m and best partitions by worker shape, shared by the allocations one plan() tries.
 
-    A stage's time does not depend on Nm and its memory only grows with Nm, so a
-    partition optimal for some Nm that still fits a larger Nm is optimal there too:
-    it is reused, and the problem is solved again only when it no longer fits.
+    Max_m depends on a worker's shape (its device types, and which devices share a node) and
+    the synchronisation's weight copies; a best partition also on how many workers share each
+    link between its nodes and Nm. In an allocation, every worker of a shape takes the
+    partition solved for the first one, mapped onto its devices (identical workers, as in ED and
+    HD, are solved once). A stage's time does not depend on Nm and its memory only grows with
+    Nm, so a partition optimal for some Nm that still fits a larger Nm is optimal there too: it
+    is reused, and the problem is solved again only when it no longer fits.
     """
 
-    def __init__(self, model, method):
-        self.model, self.method, self._seen, self._last = model, method, {}, {}
+    def __init__(self, method, max_num_in_flight):
+        self.method, self.max_num_in_flight = method, max_num_in_flight
+        self._max_m, self._seen, self._last = {}, {}, {}
 
-    def __call__(self, devices, nm):
-        shape = _shape(devices)
-        key = (shape, nm)
-        if key not in self._seen:
-            from hetpipe_tf.planning.partitioner import _result
-            last = self._last.get(shape)
-            reused = last and _result(self.model, last.devices, last.boundaries, nm)
-            if reused and last.num_in_flight < nm and all(s.memory_total <= s.capacity for s in reused.stages):
-                self._seen[key] = reused
+    def max_m(self, model, devices):
+        key = (_shape(devices), model.sync.name)
+        if key not in self._max_m:
+            self._max_m[key] = _max_num_in_flight(model, devices, self.max_num_in_flight)
+        return self._max_m[key]
+
+    def partitions(self, model, workers, nm):
+        """Every worker's partition at Nm, costed by `model`."""
+        first = {}
+        out = []
+        for w in workers:
+            shape = _shape(w)
+            if shape not in first:
+                first[shape] = self._solve(model, w, nm)
+            found = first[shape]
+            if set(found.devices) != set(w):  # the same shape on other devices: map the order onto them
+                by_role = {}
+                for d in sorted(w, key=lambda d: d.name):
+                    by_role.setdefault(_role(d, w), []).append(d)
+                order = [by_role[_role(d, found.devices)].pop(0) for d in found.devices]
             else:
-                self._seen[key] = best_partition(self.model, devices, nm, self.method)
-            self._last[shape] = self._seen[key]
-        found = self._seen[key]
-        if set(found.devices) == set(devices):
-            return found
-        # The same shape on other devices: map the solved order onto these devices.
-        by_role = {}
+                order = found.devices
+            out.append(_result(model, order, found.boundaries, nm))
+        return out
+
+    def _solve(self, model, devices, nm):
+        shape = _shape(devices)
+        nodes = {}
         for d in sorted(devices, key=lambda d: d.name):
-            by_role.setdefault(_role(d, devices), []).append(d)
-        order = [by_role[_role(d, found.devices)].pop(0) for d in found.devices]
-        from hetpipe_tf.planning.partitioner import _result
-        return _result(self.model, order, found.boundaries, nm)
+            nodes.setdefault(d.node, len(nodes))
+        flows = dict(model.link_flows)
+        shared = tuple(sorted(((nodes[a], nodes[b]), f) for (a, b), f in flows.items() if a in nodes and b in nodes))
+        key = (shape, shared, model.sync.name)
+        if (key, nm) not in self._seen:
+            last = self._last.get(key)
+            reused = last and _result(model, last.devices, last.boundaries, nm)
+            if reused and last.num_in_flight < nm and all(s.memory_total <= s.capacity for s in reused.stages):
+                self._seen[(key, nm)] = reused
+            else:
+                self._seen[(key, nm)] = best_partition(model, devices, nm, self.method)
+            self._last[key] = self._seen[(key, nm)]
+        return self._seen[(key, nm)]
 
 
 def _role(device, devices):
@@ -228,40 +288,61 @@ def _role(device, devices):
     return (device.type.name, tuple(sorted(d.type.name for d in devices if d.node == device.node)))
 
 
-def _ps_nodes(cluster):
-    return [n.name for n in cluster.nodes]
-
-
-def _server(model, segment, device, placement):
-    """The node whose parameter server holds `segment`'s weights when `device` trains it (§8.1)."""
-    nodes = _ps_nodes(model.cluster)
-    return device.node if placement == "local" else nodes[segment % len(nodes)]
-
-
-def _push_seconds(model, stage, placement, workers):
-    """Seconds for a stage to send its layers' update to their parameter servers (or pull them).
+def _push_times(model, workers, placement):
+    """Per worker, per stage: seconds to send its layers' update to their parameter servers (or
+    pull them), one server per node (§8.1): ``default`` placement puts segment s on node
+    s mod H, ``local`` on the stage's own node.
 
     The workers push a wave at about the same time, so the devices of other nodes that push
     the same segment to a server share that server's inter-node link (§8.1: one per node)."""
     cluster, links, p = model.cluster, model.links, model.profile
-    host = {n: next(d for d in cluster.devices() if d.node == n) for n in _ps_nodes(cluster)}
-    total = 0.0
-    for seg in range(*stage.segments):
-        if not p.weight_bytes[seg]:
-            continue
-        server = _server(model, seg, stage.device, placement)
-        holders = [st.device for w in workers for st in w.stages if st.segments[0] <= seg < st.segments[1]]
-        flows = sum(1 for d in holders if d.node != server)
-        total += links.seconds(p.weight_bytes[seg], stage.device, host[server], cluster, flows=flows)
-    return total
+    nodes = [n.name for n in cluster.nodes]
+    host = {}
+    for d in cluster.devices():
+        host.setdefault(d.node, d)
+    holders = [{} for _ in range(p.num_segments)]  # per segment: how many stages hold it on each node
+    for w in workers:
+        for st in w.stages:
+            for seg in range(*st.segments):
+                holders[seg][st.device.node] = holders[seg].get(st.device.node, 0) + 1
+    held = [sum(h.values()) for h in holders]
+    out = []
+    for w in workers:
+        times = []
+        for st in w.stages:
+            total = 0.0
+            for seg in range(*st.segments):
+                if not p.weight_bytes[seg]:
+                    continue
+                server = st.device.node if placement == "local" else nodes[seg % len(nodes)]
+                flows = held[seg] - holders[seg].get(server, 0)
+                total += links.seconds(p.weight_bytes[seg], st.device, host[server], cluster, flows=flows)
+            times.append(total)
+        out.append(tuple(times))
+    return out
 
 
-def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
-    schedules = [model.schedule.programs(len(w.stages), n, num_in_flight, sync=model.sync) for w in workers]
+def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push=None, stages=None):
+    """The workers' schedules in the simulator: (result, same_as), where same_as[w] is the
+    worker whose agents in the result stand for worker w.
 
+    Workers whose stages cost the same and whose pushes and pulls take as long run as one
+    (:func:`hetpipe_tf.pipeline.simulator.simulate_workers`' ``same_as``): they meet the others
+    only at the parameter servers, which get their requests at the same times, so one of them
+    runs for all (exact)."""
+    push = push or _push_times(model, workers, placement)
+    same_as, first = [], {}
+    for w, part in enumerate(workers):
+        key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient) for st in part.stages),
+               push[w])
+        same_as.append(first.setdefault(key, w))
+    programs = {}
+    for k in sorted({len(w.stages) for w in workers}):
+        programs[k] = model.schedule.programs(k, n, num_in_flight, sync=model.sync)
+    schedules = [programs[len(w.stages)] for w in workers]
     per_instruction = model.profile.instruction_seconds
 
-    def duration(agent, ins):
+    def duration(agent, ins):  # by the instruction's type only
         st = workers[agent[0]].stages[agent[1]]
         kind = type(ins)
         if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
@@ -274,24 +355,75 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n):
         return link + per_instruction
 
     def transfer(agent, ins):  # a push or a pull moves the stage's weights to or from the servers
-        return _push_seconds(model, workers[agent[0]].stages[agent[1]], placement, workers)
+        return push[agent[0]][agent[1]]
 
     servers = model.sync.simulation_model(staleness_bound, push_time=transfer, pull_time=transfer)
-    return simulate_workers(schedules, duration, parameter_servers=servers)
+    # WSP's servers (and its family's) answer a pull once every worker pushed: how many workers ask
+    # does not matter, so they hear from the workers that run only; other schemes' from all.
+    counted = not isinstance(servers, ParameterServerModel)
+    return simulate_workers(schedules, duration, parameter_servers=servers, same_as=same_as,
+                            servers_hear_every_worker=counted, by_type=True, stages_recorded=stages), same_as
 
 
-def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None):
+def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None, push=None):
     """Predicted minibatches/s of the cluster and of each worker, by simulation.
 
     `workers` are Partitions; with several, they synchronise by `model.sync` (WSP, §5), and
     in the long run every worker goes at the pace of the slowest (a finite staleness bound
     only lets the others run ahead by D waves), which is what each worker is given; under a
-    scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`).
+    scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`). `push`: the
+    workers' push times (:func:`_push_times`) when already known.
     """
-    n = steps or max(6 * num_in_flight, 32)
-    result = _simulate(model, workers, num_in_flight, staleness_bound, placement, n)
-    per = long_run_pace(model.sync, [result.steady_throughput((w, 0)) for w in range(len(workers))])
+    n = steps or _steps(num_in_flight)
+    result, same_as = _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push, stages={0})
+    alone = {w: result.steady_throughput((w, 0)) for w in set(same_as)}
+    per = long_run_pace(model.sync, [alone[same_as[w]] for w in range(len(workers))])
     return sum(per), per
+
+
+def _steps(num_in_flight):
+    """Minibatches per worker a prediction simulates."""
+    return max(6 * num_in_flight, 32)
+
+
+def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="default", push=None):
+    """Upper bounds on each worker's pace as :func:`predict` gives it (minibatches/s), without
+    simulating, for HetPipe's schedule (None for another).
+
+    predict measures the completions of stage 0 between minibatch f = n // 4 and the last, n, a
+    window of L = n - f minibatches. A minibatch's forward pass waits for the update Nm before it
+    (§4), so every stage q runs whole minibatches f + Nm .. n inside the window: at least
+    (L - Nm) x its time. Under WSP (§5, and its family) the forward pass of minibatch p + Nm, for
+    p a multiple of Nm after a push, waits for the merge of the weights pulled after update p, so
+    stage q's updates p and p + Nm are at least a chain apart: the push and pull instructions, the
+    pull's transfer (and the push's when D = 0), the merge and the update (its apply time each),
+    and p + Nm's forward and backward passes on q and every later stage; the window holds as many
+    such chains as multiples p of Nm with f + Nm <= p <= n - Nm, less the last update's tail
+    (2 instructions and an apply). Each worker's pace is at most L / the longest of these."""
+    if model.schedule is not HETPIPE:
+        return None
+    n = _steps(num_in_flight)
+    window = n - max(1, n // 4)
+    start = max(1, n // 4)
+    waves = isinstance(model.sync, WSP)
+    if waves:
+        gate = model.sync.checked_bound(staleness_bound)
+        chains = max(0, (n - num_in_flight) // num_in_flight - -(-(start + num_in_flight) // num_in_flight) + 1)
+        push = push or _push_times(model, workers, placement)
+    pi = model.profile.instruction_seconds
+    out = []
+    for w, part in enumerate(workers):
+        least, later = 0.0, 0.0
+        for q in reversed(range(len(part.stages))):
+            st = part.stages[q]
+            least = max(least, (window - num_in_flight) * st.time)
+            if waves:
+                chain = (2 * pi + push[w][q] + (push[w][q] if gate == 0 else pi) + 2 * st.apply + st.forward
+                         + st.backward + later)
+                least = max(least, chains * chain - 2 * pi - st.apply)
+            later += st.forward + st.backward
+        out.append(window / least if least > 0 else float("inf"))
+    return out
 
 
 def long_run_pace(sync, alone):
@@ -334,20 +466,24 @@ def uneven_sizes(model, parts, minibatch_sizes):
         raise PlanError(str(e)) from e
 
 
-def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, max_nm, method, notes,
-                  minibatch_sizes=None):
+def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, solved, notes,
+                  minibatch_sizes=None, floor=None):
+    """The plan of one allocation: Max_m, Nm, partitions and prediction (steps 2-5 above). The Nm
+    whose bound (:func:`pace_bounds`) is below 0.98 of the best found are not simulated: they
+    could be neither the best nor chosen, so the plan is the one of simulating every Nm, its
+    by_num_in_flight without them. With `floor` (auto): None if no Nm can predict more than `floor`
+    minibatches/s, and the Nm whose bound cannot beat it are not simulated either."""
     if placement not in PLACEMENTS:
         raise PlanError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
     if placement == "local" and len({tuple(d.type.name for d in w) for w in workers}) > 1:
         raise PlanError("local placement keeps a stage's layers on its node's parameter server, which needs "
                         "every virtual worker to hold the same device types (ED)")
-    solve = _PartitionCache(model, method)
     max_m = []
     for w in workers:
-        m = _max_num_in_flight(model, w, max_nm)
+        m = solved.max_m(model, w)
         if m == 0:
             try:
-                best_partition(model, w, 1, method)
+                best_partition(model, w, 1, solved.method)
             except InfeasiblePartitionError as e:
                 raise PlanError(f"virtual worker {describe([w])} cannot train {model.profile.model}: {e}") from e
         max_m.append(m)
@@ -358,16 +494,51 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
                             f"{dict(zip(describe(workers).split(), max_m))} (Max_m), so Nm <= {limit}")
         candidates = [num_in_flight]
     else:
-        candidates = range(1, limit + 1)
-    results = {}
-    for nm in candidates:
-        parts = [solve(w, nm) for w in workers]
-        total, per = predict(model, parts, nm, staleness_bound, placement)
-        results[nm] = (total, per, parts)
+        candidates = list(range(1, limit + 1))
+    results, costed = {}, {}
+
+    def parts_at(nm):
+        if nm not in costed:
+            costed[nm] = solved.partitions(model, workers, nm)
+        return costed[nm]
+
+    def push_at(nm):
+        if (nm, "push") not in costed:
+            costed[(nm, "push")] = _push_times(model, parts_at(nm), placement)
+        return costed[(nm, "push")]
+
+    def tried(nm):
+        if nm not in results:
+            results[nm] = predict(model, parts_at(nm), nm, staleness_bound, placement, push=push_at(nm)) + (
+                parts_at(nm),)
+        return results[nm][0]
+
+    def reached(nm):
         # No worker beats 1 / its slowest stage, a bound that only falls as Nm grows (a cut that
         # fits a larger Nm fits a smaller one): once it is reached, larger Nm cannot do better.
-        if total >= 0.999 * len(parts) * min(1.0 / p.bottleneck for p in parts):
+        return 0.999 * len(workers) * min(1.0 / p.bottleneck for p in parts_at(nm))
+
+    bound = {}  # pace_bounds of each Nm: an Nm below 0.98 of the best is neither best nor chosen
+    for nm in candidates:
+        paces = pace_bounds(model, parts_at(nm), nm, staleness_bound, placement, push_at(nm))
+        bound[nm] = sum(long_run_pace(model.sync, paces)) if paces and not minibatch_sizes else float("inf")
+    if floor is not None and max(bound.values()) <= floor:
+        return None
+    last = candidates[-1]
+    for nm in candidates:  # the loop of every Nm in turn stops once one reaches its bound: run it where it might
+        if bound[nm] >= reached(nm) and tried(nm) >= reached(nm):
+            last = nm
             break
+    considered = [nm for nm in candidates if nm <= last]
+    for nm in sorted(considered, key=lambda nm: -bound[nm]):
+        if bound[nm] >= max([floor or 0.0] + [0.98 * v[0] for v in results.values()]):
+            tried(nm)
+    best = max([v[0] for v in results.values()], default=0.0)
+    if floor is not None and best <= floor:
+        return None
+    for nm in considered:  # those left out that may still be within 2 % of the best
+        if bound[nm] >= 0.98 * best:
+            tried(nm)
     best = max(v[0] for v in results.values())
     chosen = min(nm for nm, v in results.items() if v[0] >= 0.98 * best)
     total, per, parts = results[chosen]
@@ -385,9 +556,41 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
                 analytic=model.analytic, schedule=model.schedule, sync=model.sync, minibatch_sizes=sizes)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What one plan() call plans with, beside the allocation."""
+    profile: object
+    cluster: object
+    links: object
+    dilation: float
+    optimizer_slots: int
+    analytic: object
+    schedule: object
+    sync: object
+    placement: str
+    staleness_bound: int
+    num_in_flight: object
+    minibatch_sizes: object
+
+    def model(self, workers, several=None):
+        """The CostModel of an allocation: its workers share links, and synchronise if several
+        (`several`: whether to count them as several, whatever their number)."""
+        several = len(workers) > 1 if several is None else several
+        return CostModel(self.profile, self.cluster, links=self.links, dilation=self.dilation,
+                         optimizer_slots=self.optimizer_slots, schedule=self.schedule,
+                         sync=self.sync if several else NO_SYNC, analytic=self.analytic,
+                         link_flows=link_flows(workers))
+
+    def plan(self, workers, label, solved, notes, floor=None):
+        """The plan of one allocation, or PlanError (None below `floor`: see _plan_workers)."""
+        placement = self.placement if len(workers) > 1 else "default"
+        return _plan_workers(self.model(workers), workers, label, placement, self.staleness_bound,
+                             self.num_in_flight, solved, notes, self.minibatch_sizes, floor)
+
+
 def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, staleness_bound=0, placement="default",
          dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None,
-         analytic=None, schedule=HETPIPE, sync=WSP_SCHEME, minibatch_sizes=None):
+         analytic=None, schedule=HETPIPE, sync=WSP_SCHEME, minibatch_sizes=None, time_budget_s=None):
     """Plans training `profile`'s model on `cluster`; see the module docstring.
 
     Args:
@@ -408,8 +611,13 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
       minibatch_sizes: None (every worker trains the profile's batch size), "proportional" (a
         global batch of the batch size times the number of workers, split by predicted throughput
         within memory) or one size per worker (checked against memory): see step 5 above.
+      time_budget_s: `auto` only: stop trying allocations after this many seconds and return
+        the best found (the three policies' own allocations are always tried).
     """
     schedule, sync = get_schedule(schedule), get_sync(sync)
+    if time_budget_s is not None and (not time_budget_s > 0 or policy.lower() != "auto" or workers is not None):
+        raise PlanError(f"time_budget_s bounds the search of policy 'auto' and is a number of seconds > 0; got "
+                        f"{time_budget_s!r} with policy {policy!r}" + (" and given workers" if workers else ""))
     notes = []
     if profile.num_segments > MAX_SEGMENTS:
         notes.append(f"{profile.num_segments} segments coarsened to {MAX_SEGMENTS} for the search "
@@ -426,33 +634,157 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     if cluster.emulated:
         notes.append(f"EMULATED devices: host times scaled by dilation {dilation:g} / speed")
     notes.append(f"links: {links.source}")
+    settings = _Settings(profile, cluster, links, dilation, optimizer_slots, analytic, schedule, sync, placement,
+                         staleness_bound, num_in_flight, minibatch_sizes)
+    solved = _Solved(method, max_num_in_flight)
+    if workers is None and policy.lower() == "auto":
+        return _auto(settings, solved, notes, time_budget_s)
     if workers is not None:
-        candidates = [("given", tuple(tuple(w) for w in workers))]
-    elif policy.lower() == "auto":
-        candidates = candidate_allocations(cluster)
+        label, group = "given", tuple(tuple(w) for w in workers)
     else:
         try:
-            candidates = [(policy.lower(), allocate(cluster, policy, vw_size))]
+            label, group = policy.lower(), allocate(cluster, policy, vw_size)
         except AllocationError as e:
             raise PlanError(str(e)) from e
-    best, errors = None, []
-    for label, group in candidates:
-        several = len(group) > 1
-        cm = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
-                       schedule=schedule, sync=sync if several else NO_SYNC, analytic=analytic,
-                       link_flows=link_flows(group))
+    try:
+        return settings.plan(group, label, solved, notes)
+    except PlanError as e:
+        raise PlanError(f"no plan fits:\n{label} {describe(group)}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """An allocation `auto` tried beside the one it chose: its policy, its workers' device types,
+    and its prediction, or why it has none."""
+    policy: str
+    allocation: str
+    minibatches_per_s: float = 0.0
+    images_per_s: float = 0.0
+    num_in_flight: int = 0
+    error: str = ""
+
+
+def _quick_bound(settings, workers):
+    """An upper bound on the minibatches/s any Nm predicts for `workers`, without cutting: each
+    worker's pace at most max over Nm of L / ((L - Nm) x its least slowest stage) (pace_bounds'
+    first bound), its least slowest stage the model's time spread over its devices at their best
+    speed (least_slowest_stage), combined as the synchronisation does; 0 if a worker has more
+    devices than the model segments, inf for another schedule than HetPipe's."""
+    if settings.schedule is not HETPIPE or settings.minibatch_sizes is not None:
+        return float("inf")
+    model = settings.model(workers)
+    factor = 1.0
+    for nm in range(1, 17):
+        n = _steps(nm)
+        window = n - max(1, n // 4)
+        factor = max(factor, window / (window - nm))
+    least = {}
+    for w in workers:
+        shape = _shape(w)
+        if shape not in least:
+            if len(w) > model.profile.num_segments:
+                return 0.0
+            least[shape] = min(least_slowest_stage(model, w, nm) for nm in (1, 2))
+    return sum(long_run_pace(model.sync, [factor / least[_shape(w)] for w in workers]))
+
+
+def _auto(settings, solved, notes, time_budget_s):
+    """`auto`: the best predicted allocation of those the policies can make (every policy, worker
+    size and HD group size) and of mixes of worker compositions (:func:`compositions`, one or two
+    device types, :func:`mixed_allocations`), with the others' predictions beside it.
+
+    The three policies' own allocations are planned first, as ``--policy`` plans them; the others
+    in the order of their quick bound (:func:`_quick_bound`), until it falls to the best found,
+    each cut off where no Nm's bound (:func:`pace_bounds`) beats the best, and cut by the dynamic
+    program (the MILP's optimum, found faster: its cut may differ from the MILP's where two cuts
+    are as slow)."""
+    started = time.monotonic()
+    cluster, profile = settings.cluster, settings.profile
+    search = solved if solved.method == "dp" else _Solved("dp", solved.max_num_in_flight)
+    tried, errors, best = [], [], None
+    skipped = {"bound": 0, "budget": 0}
+
+    def over_budget():
+        return time_budget_s is not None and time.monotonic() - started > time_budget_s
+
+    def attempt(label, group, by, floor=None):
+        nonlocal best
         try:
-            p = _plan_workers(cm, group, label.lower() if policy.lower() != "auto" else f"auto: {label}",
-                              placement if several else "default", staleness_bound, num_in_flight,
-                              max_num_in_flight, method, notes, minibatch_sizes)
+            p = settings.plan(group, f"auto: {label}", by, notes, floor)
         except PlanError as e:
             errors.append(f"{label} {describe(group)}: {e}")
-            continue
+            tried.append((Alternative(label, describe(group), error=str(e)), group))
+            return
+        if p is None:  # no Nm's bound beats the best found
+            skipped["bound"] += 1
+            return
+        tried.append((Alternative(label, p.allocation, p.minibatches_per_s, p.images_per_s, p.num_in_flight), group))
         if best is None or p.minibatches_per_s > best.minibatches_per_s:
             best = p
+
+    fixed = []
+    for policy in POLICIES:  # as --policy gives them: always planned, and printed beside the choice
+        try:
+            fixed.append((policy.upper(), allocate(cluster, policy)))
+        except AllocationError as e:
+            tried.append((Alternative(policy.upper(), "", error=str(e)), ()))
+    for label, group in fixed:
+        attempt(label, group, solved)
+    seen = {_key(g) for _, g in fixed}
+    pool = [(label, g) for label, g in candidate_allocations(cluster, max_size=profile.num_segments)
+            if _key(g) not in seen]
+    rates = {}
+    for comp in compositions(cluster, profile.num_segments):
+        if over_budget():
+            break
+        rates[comp] = _composition_rate(settings, search, comp)
+    pool += [(label, g) for label, g in mixed_allocations(cluster, rates) if _key(g) not in seen]
+    ranked = sorted(((_quick_bound(settings, g), i, label, g) for i, (label, g) in enumerate(pool)),
+                    key=lambda r: (-r[0], r[1]))
+    for i, (quick, _, label, group) in enumerate(ranked):
+        if over_budget():
+            skipped["budget"] = len(ranked) - i
+            break
+        if best is not None and quick <= best.minibatches_per_s:
+            skipped["bound"] += len(ranked) - i  # ranked by this bound: none after can do better
+            break
+        attempt(label, group, search, floor=best.minibatches_per_s if best else None)
     if best is None:
         raise PlanError("no plan fits:\n" + "\n".join(errors))
-    return best
+    mine = _key(tuple(w.devices for w in best.workers))
+    others = sorted((a for a, g in tried if _key(g) != mine or a.error), key=lambda a: (a.error != "", -a.minibatches_per_s))
+    policies = {label for label, _ in fixed} | {p.upper() for p in POLICIES}
+    beside = tuple([a for a in others if a.policy in policies] +
+                   [a for a in others if a.policy not in policies and not a.error][:3])
+    summary = (f"auto: {len(pool) + len(fixed)} allocations ({len(fixed)} as the policies give them, "
+               f"{sum(1 for label, _ in pool if not label.startswith('MIX'))} more of the policies, "
+               f"{sum(1 for label, _ in pool if label.startswith('MIX'))} mixes of {len(rates)} worker compositions); "
+               f"{len(tried)} planned, {skipped['bound']} cut off by their bound"
+               + (f", {skipped['budget']} not tried within the time budget of {time_budget_s:g} s" if skipped["budget"]
+                  else "") + f", in {time.monotonic() - started:.1f} s")
+    return replace(best, notes=best.notes + (summary,), alternatives=beside)
+
+
+def _key(workers):
+    return tuple(sorted(tuple(sorted(d.name for d in w)) for w in workers))
+
+
+def _composition_rate(settings, solved, composition):
+    """The predicted minibatches/s of one worker of `composition` among others (under the
+    synchronisation, packed onto the cluster's first free devices), from its best partition:
+    1 / its slowest stage, or Nm / the sum of its stages' times when its memory admits fewer
+    minibatches in flight than stages (the pipeline is then never full). 0 if it cannot hold
+    the model."""
+    (worker,) = pack_workers(settings.cluster, {composition: 1})
+    if len(worker) > settings.profile.num_segments:
+        return 0.0
+    model = settings.model([worker], several=True)
+    m = solved.max_m(model, worker)
+    if m == 0:
+        return 0.0
+    nm = min(m, len(worker))
+    (part,) = solved.partitions(model, [worker], nm)
+    return min(1.0 / part.bottleneck, nm / sum(st.time for st in part.stages))
 
 
 def simulate_plan(p, steps=400):
@@ -462,16 +794,18 @@ def simulate_plan(p, steps=400):
     model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic,
                       link_flows=link_flows([w.devices for w in p.workers]))
     parts = [w.partition for w in p.workers]
-    result = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps)
-    alone = [result.steady_throughput((w, 0)) for w in range(len(parts))]
-    busy = result.busy_fraction()
+    result, same_as = _simulate(model, parts, p.num_in_flight, p.staleness_bound, p.placement, steps, stages={0})
+    paces = {w: result.steady_throughput((w, 0)) for w in set(same_as)}
+    alone = [paces[same_as[w]] for w in range(len(parts))]
+    busy = dict(zip(result.agents, result.busy_fraction()))
+    waited = {w: result.wait_and_idle(w) for w in set(same_as)}
     workers = []
     for w, part in enumerate(parts):
-        waits = result.wait_and_idle(w)
+        waits = waited[same_as[w]]
         workers.append({
             "index": w, "device_types": [d.type.name for d in part.devices],
             "minibatches_per_s": alone[w],
-            "busy_fraction": [busy[result.agents.index((w, s))] for s in range(len(part.stages))],
+            "busy_fraction": [busy[(same_as[w], s)] for s in range(len(part.stages))],
             "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,
             "average_idle_s": sum(y for _, y in waits) / len(waits) if waits else 0.0})
     return {"images_per_s": sum(r * b for r, b in zip(long_run_pace(p.sync, alone), p.sizes)),

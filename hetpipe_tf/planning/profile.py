@@ -105,13 +105,57 @@ class Profile:
         return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}, times=times)
 
 
+@dataclass(frozen=True)
+class AttentionBlock:
+    """What an attention layer keeps for its backward pass beyond its inputs and outputs, which
+    the layer graph does not show: with `heads` heads of `head_dim` over a sequence of L
+    positions, its queries, keys and values, the softmax of its scores (heads x L x L: what grows
+    with the square of the sequence) and its weighted values; for a transformer block
+    (`feedforward` > 0, keras_hub's TransformerEncoder and TransformerDecoder) also its two
+    normalisations' outputs, the residual between them and the feed-forward layer's two
+    activations (before and after its nonlinearity, `feedforward` wide); with `dropout`, the
+    masks (a byte each) and the dropped probabilities. Counted as Korthikanti et al. (2022) count
+    a decoder's saved tensors, at the layer's precision. Its FLOPs beyond the projections (which
+    the graph's estimate counts from the weights): the scores and the weighted sum, 4 L^2 x
+    heads x head_dim per example."""
+    heads: int
+    head_dim: int
+    feedforward: int = 0
+    dropout: bool = False
+
+    def saved_bytes(self, length, hidden, itemsize):
+        """Bytes per example the block keeps until its backward pass, beside its output."""
+        width = self.heads * self.head_dim
+        scores = self.heads * length * length
+        elements = 3 * length * width + scores + length * width  # q, k, v, softmax, weighted values
+        masks = 0
+        if self.dropout:
+            elements += scores
+            masks += scores
+        if self.feedforward:
+            elements += 3 * length * hidden + 2 * length * self.feedforward  # norms, residual, feed-forward
+            if self.dropout:
+                masks += 2 * length * hidden
+        return elements * itemsize + masks
+
+    def extra_flops(self, length):
+        """FLOPs per example of the scores and the weighted sum (a forward pass)."""
+        return 4 * length * length * self.heads * self.head_dim
+
+
 def segment_starts(graph):
     """First layer call of every segment: 0 and every cut that keeps shared layers together."""
     return (0,) + graph.allowed_cuts()
 
 
-def static_profile(graph, batch_size):
-    """A :class:`Profile` with the static facts of `graph` at `batch_size` and no times yet."""
+def static_profile(graph, batch_size, attention=None, lookups=()):
+    """A :class:`Profile` with the static facts of `graph` at `batch_size` and no times yet.
+
+    `attention`: {node index: :class:`AttentionBlock`} of its attention layers, whose saved
+    tensors count as activations and whose scores as FLOPs (forward; twice in the backward pass);
+    `lookups`: indices of table lookups (embeddings), whose FLOPs are their outputs' elements,
+    not the graph's estimate from the weights (a gather multiplies nothing)."""
+    attention = attention or {}
     starts = segment_starts(graph)
     ends = starts[1:] + (graph.num_nodes,)
     weights, state, act, cut, fwd, bwd, traffic, kernels = [], [], [], [], [], [], [], []
@@ -126,15 +170,20 @@ def static_profile(graph, batch_size):
                 s += n.non_trainable_bytes
         made = {t for n in nodes for t in n.outputs}
         loaded = {t.index for t in graph.tensors if t.producer is None and t.consumers and lo <= t.consumers[0] < hi}
-        act.append(batch_size * sum(graph.tensors[t].bytes_per_example for t in made | loaded))
+        inside = [(attention[n.index], graph.tensors[n.outputs[0]]) for n in nodes if n.index in attention]
+        saved = sum(block.saved_bytes(t.shape[0] or 1, t.shape[-1], t.itemsize) for block, t in inside)
+        act.append(batch_size * (sum(graph.tensors[t].bytes_per_example for t in made | loaded) + saved))
         cut.append(0 if i == 0 else batch_size * sum(graph.tensors[t].bytes_per_example
                                                      for t in graph.crossing(lo)))
         weights.append(w)
         state.append(s)
-        fwd.append(batch_size * sum(n.flops_per_example for n in nodes))
-        bwd.append(batch_size * sum(n.flops_per_example * (2 if n.trainable_bytes else 1) for n in nodes))
+        flops = [sum(graph.tensors[t].bytes_per_example // graph.tensors[t].itemsize for t in n.outputs)
+                 if n.index in lookups else n.flops_per_example for n in nodes]
+        scores = sum(block.extra_flops(t.shape[0] or 1) for block, t in inside)
+        fwd.append(batch_size * (sum(flops) + scores))
+        bwd.append(batch_size * (sum(f * (2 if n.trainable_bytes else 1) for f, n in zip(flops, nodes)) + 2 * scores))
         traffic.append(sum(batch_size * sum(graph.tensors[t].bytes_per_example for t in n.inputs + n.outputs)
-                           + n.trainable_bytes for n in nodes))
+                           + n.trainable_bytes for n in nodes) + batch_size * saved)
         kernels.append(len(nodes))
     return Profile(model=graph.name, batch_size=batch_size, starts=starts, weight_bytes=tuple(weights),
                    state_bytes=tuple(state), activation_bytes=tuple(act), cut_bytes=tuple(cut),

@@ -3,10 +3,11 @@
 **What is saved**, at the end of every `save_every_epochs`-th epoch and of the last one:
 the global weights (every variable of the Keras model, trainable and not, in the model's
 order: the parameter servers' values and worker 0's random-seed state), every virtual
-worker's optimizer state per model variable (its slots, e.g. momentum, by the variable's position)
-and its optimizer's own variables (iterations, learning rate), each worker's clock at the
-servers, the number of epochs completed, each worker's position in its shard of the data
-(the minibatches it has consumed) and the plan (each worker's stage boundaries and Nm).
+worker's optimizer state per model variable (its slots, e.g. momentum, by the variable's
+position) and its optimizer's own variables (iterations, learning rate, Nadam's u_product),
+each worker's clock at the servers, the number of epochs completed, each worker's position
+in its shard of the data (the minibatches it has consumed) and the plan (each worker's stage
+boundaries and Nm).
 
 **Under another plan**: weights and optimizer state are per model variable, not per stage, so
 a checkpoint resumes under another allocation, partition or Nm (each stage takes its variables'
@@ -38,7 +39,6 @@ are kept.
 import json
 import os
 import queue
-import re
 from dataclasses import dataclass
 
 import keras
@@ -76,25 +76,51 @@ def plan_shape(plan):
     return plan["num_in_flight"], [len(b) for b in plan["boundaries"]]
 
 
+#: The Keras base optimizer's lists of every variable (its own, the model's), not of one kind of slot.
+_REGISTRIES = ("_variables", "_trainable_variables")
+
+
 def _optimizer_keys(runtime, model):
-    """What each optimizer variable of a stage runtime is: a name of the optimizer's own
-    ("iteration", "learning_rate") or (the variable's position among `model`'s trainable ones, slot
-    name): positions, not paths, which a model rebuilt elsewhere may name otherwise (as the
-    parameter servers do). Keras names a slot after its variable, so the same optimizer is built
-    on scalar stand-ins named by position."""
+    """What each optimizer variable of a stage runtime is, so that a stage of another cut, worker or
+    process finds it: (the model variable's position among `model`'s trainable ones, slot name)
+    for a slot; a name for the optimizer's own variables. Positions, not paths, which a model
+    rebuilt elsewhere may name otherwise (as the parameter servers do).
+
+    Read the way Keras 3's optimizers use them: each kind of slot is a list aligned with the
+    variables the optimizer was built on (``_trainable_variables``, indexed by
+    ``_get_variable_index``; None where a variable has none of that kind, as Muon's velocity of the
+    weights it orthogonalises), the optimizer's own variables are attributes (``_iterations``,
+    Nadam's ``_u_product``). A slot is named as ``add_variable_from_reference`` suffixes its
+    variable's path (``momentum``, ``velocity``), else after its list (Adafactor's factored
+    moments: ``r``, ``c``); an optimizer's own variable by its name in the optimizer's scope
+    (``iteration``, ``learning_rate``), else after its attribute (``u_product``)."""
     optimizer = runtime.optimizer
-    probe = type(optimizer).from_config(optimizer.get_config())
-    probe.build([keras.Variable(np.zeros((), np.dtype(v.dtype)), name=f"v{i}") for i, v in enumerate(runtime.trainable)])
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    paths = [position[id(v)] for v in runtime.stage.trainable_variables]
-    keys = []
-    for v in probe.variables:
-        name = v.path.rsplit("/", 1)[-1]
-        slot = re.fullmatch(r"v(\d+)_(.+)", name)
-        keys.append((paths[int(slot.group(1))], slot.group(2)) if slot else name)
-    if len(keys) != len(optimizer.variables):
-        raise ValueError(f"stage {runtime.index}'s optimizer has {len(optimizer.variables)} variables, the same "
-                         f"optimizer built on its {len(paths)} weights {len(keys)}: it cannot be checkpointed")
+    original = {id(c): o for c, o in zip(runtime.trainable, runtime.stage.trainable_variables)}
+    built_on = optimizer._trainable_variables
+    owned = {id(v) for v in optimizer.variables}
+    slots, own = {}, {}
+    for attribute, value in vars(optimizer).items():
+        if attribute in _REGISTRIES:
+            continue
+        kind = attribute.lstrip("_")
+        if isinstance(value, keras.Variable) and id(value) in owned:
+            own[id(value)] = value.name if value.path == f"{optimizer.name}/{value.name}" else kind
+        elif (isinstance(value, (list, tuple)) and len(value) == len(built_on) and any(v is not None for v in value)
+              and all(v is None or id(v) in owned for v in value)):
+            for slot, weight in zip(value, built_on):
+                if slot is not None:
+                    prefix = weight.path.replace("/", "_") + "_"
+                    name = slot.name[len(prefix):] if slot.name.startswith(prefix) else kind
+                    slots[id(slot)] = (position[id(original[id(weight)])], name)
+    keys = [slots.get(id(v), own.get(id(v))) for v in optimizer.variables]
+    unkeyed = [v.path for v, key in zip(optimizer.variables, keys) if key is None]
+    if unkeyed:
+        raise ValueError(f"stage {runtime.index}'s {type(optimizer).__name__} holds {unkeyed} neither in a list of "
+                         f"slots aligned with its weights nor as an attribute of its own: it cannot be checkpointed")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"stage {runtime.index}'s {type(optimizer).__name__} has several variables keyed "
+                         f"{sorted({k for k in keys if keys.count(k) > 1}, key=str)}: it cannot be checkpointed")
     return keys
 
 
@@ -126,6 +152,10 @@ def set_stage_optimizer_state(runtimes, state, model):
                 raise ValueError(f"stage {rt.index}'s optimizer has {key!r}, the checkpoint none (it holds "
                                  f"{sorted(state['scalars'])} and slots of {len(state['slots'])} variables): it was "
                                  f"saved with another optimizer; resume with the optimizer it was saved with")
+            if np.shape(value) != tuple(v.shape):
+                raise ValueError(f"stage {rt.index}'s optimizer variable {key!r} has shape {tuple(v.shape)}, the "
+                                 f"checkpoint's {np.shape(value)}: it was saved with another optimizer or model; "
+                                 f"resume with the ones it was saved with")
             v.assign(value)
 
 

@@ -11,10 +11,13 @@ they are taken where and as the emulation takes its references: on a cluster's t
 without the RPCs that drive it; a fixed cost per task measured from this process's clock
 (about 1 ms a stage here) would steer the cut away from the slow devices, whose paced
 tasks hold no such cost.
-The time to apply an update is fitted from applies of two sizes with the real
-optimizer. Profiles are cached as JSON, keyed by model, batch size and host.
+The time to apply an update is fitted from applies with the real optimizer on weights shaped
+like the model's. Profiles are cached as JSON, keyed by model, batch size, optimizer (its class
+and settings) and host.
 """
+import contextlib
 import hashlib
+import json
 import os
 import platform
 import time
@@ -24,14 +27,17 @@ import numpy as np
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
-from hetpipe_tf.planning.profile import Profile, SegmentTimes, static_profile
+from hetpipe_tf.planning.profile import AttentionBlock, Profile, SegmentTimes, static_profile
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
-from hetpipe_tf.runtime.stage_rewrite import split_model
+from hetpipe_tf.runtime.stage_rewrite import split_model, variable_bytes
 from hetpipe_tf.runtime.run_config import RunConfig
 from hetpipe_tf.runtime.stage_runtime import StageRuntime, is_remote
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf", "profiles")
+#: Part of every cached profile's name, bumped when what a profile measures changes: profiles
+#: cached by an earlier version are not read back (2: applies timed on weights shaped like the model's).
+CACHE_VERSION = 2
 
 
 def host_name():
@@ -49,6 +55,14 @@ def _fingerprint(graph):
     text = "|".join(f"{n.kind}:{n.inputs}:{n.outputs}:{n.trainable_bytes}" for n in graph.nodes)
     text += "|" + "|".join(str(t.shape) for t in graph.tensors)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _optimizer_key(optimizer):
+    """The optimizer in a cached profile's name: its class and its settings (momentum, amsgrad,
+    weight decay, clipping, ...: what an apply runs), not its name nor its learning rate."""
+    config = {k: v for k, v in optimizer.get_config().items() if k not in ("name", "learning_rate")}
+    digest = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{type(optimizer).__name__}-{digest}"
 
 
 def _random_minibatch(model, batch_size, seed=0):
@@ -99,29 +113,53 @@ def _fit_segments(rows, n):
     return float(x[0]), tuple(float(v) for v in x[1:])
 
 
-def _apply_seconds(optimizer, device, shared, sizes=(2 ** 14, 2 ** 22), repeats=20):
-    """(base, per byte) of one optimizer apply, fitted from two variable sizes; with `shared`,
-    a reference to the weights is held across the apply, as a stashed version holds it."""
+#: The most elements of the weights an apply is timed on (those of larger models are shrunk to it).
+APPLY_ELEMENTS = 2 ** 22
+
+
+def _stand_ins(model, elements):
+    """Zero weights shaped like `model`'s trainable ones, under their paths (what Muon's exclusions
+    and weight-decay exclusions by name match): every shape shrunk by one factor, when the model's
+    are larger, so that together they hold at most about `elements` (each dimension by the same
+    ratio, at least 1: a matrix stays a matrix)."""
+    weights = model.trainable_variables
+    scale = min(1.0, elements / max(sum(int(np.prod(v.shape)) for v in weights), 1))
+    out = []
+    for v in weights:
+        shape = tuple(max(1, int(d * scale ** (1 / len(v.shape)))) for d in v.shape)
+        with contextlib.ExitStack() as scopes:
+            for part in v.path.split("/")[:-1]:
+                scopes.enter_context(keras.name_scope(part))
+            out.append(keras.Variable(np.zeros(shape, np.dtype(v.dtype)), name=v.name))
+    return out
+
+
+def _apply_seconds(optimizer, model, device, shared, elements=APPLY_ELEMENTS, repeats=20):
+    """(base, per byte) of one optimizer apply on a stage's weights: the base, an apply's own cost
+    (timed on one weight of one element); per byte, what an apply on weights shaped like `model`'s
+    (:func:`_stand_ins`: its matrices take Muon's Newton-Schulz and Adafactor's factored moments, as a
+    stage's do) adds per byte to it. With `shared`, a reference to the weights is held across the
+    apply, as a stashed version holds it."""
     points = []
-    for n in sizes:
+    for make in (lambda: [keras.Variable(np.zeros(1, "float32"))], lambda: _stand_ins(model, elements)):
         with tf.device(device):
-            variables = [keras.Variable(np.zeros(n, "float32"))]
+            variables = make()
             opt = stage_optimizer(optimizer)
             opt.build(variables)
-            grads = [tf.ones(n)]
+            grads = [tf.ones(v.shape, v.dtype) for v in variables]
             fn = tf.function(lambda g: opt.apply(g, variables), jit_compile=True)
             fn(grads)
             best = float("inf")
             for _ in range(repeats):
-                held = variables[0].value.read_value() if shared else None
+                held = [v.value.read_value() for v in variables] if shared else None
                 t0 = time.perf_counter()
                 fn(grads)
-                float(variables[0][0])
+                float(tf.reshape(variables[-1].value, [-1])[0])
                 best = min(best, time.perf_counter() - t0)
                 del held
-        points.append((4 * n, best))
+        points.append((variable_bytes(variables), best))
     (b0, t0), (b1, t1) = points
-    per_byte = max((t1 - t0) / (b1 - b0), 0.0)
+    per_byte = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
     return max(t0 - per_byte * b0, 0.0), per_byte
 
 
@@ -161,6 +199,48 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     return instruction, (max(1.0, float(np.median(ratios))) if ratios else 1.0), overshoot
 
 
+# keras_hub's transformer blocks (self-attention then a feed-forward layer) and table lookups
+# without keras.layers.Embedding among their bases, by class name: keras_hub is optional.
+_TRANSFORMER_BLOCKS = ("TransformerEncoder", "TransformerDecoder")
+_LOOKUPS = ("PositionEmbedding", "TokenAndPositionEmbedding")
+
+
+def static_facts(keras_graph):
+    """What the layer graph of a Keras model does not show about its layer calls (issue 28):
+    ({node index: AttentionBlock} of its attention layers, node indices of its table lookups).
+
+    Attention layers: keras_hub's TransformerEncoder and TransformerDecoder (their heads, width
+    per head, feed-forward width and dropout) and keras.layers.MultiHeadAttention (alone); table
+    lookups: keras.layers.Embedding (and ReversibleEmbedding, a subclass) and keras_hub's position
+    embeddings."""
+    attention, lookups = {}, []
+    for index, op in enumerate(keras_graph.operations):
+        name = type(op).__name__
+        if name in _TRANSFORMER_BLOCKS:
+            inner = getattr(op, "_self_attention_layer", None)
+            hidden = keras_graph.graph.tensors[keras_graph.graph.nodes[index].outputs[0]].shape[-1]
+            attention[index] = AttentionBlock(
+                heads=op.num_heads, head_dim=getattr(inner, "key_dim", None) or hidden // op.num_heads,
+                feedforward=op.intermediate_dim, dropout=bool(op.dropout))
+        elif isinstance(op, keras.layers.MultiHeadAttention):
+            attention[index] = AttentionBlock(heads=op.num_heads, head_dim=op.key_dim, dropout=bool(op.dropout))
+        elif isinstance(op, keras.layers.Embedding) or name in _LOOKUPS:
+            lookups.append(index)
+    return attention, tuple(lookups)
+
+
+def model_profile(model, batch_size, sequence_length=None):
+    """The static profile of a Keras model at `batch_size` (no times), with what its graph does
+    not show (:func:`static_facts`): at `sequence_length`, every unknown dimension of its
+    tensors (a transformer's sequence) is that long."""
+    from hetpipe_tf.runtime.stage_rewrite import describe_model
+
+    described = describe_model(model)
+    graph = described.graph if sequence_length is None else described.graph.at_sequence_length(sequence_length)
+    attention, lookups = static_facts(described)
+    return static_profile(graph, batch_size, attention=attention, lookups=lookups)
+
+
 def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repeats=5):
     """The synthetic transfer benchmark of §7: (bytes, seconds) for moving float32 tensors of
     `sizes` elements from device `src` to `dst` (the least time of `repeats` each)."""
@@ -191,10 +271,10 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
     graph = describe_model(model).graph
-    base = static_profile(graph, batch_size)
+    base = model_profile(model, batch_size)
     optimizer = check_optimizer(optimizer)
     host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
-    key = f"{graph.name}-{_fingerprint(graph)}-b{batch_size}-{type(optimizer).__name__}-{host}"
+    key = f"v{CACHE_VERSION}-{graph.name}-{_fingerprint(graph)}-b{batch_size}-{_optimizer_key(optimizer)}-{host}"
     timed_on = stage_device or device
     if stage_device:
         key += "-stages-" + hashlib.sha1(stage_device.encode()).hexdigest()[:8]
@@ -217,8 +297,8 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     times = SegmentTimes(forward=forward, backward=backward, forward_overhead=f_overhead,
                          backward_overhead=b_overhead,
                          source=f"measured on {host_name()} ({timed_on}), batch {batch_size}")
-    apply_base, apply_per_byte = _apply_seconds(optimizer, device, shared=False)
-    _, shared_per_byte = _apply_seconds(optimizer, device, shared=True)
+    apply_base, apply_per_byte = _apply_seconds(optimizer, model, device, shared=False)
+    _, shared_per_byte = _apply_seconds(optimizer, model, device, shared=True)
     weights = [v.numpy() for v in model.weights]
     instruction, slower, overshoot = _executor_costs(model, loss, optimizer, (x, y), device, apply_base,
                                                      shared_per_byte)

@@ -1,6 +1,7 @@
 """benchmarks/paper_scale.py without Keras: its transcription of the paper, its calibration
 search and its all-reduce cells on a toy profile."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -55,3 +56,18 @@ def test_each_calibrated_parameter_has_a_cell_of_its_own():
     cells = [c for c in paper_scale.CALIBRATION.values() if isinstance(c, tuple)]
     assert len(set(cells)) == len(cells) and all(c[2] != "V" or c[1] != "hetpipe" for c in cells)
     assert paper_scale.HOROVOD_CALIBRATION_CELLS == {("vgg19", "horovod", "V"), ("vgg19", "horovod", "VR")}
+
+
+def test_the_transformer_rows_give_every_system_on_both_clusters_in_tokens_per_second(capsys):
+    n = 4
+    profile = Profile(model="toy", batch_size=2, starts=tuple(range(n)), weight_bytes=(2 ** 26,) * n,
+                      state_bytes=(0,) * n, activation_bytes=(2 ** 30,) * n, cut_bytes=(0,) + (2 ** 22,) * (n - 1),
+                      forward_flops=(1e12,) * n, backward_flops=(2e12,) * n, traffic_bytes=(1e9,) * n, kernels=(5,) * n,
+                      layer_names=tuple(f"l{i}" for i in range(n)))
+    rows = paper_scale.transformer(paper_scale.Model({}), profile, None)
+    assert [(r["cluster"], r["system"]) for r in rows] == [
+        (c, s) for c in ("paper", "paper, G with 12 GB") for s in ("NP", "ED", "HD", "ED-local", "Horovod")]
+    ed = next(r for r in rows if r["system"] == "ED")
+    assert ed["predicted_tokens_per_s"] > 0 and ed["stages_on_G"][0]["memory_GiB"] <= 6.0
+    summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()][-1]
+    assert summary["summary"] and set(summary["gain_with_12GB_G_cards"]) <= {"NP", "ED", "HD", "ED-local"}

@@ -1,9 +1,16 @@
 import itertools
+import json
 import random
 
 import pytest
 
-from hetpipe_tf.planning.partitioner import balanced_boundaries
+from hetpipe_tf.pipeline.schedule import NO_SYNC
+from hetpipe_tf.planning.cluster import PRESETS, load_cluster
+from hetpipe_tf.planning.cost_model import CostModel
+from hetpipe_tf.planning.partitioner import (InfeasiblePartitionError, balanced_boundaries, best_partition,
+                                            distinct_orders, fits, fits_some_order, partition_dp, partition_milp)
+from hetpipe_tf.planning.profile import Profile, SegmentTimes
+from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 
 def _brute(costs, k, speeds, allowed):
@@ -41,17 +48,6 @@ def test_errors():
         balanced_boundaries([1, 1], 2, speeds=[1.0])
     with pytest.raises(ValueError, match="num_stages"):
         balanced_boundaries([1], 0)
-
-
-import json
-
-from hetpipe_tf.pipeline.schedule import NO_SYNC
-from hetpipe_tf.planning.cluster import PRESETS, load_cluster
-from hetpipe_tf.planning.cost_model import CostModel
-from hetpipe_tf.planning.partitioner import (InfeasiblePartitionError, best_partition, distinct_orders, partition_dp,
-                                    partition_milp)
-from hetpipe_tf.planning.profile import Profile, SegmentTimes
-from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 
 def _random_instance(rng):
@@ -120,3 +116,71 @@ def test_device_orders_are_distinct_by_node_and_type():
     best = best_partition(roomy, devices, 2, method="dp")
     assert best.bottleneck == min(partition_dp(roomy, o, 2).bottleneck for o in distinct_orders(devices))
     assert best.bottleneck == pytest.approx(best_partition(roomy, devices, 2, method="milp").bottleneck)
+
+
+def one_by_one(model, devices, nm):
+    """The search before the branch and bound: every distinct order cut by the dynamic program,
+    the first best kept (ties within 1e-12)."""
+    best, errors = None, []
+    for order in distinct_orders(devices):
+        try:
+            part = partition_dp(model, order, nm)
+        except InfeasiblePartitionError as e:
+            errors.append(e)
+            continue
+        if best is None or part.bottleneck < best.bottleneck - 1e-12:
+            best = part
+    if best is None:
+        raise errors[0]
+    return best
+
+
+def random_cluster(rng, max_nodes=4, max_count=3):
+    spec = json.loads(json.dumps(PRESETS["paper"]))
+    types = list(spec["device_types"])
+    for t in types:  # memory tight enough that some cuts and some Nm do not fit
+        spec["device_types"][t]["memory"] = f"{rng.randint(700, 4000)}M"
+    spec["nodes"] = [{"name": f"n{i}", "device_type": rng.choice(types), "count": rng.randint(1, max_count)}
+                     for i in range(rng.randint(2, max_nodes))]
+    return load_cluster(spec)
+
+
+def random_profile(rng, n=None):
+    n = n or rng.randint(3, 9)
+    mib = 2 ** 20
+    return Profile(model="random", batch_size=8, starts=tuple(range(n)),
+                   weight_bytes=tuple(rng.randint(0, 60) * mib for _ in range(n)),
+                   state_bytes=tuple(rng.randint(0, 5) * mib for _ in range(n)),
+                   activation_bytes=tuple(rng.randint(1, 120) * mib for _ in range(n)),
+                   cut_bytes=(0,) + tuple(rng.randint(1, 40) * mib for _ in range(n - 1)),
+                   forward_flops=tuple(rng.uniform(1e10, 2e11) for _ in range(n)),
+                   backward_flops=tuple(rng.uniform(2e10, 4e11) for _ in range(n)),
+                   traffic_bytes=tuple(rng.uniform(1e7, 1e9) for _ in range(n)), kernels=(4,) * n,
+                   layer_names=tuple(f"l{i}" for i in range(n)))
+
+
+def random_worker(rng, cluster):
+    devices = list(cluster.devices())
+    return tuple(rng.sample(devices, rng.randint(1, min(5, len(devices)))))
+
+
+def outcome(solve, *args):
+    try:
+        part = solve(*args)
+    except InfeasiblePartitionError as e:
+        return str(e)
+    return [d.name for d in part.devices], part.boundaries, part.bottleneck
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_order_search_chooses_what_every_order_one_by_one_chose(seed):
+    rng = random.Random(seed)
+    cluster = random_cluster(rng)
+    devices = random_worker(rng, cluster)
+    nodes = sorted({d.node for d in devices})
+    flows = tuple(((a, b), rng.randint(1, 3)) for i, a in enumerate(nodes) for b in nodes[i + 1:])
+    model = CostModel(random_profile(rng), cluster, link_flows=flows if rng.random() < 0.5 else (),
+                      optimizer_slots=rng.randint(0, 2), sync=WSP_SCHEME)
+    nm = rng.randint(1, 4)
+    assert outcome(best_partition, model, devices, nm, "dp") == outcome(one_by_one, model, devices, nm)
+    assert fits_some_order(model, devices, nm) == any(fits(model, o, nm) for o in distinct_orders(devices))

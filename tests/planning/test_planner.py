@@ -109,3 +109,25 @@ def test_hetpipe_plan_command_prints_json_with_table_3():
     assert d["allocation"] == "VVQQ VVQQ RRGG RRGG"
     assert [sorted(w["device_types"]) for w in d["virtual_workers"]] == [["Q", "Q", "V", "V"]] * 2 + [["G", "G", "R", "R"]] * 2
     assert d["predicted_images_per_s"] > 0 and any("analytic" in n for n in d["notes"])
+
+
+def test_hetpipe_plan_refuses_what_this_host_cannot_measure():
+    run = subprocess.run([sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "plan", "--cluster=local", "--model=gpt2_medium"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "--model=gpt2_medium can be planned for real GPUs (a cluster file or the paper preset), not for cluster " \
+           "'local'" in run.stderr
+
+
+@pytest.mark.slow  # builds the 406M-parameter model (about 10 s, 2.6 GB); the profile's path is tested on a tiny one
+def test_hetpipe_plan_predicts_gpt2_medium_with_adamw_where_memory_limits_the_6_gb_cards():
+    run = subprocess.run([sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "plan", "--cluster=paper",
+                          "--model=gpt2_medium", "--batch_size=2", "--optimizer=adamw", "--policy=ed", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    d = json.loads(run.stdout)
+    assert d["model"] == "gpt2_medium" and d["predicted_images_per_s"] > 0
+    on_g = [st for w in d["virtual_workers"] for st in w["stages"] if st["device_type"] == "G"]
+    assert on_g and all(0.75 * st["capacity_bytes"] < st["memory_bytes"]["total"] <= st["capacity_bytes"] for st in on_g)
+    assert all(st["memory_bytes"]["optimizer slots"] == 2 * st["memory_bytes"]["weights and versions"] /
+               (2 + d["num_in_flight"]) for st in on_g)  # AdamW's two slots; WSP's copy, Nm versions and the live one

@@ -4,7 +4,7 @@ import json
 import os
 
 from hetpipe_tf.planning.cluster import load_cluster
-from tests.planning.test_planner import model_profile
+from tests.helpers.profiles import model_profile
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "planner_scale.py")
 spec = importlib.util.spec_from_file_location("planner_scale", _PATH)

@@ -24,7 +24,7 @@ from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.sync.wsp import WSP_SCHEME
 from tests.helpers.schedule_runs import runs, simulate_schedule
-from tests.planning.test_cost_model import toy_profile
+from tests.helpers.profiles import toy_profile
 
 CLASSIC = ("gpipe", "gpipe-recompute", "pipedream", "pipedream-vsync", "naivepipe")
 

@@ -24,7 +24,7 @@ from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.planning.planner import plan
 from hetpipe_tf.sync.wsp import WSP_SCHEME, ParameterServerModel
 from tests.helpers.schedule_runs import check_across_stages, check_stage, runs, simulate_schedule
-from tests.planning.test_cost_model import toy_profile
+from tests.helpers.profiles import toy_profile
 
 TAYLOR = ("taylorpipe", "hetpipe-taylor")
 

@@ -11,8 +11,8 @@ from hetpipe_tf.planning.allocation import (AllocationError, allocate, compositi
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, link_flows
 from hetpipe_tf.planning.planner import PlanError, pace_bounds, plan, predict
-from tests.planning.test_partitioner import random_cluster, random_profile
-from tests.planning.test_planner import model_profile
+from tests.helpers.profiles import random_cluster, random_profile
+from tests.helpers.profiles import model_profile
 
 
 def small():

@@ -5,15 +5,8 @@ import pytest
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, fit_line, link_flows, non_compute_instructions
-from hetpipe_tf.planning.profile import Profile, SegmentTimes
-
-
-def toy_profile(n=4):
-    return Profile(model="toy", batch_size=8, starts=tuple(range(n)), weight_bytes=(100,) * n,
-                   state_bytes=(10,) * n, activation_bytes=(1000,) * n, cut_bytes=(0,) + (500,) * (n - 1),
-                   forward_flops=(1,) * n, backward_flops=(2,) * n, traffic_bytes=(1,) * n, kernels=(1,) * n,
-                   times={"host": SegmentTimes((1.0,) * n, (2.0,) * n, 0.5, 0.25, "test")},
-                   apply_base=0.1, apply_per_byte=0.001)
+from hetpipe_tf.planning.profile import Profile
+from tests.helpers.profiles import toy_profile
 
 
 def test_in_flight_depends_on_stage_position():

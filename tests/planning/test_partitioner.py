@@ -10,6 +10,7 @@ from hetpipe_tf.planning.cost_model import CostModel
 from hetpipe_tf.planning.partitioner import (InfeasiblePartitionError, balanced_boundaries, best_partition,
                                             distinct_orders, fits, fits_some_order, partition_dp, partition_milp)
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
+from tests.helpers.profiles import one_by_one, random_cluster, random_profile
 from hetpipe_tf.sync.wsp import WSP_SCHEME
 
 
@@ -116,47 +117,6 @@ def test_device_orders_are_distinct_by_node_and_type():
     best = best_partition(roomy, devices, 2, method="dp")
     assert best.bottleneck == min(partition_dp(roomy, o, 2).bottleneck for o in distinct_orders(devices))
     assert best.bottleneck == pytest.approx(best_partition(roomy, devices, 2, method="milp").bottleneck)
-
-
-def one_by_one(model, devices, nm):
-    """The search before the branch and bound: every distinct order cut by the dynamic program,
-    the first best kept (ties within 1e-12)."""
-    best, errors = None, []
-    for order in distinct_orders(devices):
-        try:
-            part = partition_dp(model, order, nm)
-        except InfeasiblePartitionError as e:
-            errors.append(e)
-            continue
-        if best is None or part.bottleneck < best.bottleneck - 1e-12:
-            best = part
-    if best is None:
-        raise errors[0]
-    return best
-
-
-def random_cluster(rng, max_nodes=4, max_count=3):
-    spec = json.loads(json.dumps(PRESETS["paper"]))
-    types = list(spec["device_types"])
-    for t in types:  # memory tight enough that some cuts and some Nm do not fit
-        spec["device_types"][t]["memory"] = f"{rng.randint(700, 4000)}M"
-    spec["nodes"] = [{"name": f"n{i}", "device_type": rng.choice(types), "count": rng.randint(1, max_count)}
-                     for i in range(rng.randint(2, max_nodes))]
-    return load_cluster(spec)
-
-
-def random_profile(rng, n=None):
-    n = n or rng.randint(3, 9)
-    mib = 2 ** 20
-    return Profile(model="random", batch_size=8, starts=tuple(range(n)),
-                   weight_bytes=tuple(rng.randint(0, 60) * mib for _ in range(n)),
-                   state_bytes=tuple(rng.randint(0, 5) * mib for _ in range(n)),
-                   activation_bytes=tuple(rng.randint(1, 120) * mib for _ in range(n)),
-                   cut_bytes=(0,) + tuple(rng.randint(1, 40) * mib for _ in range(n - 1)),
-                   forward_flops=tuple(rng.uniform(1e10, 2e11) for _ in range(n)),
-                   backward_flops=tuple(rng.uniform(2e10, 4e11) for _ in range(n)),
-                   traffic_bytes=tuple(rng.uniform(1e7, 1e9) for _ in range(n)), kernels=(4,) * n,
-                   layer_names=tuple(f"l{i}" for i in range(n)))
 
 
 def random_worker(rng, cluster):

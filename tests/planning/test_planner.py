@@ -7,17 +7,8 @@ import pytest
 from hetpipe_tf.planning.allocation import AllocationError, allocate, describe
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.planner import PlanError, plan
-from hetpipe_tf.planning.profile import Profile, SegmentTimes
-
-
-def model_profile(n=12, activation=150 * 2 ** 20, weights=40 * 2 ** 20):
-    """A synthetic convnet-like profile: big early activations, growing weights."""
-    return Profile(model="synthetic", batch_size=32, starts=tuple(range(n)),
-                   weight_bytes=tuple(weights * (i + 1) // n for i in range(n)), state_bytes=(0,) * n,
-                   activation_bytes=tuple(activation * (n - i) // n for i in range(n)),
-                   cut_bytes=(0,) + tuple(activation * (n - i) // (4 * n) for i in range(1, n)),
-                   forward_flops=(4e10,) * n, backward_flops=(8e10,) * n, traffic_bytes=(2e8,) * n,
-                   kernels=(10,) * n, layer_names=tuple(f"layer{i}" for i in range(n)))
+from hetpipe_tf.planning.profile import SegmentTimes
+from tests.helpers.profiles import model_profile
 
 
 @pytest.mark.parametrize("policy,table3", [("np", "VVVV RRRR GGGG QQQQ"), ("ed", "VRGQ VRGQ VRGQ VRGQ"),

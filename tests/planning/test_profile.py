@@ -1,10 +1,9 @@
 import numpy as np
-import pytest
 
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, analytic_times, coarsen, static_profile
 from hetpipe_tf.runtime.stage_rewrite import describe_model
-from tests.cli import test_models
+from tests.helpers import models as test_models
 
 
 def test_static_profile_matches_the_model_graph():

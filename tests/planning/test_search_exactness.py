@@ -17,7 +17,7 @@ from hetpipe_tf.planning import allocation, planner
 from hetpipe_tf.planning.allocation import AllocationError, _by_node, _compute, _equal_shares, _spread, describe
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.partitioner import distinct_orders, fits
-from tests.planning.test_partitioner import one_by_one, random_cluster, random_profile
+from tests.helpers.profiles import one_by_one, random_cluster, random_profile
 
 
 def every_grouping(cluster, vw_size=None, group_size=2, first_in_order=True):

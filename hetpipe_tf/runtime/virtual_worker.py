@@ -155,6 +155,9 @@ class VirtualWorker:
     def task_seconds(self, stage, kind):
         """The time a task of instruction type `kind` (Forward, Backward) takes on `stage` in the
         current (or last) run: its solo reference time, padded to the emulated device's target."""
+        if self.references is None:
+            raise ValueError("task times are measured for workers with emulated devices only (their "
+                             f"references); this one's are {list(self.device_names)}")
         reference = self.references[stage][kind]
         pacer = self._pacers[stage] if self._pacers else None
         return pacer.target(reference) if pacer is not None else reference
@@ -198,17 +201,16 @@ class VirtualWorker:
 
     def _calibrate(self, x, y):
         """Each stage's forward and backward time, measured alone: the emulation's references. An
-        emulated worker paces its stages to them, so it takes the minimum of 63 runs, not 7 (the
-        minimum of a few runs varies by a tenth or more between workers on a shared host)."""
-        self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y,
-                                              repeats=63 if self.emulated else 7)
+        emulated worker paces its stages to them, so it takes the minimum of 63 runs (the minimum
+        of a few runs varies by a tenth or more between workers on a shared host)."""
+        self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y, repeats=63)
 
     def prepare(self, x, y):
-        """Builds the stages for minibatches like (x, y) and measures their solo times (once);
-        returns the batch size."""
+        """Builds the stages for minibatches like (x, y) and, when a device is emulated, measures
+        their solo times (once: what the emulation paces to); returns the batch size."""
         batch_size = int(tf.nest.flatten(x)[0].shape[0])
         self._build(batch_size)
-        if self.references is None:
+        if self.references is None and self.emulated:
             self._calibrate(x, y)
         return batch_size
 

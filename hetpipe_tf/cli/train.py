@@ -80,6 +80,17 @@ def _data_and_model():
     return train, test, models.build_model(FLAGS.model, shape, info.num_classes)
 
 
+def _dataset_defaults():
+    """The data set's own training defaults for the flags not given (hetpipe_addition's
+    ``TRAINING_DEFAULTS``: 20 epochs, a global clip norm of 1)."""
+    from hetpipe_tf.data import addition
+
+    if FLAGS.dataset == addition.HetpipeAddition.name:
+        for name, value in addition.TRAINING_DEFAULTS.items():
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
+
+
 def _loss_and_metrics():
     """The loss and metrics of the flags' data set: hetpipe_addition's are its own (the answer
     tokens' cross-entropy, exact match), any other's the cross-entropy of logits and accuracy."""
@@ -169,6 +180,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
     import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
 
+    _dataset_defaults()
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
     if FLAGS.cluster:

@@ -35,7 +35,7 @@ def define_flags():
     flags.DEFINE_integer("num_in_flight", None, "Nm, minibatches in flight (default: the number of stages).",
                          lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Minibatch size.", lower_bound=1)
-    flags.DEFINE_integer("epochs", 12, "Epochs.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 12, "Epochs (hetpipe_addition: 20 unless given).", lower_bound=1)
     flags.DEFINE_integer("steps_per_epoch", None, "Minibatches per epoch (default: the whole training split).",
                          lower_bound=1)
     flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "Optimizer (keras.optimizers, by its class name in "
@@ -45,7 +45,8 @@ def define_flags():
     flags.DEFINE_float("weight_decay", None, "Decoupled weight decay (default: the optimizer's own, AdamW's 0.004). "
                                              "Under WSP each worker decays its local weights.", lower_bound=0.0)
     flags.DEFINE_float("global_clipnorm", None, "Clip every minibatch's gradient by the norm of all the stages' "
-                                                "gradients together (Keras's global_clipnorm).", lower_bound=0.0)
+                                                "gradients together (Keras's global_clipnorm; "
+                                                "hetpipe_addition: 1 unless given).", lower_bound=0.0)
     flags.DEFINE_enum("mixed_precision", "none", list(MIXED_PRECISION),
                       "Compute in bfloat16 (bf16) or float16 (fp16, with dynamic loss scaling, one scale per "
                       "virtual worker); weights stay float32.")

@@ -34,6 +34,12 @@ SEQUENCE_LENGTH = PROMPT_LENGTH + ANSWER_LENGTH - 1  # the model reads all but t
 NUM_TRAIN = 20000
 NUM_TEST = 1000
 SEED = 20201
+#: What hetpipe-train trains this data set with where its flags do not say: the model leaves the
+#: plateau where it predicts only the answer digits' frequencies after about four epochs at Nm = 4
+#: (each gradient Nm - 1 updates stale, HetPipe §4) and passes 95 % exact match after about 18, and
+#: a gradient clipped to norm 1 over all stages keeps the stale updates from the setbacks of
+#: unclipped runs.
+TRAINING_DEFAULTS = {"epochs": 20, "global_clipnorm": 1.0}
 
 
 def _digits(values, width):

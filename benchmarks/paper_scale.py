@@ -28,7 +28,7 @@ Fig. 4's bars carry no numbers in the paper's text: its Horovod and ED-local bar
 Table 4 cells of the same cluster (ED-local is 1.8x Horovod for VGG-19 and 1.4x for
 ResNet-152, §8.3), and for NP, ED and HD the text's statements are checked instead.
 
-A transformer the paper did not train (issue 28): a GPT-2-medium-sized language model
+A transformer the paper did not train: a GPT-2-medium-sized language model
 (keras_hub's GPT2Backbone, 24 blocks of 1,024, 16 heads, a Dense head over the 50,257-token
 vocabulary: 406M parameters), sequences of 1,024 tokens, 2 per minibatch, AdamW (two slots per
 weight), predicted on the same cluster for NP, ED, HD, ED-local and Horovod, in tokens/s, with

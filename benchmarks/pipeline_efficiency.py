@@ -17,7 +17,7 @@ Per configuration: measured throughput (minibatches/s, whole run including fill 
 drain), ideal throughput (1 / the slowest stage's measured busy time per minibatch),
 ratio_to_ideal, speedup_vs_nm1, stash bytes per device, busy fractions, the
 emulation's fidelity, and the simulator's prediction for the same schedule from the
-measured reference times. Targets (issue #3): ratio_to_ideal >= 0.85 at Nm = k and
+measured reference times. Targets: ratio_to_ideal >= 0.85 at Nm = k and
 speedup_vs_nm1 >= 3 for emulated_k4; speedup_vs_nm1 >= 1.6 for real_k2.
 
     python benchmarks/pipeline_efficiency.py [--steps=60] [--rounds=5]

@@ -1,4 +1,4 @@
-"""The planner at scale (issue 29): wall time and peak memory of `plan` per policy and for `auto`.
+"""The planner at scale: wall time and peak memory of `plan` per policy and for `auto`.
 
 Pure prediction: nothing trains. Keras builds VGG-19, ResNet-152 (224x224, 1000 classes, batch 32,
 SGD with momentum: one slot per weight) and a GPT-2-medium-sized transformer (keras_hub, random

@@ -206,7 +206,7 @@ _LOOKUPS = ("PositionEmbedding", "TokenAndPositionEmbedding")
 
 
 def static_facts(keras_graph):
-    """What the layer graph of a Keras model does not show about its layer calls (issue 28):
+    """What the layer graph of a Keras model does not show about its layer calls:
     ({node index: AttentionBlock} of its attention layers, node indices of its table lookups).
 
     Attention layers: keras_hub's TransformerEncoder and TransformerDecoder (their heads, width

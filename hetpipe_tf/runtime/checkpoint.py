@@ -128,7 +128,9 @@ def stage_optimizer_state(runtimes, model):
     """A worker's optimizer state from its stages (`runtimes`, StageRuntimes of `model`), per model
     variable: ``{"scalars": {name: value}, "slots": {position: {slot: value}}}`` (a variable's
     position among the model's trainable ones); the scalars
-    (iterations, learning rate) are every stage's, which all apply every minibatch."""
+    (iterations, learning rate) are every stage's, which all apply every minibatch. With loss
+    scaling, the worker's one dynamic scale and its count of clean minibatches are scalars too
+    (``loss_scale``, ``loss_scale_counter``: the first stage's, which moves them)."""
     state = {"scalars": {}, "slots": {}}
     for rt in runtimes:
         for key, v in zip(_optimizer_keys(rt, model), rt.optimizer.variables):
@@ -136,6 +138,9 @@ def stage_optimizer_state(runtimes, model):
                 state["scalars"].setdefault(key, v.numpy())
             else:
                 state["slots"].setdefault(key[0], {})[key[1]] = v.numpy()
+        if rt.scale_state is not None:
+            state["scalars"]["loss_scale"] = rt.scale_state.scale.numpy()
+            state["scalars"]["loss_scale_counter"] = rt.scale_state.counter.numpy()
     return state
 
 
@@ -157,6 +162,20 @@ def set_stage_optimizer_state(runtimes, state, model):
                                  f"checkpoint's {np.shape(value)}: it was saved with another optimizer or model; "
                                  f"resume with the ones it was saved with")
             v.assign(value)
+    _set_loss_scale(runtimes, state["scalars"])
+
+
+def _set_loss_scale(runtimes, scalars):
+    """The saved loss scale on the stages that hold it (the first moves it, the last scales its
+    loss by it); a checkpoint without one (saved without loss scaling) leaves the initial scale."""
+    if "loss_scale" not in scalars:
+        return
+    for rt in runtimes:
+        if rt.scale_state is not None:
+            rt.scale_state.scale.assign(scalars["loss_scale"])
+            rt.scale_state.counter.assign(scalars["loss_scale_counter"])
+        if rt.is_last and rt.rule.loss_scaling is not None:
+            rt.loss_scale.assign(scalars["loss_scale"])
 
 
 def for_workers(state, workers, steps_per_epoch):

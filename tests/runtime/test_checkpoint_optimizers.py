@@ -40,6 +40,10 @@ OPTIMIZERS = {
     "Muon": lambda: keras.optimizers.Muon(0.01),
     "ScheduleFreeAdamW": lambda: keras.optimizers.ScheduleFreeAdamW(0.01, warmup_steps=2),
 }
+# A worker's one dynamic loss scale (fp16's recipe), grown after every 2 clean minibatches: it moves
+# within the run, and is checkpointed with the optimizer's state.
+OPTIMIZERS_SCALED = {"AdamW, loss scaled": lambda: keras.optimizers.LossScaleOptimizer(
+    keras.optimizers.AdamW(0.01), initial_scale=2.0 ** 8, dynamic_growth_steps=2)}
 # Whose state depends on a weight's shape or path: resumed under another cut in CI too.
 SHAPED = ("Adafactor", "Muon")
 
@@ -68,7 +72,8 @@ def _runner(model, name, cut):
     k = len(cut)
     spec = WorkerSpec(",".join(["cpu"] * k), tuple(f"/device:CPU:{s}" for s in range(k)), boundaries=cut,
                       references=((1.0, 1.0),) * k)
-    config = RunConfig(num_in_flight=1, optimizer=OPTIMIZERS[name](), loss=LOSS, dilation=1, timeout_s=60)
+    config = RunConfig(num_in_flight=1, optimizer={**OPTIMIZERS, **OPTIMIZERS_SCALED}[name](), loss=LOSS, dilation=1,
+                       timeout_s=60)
     return WSPRunner(model, [spec], config, ["/device:CPU:0"])
 
 
@@ -172,3 +177,14 @@ def test_resumed_under_another_cut_shape_dependent_state_ends_as_the_run_never_s
 @pytest.mark.parametrize("name", [n for n in SUPPORTED if n not in SHAPED])
 def test_resumed_under_another_cut_it_ends_as_the_run_never_stopped(name, runs):
     _check_other_cut(name, runs)
+
+
+def test_the_loss_scale_is_saved_and_resumed_with_the_optimizer_state(runs):
+    name = "AdamW, loss scaled"
+    weights, optimizers, state = _uninterrupted(name, runs)
+    got_weights, got_optimizers, got_state = _resumed(name, runs, CUT)
+    # Grown from 2^8 after every 2 clean minibatches of the 6, the last growth in the resumed epoch.
+    assert float(state["scalars"]["loss_scale"]) == 2.0 ** 11 and int(state["scalars"]["loss_scale_counter"]) == 0
+    assert _flat(got_state).keys() == _flat(state).keys()
+    assert _max_diff(list(_flat(got_state).values()), list(_flat(state).values())) <= 1e-6
+    assert _max_diff(got_weights, weights) <= 1e-6

@@ -48,7 +48,7 @@ from hetpipe_tf.runtime.fit_loop import fit
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
-from hetpipe_tf.runtime.optimizers import check_optimizer
+from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
 from hetpipe_tf.runtime.wsp_runner import stage_layer_servers
 from hetpipe_tf.sync.parameter_server import ParameterServers
 
@@ -146,6 +146,7 @@ class ProcessRunner:
 
     def __init__(self, model, cluster, workers, config, ps_devices, local_devices, home_nodes):
         config.check_picklable()  # before any process starts
+        check_for_workers(config.optimizer, len(workers))
         self.model = model
         self.cluster = cluster
         self.config = config

@@ -135,6 +135,23 @@ def check_optimizer(optimizer: keras.optimizers.Optimizer | str) -> keras.optimi
     return optimizer
 
 
+#: Optimizers that keep the weights themselves in their slots (Ftrl's ``linear``, the schedule-free
+#: base sequence): what a synchronisation scheme merges into a worker's weights does not last.
+_WEIGHTS_IN_SLOTS = ("Ftrl", "ScheduleFreeAdamW")
+
+
+def check_for_workers(optimizer: keras.optimizers.Optimizer | str, workers: int) -> None:
+    """Raises if `optimizer` cannot train `workers` virtual workers together: one that keeps the
+    weights in its slots loses the other workers' updates a pull merges into w_local (§5)."""
+    name = _BY_NAME[check_name(optimizer).lower()].__name__ if isinstance(optimizer, str) else \
+        type(inner_optimizer(optimizer)).__name__
+    if workers > 1 and name in _WEIGHTS_IN_SLOTS:
+        raise UnsupportedOptimizerError(
+            f"optimizer {name} with {workers} virtual workers: it keeps the weights themselves in its slots, so "
+            f"the other workers' updates that synchronisation merges into a worker's weights would not last; "
+            f"train it with one virtual worker, or take another optimizer for several")
+
+
 def stage_optimizer(optimizer: keras.optimizers.Optimizer | str, originals: Sequence[keras.Variable] = (),
                     copies: Sequence[keras.Variable] = ()) -> keras.optimizers.Optimizer:
     """A fresh optimizer with `optimizer`'s class and config, for one stage whose weights `copies` are

@@ -21,6 +21,7 @@ from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.runtime.checkpoint import RunState, set_stage_optimizer_state, skip_consumed, stage_optimizer_state
 from hetpipe_tf.planning.uneven import push_weights
 from hetpipe_tf.runtime.fit_loop import done_event, fit, start_thread
+from hetpipe_tf.runtime.optimizers import check_for_workers
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
 
@@ -58,7 +59,8 @@ class WSPRunner:
             raise ValueError(f"{len(config.minibatch_sizes)} minibatch sizes {list(config.minibatch_sizes)} for "
                              f"{len(self.vws)} virtual workers: give one per worker, or None for the data's batch size")
         self._new_servers = None
-        if servers is None:
+        if servers is None:  # this runner trains every worker of the run
+            check_for_workers(config.optimizer, len(self.vws))
             layer_devices = None
             if config.placement == "local":
                 if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:

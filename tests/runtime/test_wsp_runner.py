@@ -172,6 +172,12 @@ def test_bad_arguments_are_named():
     runner = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=LOSS)
     with pytest.raises(ValueError, match="2 workers but data for 1"):
         runner.train([random_batches(model, 4)], 4)
+    # An optimizer that keeps the weights in its slots would lose what a pull merges in: one worker only.
+    for optimizer in (keras.optimizers.Ftrl(0.1), "schedulefreeadamw"):
+        with pytest.raises(ValueError, match=r"(Ftrl|ScheduleFreeAdamW) with 2 virtual workers: it keeps the weights "
+                                             r"themselves in its slots"):
+            wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=LOSS, optimizer=optimizer)
+    wsp_runner(model, ("1,1",), nm=2, d=0, loss=LOSS, optimizer=keras.optimizers.Ftrl(0.1))
 
 
 # BSP, SSP and ASP (§2.2): WSP's machinery with per-minibatch clocks ------------------------------

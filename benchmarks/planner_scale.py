@@ -136,7 +136,8 @@ def run_cell(profile_path, cluster, policy, timeout_s, memory_gib, optimizer_slo
     if run.returncode != 0:
         tail = run.stderr.strip().splitlines()[-1:] or ["(no message)"]
         stopped = "memory limit" if "MemoryError" in run.stderr else "error"
-        return {"stopped": f"{stopped}: {tail[0][:300]}", "wall_s": wall, "load_average": load}
+        message = tail[0] if len(tail[0]) <= 300 else f"{tail[0][:100]} ... {tail[0][-200:]}"  # its reason ends it
+        return {"stopped": f"{stopped}: {message}", "wall_s": wall, "load_average": load}
     return {**json.loads(run.stdout.strip().splitlines()[-1]), "wall_s": wall, "load_average": load}
 
 

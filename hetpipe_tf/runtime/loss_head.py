@@ -112,6 +112,12 @@ class LossHead:
             n += b
         return {k: v / n for k, v in sums.items()}
 
+    def check(self, y, outputs) -> None:
+        """Builds Keras's loss and metric objects for labels like `y` (as the data gives them) and
+        the model's `outputs` (KerasTensors), symbolically, raising what training would raise
+        (a compile that does not fit the outputs, a metric that is not a mean) before it starts."""
+        self._build(self.split_labels(y), list(outputs))
+
     def _build(self, labels, outputs):
         """Builds Keras's objects for labels and outputs like these (once); returns the outputs
         as the model returns them."""

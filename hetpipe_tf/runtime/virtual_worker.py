@@ -210,6 +210,7 @@ class VirtualWorker:
         their solo times (once: what the emulation paces to); returns the batch size."""
         batch_size = int(tf.nest.flatten(x)[0].shape[0])
         self._build(batch_size)
+        self.loss_head.check(y, self.staged.keras_graph.model.outputs)
         if self.references is None and self.emulated:
             self._calibrate(x, y)
         return batch_size

@@ -15,7 +15,10 @@ def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
     assert len(host.forward) == len(host.backward) == p.num_segments == 4
     assert all(t >= 0 for t in host.forward + host.backward) and sum(host.forward) > 0
     assert host.forward_overhead > 0 and host.backward_overhead > 0 and "measured on" in host.source
-    assert p.apply_per_byte > 0 and p.apply_shared_per_byte > 0 and p.instruction_seconds > 0
+    # An apply takes time; how it grows with bytes is the host's (on a model this small, noise can
+    # make the larger apply no slower: per byte 0).
+    assert (p.apply_base > 0 or p.apply_per_byte > 0) and p.apply_per_byte >= 0 and p.apply_shared_per_byte >= 0
+    assert p.instruction_seconds > 0
     assert p.pacing_overshoot_seconds >= 0
     assert all((a == b).all() for a, b in zip(before, [v.numpy() for v in model.weights]))  # probe undone
     cached = list(tmp_path.glob("*.json"))
@@ -41,4 +44,4 @@ def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path
     there = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3, stage_device="/device:CPU:1")
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert "(/device:CPU:0)" in here.times["host"].source and "(/device:CPU:1)" in there.times["host"].source
-    assert sum(there.times["host"].forward) > 0 and there.apply_per_byte > 0
+    assert sum(there.times["host"].forward) > 0 and (there.apply_base > 0 or there.apply_per_byte > 0)

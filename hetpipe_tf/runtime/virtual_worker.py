@@ -156,8 +156,8 @@ class VirtualWorker:
         """The time a task of instruction type `kind` (Forward, Backward) takes on `stage` in the
         current (or last) run: its solo reference time, padded to the emulated device's target."""
         if self.references is None:
-            raise ValueError("task times are measured for workers with emulated devices only (their "
-                             f"references); this one's are {list(self.device_names)}")
+            raise ValueError("no solo task times: a worker of real devices measures them only when asked "
+                             f"(measure_solo_times); this one's are {list(self.device_names)}")
         reference = self.references[stage][kind]
         pacer = self._pacers[stage] if self._pacers else None
         return pacer.target(reference) if pacer is not None else reference
@@ -199,10 +199,11 @@ class VirtualWorker:
                 activation_bytes=act[s], sync=self.sync.scheme if self.sync is not None else NO_SYNC,
                 variable_paths=paths, worker_update=self.worker_update, ties=self.ties))
 
-    def _calibrate(self, x, y):
-        """Each stage's forward and backward time, measured alone: the emulation's references. An
-        emulated worker paces its stages to them, so it takes the minimum of 63 runs (the minimum
-        of a few runs varies by a tenth or more between workers on a shared host)."""
+    def measure_solo_times(self, x, y) -> None:
+        """Each stage's forward and backward time on minibatches like (x, y), measured alone: the
+        references an emulated device paces to (taken before training, :meth:`prepare`), or a real
+        worker's durations for the simulator. The minimum of 63 runs (the minimum of a few varies
+        by a tenth or more between workers on a shared host)."""
         self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y, repeats=63)
 
     def prepare(self, x, y):
@@ -212,7 +213,7 @@ class VirtualWorker:
         self._build(batch_size)
         self.loss_head.check(y, self.staged.keras_graph.model.outputs)
         if self.references is None and self.emulated:
-            self._calibrate(x, y)
+            self.measure_solo_times(x, y)
         return batch_size
 
     # Training --------------------------------------------------------------------------

@@ -55,9 +55,12 @@ class WSPRunner:
         self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
-        if config.minibatch_sizes is not None and len(config.minibatch_sizes) != len(self.vws):
-            raise ValueError(f"{len(config.minibatch_sizes)} minibatch sizes {list(config.minibatch_sizes)} for "
-                             f"{len(self.vws)} virtual workers: give one per worker, or None for the data's batch size")
+        # The sizes are the run's, one per virtual worker of the run (a process's runner trains some).
+        run_workers = len(self.vws) if servers is None else max(self.worker_ids) + 1
+        sizes = config.minibatch_sizes
+        if sizes is not None and (len(sizes) != run_workers if servers is None else len(sizes) < run_workers):
+            raise ValueError(f"{len(sizes)} minibatch sizes {list(sizes)} for {run_workers} virtual workers: "
+                             f"give one per worker, or None for the data's batch size")
         self._new_servers = None
         if servers is None:  # this runner trains every worker of the run
             check_for_workers(config.optimizer, len(self.vws))

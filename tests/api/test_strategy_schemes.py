@@ -27,7 +27,8 @@ def test_the_lists_name_every_registration():
     assert {sync for _, sync in pairs if sync != "none" and _packaged(sync, get_sync)} == set(SYNCS)
 
 
-@pytest.mark.parametrize("schedule, sync", [(s, "wsp") for s in SCHEDULES] + [("hetpipe", s) for s in SYNCS[1:]])
+@pytest.mark.parametrize("schedule, sync", [(s, "wsp") for s in SCHEDULES] + [
+    pytest.param("hetpipe", s, marks=pytest.mark.slow) if s == "pipe-sgd" else ("hetpipe", s) for s in SYNCS[1:]])
 def test_fit_trains_the_digits_with_the_schedule_and_the_scheme_given(schedule, sync):
     strategy = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, num_in_flight=2,
                                schedule=schedule, sync=sync)

@@ -18,9 +18,14 @@ def clone(model):
 
 
 def stale_sgd_reference(model, batches, nm, optimizer):
-    """HetPipe §4 done sequentially: minibatch p's gradient at w_p = w after updates 1..p-Nm.
+    """HetPipe §4 done sequentially on a clone of `model` (:func:`stale_sgd_run`)."""
+    return stale_sgd_run(clone(model), batches, nm, optimizer)
+
+
+def stale_sgd_run(ref, batches, nm, optimizer):
+    """HetPipe §4 done sequentially, training `ref` itself: minibatch p's gradient at w_p = w after
+    updates 1..p-Nm, given to `optimizer` (which clips by a global norm itself, if it has one).
     Returns the final trainable weights and every minibatch's loss."""
-    ref = clone(model)
     optimizer.build(ref.trainable_variables)
     ntv = [v.value for v in ref.non_trainable_variables]
     history = [[v.numpy() for v in ref.trainable_variables]]

@@ -3,7 +3,6 @@ a clip by the global norm, dynamic loss scaling, and the summed gradient of tied
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.planning.model_graph import SharedLayerError
@@ -13,6 +12,7 @@ from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
 from tests.helpers import models
 from tests.helpers.data import gpt2_batches
+from tests.helpers.references import stale_sgd_run
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 STEPS = 6
@@ -58,26 +58,6 @@ def _values(variables):
     return [v.numpy() for v in variables]
 
 
-def _stale_reference(make_model, batches, nm, optimizer):
-    """HetPipe §4 in sequence: minibatch p's gradient at the weights after updates 1..p-Nm, given to
-    Keras's optimizer (which clips by the global norm itself)."""
-    model = make_model()
-    optimizer.build(model.trainable_variables)
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    history = [_values(model.trainable_variables)]
-    for p, (x, y) in enumerate(batches, start=1):
-        w_p = [tf.constant(a) for a in history[max(p - nm, 0)]]
-        with tf.GradientTape() as tape:
-            tape.watch(w_p)
-            out, _ = model.stateless_call(w_p, non_trainable, x, training=True)
-            loss = LOSS(y, out)
-        optimizer.apply(tape.gradient(loss, w_p), model.trainable_variables)
-        history.append(_values(model.trainable_variables))
-    return history[-1]
-
-
-# Global clipping -------------------------------------------------------------------------------
-
 def _clipped():
     return keras.optimizers.Adam(0.05, global_clipnorm=0.3)
 
@@ -96,7 +76,7 @@ def test_global_clipnorm_at_nm_k_clips_each_minibatch_on_every_stage_by_one_norm
     k = 3
     model, vw = _pipeline(_clipped(), k, k, record_provenance=True)
     vw.train(iter(_batches()), STEPS)
-    want = _stale_reference(_model, _batches(), k, _clipped())
+    want = stale_sgd_run(_model(), _batches(), k, _clipped())[0]
     assert _max_difference(_values(model.trainable_variables), want) < 1e-6
     factors = [{p: t.numpy() for p, t in rt.applied_terms.items()} for rt in vw.runtimes]
     assert all(sorted(f) == list(range(1, STEPS + 1)) for f in factors)
@@ -174,7 +154,7 @@ def test_tied_embedding_across_stages_equals_keras(nm):
     if nm == 1:
         want = _values(_keras_trained(keras.optimizers.SGD(0.1), data, make_model=_gpt2_causal_lm).trainable_variables)
     else:
-        want = _stale_reference(_gpt2_causal_lm, data, nm, keras.optimizers.SGD(0.1))
+        want = stale_sgd_run(_gpt2_causal_lm(), data, nm, keras.optimizers.SGD(0.1))[0]
     assert _max_difference(_values(model.trainable_variables), want) < 1e-5
     _replicas_equal(vw)
 

@@ -252,6 +252,12 @@ class _Task:
         return args
 
 
+#: The compiled tasks' outputs a stage keeps per minibatch: output kind -> the dict that holds them.
+_KEPT_BY_MINIBATCH = {"sent": "_sent", "logs": "logs", "record": "_inflight", "input_grads": "_input_grads",
+                      "tied": "_tied_out", "terms": "_terms", "applied_terms": "applied_terms",
+                      "weight_grads": "_weight_grads"}
+
+
 class StageRuntime:
     """One stage of a virtual worker on its device (see the module docstring)."""
 
@@ -507,22 +513,9 @@ class StageRuntime:
 
     def _keep(self, kind, p, value, instructions):
         """Keeps output `kind` of minibatch p of a compiled task."""
-        if kind == "sent":
-            self._sent[p] = value
-        elif kind == "logs":
-            self.logs[p] = value
-        elif kind == "record":
-            self._inflight[p] = value
-        elif kind == "input_grads":
-            self._input_grads[p] = value
-        elif kind == "tied":
-            self._tied_out[p] = value
-        elif kind == "terms":
-            self._terms[p] = value
-        elif kind == "applied_terms":
-            self.applied_terms[p] = value
-        elif kind == "weight_grads":
-            self._weight_grads[p] = value
+        held = _KEPT_BY_MINIBATCH.get(kind)
+        if held is not None:
+            getattr(self, held)[p] = value
         elif kind == "acc":
             self._accumulated = value
         elif kind == "verdict":

@@ -29,12 +29,15 @@ per configuration the ratio processes / in_process (target >= 0.9).
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from hetpipe_tf.planning.cluster import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.baselines.processes import script_result  # noqa: E402
 
 RUN = """
 import json, resource, sys
@@ -85,15 +88,9 @@ CALLS = {"calls_per_minibatch_per_stage": {"compiled_functions": 4, "custom_ops"
 
 
 def run(launch, cluster, policy, vw_size, epochs, model, dilation, placement=None):
-    proc = subprocess.run([sys.executable, "-c", RUN, launch, cluster if isinstance(cluster, str) else json.dumps(cluster),
-                           policy, str(vw_size), str(epochs), model, "calibrate" if dilation is None else str(dilation),
-                           placement or "-"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{launch} {policy} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return script_result(RUN, [launch, cluster if isinstance(cluster, str) else json.dumps(cluster), policy,
+                               str(vw_size), str(epochs), model, "calibrate" if dilation is None else str(dilation),
+                               placement or "-"], ROOT, 1800, f"{launch} {policy}")
 
 
 def main():

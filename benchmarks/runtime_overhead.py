@@ -38,10 +38,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.baselines.processes import script_result  # noqa: E402
+
 CONFIGS = ("keras_fit", "virtual_worker_k1", "virtual_worker_k2", "virtual_worker_k4", "strategy_in_process",
            "strategy_processes")
 BATCH = {"mlp": 32, "cnn": 64}
@@ -122,12 +126,7 @@ print("RESULT " + json.dumps({"ms_per_minibatch": 1e3 * wall / minibatches, "cpu
 
 
 def run(config, model, steps):
-    proc = subprocess.run([sys.executable, "-c", RUN, config, model, str(steps)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{config} {model} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return script_result(RUN, [config, model, str(steps)], ROOT, 3600, f"{config} {model}")
 
 
 def main():

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -104,3 +105,16 @@ def json_lines(text):
     prefixed by horovodrun's ``[RANK]<stdout>:``."""
     found = (re.fullmatch(r"(?:\[\d+\]<stdout>:)?(\{.*\})\s*", line) for line in text.splitlines())
     return [json.loads(m.group(1)) for m in found if m]
+
+
+def script_result(source, args, root, timeout_s, what):
+    """Runs Python `source` with `args` in a fresh interpreter (from `root`, with it on the path and
+    TensorFlow's C++ logs off) and returns the JSON of the last line it printed as ``RESULT {...}``;
+    raises BaselineRunError naming `what`, with the end of its stderr, if it failed or printed none."""
+    proc = subprocess.run([sys.executable, "-c", source, *args], cwd=root, capture_output=True, text=True,
+                          timeout=timeout_s, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise BaselineRunError(f"{what} failed:\n{proc.stderr[-TAIL_CHARS:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+

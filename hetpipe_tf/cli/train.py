@@ -85,7 +85,7 @@ def _dataset_defaults():
     ``TRAINING_DEFAULTS``: 20 epochs, a global clip norm of 1)."""
     from hetpipe_tf.data import addition
 
-    if FLAGS.dataset == addition.HetpipeAddition.name:
+    if FLAGS.dataset == addition.NAME:
         for name, value in addition.TRAINING_DEFAULTS.items():
             if not FLAGS[name].present:
                 FLAGS[name].value = value
@@ -98,7 +98,7 @@ def _loss_and_metrics():
 
     from hetpipe_tf.data import addition
 
-    if FLAGS.dataset == addition.HetpipeAddition.name:
+    if FLAGS.dataset == addition.NAME:
         return addition.loss(), [addition.exact_match]
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
 
@@ -107,7 +107,7 @@ def _show_answers(model, test):
     """Prints hetpipe_addition's first held-out sums with the model's greedy answers."""
     from hetpipe_tf.data import addition
 
-    if FLAGS.dataset == addition.HetpipeAddition.name:
+    if FLAGS.dataset == addition.NAME:
         tokens, targets = next(iter(test))
         print("held-out sums, answered by greedy decoding:\n  " + "\n  ".join(
             addition.answer_lines(model, tokens[:8], targets[:8])))

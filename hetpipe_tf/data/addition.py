@@ -8,9 +8,10 @@ tokens are scored (the operands are random, so they cannot be predicted): the
 targets are the next tokens, with ``IGNORED`` at every position whose next token is
 not part of the answer.
 
-Registered with TensorFlow Datasets as ``hetpipe_addition`` once this module is
-imported, and prepared offline like the bundled digits (see
-:mod:`hetpipe_tf.data.datasets`). The splits are fixed and deterministic: the
+Registered with TensorFlow Datasets as ``hetpipe_addition`` (``NAME``) by
+:mod:`hetpipe_tf.data.addition_builder`, and prepared offline like the bundled digits (see
+:mod:`hetpipe_tf.data.datasets`); this module itself needs only NumPy and TensorFlow, so that
+the baselines' venvs, which lack TensorFlow Datasets, generate the same sums. The splits are fixed and deterministic: the
 first ``NUM_TRAIN`` + ``NUM_TEST`` of a permutation of every pair of operands drawn
 with PCG64 from ``SEED``; ``train`` and ``test`` share no sum.
 
@@ -20,10 +21,11 @@ answer token from the true tokens before it (one forward pass) gives exactly wha
 greedy decoding gives (:func:`greedy_answers`), since each right prediction is the
 token the next step reads.
 """
+import keras
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
+NAME = "hetpipe_addition"  # the TFDS data set
 DIGITS = 3  # of each operand; the answer has one more
 VOCABULARY = tuple("0123456789+=")
 PLUS, EQUALS = VOCABULARY.index("+"), VOCABULARY.index("=")
@@ -67,14 +69,14 @@ def text(tokens):
 
 def loss():
     """The task's loss: the cross-entropy of the answer tokens (``IGNORED`` targets are not scored)."""
-    import keras
-
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=IGNORED)
 
 
+@keras.saving.register_keras_serializable(package="hetpipe_tf")
 def exact_match(y_true, y_pred):
     """Per sum: 1.0 if the most likely token of `y_pred` (logits) is the target at every scored
-    position, else 0.0. A mean over sums, as hetpipe_tf's metrics must be."""
+    position, else 0.0. A mean over sums, as hetpipe_tf's metrics must be. Registered with Keras,
+    so that a worker process that is sent the compile config finds it."""
     y_true = tf.cast(y_true, tf.int32)
     right = tf.logical_or(tf.equal(tf.argmax(y_pred, axis=-1, output_type=tf.int32), y_true),
                           tf.equal(y_true, IGNORED))
@@ -103,39 +105,3 @@ def answer_lines(model, tokens, targets):
         verdict = "right" if np.array_equal(got, want) else f"wrong, {text(want)} expected"
         lines.append(f"{text(x[:PROMPT_LENGTH])}{text(got)} ({verdict})")
     return lines
-
-
-class HetpipeAddition(tfds.core.GeneratorBasedBuilder):
-    """Sums of two 3-digit integers as token sequences: 20000 for training, 1000 held out.
-
-    Features: ``tokens`` (``SEQUENCE_LENGTH`` token ids, the sum without its last token)
-    and ``targets`` (the next token of every position, ``IGNORED`` before the answer).
-    """
-
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release: 3-digit sums, 20000 train / 1000 test."}
-    code_path = tfds.core.Path(__file__)  # as HetpipeDigits: TFDS 4.9.10 cannot work it out
-
-    def _info(self):
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=(
-                "Integer addition written as tokens ('482+917=1399'), generated deterministically "
-                "by hetpipe_tf: a language-model task whose metric is exact match on held-out sums."),
-            features=tfds.features.FeaturesDict({
-                "tokens": tfds.features.Sequence(tfds.features.ClassLabel(names=list(VOCABULARY)),
-                                                 length=SEQUENCE_LENGTH),
-                "targets": tfds.features.Tensor(shape=(SEQUENCE_LENGTH,), dtype=np.int32),
-            }),
-            supervised_keys=("tokens", "targets"),
-        )
-
-    def _split_generators(self, dl_manager):
-        del dl_manager  # generated: nothing to download
-        return {"train": self._generate_examples(0, NUM_TRAIN),
-                "test": self._generate_examples(NUM_TRAIN, NUM_TEST)}
-
-    def _generate_examples(self, first, count):
-        tokens, targets = examples(first, count)
-        for i, (x, y) in enumerate(zip(tokens, targets)):
-            yield first + i, {"tokens": x, "targets": y}

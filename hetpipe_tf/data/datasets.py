@@ -15,7 +15,7 @@ import os
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from hetpipe_tf.data.addition import HetpipeAddition  # registers "hetpipe_addition" with TFDS
+from hetpipe_tf.data.addition_builder import HetpipeAddition  # registers "hetpipe_addition" with TFDS
 from hetpipe_tf.data.digits import HetpipeDigits  # registers "hetpipe_digits" with TFDS
 
 DEFAULT_DATA_DIR = os.environ.get("TFDS_DATA_DIR") or os.path.join(

@@ -1,12 +1,13 @@
 """Tests of the generated hetpipe_addition data set, its metric and its greedy decoding (offline,
 as conftest.py makes sure)."""
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from hetpipe_tf.data import addition, datasets
 
-NAME = "hetpipe_addition"
+NAME = "hetpipe_addition"  # as TFDS registers the builder: addition.NAME
 
 
 def _operands(tokens):
@@ -39,6 +40,7 @@ def test_the_held_out_sums_are_not_trained_on():
 
 
 def test_tfds_prepares_it_offline_and_loads_batches(data_dir):
+    assert addition.NAME == NAME  # the name TFDS gave the builder
     info = datasets.token_sequences_info(NAME, data_dir)
     assert info == datasets.TokenSequencesInfo(name=NAME, sequence_length=addition.SEQUENCE_LENGTH,
                                                vocabulary=addition.VOCABULARY,
@@ -85,3 +87,9 @@ def test_exact_match_is_greedy_decodings_and_the_answers_say_which_are_right():
             assert line == f"{a[0]:03d}+{b[0]:03d}={a[0] + b[0] + 1:04d} (wrong, {a[0] + b[0]:04d} expected)"
         else:
             assert line == f"{a[0]:03d}+{b[0]:03d}={a[0] + b[0]:04d} (right)"
+
+
+def test_the_metric_is_found_by_name_where_a_compile_config_is_rebuilt():
+    # A worker process rebuilds the chief's compile config: the metric must come back by name.
+    config = keras.saving.serialize_keras_object(addition.exact_match)
+    assert keras.saving.deserialize_keras_object(config) is addition.exact_match

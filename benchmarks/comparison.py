@@ -52,6 +52,9 @@ DEVICE_TYPES = (("V", 1.0, "12M", "TITAN V"), ("R", 0.6667, "24M", "TITAN RTX"),
                 ("Q", 0.3333, "8M", "Quadro P4000"), ("G", 0.4, "6M", "GeForce RTX 2060"))
 BATCH_SIZE = 32
 MARK = "ROW "
+#: Minibatches of BATCH_SIZE an epoch of every system trains, all devices together: the digits'
+#: train split (1437 // 32); a `gpt` epoch takes as many of hetpipe_addition's sums.
+MINIBATCHES_PER_EPOCH = 44
 
 
 def arguments(doc, benchmark, calibrated_by, options=None, **switches):
@@ -196,7 +199,7 @@ def _share(images_per_s, bound):
 
 
 def _baseline_common(line, system):
-    keep = ("ranks", "ranks_started", "speeds", "left_out", "images_per_s", "reference_ms", "emulated", "dilation",
+    keep = ("ranks", "ranks_started", "speeds", "left_out", "images_per_s", "tokens_per_s", "reference_ms", "emulated", "dilation",
             "paced_tasks", "overran_tasks", "overrun_fraction", "emulation_faithful", "host_cpu_busy",
             "host_saturated", "epoch_wall_s")
     row = {"system": system, "processes": line["ranks_started"], **{k: line[k] for k in keep if k in line}}
@@ -207,14 +210,17 @@ def _baseline_common(line, system):
     return row
 
 
-def baseline_argv(types, dilation, reference_ms, epochs, seed=0):
-    """The baselines' flags for `types` (one rank per device) at this dilation and reference."""
-    return [f"--speeds={','.join(f'{t[1]:g}' for t in types)}", f"--memory={','.join(t[2] for t in types)}",
-            f"--dilation={dilation:g}", f"--reference_ms={reference_ms:.3f}", f"--epochs={epochs}",
-            "--warmup_epochs=1", f"--batch_size={BATCH_SIZE}", f"--seed={seed}"]
+def baseline_argv(types, dilation, reference_ms, epochs, seed=0, model="cnn"):
+    """The baselines' flags for `types` (one rank per device) at this dilation and reference
+    (`gpt`: MINIBATCHES_PER_EPOCH an epoch over the ranks, as the digits' split gives the cnn)."""
+    argv = [f"--model={model}", f"--speeds={','.join(f'{t[1]:g}' for t in types)}",
+            f"--memory={','.join(t[2] for t in types)}", f"--dilation={dilation:g}",
+            f"--reference_ms={reference_ms:.3f}", f"--epochs={epochs}", "--warmup_epochs=1",
+            f"--batch_size={BATCH_SIZE}", f"--seed={seed}"]
+    return argv + ([f"--steps_per_epoch={MINIBATCHES_PER_EPOCH // len(types)}"] if model == "gpt" else [])
 
 
-def horovod_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
+def horovod_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0, model="cnn"):
     """Horovod (horovodrun --gloo, one rank per device; too small ones left out by the leave-out
     rule) on `types`: its row, or a row saying why it could not run."""
     from benchmarks.baselines import horovod_run
@@ -223,17 +229,17 @@ def horovod_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
     if reason:
         return {"system": "Horovod", "skipped": reason}
     started = time.perf_counter()
-    line = horovod_run.run(len(types), baseline_argv(types, dilation, reference_ms, epochs, seed), deadline_s)
+    line = horovod_run.run(len(types), baseline_argv(types, dilation, reference_ms, epochs, seed, model), deadline_s)
     return {**_baseline_common(line, "Horovod"), "run_s": round(time.perf_counter() - started, 1)}
 
 
-def mwms_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0):
+def mwms_row(types, dilation, reference_ms, epochs, deadline_s=900, seed=0, model="cnn"):
     """TensorFlow's MultiWorkerMirroredStrategy on `types`, as :func:`horovod_row`."""
     from benchmarks.baselines import mwms
 
     started = time.perf_counter()
     line = mwms.run([f"--workers={len(types)}", f"--deadline_s={deadline_s:g}",
-                     *baseline_argv(types, dilation, reference_ms, epochs, seed)])
+                     *baseline_argv(types, dilation, reference_ms, epochs, seed, model)])
     return {**_baseline_common(line, "MWMS"), "run_s": round(time.perf_counter() - started, 1)}
 
 
@@ -246,18 +252,19 @@ def child_rows(argv, deadline_s, env=None):
 
 
 def hetpipe_row(name, types, policy, placement, dilation, epochs, profile_path, vw_size=None, deadline_s=900,
-                seed=0, launch="processes", num_in_flight=None):
+                seed=0, launch="processes", num_in_flight=None, model="cnn"):
     """One HetPipe configuration on `types` in a fresh process (with launch "processes", one
     process per virtual worker under it; "in_process": every stage in that process, a figure to
     stand beside, never instead); `dilation` None: calibrated by that run; `num_in_flight` None:
-    the planner's Nm. Its stages are emulated from the profile at `profile_path`, which the run
-    writes when there is none yet (the first of a script's runs). Returns its row."""
+    the planner's Nm; `model` ``cnn`` (the digits) or ``gpt`` (hetpipe_addition's sums). Its
+    stages are emulated from the profile at `profile_path`, which the run writes when there is
+    none yet (the first of a script's runs). Returns its row."""
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryDirectory(prefix="hetpipe-comparison-") as folder:
         config = {"name": name, "cluster": cluster_spec(types), "policy": policy, "placement": placement,
                   "vw_size": vw_size, "dilation": dilation, "epochs": epochs, "seed": seed, "trace_dir": folder,
-                  "launch": launch, "num_in_flight": num_in_flight, "profile_path": profile_path}
+                  "launch": launch, "num_in_flight": num_in_flight, "profile_path": profile_path, "model": model}
         (row,) = child_rows([sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"], deadline_s,
                             env)
     return {**row, "run_s": round(time.perf_counter() - started, 1)}
@@ -288,13 +295,35 @@ def trace_figures(events, speeds, dilation):
     return {"traced_stage_reference_ms": traced, "stage_busy_fraction": busy}
 
 
+def _task(model, seed):
+    """(train data, built model, loss, metrics) of `model` for a HetPipe run: the ``cnn`` on the
+    digits' train split, or the ``gpt`` on MINIBATCHES_PER_EPOCH minibatches of hetpipe_addition's
+    sums (the baselines' losses: :mod:`benchmarks.baselines.training`)."""
+    import keras
+
+    from hetpipe_tf.cli.models import build_model
+    from hetpipe_tf.data import addition, datasets
+
+    if model == "gpt":
+        train = datasets.load_token_sequences(addition.NAME, "train", batch_size=BATCH_SIZE, shuffle=True,
+                                              seed=seed).take(MINIBATCHES_PER_EPOCH)
+        keras.utils.set_random_seed(seed)
+        return (train, build_model("gpt", (addition.SEQUENCE_LENGTH,), len(addition.VOCABULARY)), addition.loss(),
+                [addition.exact_match])
+    train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,
+                                               seed=seed)
+    keras.utils.set_random_seed(seed)
+    return (train, build_model("cnn", tuple(train.element_spec[0].shape[1:]),
+                               datasets.dataset_info("hetpipe_digits").num_classes),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+
+
 def _hetpipe_child(config):
     """Runs one HetPipe configuration in this process (the chief) and prints its row."""
     import keras
 
     from hetpipe_tf import HetPipeStrategy
-    from hetpipe_tf.cli.models import build_model
-    from hetpipe_tf.data import datasets
+    from hetpipe_tf.data import addition
     from hetpipe_tf.planning.planner import PlanError, simulate_plan
     from benchmarks.baselines import ranks
 
@@ -304,13 +333,8 @@ def _hetpipe_child(config):
                                num_in_flight=config["num_in_flight"], dilation=config["dilation"], timeout_s=300,
                                profile=given, emulation_references="profile")
     with strategy.scope():
-        train = datasets.load_image_classification("hetpipe_digits", "train", batch_size=BATCH_SIZE, shuffle=True,
-                                                   seed=config["seed"])
-        keras.utils.set_random_seed(config["seed"])
-        model = build_model("cnn", tuple(train.element_spec[0].shape[1:]),
-                            datasets.dataset_info("hetpipe_digits").num_classes)
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        train, model, loss, metrics = _task(config["model"], config["seed"])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=metrics)
     seconds, host = [], ranks.emulation.HostCpu()
 
     class Clock(keras.callbacks.Callback):
@@ -361,6 +385,8 @@ def _hetpipe_child(config):
            "stage_segments": [[list(s.segments) for s in w.partition.stages] for w in plan.workers],
            **trace_figures(events, speeds, report["dilation"]),
            "worker_stats": workers, "epoch_wall_s": wall, **report, **ranks.host_fields(host.busy_fraction())}
+    if config["model"] == "gpt":
+        row["tokens_per_s"] = round(images_per_s * addition.SEQUENCE_LENGTH, 1)
     print(MARK + json.dumps(row), flush=True)
 
 
@@ -371,9 +397,9 @@ def ratio(numerator, denominator):
     return round(numerator / denominator, 3)
 
 
-def bar_plot(rows, path, title, label=lambda r: r["system"]):
-    """Bars of images/s, one per row, each labelled with its overrun fraction (and NOT faithful
-    where it was not); the title says EMULATED."""
+def bar_plot(rows, path, title, label=lambda r: r["system"], unit="images/s"):
+    """Bars of images/s (examples of another `unit`), one per row, each labelled with its overrun
+    fraction (and NOT faithful where it was not); the title says EMULATED."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -391,7 +417,7 @@ def bar_plot(rows, path, title, label=lambda r: r["system"]):
                     fontsize=7)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([label(r) for r in rows], fontsize=7, rotation=20, ha="right")
-    ax.set_ylabel("images/s (EMULATED devices)")
+    ax.set_ylabel(f"{unit} (EMULATED devices)")
     ax.set_ylim(0, 1.25 * max([r["images_per_s"] for r in rows] or [1]))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()

@@ -29,7 +29,12 @@ system (its overrun fraction, whether the emulation was faithful), the ratio Het
 and HetPipe / MWMS per policy and a summary against the target (best policy >= 1.5x
 Horovod; the ceiling on these devices is sum(v) / (n x min(v)) = 1.8x).
 
-    python benchmarks/throughput_vs_horovod.py [--epochs=4] [--dilation=D] [--nm_candidates=4,8,16]
+``--model=gpt`` runs the same comparison on a transformer: hetpipe_tf's ``gpt`` (two GPT-2
+blocks, width 64) on hetpipe_addition's sums, 44 minibatches of 32 sequences an epoch in every
+system, each row also in tokens/s (sequences/s times the 11 tokens a sequence holds; the
+ratios are the same), written to ``throughput_vs_horovod_gpt.jsonl`` and ``.png`` by default.
+
+    python benchmarks/throughput_vs_horovod.py [--model=gpt] [--epochs=4] [--dilation=D] [--nm_candidates=4,8,16]
         [--memory=G=4M] [--beside_in_process] [--out=benchmarks/results/throughput_vs_horovod.jsonl]
         [--png=benchmarks/results/throughput_vs_horovod.png]
 """
@@ -42,6 +47,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import comparison  # noqa: E402
+from benchmarks.baselines.ranks import DATASETS  # noqa: E402
 
 BENCHMARK = "throughput_vs_horovod"
 TYPES = "VRQG"
@@ -117,20 +123,25 @@ def summary(rows, types):
 def main():
     args = comparison.arguments(__doc__, BENCHMARK, "NP", options={"nm_candidates": (
         "4,8,16", "Nm to run each policy at besides the planner's (its figure is its fastest row); '' for the "
-        "planner's only")}, beside_in_process=(
+        "planner's only"), "model": ("cnn", "cnn (the digits) or gpt (hetpipe_addition's sums)")}, beside_in_process=(
         "also ED-local with every stage in one process (launch='in_process'), beside the others"))
     try:
         candidates = nm_candidates(args.nm_candidates)
     except ValueError as e:
         sys.exit(str(e))
+    if args.model not in DATASETS:
+        sys.exit(f"--model={args.model!r}: give one of {', '.join(DATASETS)}")
+    if args.model != "cnn":  # its own results beside the cnn's, unless --out/--png name them
+        for flag in ("out", "png"):
+            setattr(args, flag, getattr(args, flag).replace(f"/{BENCHMARK}.", f"/{BENCHMARK}_{args.model}."))
     types = comparison.device_types(TYPES, args.memory)
     rows = []
     with open(args.out, "w") if args.out else open(os.devnull, "w") as out, \
             tempfile.TemporaryDirectory(prefix=f"{BENCHMARK}-") as folder:
         profile = comparison.run_profile(args, folder)
         comparison.emit(out, BENCHMARK, setup={
-            "machine": comparison.machine(), "cluster": comparison.cluster_spec(types), "model": "cnn",
-            "dataset": "hetpipe_digits", "batch_size_per_device": comparison.BATCH_SIZE, "staleness_bound": 0,
+            "machine": comparison.machine(), "cluster": comparison.cluster_spec(types), "model": args.model,
+            "dataset": DATASETS[args.model], "batch_size_per_device": comparison.BATCH_SIZE, "staleness_bound": 0,
             "epochs": args.epochs, "emulated": True, "nm_candidates": list(candidates),
             "profile": args.profile or f"the first HetPipe run's (NP: measured, or this machine's cached one), written to {profile}",
             "reference": "every system's from the profile (comparison.whole_model_reference_ms for the baselines)",
@@ -138,29 +149,32 @@ def main():
         dilation = args.dilation
         for name, policy, placement, vw_size in POLICIES:
             row = comparison.hetpipe_row(f"{name} (planner's Nm)", types, policy, placement, dilation, args.epochs,
-                                         profile, vw_size, args.deadline_s, args.seed)
+                                         profile, vw_size, args.deadline_s, args.seed, model=args.model)
             dilation = row["dilation"]
             rows.append({**row, "policy_name": name, "planner_nm": True})
             comparison.emit(out, BENCHMARK, **rows[-1])
             for nm in (c for c in candidates if c != row["num_in_flight"]):
                 rows.append({**comparison.hetpipe_row(f"{name}, Nm={nm}", types, policy, placement, dilation,
                                                       args.epochs, profile, vw_size, args.deadline_s, args.seed,
-                                                      num_in_flight=nm), "policy_name": name})
+                                                      num_in_flight=nm, model=args.model), "policy_name": name})
                 comparison.emit(out, BENCHMARK, **rows[-1])
         if args.beside_in_process:
             rows.append(comparison.hetpipe_row("ED-local in one process (beside)", types, "ed", "local", dilation,
-                                               args.epochs, profile, None, args.deadline_s, args.seed, "in_process"))
+                                               args.epochs, profile, None, args.deadline_s, args.seed, "in_process",
+                                               model=args.model))
             comparison.emit(out, BENCHMARK, **rows[-1])
         reference_ms = comparison.whole_model_reference_ms(profile)
         for run in (comparison.horovod_row, comparison.mwms_row):
-            rows.append(run(types, dilation, reference_ms, args.epochs, args.deadline_s, args.seed))
+            rows.append(run(types, dilation, reference_ms, args.epochs, args.deadline_s, args.seed, args.model))
             comparison.emit(out, BENCHMARK, **rows[-1])
         for line in ratios(rows):
             comparison.emit(out, BENCHMARK, **line)
         comparison.emit(out, BENCHMARK, **summary(rows, types))
     if args.png:
-        comparison.bar_plot(rows, args.png, f"cnn on digits, D=0: HetPipe policies vs Horovod and MWMS, 4 EMULATED "
-                                            f"devices V/R/Q/G (speeds 1/0.67/0.33/0.4), dilation {dilation:g}")
+        comparison.bar_plot(rows, args.png, f"{args.model} on {DATASETS[args.model]}, D=0: HetPipe policies vs "
+                                            f"Horovod and MWMS, 4 EMULATED devices V/R/Q/G (speeds 1/0.67/0.33/0.4), "
+                                            f"dilation {dilation:g}",
+                            unit="images/s" if args.model == "cnn" else "sequences/s")
 
 
 if __name__ == "__main__":

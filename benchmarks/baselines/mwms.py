@@ -1,6 +1,7 @@
 """TensorFlow's MultiWorkerMirroredStrategy baseline on emulated devices (issue 13), in the main
-venv (TensorFlow 2.21, Keras 3): hetpipe_tf's ``cnn`` on the bundled digits, one worker process
-per rank on loopback, each with its TF_CONFIG, started by this script.
+venv (TensorFlow 2.21, Keras 3): hetpipe_tf's ``cnn`` on the bundled digits (``--model=gpt``: its
+``gpt`` on hetpipe_addition's sums), one worker process per rank on loopback, each with its
+TF_CONFIG, started by this script.
 
     .venv/bin/python benchmarks/baselines/mwms.py --workers=4 --speeds=1,0.67,0.4,0.33
 
@@ -66,7 +67,7 @@ def launch(argv):
     worker 0's stdout (the lines about ranks left out and the JSON line)."""
     args = arguments(argv)
     from benchmarks.baselines import training
-    plan = _plan(args, training.build_model())
+    plan = _plan(args, training.build_model(args.model))
     ports = _free_ports(len(plan.admitted))
     commands, envs = [], []
     for index, rank in enumerate(plan.admitted):
@@ -97,13 +98,13 @@ def worker(args):
         communication_options=tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=args.deadline_s))
     with strategy.scope():
-        model = training.build_model()
+        model = training.build_model(args.model)
         optimizer = keras.optimizers.SGD(args.lr)
         optimizer.build(model.trainable_variables)
     plan = _plan(args, model)
     index = plan.index(args.worker_rank)
     global_batch = args.batch_size * len(plan.admitted)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    loss = training.loss(args.model, reduction=None)
 
     def gradients(x, y):
         with tf.GradientTape() as tape:

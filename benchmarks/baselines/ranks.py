@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATASET = "hetpipe_digits"
-MODEL = "cnn"
+#: The models a baseline trains (``--model``), each on its data set.
+DATASETS = {"cnn": "hetpipe_digits", "gpt": "hetpipe_addition"}
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 
 
@@ -83,6 +83,8 @@ def _bytes(item, flag):
 
 def add_arguments(parser):
     """The flags every baseline takes (its launcher adds how many ranks)."""
+    parser.add_argument("--model", default="cnn", choices=sorted(DATASETS),
+                        help="cnn on the digits, or gpt on hetpipe_addition's sums")
     parser.add_argument("--speeds", help="each rank's relative speed v, e.g. 1,0.67,0.4,0.33 (one value: every "
                         "rank; default 1)")
     parser.add_argument("--slowdowns", help="each rank's whole factor dilation / v instead of --speeds and "
@@ -197,7 +199,7 @@ def plan(args, started, need):
 
 
 def images_per_second(images_per_epoch, epoch_seconds, warmup_epochs):
-    """Images/s over the epochs after the warm-up ones."""
+    """Images/s (examples/s: sequences of ``gpt``) over the epochs after the warm-up ones."""
     measured = epoch_seconds[warmup_epochs:]
     return images_per_epoch * len(measured) / sum(measured)
 
@@ -210,14 +212,15 @@ def host_fields(busy):
 
 
 def record(system, args, plan, reference_s, report, epoch_seconds, epoch_accuracy, images_per_epoch,
-           steps_per_epoch, host_cpu_busy=None):
+           steps_per_epoch, host_cpu_busy=None, tokens_per_example=None):
     """The JSON line of one run (a dict); `report` is the training epochs' EmulationReport,
-    `host_cpu_busy` the host's busy CPU share over the epochs images/s counts (emulation.HostCpu)."""
+    `host_cpu_busy` the host's busy CPU share over the epochs images/s counts (emulation.HostCpu);
+    with `tokens_per_example` (sequences), also tokens/s: images/s times it."""
     wall, elapsed = [], 0.0
     for seconds in epoch_seconds:
         elapsed += seconds
         wall.append(round(elapsed, 3))
-    line = {"system": system, "model": MODEL, "dataset": DATASET, "ranks": len(plan.admitted),
+    line = {"system": system, "model": args.model, "dataset": DATASETS[args.model], "ranks": len(plan.admitted),
             "ranks_started": plan.started, "speeds": [round(v, 4) for v in plan.speeds],
             "left_out": list(plan.left_out), "model_need_bytes": sum(plan.need.values()), "batch_size_per_rank": args.batch_size,
             "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
@@ -225,6 +228,8 @@ def record(system, args, plan, reference_s, report, epoch_seconds, epoch_accurac
             "images_per_s": round(images_per_second(images_per_epoch, epoch_seconds, args.warmup_epochs), 2),
             **report.as_dict(), **host_fields(host_cpu_busy),
             "epoch_test_accuracy": [round(a, 4) for a in epoch_accuracy], "epoch_wall_s": wall}
+    if tokens_per_example:
+        line["tokens_per_s"] = round(line["images_per_s"] * tokens_per_example, 1)
     warning = report.warning()
     if warning:
         line["warning"] = warning

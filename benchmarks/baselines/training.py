@@ -19,10 +19,14 @@ Splitting the step in two is what lets the compute alone be paced. A run, on eve
    then all-reduce and apply, not paced. An epoch's time runs from a barrier to the barrier
    after its last step; the test accuracy after it is not timed.
 
-Data: the bundled digits (``hetpipe_tf/data/digits.npz``) read as ``hetpipe_tf.data`` reads
-them (train: the first NUM_TRAIN examples; pixels 0..16 times 16, clipped to 255, over 255),
-without TensorFlow Datasets, which the Horovod venv lacks. Rank i of n trains on examples
-i, i + n, ... of the train split, shuffled anew each epoch.
+Models and data (``--model``, :data:`benchmarks.baselines.ranks.DATASETS`): ``cnn`` on the
+bundled digits (``hetpipe_tf/data/digits.npz``) read as ``hetpipe_tf.data`` reads them (train:
+the first NUM_TRAIN examples; pixels 0..16 times 16, clipped to 255, over 255), its test
+accuracy after each epoch; ``gpt`` on the sums of ``hetpipe_addition``
+(:mod:`hetpipe_tf.data.addition`, generated as TFDS generates them), the answer tokens'
+cross-entropy, exact match on the held-out sums. Both without TensorFlow Datasets, which the
+Horovod venv lacks. Rank i of n trains on examples i, i + n, ... of the train split, shuffled
+anew each epoch.
 """
 import os
 import time
@@ -47,10 +51,40 @@ def load_digits():
     return x[:NUM_TRAIN], y[:NUM_TRAIN], x[NUM_TRAIN:], y[NUM_TRAIN:]
 
 
-def build_model():
-    """hetpipe_tf's ``cnn`` for the digits, from its model zoo (loaded by path)."""
+def _addition():
+    """:mod:`hetpipe_tf.data.addition`, loaded by path (NumPy and TensorFlow only)."""
+    return ranks.load_source("hetpipe_addition", "hetpipe_tf/data/addition.py")
+
+
+def load_data(model="cnn"):
+    """(x_train, y_train, x_test, y_test) of `model`'s data set as NumPy arrays: the digits'
+    images and labels, or the sums' tokens and next-token targets."""
+    if model == "gpt":
+        addition = _addition()
+        return (*addition.examples(0, addition.NUM_TRAIN), *addition.examples(addition.NUM_TRAIN, addition.NUM_TEST))
+    return load_digits()
+
+
+def build_model(model="cnn"):
+    """hetpipe_tf's `model` (``cnn`` or ``gpt``) for its data set, from its model zoo (loaded by path)."""
     models = ranks.load_source("hetpipe_models", "hetpipe_tf/cli/models.py")
-    return models.build_model(ranks.MODEL, (8, 8, 1), 10)
+    if model == "gpt":
+        addition = _addition()
+        return models.build_model("gpt", (addition.SEQUENCE_LENGTH,), len(addition.VOCABULARY))
+    return models.build_model(model, (8, 8, 1), 10)
+
+
+def loss(model="cnn", **reduction):
+    """`model`'s training loss: the cross-entropy of logits (of the answer tokens only, for ``gpt``)."""
+    if model == "gpt":
+        return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=_addition().IGNORED,
+                                                             **reduction)
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, **reduction)
+
+
+def tokens_per_example(model):
+    """The tokens a ``gpt`` example holds (its sequence length), None for images."""
+    return _addition().SEQUENCE_LENGTH if model == "gpt" else None
 
 
 def model_need(model, batch_size):
@@ -64,16 +98,16 @@ def model_need(model, batch_size):
                             batch_size * outputs * 4, OPTIMIZER_SLOTS)
 
 
-def steps_per_epoch(args, count):
-    """Steps every rank takes per epoch: the full minibatches of the smallest shard, or fewer."""
-    available = (NUM_TRAIN // count) // args.batch_size
+def steps_per_epoch(args, count, examples=NUM_TRAIN):
+    """Steps every rank takes per epoch: the full minibatches of the smallest shard of `examples`, or fewer."""
+    available = (examples // count) // args.batch_size
     if args.steps_per_epoch > available:
         raise ranks.BaselineOptionError(
             f"--steps_per_epoch={args.steps_per_epoch} exceeds the {available} full minibatches of "
-            f"{args.batch_size} in a shard of {NUM_TRAIN // count} examples ({count} ranks)")
+            f"{args.batch_size} in a shard of {examples // count} examples ({count} ranks)")
     if available == 0:
         raise ranks.BaselineOptionError(f"--batch_size={args.batch_size} exceeds a shard of "
-                                        f"{NUM_TRAIN // count} examples ({count} ranks)")
+                                        f"{examples // count} examples ({count} ranks)")
     return args.steps_per_epoch or available
 
 
@@ -106,6 +140,10 @@ def solo_reference(compute, batch):
 
 
 def accuracy(model, x, y):
+    """The test metric: the share of images classified right, or of sums (int token arrays)
+    whose every answer token is predicted right (exact match)."""
+    if x.dtype.kind == "i":
+        return float(np.mean(_addition().exact_match(y, model(x, training=False))))
     return float(np.mean(np.argmax(np.asarray(model(x, training=False)), axis=-1) == y))
 
 
@@ -114,8 +152,8 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
     (ranks.record) on every rank."""
     speeds = plan.speeds
     count = len(speeds)
-    x, y, x_test, y_test = load_digits()
-    steps = steps_per_epoch(args, count)
+    x, y, x_test, y_test = load_data(args.model)
+    steps = steps_per_epoch(args, count, len(x))
 
     def barrier():
         all_sum([0.0])
@@ -153,7 +191,7 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
     dilation, calibration = plan.dilation, ()
     if dilation is None:
         initial = [w.copy() for w in model.get_weights()]
-        probe_steps = min(args.probe_steps, NUM_TRAIN // count // args.batch_size)
+        probe_steps = min(args.probe_steps, len(x) // count // args.batch_size)
         probe_epochs = -(-args.probe_steps // probe_steps)
         dilation, calibration = ranks.emulation.calibrate_dilation(
             lambda d: paced_epochs(d, probe_epochs, probe_steps, evaluate=False)[0])
@@ -162,7 +200,7 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
     report = ranks.emulation.EmulationReport(dilation, report.tasks, report.overran, calibration)
     return ranks.record(system, args, plan, reference, report, seconds, accuracies,
                         images_per_epoch=steps * args.batch_size * count, steps_per_epoch=steps,
-                        host_cpu_busy=host_busy)
+                        host_cpu_busy=host_busy, tokens_per_example=tokens_per_example(args.model))
 
 
 def save_weights(model, folder, name):

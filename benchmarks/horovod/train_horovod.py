@@ -1,6 +1,7 @@
-"""The Horovod baseline on emulated devices (issue 13): hetpipe_tf's ``cnn`` on the bundled digits,
-data parallel with ``hvd.DistributedOptimizer`` over Gloo, in the Horovod venv (TensorFlow 2.15,
-Keras 2; ``benchmarks/horovod/setup.sh`` builds it):
+"""The Horovod baseline on emulated devices (issue 13): hetpipe_tf's ``cnn`` on the bundled digits
+(``--model=gpt``: its ``gpt`` on hetpipe_addition's sums), data parallel with
+``hvd.DistributedOptimizer`` over Gloo, in the Horovod venv (TensorFlow 2.15, Keras 2;
+``benchmarks/horovod/setup.sh`` builds it):
 
     V=build/horovod-venv/bin
     $V/horovodrun --gloo -np 4 -H localhost:4 $V/python benchmarks/horovod/train_horovod.py \\
@@ -61,7 +62,7 @@ def main(argv=None):
 
     tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
     tf.keras.utils.set_random_seed(args.seed)
-    model = training.build_model()
+    model = training.build_model(args.model)
     plan = ranks.plan(args, size, training.model_need(model, args.batch_size))
     index = plan.index(rank)
     if len(plan.admitted) == size:
@@ -75,7 +76,7 @@ def main(argv=None):
     if index is not None:
         optimizer = hvd_keras.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(args.lr),
                                                    process_set=process_set)
-        loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        loss = training.loss(args.model)
         hvd.broadcast_variables(model.variables, root_rank=plan.admitted[0], process_set=process_set)
 
         @tf.function

@@ -40,10 +40,14 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     residual adds) between which stages may be cut, where keras_hub's TransformerDecoder is
     one subclassed layer that no cut enters."""
     import keras
+    try:
+        from keras import ops
+    except ImportError:  # Keras 2 (the Horovod baseline's venv): TensorFlow's ops of the same names
+        import tensorflow as ops
 
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
     unit = keras.initializers.RandomNormal(stddev=1.0)
-    positions = keras.ops.cumsum(keras.ops.ones_like(ids), axis=-1) - 1
+    positions = ops.cumsum(ops.ones_like(ids), axis=-1) - 1
     h = keras.layers.Add(name="embeddings")([
         keras.layers.Embedding(vocabulary_size, width, embeddings_initializer=unit, name="token_embedding")(ids),
         keras.layers.Embedding(sequence_length, width, embeddings_initializer=unit,

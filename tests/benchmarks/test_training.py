@@ -71,3 +71,21 @@ def test_a_paced_step_of_speed_half_takes_twice_its_reference():
     assert 2.0 <= min(ratios), ratios  # padded, never cut short
     # An overrun (the compute itself took longer than its target) only ever lengthens a step.
     assert pacer.tasks == 10 and pacer.overran <= sum(r > 2.0 for r in ratios), (pacer.overran, ratios)
+
+
+def test_the_gpt_baseline_trains_hetpipes_gpt_on_the_generated_sums_with_their_loss_and_metric():
+    from hetpipe_tf.cli.models import build_model
+    from hetpipe_tf.data import addition
+
+    x, y, x_test, y_test = training.load_data("gpt")
+    want, targets = addition.examples(0, addition.NUM_TRAIN)
+    np.testing.assert_array_equal(x, want)
+    np.testing.assert_array_equal(y, targets)
+    assert len(x_test) == addition.NUM_TEST and training.tokens_per_example("gpt") == addition.SEQUENCE_LENGTH
+    model = training.build_model("gpt")
+    assert model.count_params() == build_model("gpt", (addition.SEQUENCE_LENGTH,), len(addition.VOCABULARY)).count_params()
+    # Only the answer's tokens are scored: logits that favour every ignored target change nothing.
+    logits = np.zeros((2, addition.SEQUENCE_LENGTH, len(addition.VOCABULARY)), "float32")
+    scored = float(training.loss("gpt")(y_test[:2], logits))
+    logits[:, :addition.PROMPT_LENGTH - 1, 3] = 50.0
+    assert abs(float(training.loss("gpt")(y_test[:2], logits)) - scored) < 1e-6

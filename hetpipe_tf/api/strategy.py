@@ -462,13 +462,12 @@ def _loaded_profile(profile):
 
 def _checked_profile(profile, model, batch_size):
     """`profile` if it describes `model`'s segments at `batch_size`, else a ValueError saying how it differs."""
-    from hetpipe_tf.planning.profile import static_profile
-    from hetpipe_tf.runtime.stage_rewrite import describe_model
+    from hetpipe_tf.runtime.profiler import model_profile
 
     def shape(p):  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
         return p.batch_size, len(p.layer_names), sum(p.weight_bytes), sum(p.forward_flops)
 
-    own = static_profile(describe_model(model).graph, batch_size)
+    own = model_profile(model, batch_size)  # as measured profiles count attention and lookups
     if shape(profile) != shape(own):
         raise ValueError(f"the profile given is of {profile.model} at batch {profile.batch_size} "
                          f"({len(profile.layer_names)} layer calls, {sum(profile.weight_bytes)} weight bytes), the "

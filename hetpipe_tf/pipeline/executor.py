@@ -39,6 +39,7 @@ every stage was doing.
 """
 import heapq
 import itertools
+import sys
 import threading
 import time
 import traceback
@@ -55,6 +56,8 @@ from hetpipe_tf.pipeline.schedule import fifo_pick
 
 
 _FINISHED = object()
+_STOP_GRACE_S = 5.0  # a stopped run waits this long for each stage thread to end
+_STUCK_FRAMES = 12  # of the stack of a stage thread that did not end, shown in the error
 _DEVICE_RESULTS = (ACTIVATION, GRADIENT, UPDATE_TERMS, TIED_GRADIENTS)  # what a device computes for another stage
 
 
@@ -283,7 +286,8 @@ class PipelineExecutor:
         for mb in self._mailboxes:
             mb.wake()
         for t in threads:
-            t.join(timeout=5.0)
+            t.join(timeout=_STOP_GRACE_S)
+        stuck = _stacks_of([t for t in threads if t.is_alive()])
         if self._deliveries is not None:
             self._deliveries.close()
         if self._background is not None:
@@ -298,7 +302,7 @@ class PipelineExecutor:
             where, exc, tb = self._errors[0]
             where = f"virtual worker {self._pid}: {where}"
             raise PipelineError(f"{where}: {type(exc).__name__}: {exc}\n"
-                                f"stages: {self.describe_status()}\n{tb}") from exc
+                                f"stages: {self.describe_status()}\n{stuck}{tb}") from exc
         wall = self._clock() - start
         for s, rep in enumerate(self.reports):
             rt = self.runtimes[s]
@@ -638,6 +642,20 @@ class PipelineExecutor:
                 self._fail(f"stage {s} failed at {ins!r}", exc)
 
         self._background.submit(run)
+
+
+def _stacks_of(threads):
+    """Where each of `threads` (stage threads that did not stop when the run did) is: its Python
+    stack, innermost call last, for the error (a call into TensorFlow that never returns shows as
+    the TensorFlow call it is in)."""
+    frames = sys._current_frames()
+    parts = []
+    for t in threads:
+        frame = frames.get(t.ident)
+        if frame is not None:
+            stack = "".join(traceback.format_stack(frame)[-_STUCK_FRAMES:])
+            parts.append(f"{t.name} did not stop; it is in (innermost last):\n{stack}")
+    return "".join(parts)
 
 
 def _format_step(step):

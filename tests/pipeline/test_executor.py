@@ -2,11 +2,13 @@
 versions, stashes, stalls, failures, emulated memory and time. Emulated devices run at dilation 1
 (no calibration probes) where a test is not about the emulation's timing."""
 import json
+import threading
 
 import keras
 import numpy as np
 import pytest
 
+from hetpipe_tf.pipeline import executor as executor_module
 from hetpipe_tf.pipeline.emulation import DeviceOutOfMemoryError
 from hetpipe_tf.pipeline.executor import PipelineError, PipelineExecutor, UnknownInstructionError
 from hetpipe_tf.pipeline.instructions import Instruction, SendActivation, Task, TaskStream
@@ -124,6 +126,27 @@ def test_stalled_stage_times_out_naming_what_it_waits_for():
     with pytest.raises(PipelineError, match=r"waited 1.5 s with no task ready: stage 0: .*lacks \[\('gradient', 3\)\]"
                                             r".* \| stage 1: .*lacks \[\('activation', 3\)\]"):
         executor.run()
+
+
+def test_a_stage_stuck_in_a_device_call_is_named_with_where_it_is(monkeypatch):
+    model = models.mlp()
+    vw = VirtualWorker(model, "1,1", num_in_flight=2, optimizer="sgd", loss=LOSS, dilation=1.0, timeout_s=1.0)
+    batches = random_batches(model, 4)
+    vw.train(iter(batches[:1]), 1)  # builds and times the stages
+    released = threading.Event()
+
+    def call_that_never_returns(instructions):  # as a TensorFlow call that waits for ever would
+        released.wait(30)
+
+    monkeypatch.setattr(vw.runtimes[1], "run", call_that_never_returns)
+    monkeypatch.setattr(executor_module, "_STOP_GRACE_S", 0.2)
+    executor = PipelineExecutor(vw.schedule(4), vw.runtimes, iter(batches), vw.staged.split_inputs, timeout_s=1.0)
+    try:
+        with pytest.raises(PipelineError, match=r"(?s)stage 1: running \[StashWeights.*hetpipe-stage-1 did not stop; "
+                                                r"it is in .*in call_that_never_returns"):
+            executor.run()
+    finally:
+        released.set()
 
 
 def test_failing_input_pipeline_stops_every_stage_with_a_clear_error():

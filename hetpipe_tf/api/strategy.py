@@ -269,12 +269,19 @@ class HetPipeStrategy:
 
     def _attach(self, model, arguments):
         """Keeps loss, loss_weights and metrics as given: the workers' loss heads give them
-        Keras's meaning (:mod:`hetpipe_tf.runtime.loss_head`)."""
-        if arguments.get("weighted_metrics"):
-            raise ValueError(f"HetPipeStrategy does not support compile(weighted_metrics="
-                             f"{arguments['weighted_metrics']!r}): there are no sample weights to weigh "
-                             f"them with; give them as metrics= (the same values without sample weights)")
-        self._compiled[id(model)] = {k: arguments.get(k) for k in ("loss", "metrics", "loss_weights")}
+        Keras's meaning (:mod:`hetpipe_tf.runtime.loss_head`). Without sample weights (which fit
+        refuses) a weighted metric is its unweighted self: a list of `weighted_metrics` (keras_hub's
+        tasks compile with one) joins a list of `metrics`."""
+        kept = {k: arguments.get(k) for k in ("loss", "metrics", "loss_weights")}
+        weighted = arguments.get("weighted_metrics")
+        if weighted:
+            if not isinstance(weighted, (list, tuple)) or not isinstance(kept["metrics"], (list, tuple, type(None))):
+                raise ValueError(f"HetPipeStrategy takes compile(weighted_metrics=...) as a list, joined to a list "
+                                 f"of metrics (there are no sample weights: each is its unweighted self); got "
+                                 f"weighted_metrics={weighted!r} with metrics={kept['metrics']!r}: give them "
+                                 f"as metrics=")
+            kept["metrics"] = list(kept["metrics"] or []) + list(weighted)
+        self._compiled[id(model)] = kept
         model.fit = types.MethodType(lambda m, *a, **kw: self.fit(m, *a, **kw), model)
 
     def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -465,13 +472,13 @@ def _checked_profile(profile, model, batch_size):
     from hetpipe_tf.runtime.profiler import model_profile
 
     def shape(p):  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
-        return p.batch_size, len(p.layer_names), sum(p.weight_bytes), sum(p.forward_flops)
+        return p.batch_size, len(p.layer_names), p.total_weight_bytes, sum(p.forward_flops)
 
     own = model_profile(model, batch_size)  # as measured profiles count attention and lookups
     if shape(profile) != shape(own):
         raise ValueError(f"the profile given is of {profile.model} at batch {profile.batch_size} "
-                         f"({len(profile.layer_names)} layer calls, {sum(profile.weight_bytes)} weight bytes), the "
+                         f"({len(profile.layer_names)} layer calls, {profile.total_weight_bytes} weight bytes), the "
                          f"model trained is {own.model} at batch {batch_size} ({len(own.layer_names)} layer calls, "
-                         f"{sum(own.weight_bytes)} weight bytes): give the profile of this model and batch size, "
+                         f"{own.total_weight_bytes} weight bytes): give the profile of this model and batch size, "
                          f"or profile=None to measure one")
     return profile

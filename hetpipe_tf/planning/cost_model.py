@@ -138,11 +138,12 @@ class StageCost:
     apply: float
     executor: float = 0.0  # non-compute instructions
     memory: dict = field(default_factory=dict)  # category -> bytes
+    exchange: float = 0.0  # receiving the other replicas' gradients of the tied layers it holds, before its update
 
     @property
     def time(self):
         return (self.forward + self.backward + self.recv_activation + self.recv_gradient + self.apply
-                + self.executor)
+                + self.executor + self.exchange)
 
     @property
     def memory_total(self):
@@ -214,15 +215,31 @@ class CostModel:
         the synchronisation scheme's (WSP: the weights at the last push)."""
         return 1 + self.schedule.weight_versions(num_in_flight) + self.sync.weight_copies
 
-    def stage(self, lo, hi, devices, position, num_in_flight):
-        """The :class:`StageCost` of segments [lo, hi) at `position` of the device chain `devices`."""
+    def exchange_seconds(self, lo, hi, device, partners):
+        """Seconds a stage of segments [lo, hi) on `device` takes to receive the gradients of the
+        tied layers it holds a replica of from the stages that hold the others: `partners` maps a
+        segment to the device of the stage that holds it (a missing segment: on a neighbouring
+        stage's device, `partners[None]`)."""
+        seconds = 0.0
+        for _, segments, nbytes in self.profile.shared_weights:
+            inside = [i for i in segments if lo <= i < hi]
+            if inside and len(inside) < len(segments):
+                others = {partners.get(i, partners.get(None)) for i in segments if not lo <= i < hi}
+                seconds += sum(self.link_seconds(nbytes, other, device) for other in others if other is not None)
+        return seconds
+
+    def stage(self, lo, hi, devices, position, num_in_flight, partners=None):
+        """The :class:`StageCost` of segments [lo, hi) at `position` of the device chain `devices`;
+        `partners` as for :meth:`exchange_seconds` (default: every other replica on a neighbour's device)."""
         p = self.profile
         device = devices[position]
         k = len(devices)
         t, scale = self.times(device.type)
         late = p.pacing_overshoot_seconds if device.type.emulated else 0.0
         forward, backward = (scale * seconds + late for seconds in t.pass_seconds(lo, hi))
-        weights = sum(p.weight_bytes[lo:hi])
+        weights = p.stage_weight_bytes(lo, hi)
+        if partners is None:
+            partners = {None: devices[position - 1] if position > 0 else devices[min(position + 1, k - 1)]}
         cut_in = p.cut_bytes[lo] if lo > 0 else 0
         cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0
         recv_act = self.link_seconds(cut_in, devices[position - 1], device) if position > 0 else 0.0
@@ -238,9 +255,12 @@ class CostModel:
         }
         return StageCost(device=device, segments=(lo, hi), position=position, forward=forward,
                          backward=backward, recv_activation=recv_act, recv_gradient=recv_grad, apply=apply,
-                         executor=self.executor_seconds(position, k), memory=memory)
+                         executor=self.executor_seconds(position, k), memory=memory,
+                         exchange=self.exchange_seconds(lo, hi, device, partners))
 
     def stages(self, boundaries, devices, num_in_flight):
         """StageCosts of a whole partition (segment boundaries, starting with 0)."""
         ends = tuple(boundaries[1:]) + (self.profile.num_segments,)
-        return [self.stage(lo, hi, devices, q, num_in_flight) for q, (lo, hi) in enumerate(zip(boundaries, ends))]
+        partners = {i: devices[q] for q, (lo, hi) in enumerate(zip(boundaries, ends)) for i in range(lo, hi)}
+        return [self.stage(lo, hi, devices, q, num_in_flight, partners)
+                for q, (lo, hi) in enumerate(zip(boundaries, ends))]

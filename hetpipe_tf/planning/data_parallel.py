@@ -107,7 +107,7 @@ def predict_data_parallel(profile, cluster, devices=None, links=None, allreduce=
         need = min(st.memory_total for st in whole.values())
         raise DataParallelError(f"no device holds the whole of {profile.model} at batch {profile.batch_size} "
                                 f"(it needs {need / 2 ** 30:.1f} GiB)")
-    gradient_bytes = sum(profile.weight_bytes)
+    gradient_bytes = profile.total_weight_bytes
     n = len(kept)
     return DataParallelPrediction(
         devices=kept, left_out=left_out, forward_seconds=max(whole[d].forward for d in kept),

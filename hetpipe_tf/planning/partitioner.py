@@ -84,13 +84,19 @@ class _Tables:
 
     A stage's time and memory depend on its device's type and its position (the schedule's
     activations held, the executor's instructions), and the links into and out of it on the
-    nodes of its neighbours only (§7)."""
+    nodes of its neighbours only (§7).
+
+    A layer called in several segments (tied weights) counts in each of them, as if every call
+    were on a stage of its own: each holds a replica and receives the others' gradients of every
+    minibatch, from a neighbouring stage's device. A cut that keeps calls together is charged
+    more than it costs (the cost model's stage costs are exact); the plans with every shared
+    layer on one stage are planned apart (:func:`hetpipe_tf.planning.profile.colocated`)."""
 
     def __init__(self, model, num_stages, num_in_flight):
         self.model, self.k, self.num_in_flight = model, num_stages, num_in_flight
         self.n = model.profile.num_segments
         self.cut = model.profile.cut_bytes
-        self._own, self._links = {}, {}
+        self._own, self._links, self._exchanges = {}, {}, {}
 
     def own(self, device_type, q):
         """(time const, time prefix, memory const, memory prefix, activations held, capacity) of a
@@ -121,10 +127,24 @@ class _Tables:
                                          for c in range(self.n + 1)])
         return self._links[key]
 
+    def exchange(self, partner, device):
+        """Prefix sums over the segments of the seconds `device` takes to receive the gradients of
+        the tied layers each segment calls from `partner` (None: no other stage, zeros)."""
+        key = (None if partner is None else partner.node, device.node)
+        if key not in self._exchanges:
+            per_segment = [0.0] * self.n
+            if partner is not None:
+                for _, segments, nbytes in self.model.profile.shared_weights:
+                    for i in segments:
+                        per_segment[i] += self.model.link_seconds(nbytes, partner, device)
+            self._exchanges[key] = np.array(_prefix(per_segment))
+        return self._exchanges[key]
+
     def stage_times(self, q, device, before, after):
         """(time, memory) of stage q on `device` for every (lo, hi) as (n + 1) x (n + 1) arrays
         (inf where hi <= lo), with the device `before` it and `after` it (None at the ends)."""
         time_const, time_prefix, mem_const, mem_prefix, held, _ = self.own(device.type, q)
+        time_prefix = time_prefix + self.exchange(before if before is not None else after, device)
         time = (time_const + time_prefix)[None, :] - time_prefix[:, None]
         if before is not None:
             time = time + self.link(before, device)[:, None]
@@ -158,7 +178,8 @@ class _Coefficients:
         self.held = []
         for q, d in enumerate(devices):
             time_const, time_prefix, mem_const, mem_prefix, held, cap = tables.own(d.type, q)
-            self.time_prefix.append(time_prefix.tolist())
+            neighbour = devices[q - 1] if q > 0 else devices[1] if k > 1 else None
+            self.time_prefix.append((time_prefix + tables.exchange(neighbour, d)).tolist())
             self.time_const.append(time_const)
             self.held.append(held)
             self.mem_prefix.append(mem_prefix.tolist())

@@ -66,7 +66,7 @@ from hetpipe_tf.planning.allocation import (POLICIES, AllocationError, allocate,
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
 from hetpipe_tf.planning.partitioner import Partition, _result, least_slowest_stage
-from hetpipe_tf.planning.profile import coarsen
+from hetpipe_tf.planning.profile import coarsen, colocated
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
                                         proportional_sizes)
 from hetpipe_tf.sync.wsp import PLACEMENTS, WSP, WSP_SCHEME, ParameterServerModel
@@ -157,7 +157,10 @@ class Plan:
                     "device": st.device.name, "device_type": st.device.type.name,
                     "layers": [first, end - 1], "layer_names": [names[first], names[end - 1]] if names else [],
                     "time_ms": {"total": st.time * 1e3, "forward": st.forward * 1e3, "backward": st.backward * 1e3,
-                                "receive": (st.recv_activation + st.recv_gradient) * 1e3, "apply": st.apply * 1e3},
+                                "receive": (st.recv_activation + st.recv_gradient) * 1e3, "apply": st.apply * 1e3,
+                                "exchange": st.exchange * 1e3},
+                    "replicas": [layer for layer, segments, _ in self.profile.shared_weights
+                                 if 0 < sum(st.segments[0] <= i < st.segments[1] for i in segments) < len(segments)],
                     "memory_bytes": {**st.memory, "total": st.memory_total}, "capacity_bytes": st.capacity})
             workers.append({"index": i, "devices": [d.name for d in w.devices], "device_types": w.device_types,
                             "max_num_in_flight": w.max_num_in_flight, "minibatch_size": self.sizes[i],
@@ -306,17 +309,18 @@ def _push_times(model, workers, placement):
             for seg in range(*st.segments):
                 holders[seg][st.device.node] = holders[seg].get(st.device.node, 0) + 1
     held = [sum(h.values()) for h in holders]
+    pushed = p.server_bytes
     out = []
     for w in workers:
         times = []
         for st in w.stages:
             total = 0.0
             for seg in range(*st.segments):
-                if not p.weight_bytes[seg]:
+                if not pushed[seg]:
                     continue
                 server = st.device.node if placement == "local" else nodes[seg % len(nodes)]
                 flows = held[seg] - holders[seg].get(server, 0)
-                total += links.seconds(p.weight_bytes[seg], st.device, host[server], cluster, flows=flows)
+                total += links.seconds(pushed[seg], st.device, host[server], cluster, flows=flows)
             times.append(total)
         out.append(tuple(times))
     return out
@@ -333,7 +337,8 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
     push = push or _push_times(model, workers, placement)
     same_as, first = [], {}
     for w, part in enumerate(workers):
-        key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient) for st in part.stages),
+        key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient, st.exchange)
+                     for st in part.stages),
                push[w])
         same_as.append(first.setdefault(key, w))
     programs = {}
@@ -349,7 +354,9 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
             return st.forward
         if kind is Backward:
             return st.backward
-        if ins.applies() or kind in model.sync.apply_like or kind in model.schedule.apply_like:
+        if ins.applies():  # after the gradients of its tied layers' other replicas arrived
+            return st.apply + st.exchange
+        if kind in model.sync.apply_like or kind in model.schedule.apply_like:
             return st.apply
         link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
         return link + per_instruction
@@ -613,7 +620,58 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
         within memory) or one size per worker (checked against memory): see step 5 above.
       time_budget_s: `auto` only: stop trying allocations after this many seconds and return
         the best found (the three policies' own allocations are always tried).
+
+    A model with a layer called in several places (tied weights: an input embedding used again
+    for the logits) is planned twice: with cuts that may separate its calls (each stage that
+    calls it holds a replica, exchanging their gradients every minibatch) and with its calls on
+    one stage (:func:`hetpipe_tf.planning.profile.colocated`); the faster plan is returned, and
+    a note says which it is and what the other predicted.
     """
+    settings = dict(cluster=cluster, policy=policy, vw_size=vw_size, num_in_flight=num_in_flight,
+                    staleness_bound=staleness_bound, placement=placement, dilation=dilation,
+                    optimizer_slots=optimizer_slots, links=links, method=method, max_num_in_flight=max_num_in_flight,
+                    workers=workers, analytic=analytic, schedule=schedule, sync=sync,
+                    minibatch_sizes=minibatch_sizes, time_budget_s=time_budget_s)
+    if not profile.shared_weights:
+        return _plan(profile, **settings)
+    options = []
+    for label, p in (("with replicas allowed", profile), ("with each kept on one stage", colocated(profile))):
+        try:
+            options.append((label, _plan(p, **settings)))
+        except PlanError as e:
+            options.append((label, e))
+    planned = [(label, o) for label, o in options if isinstance(o, Plan)]
+    if not planned:
+        raise options[0][1]
+    layers = [layer for layer, _, _ in profile.shared_weights]
+    chosen = max((o for _, o in planned), key=lambda o: o.minibatches_per_s)
+    other = next(f"the plan {label} " + (f"does not fit ({str(o).splitlines()[-1].strip()})" if not isinstance(o, Plan)
+                                         else f"predicted {o.minibatches_per_s:.4g}")
+                 for label, o in options if o is not chosen)
+    note = (f"tied layers (each stage that calls one holds a replica): {_tied_placement(chosen, layers)}, predicted "
+            f"{chosen.minibatches_per_s:.4g} minibatches/s; {other}")
+    return replace(chosen, notes=chosen.notes + (note,))
+
+
+def _tied_placement(plan, layers):
+    """Where `plan` puts each of `layers` (called in several places): replicated on which stages
+    of each worker, or on one stage."""
+    segments_of = {layer: segments for layer, segments, _ in plan.profile.shared_weights}
+    parts = []
+    for layer in layers:
+        places = []
+        for w, worker in enumerate(plan.workers):
+            stages = sorted({q for q, st in enumerate(worker.partition.stages) for i in segments_of.get(layer, ())
+                             if st.segments[0] <= i < st.segments[1]})
+            if len(stages) > 1:
+                places.append(f"worker {w}'s stages {', '.join(map(str, stages))}")
+        parts.append(f"{layer} " + (f"replicated on {'; '.join(places)}" if places else "on one stage"))
+    return ", ".join(parts)
+
+
+def _plan(profile, cluster, policy, vw_size, num_in_flight, staleness_bound, placement, dilation, optimizer_slots,
+          links, method, max_num_in_flight, workers, analytic, schedule, sync, minibatch_sizes, time_budget_s):
+    """:func:`plan` of one profile."""
     schedule, sync = get_schedule(schedule), get_sync(sync)
     if time_budget_s is not None and (not time_budget_s > 0 or policy.lower() != "auto" or workers is not None):
         raise PlanError(f"time_budget_s bounds the search of policy 'auto' and is a number of seconds > 0; got "

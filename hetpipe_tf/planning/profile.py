@@ -74,10 +74,46 @@ class Profile:
     apply_shared_per_byte: float = 0.0
     instruction_seconds: float = 0.0
     pacing_overshoot_seconds: float = 0.0
+    #: Each layer called in several segments (tied weights): (its name, those segments, its weight
+    #: bytes). Every one of them counts the weights in `weight_bytes`: a stage that holds several
+    #: of them holds one copy (:meth:`stage_weight_bytes`), stages apart hold a replica each.
+    shared_weights: tuple = ()
 
     @property
     def num_segments(self):
         return len(self.starts)
+
+    def stage_weight_bytes(self, lo, hi):
+        """Trainable weight bytes of a stage of segments [lo, hi): a layer called in several of
+        them counts once."""
+        over = sum(nbytes * (n - 1) for n, nbytes in self._shared_counts(lo, hi) if n > 1)
+        return sum(self.weight_bytes[lo:hi]) - over
+
+    def replicated_bytes(self, lo, hi):
+        """Weight bytes of the layers a stage of segments [lo, hi) holds a replica of (called both
+        inside and outside it): their gradients of every minibatch are exchanged with the other
+        replicas' stages and summed before any applies (Megatron's embedding group)."""
+        return sum(nbytes for (n, nbytes), (_, segments, _) in zip(self._shared_counts(lo, hi), self.shared_weights)
+                   if 0 < n < len(segments))
+
+    @property
+    def server_bytes(self):
+        """Per segment: the weight bytes the parameter servers hold of it (what a wave pushes and
+        pulls): a layer called in several segments at its first call's only, as the first stage
+        holding a replica pushes it for all."""
+        later = [0] * self.num_segments
+        for _, segments, nbytes in self.shared_weights:
+            for i in segments[1:]:
+                later[i] += nbytes
+        return tuple(w - extra for w, extra in zip(self.weight_bytes, later))
+
+    @property
+    def total_weight_bytes(self):
+        """The model's trainable weight bytes, each layer once."""
+        return self.stage_weight_bytes(0, self.num_segments)
+
+    def _shared_counts(self, lo, hi):
+        return [(sum(lo <= i < hi for i in segments), nbytes) for _, segments, nbytes in self.shared_weights]
 
     def with_times(self, key, times):
         merged = dict(self.times)
@@ -102,6 +138,8 @@ class Profile:
         d = json.loads(text)
         times = {k: SegmentTimes(**{f: tuple(x) if isinstance(x, list) else x for f, x in v.items()})
                  for k, v in d.pop("times").items()}
+        d["shared_weights"] = tuple((layer, tuple(segments), nbytes) for layer, segments, nbytes in
+                                    d.get("shared_weights", ()))
         return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}, times=times)
 
 
@@ -144,8 +182,11 @@ class AttentionBlock:
 
 
 def segment_starts(graph):
-    """First layer call of every segment: 0 and every cut that keeps shared layers together."""
-    return (0,) + graph.allowed_cuts()
+    """First layer call of every segment: every layer call. A cut may separate the calls of a
+    shared layer (tied weights): each stage that calls it then holds a replica, whose memory and
+    gradient exchange the cost model charges, so the planner weighs replicas against keeping
+    the calls on one stage."""
+    return tuple(range(graph.num_nodes))
 
 
 def static_profile(graph, batch_size, attention=None, lookups=()):
@@ -185,10 +226,16 @@ def static_profile(graph, batch_size, attention=None, lookups=()):
         traffic.append(sum(batch_size * sum(graph.tensors[t].bytes_per_example for t in n.inputs + n.outputs)
                            + n.trainable_bytes for n in nodes) + batch_size * saved)
         kernels.append(len(nodes))
+    segments_of = {}  # layer -> the segments that call it, and its trainable bytes
+    for i, (lo, hi) in enumerate(zip(starts, ends)):
+        for n in graph.nodes[lo:hi]:
+            segments_of.setdefault(n.layer, ([], n.trainable_bytes))[0].append(i)
+    shared = tuple((layer, tuple(sorted(set(segments))), nbytes) for layer, (segments, nbytes) in segments_of.items()
+                   if len(set(segments)) > 1 and nbytes)
     return Profile(model=graph.name, batch_size=batch_size, starts=starts, weight_bytes=tuple(weights),
                    state_bytes=tuple(state), activation_bytes=tuple(act), cut_bytes=tuple(cut),
                    forward_flops=tuple(fwd), backward_flops=tuple(bwd), traffic_bytes=tuple(traffic),
-                   kernels=tuple(kernels), layer_names=tuple(n.layer for n in graph.nodes))
+                   kernels=tuple(kernels), layer_names=tuple(n.layer for n in graph.nodes), shared_weights=shared)
 
 
 def coarsen(profile, max_segments):
@@ -202,14 +249,35 @@ def coarsen(profile, max_segments):
         pair = min(range(len(groups) - 1),
                    key=lambda g: sum(cost[i] for i in groups[g] + groups[g + 1]))
         groups[pair:pair + 2] = [groups[pair] + groups[pair + 1]]
+    return _merged(profile, groups)
 
+
+def colocated(profile):
+    """The profile whose segments keep every shared layer's calls together (each span from its
+    first call's segment to its last one's is one segment): the plans in which no layer is
+    replicated, which :func:`hetpipe_tf.planning.planner.plan` weighs against replicas."""
+    groups = [[i] for i in range(profile.num_segments)]
+    for _, segments, _ in profile.shared_weights:
+        first = next(g for g, members in enumerate(groups) if segments[0] in members)
+        last = next(g for g, members in enumerate(groups) if segments[-1] in members)
+        groups[first:last + 1] = [[i for members in groups[first:last + 1] for i in members]]
+    return _merged(profile, groups)
+
+
+def _merged(profile, groups):
+    """`profile` with the segments of each group (consecutive, in order) merged into one."""
     def summed(values):
         return tuple(sum(values[i] for i in g) for g in groups)
 
     times = {k: SegmentTimes(summed(t.forward), summed(t.backward), t.forward_overhead, t.backward_overhead,
                              t.source) for k, t in profile.times.items()}
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
+    shared = tuple((layer, tuple(sorted({group_of[i] for i in segments})), nbytes)
+                   for layer, segments, nbytes in profile.shared_weights)
     return Profile(**{**profile._fields(), "starts": tuple(profile.starts[g[0]] for g in groups),
-                      "weight_bytes": summed(profile.weight_bytes), "state_bytes": summed(profile.state_bytes),
+                      "shared_weights": tuple(entry for entry in shared if len(entry[1]) > 1),
+                      "weight_bytes": tuple(profile.stage_weight_bytes(g[0], g[-1] + 1) for g in groups),
+                      "state_bytes": summed(profile.state_bytes),
                       "activation_bytes": summed(profile.activation_bytes),
                       "cut_bytes": tuple(profile.cut_bytes[g[0]] for g in groups),
                       "forward_flops": summed(profile.forward_flops),

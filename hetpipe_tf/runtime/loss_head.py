@@ -59,7 +59,8 @@ class LossHead:
 
     Args:
       loss, loss_weights, metrics: as for ``keras.Model.compile`` (``metrics=()`` or None:
-        none). ``weighted_metrics`` and sample weights are not supported.
+        none). Sample weights are not supported (``HetPipeStrategy`` joins a list of
+        ``weighted_metrics`` to the metrics).
       output_names: the model's output names, in its output order.
     """
 

@@ -36,8 +36,9 @@ from hetpipe_tf.runtime.stage_runtime import StageRuntime, is_remote
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf", "profiles")
 #: Part of every cached profile's name, bumped when what a profile measures changes: profiles
-#: cached by an earlier version are not read back (2: applies timed on weights shaped like the model's).
-CACHE_VERSION = 2
+#: cached by an earlier version are not read back (2: applies timed on weights shaped like the model's; 3: a
+#: segment per layer call, shared layers' calls apart).
+CACHE_VERSION = 3
 
 
 def host_name():
@@ -173,7 +174,8 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
 
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
-    cuts = describe_model(model).graph.allowed_cuts()
+    graph = describe_model(model).graph
+    cuts = graph.allowed_cuts() or tuple(range(1, graph.num_nodes))  # else a tied layer is replicated
     vw = VirtualWorker(model, "1,1", num_in_flight=2, boundaries=(0, cuts[len(cuts) // 2]),
                        optimizer=optimizer, loss=loss, dilation=2.0)
     data = [sample] * steps

@@ -173,8 +173,9 @@ def test_strategy_names_what_it_does_not_support():
     strategy = HetPipeStrategy(cluster="local", policy="np", launch="in_process", dilation=1)
     with strategy.scope():
         model = _model()
-        with pytest.raises(ValueError, match=r"compile\(weighted_metrics=\['mae'\]\)"):
-            model.compile(optimizer="sgd", loss="mse", weighted_metrics=["mae"])
+        with pytest.raises(ValueError, match=r"takes compile\(weighted_metrics=...\) as a list, .* got "
+                                             r"weighted_metrics=\['mae'\] with metrics=\{'reg': \['mse'\]\}"):
+            model.compile(optimizer="sgd", loss="mse", metrics={"reg": ["mse"]}, weighted_metrics=["mae"])
         model.compile(optimizer="sgd", loss="mse")
     x, y = _data("tuple")
     for argument in ("sample_weight", "class_weight"):

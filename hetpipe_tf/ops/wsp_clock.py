@@ -14,6 +14,7 @@ import itertools
 
 import tensorflow as tf
 
+from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.ops.loader import load_ops
 
 _ids = itertools.count()
@@ -39,7 +40,7 @@ class WspClock:
             self._handle = self._ops.hetpipe_wsp_clock_handle(shared_name=self.name)
             if create:
                 self._ops.hetpipe_wsp_clock_create(self._handle, tf.constant(self.stages_per_worker, tf.int64))
-        self._wait_fn = tf.function(self.wait_graph)
+        self._wait_fn = FirstCallLocked(tf.function(self.wait_graph), waits=True)
 
     def wait_graph(self, wave, timeout):
         """The wait op, for use inside a ``tf.function``: returns the global clock."""

@@ -25,6 +25,8 @@ import tensorflow as tf
 # tape uses for a tf.function call.
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
+from hetpipe_tf.ops.first_calls import FIRST_CALLS
+
 
 def batch_relaxed(spec: tf.TensorSpec) -> tf.TensorSpec:
     """`spec` with an unknown first dimension: one trace serves every minibatch size."""
@@ -73,10 +75,12 @@ class CompiledCall:
         self.name = name
         self._jit = jit_compile
         self._call = None
+        self._warm = False  # run once: TensorFlow has instantiated it
 
     def trace(self, specs) -> None:
-        """Traces the graph for arguments of `specs` (a tuple, one nested spec per argument)."""
-        with tf.device(self.device):
+        """Traces the graph for arguments of `specs` (a tuple, one nested spec per argument),
+        holding :data:`hetpipe_tf.ops.first_calls.FIRST_CALLS`, as its first run does."""
+        with FIRST_CALLS, tf.device(self.device):
             concrete = tf.function(self._fn, jit_compile=self._jit, autograph=False).get_concrete_function(*specs)
         atomic, captured = concrete._inference_function, list(concrete.captured_inputs)
         pack = packer(concrete.structured_outputs)
@@ -92,7 +96,13 @@ class CompiledCall:
     def __call__(self, *args):
         if self._call is None:
             self.trace(tuple(spec_of(a) for a in args))
-        return self._call(tf.nest.flatten(args, expand_composites=True))
+        flat = tf.nest.flatten(args, expand_composites=True)
+        if self._warm:
+            return self._call(flat)
+        with FIRST_CALLS:
+            out = self._call(flat)
+        self._warm = True
+        return out
 
 
 class SplitPass:
@@ -108,15 +118,17 @@ class SplitPass:
     def __init__(self, fn: Callable, specs: Sequence, device: str | None, name: str):
         self.name = name
         self.device = device
-        with tf.device(device):
-            concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
-        self.num_outputs = len(concrete.outputs)
-        self._num_inputs = len(tf.nest.flatten(specs, expand_composites=True))
-        self._captured = list(concrete.captured_inputs)
-        self._functions = _concrete._FirstOrderTapeGradientFunctions(
-            concrete._func_graph, concrete._attrs, concrete._garbage_collector, forwardprop_input_indices=(),
-            delayed_rewrite_functions=concrete._delayed_rewrite_functions, need_gradients_for_jvps=False)
-        self._forward = self._functions.forward([], [])  # the arguments matter only to forward-mode jvps
+        with FIRST_CALLS:  # every graph function of the pass is made here
+            with tf.device(device):
+                concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
+            self.num_outputs = len(concrete.outputs)
+            self._num_inputs = len(tf.nest.flatten(specs, expand_composites=True))
+            self._captured = list(concrete.captured_inputs)  # before the tape's functions capture more
+            self._functions = _concrete._FirstOrderTapeGradientFunctions(
+                concrete._func_graph, concrete._attrs, concrete._garbage_collector, forwardprop_input_indices=(),
+                delayed_rewrite_functions=concrete._delayed_rewrite_functions, need_gradients_for_jvps=False)
+            self._forward = self._functions.forward([], [])  # the arguments matter only to forward-mode jvps
+        self._warm = False
         #: The specs of a record (unknown dimensions where the inputs' specs have them).
         self.record_specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._functions._forward_graph.outputs]
 
@@ -124,8 +136,13 @@ class SplitPass:
         """(outputs, record) of the forward pass on `inputs`: run now on the device, or added to the
         graph function being traced."""
         flat = tf.nest.flatten(inputs, expand_composites=True)
-        with tf.device(self.device):
-            record = self._forward.call_flat(*flat, *self._captured)
+        if self._warm or tf.inside_function():
+            with tf.device(self.device):
+                record = self._forward.call_flat(*flat, *self._captured)
+        else:
+            with FIRST_CALLS, tf.device(self.device):
+                record = self._forward.call_flat(*flat, *self._captured)
+            self._warm = True
         return list(record[:self.num_outputs]), list(record)
 
     def backward(self, output_gradients: Sequence, record: Sequence, inputs: Sequence) -> list:

@@ -43,6 +43,7 @@ from keras.src.backend import set_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.ops.core import ConvertToTensor
 
+from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
 
@@ -268,7 +269,8 @@ class Stage:
     def call(self, trainable, non_trainable, entering, training=True):
         fn = self._functions.get(training)
         if fn is None:
-            fn = tf.function(functools.partial(self.stateless_call, training=training))  # one warning key per stage
+            # A partial per stage: TensorFlow keys its retracing warning on a function's code.
+            fn = FirstCallLocked(tf.function(functools.partial(self.stateless_call, training=training)))
             self._functions[training] = fn
         return fn(list(trainable), list(non_trainable), list(entering))
 

@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.ops.weight_stash import WeightStash
 from hetpipe_tf.pipeline.emulation import MemoryAccount
 from hetpipe_tf.pipeline.instructions import (
@@ -318,13 +319,13 @@ class StageRuntime:
         # The weight and synchronisation bookkeeping, each one call (on another task's device
         # one RPC, not one per variable and op). Partials, not methods or lambdas: TensorFlow
         # keys its retracing warning on a function's code, which every stage would share.
-        self._read_synchronised_fn = tf.function(functools.partial(self._read_synchronised_graph))
-        self._add_to_weights_fn = tf.function(functools.partial(self._add_to_weights_graph))
-        self._merge_fn = tf.function(functools.partial(self._merge_graph))
-        self._change_fn = tf.function(functools.partial(self._synchronised_change_graph))
-        self._subtract_fn = tf.function(functools.partial(_subtract_graph))
-        self._sum_fn = tf.function(functools.partial(_sum_graph))
-        self._timed_pass_fn = tf.function(functools.partial(self._timed_pass_graph))
+        self._read_synchronised_fn = FirstCallLocked(tf.function(functools.partial(self._read_synchronised_graph)))
+        self._add_to_weights_fn = FirstCallLocked(tf.function(functools.partial(self._add_to_weights_graph)))
+        self._merge_fn = FirstCallLocked(tf.function(functools.partial(self._merge_graph)))
+        self._change_fn = FirstCallLocked(tf.function(functools.partial(self._synchronised_change_graph)))
+        self._subtract_fn = FirstCallLocked(tf.function(functools.partial(_subtract_graph)))
+        self._sum_fn = FirstCallLocked(tf.function(functools.partial(_sum_graph)))
+        self._timed_pass_fn = FirstCallLocked(tf.function(functools.partial(self._timed_pass_graph)))
         # XLA fuses the optimizer's elementwise update, which pays once a stage's weights are large
         # (_XLA_APPLY_ELEMENTS); below that its launch costs more than the update. It copies a
         # variable's buffer that a stashed version still shares, as eager updates do. Not on
@@ -334,7 +335,7 @@ class StageRuntime:
         # 2.21's single-threaded executor deadlocks two stages that run an If at once.
         elements = sum(int(np.prod(v.shape)) for v in self.trainable)
         if (elements >= _XLA_APPLY_ELEMENTS or self.single_threaded) and not is_remote(device):
-            self._apply_fn = tf.function(functools.partial(self._apply_graph), jit_compile=True)
+            self._apply_fn = FirstCallLocked(tf.function(functools.partial(self._apply_graph), jit_compile=True))
         else:  # in the task's own graph
             self._apply_fn = self._apply_graph
         self.sync_scheme = sync

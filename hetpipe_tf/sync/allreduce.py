@@ -25,6 +25,7 @@ import zlib
 
 import tensorflow as tf
 
+from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.sync.compression import decode_quant8, encode_quant8, truncate16, untruncate16
 from hetpipe_tf.sync.pipe_sgd import get_compression
 
@@ -98,7 +99,7 @@ class AllReduceGroup:
         self.join(worker, stage, device, paths)
         fn = self._functions.get((worker, stage))
         if fn is None:
-            fn = tf.function(functools.partial(self._reduce_graph, self.group_key(stage)))
+            fn = FirstCallLocked(tf.function(functools.partial(self._reduce_graph, self.group_key(stage))), waits=True)
             self._functions[(worker, stage)] = fn
         try:
             with tf.device(self.member_device(worker, device)):

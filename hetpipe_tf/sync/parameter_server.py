@@ -36,6 +36,7 @@ import os
 
 import tensorflow as tf
 
+from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.ops.wsp_clock import WspClock
 from hetpipe_tf.sync.allreduce import group_of
 from hetpipe_tf.sync.wsp import PLACEMENTS
@@ -136,7 +137,7 @@ class ParameterServers:
         if paths not in self._push_fns:
             # A partial, not a lambda: TensorFlow keys its retracing warning on a function's code,
             # which one lambda per stage would share.
-            self._push_fns[paths] = tf.function(functools.partial(self._push_graph, paths))
+            self._push_fns[paths] = FirstCallLocked(tf.function(functools.partial(self._push_graph, paths)))
         self._push_fns[paths](tf.constant(worker, tf.int64), tf.constant(stage, tf.int64),
                               tf.constant(wave, tf.int64), tf.constant(self.push_weights[worker], tf.float32),
                               list(deltas))
@@ -148,7 +149,7 @@ class ParameterServers:
         """
         paths = tuple(paths)
         if paths not in self._pull_fns:
-            self._pull_fns[paths] = tf.function(functools.partial(self._pull_graph, paths))
+            self._pull_fns[paths] = FirstCallLocked(tf.function(functools.partial(self._pull_graph, paths)), waits=True)
         values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 

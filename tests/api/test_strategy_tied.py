@@ -30,8 +30,9 @@ def test_gpt2_causal_lm_is_planned_with_its_tied_embedding_replicated_and_trains
     (first,), (last,) = [s["replicas"] for s in stages]
     assert first == last and first.endswith("/token_embedding")
     assert "replicated on worker 0's stages 0, 1" in plan.notes[-1]
-    # The replicas' gradients were summed before either applied: both stages hold the same table.
+    # The replicas' gradients were summed before either applied: both stages hold the same table,
+    # up to float rounding (each stage applies with its own kernels, which the measured plan sets).
     runtimes = strategy.runner.vws[0].runtimes
     tables = [v.numpy() for rt in runtimes for v in rt.trainable if v.path.endswith("token_embedding/embeddings")]
     assert len(tables) == 2
-    np.testing.assert_array_equal(tables[0], tables[1])
+    np.testing.assert_allclose(tables[0], tables[1], rtol=0, atol=1e-6)

@@ -154,6 +154,15 @@ class StageCost:
         return self.device.type.memory
 
 
+def neighbour(devices, position):
+    """The device of the stage before `position` in the chain `devices`, the next one's for the
+    first stage, None for a chain of one: where a stage's tied layers' other replicas are taken to
+    be when the whole chain is not known."""
+    if position > 0:
+        return devices[position - 1]
+    return devices[1] if len(devices) > 1 else None
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Stage costs for one profile on one cluster."""
@@ -221,11 +230,9 @@ class CostModel:
         segment to the device of the stage that holds it (a missing segment: on a neighbouring
         stage's device, `partners[None]`)."""
         seconds = 0.0
-        for _, segments, nbytes in self.profile.shared_weights:
-            inside = [i for i in segments if lo <= i < hi]
-            if inside and len(inside) < len(segments):
-                others = {partners.get(i, partners.get(None)) for i in segments if not lo <= i < hi}
-                seconds += sum(self.link_seconds(nbytes, other, device) for other in others if other is not None)
+        for _, segments, nbytes in self.profile.replicated(lo, hi):
+            others = {partners.get(i, partners.get(None)) for i in segments if not lo <= i < hi}
+            seconds += sum(self.link_seconds(nbytes, other, device) for other in others if other is not None)
         return seconds
 
     def stage(self, lo, hi, devices, position, num_in_flight, partners=None):
@@ -239,7 +246,7 @@ class CostModel:
         forward, backward = (scale * seconds + late for seconds in t.pass_seconds(lo, hi))
         weights = p.stage_weight_bytes(lo, hi)
         if partners is None:
-            partners = {None: devices[position - 1] if position > 0 else devices[min(position + 1, k - 1)]}
+            partners = {None: neighbour(devices, position)}
         cut_in = p.cut_bytes[lo] if lo > 0 else 0
         cut_out = p.cut_bytes[hi] if hi < p.num_segments else 0
         recv_act = self.link_seconds(cut_in, devices[position - 1], device) if position > 0 else 0.0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetpipe_tf.planning.cost_model import neighbour
 from hetpipe_tf.planning.milp import Program
 
 
@@ -178,8 +179,7 @@ class _Coefficients:
         self.held = []
         for q, d in enumerate(devices):
             time_const, time_prefix, mem_const, mem_prefix, held, cap = tables.own(d.type, q)
-            neighbour = devices[q - 1] if q > 0 else devices[1] if k > 1 else None
-            self.time_prefix.append((time_prefix + tables.exchange(neighbour, d)).tolist())
+            self.time_prefix.append((time_prefix + tables.exchange(neighbour(devices, q), d)).tolist())
             self.time_const.append(time_const)
             self.held.append(held)
             self.mem_prefix.append(mem_prefix.tolist())

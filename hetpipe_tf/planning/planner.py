@@ -159,8 +159,7 @@ class Plan:
                     "time_ms": {"total": st.time * 1e3, "forward": st.forward * 1e3, "backward": st.backward * 1e3,
                                 "receive": (st.recv_activation + st.recv_gradient) * 1e3, "apply": st.apply * 1e3,
                                 "exchange": st.exchange * 1e3},
-                    "replicas": [layer for layer, segments, _ in self.profile.shared_weights
-                                 if 0 < sum(st.segments[0] <= i < st.segments[1] for i in segments) < len(segments)],
+                    "replicas": [layer for layer, _, _ in self.profile.replicated(*st.segments)],
                     "memory_bytes": {**st.memory, "total": st.memory_total}, "capacity_bytes": st.capacity})
             workers.append({"index": i, "devices": [d.name for d in w.devices], "device_types": w.device_types,
                             "max_num_in_flight": w.max_num_in_flight, "minibatch_size": self.sizes[i],

@@ -89,12 +89,17 @@ class Profile:
         over = sum(nbytes * (n - 1) for n, nbytes in self._shared_counts(lo, hi) if n > 1)
         return sum(self.weight_bytes[lo:hi]) - over
 
+    def replicated(self, lo, hi):
+        """The :attr:`shared_weights` entries a stage of segments [lo, hi) holds a replica of (the
+        layer is called both inside and outside it): their gradients of every minibatch are
+        exchanged with the other replicas' stages and summed before any applies (Megatron's
+        embedding group)."""
+        return [entry for (n, _), entry in zip(self._shared_counts(lo, hi), self.shared_weights)
+                if 0 < n < len(entry[1])]
+
     def replicated_bytes(self, lo, hi):
-        """Weight bytes of the layers a stage of segments [lo, hi) holds a replica of (called both
-        inside and outside it): their gradients of every minibatch are exchanged with the other
-        replicas' stages and summed before any applies (Megatron's embedding group)."""
-        return sum(nbytes for (n, nbytes), (_, segments, _) in zip(self._shared_counts(lo, hi), self.shared_weights)
-                   if 0 < n < len(segments))
+        """Weight bytes of the layers a stage of segments [lo, hi) holds a replica of."""
+        return sum(nbytes for _, _, nbytes in self.replicated(lo, hi))
 
     @property
     def server_bytes(self):

@@ -261,9 +261,13 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
         events.finished(error)
 
     follow = LearningRateFollower(model, optimizer, stage_optimizers)
+    # Only a callback sees or sets the optimizer between epochs: without one, it follows at the
+    # epochs' ends alone (each step's following costs two host round trips).
+    each_step = bool(callbacks)
 
-    def sync_optimizer(completed):
-        follow(completed)
+    def sync_optimizer(completed, step_end=False):
+        if each_step or not step_end:
+            follow(completed)
 
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=model,
@@ -295,7 +299,7 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += trained
                 cbs.on_train_batch_end(step, {k: v / max(count, 1) for k, v in sums.items()})
-                sync_optimizer(completed)
+                sync_optimizer(completed, step_end=True)
                 if model.stop_training or stopped:
                     if not stopped:
                         request_stop()
@@ -349,19 +353,22 @@ def _terminate_on_nan_logs(error, callbacks):
 
 class LearningRateFollower:
     """Keeps the user's optimizer (what callbacks see as model.optimizer) and the stages' copies in
-    step, called after every step: its iteration count follows the completed updates, so that a
-    schedule's learning rate reads right, and a learning rate a callback set reaches every copy
-    (each copy computes a schedule from its own iterations). Per step it assigns one variable and
-    reads one; the copies are set only when the value changed, or the copies did (a virtual
-    worker's process started again)."""
+    step (with callbacks; else at each epoch's start and end): its iteration count follows the
+    completed updates, so that a schedule's learning rate reads right, and a learning rate a
+    callback set reaches every copy (each copy computes a schedule from its own iterations). Per
+    call it assigns one variable and reads one; the copies are set only when the value changed, or
+    the copies did (a virtual worker's process started again)."""
 
     def __init__(self, model, template, optimizers):
         self._model, self._template, self._optimizers = model, template, optimizers
         self._set = (None, ())  # the learning rate the copies were last given, and which copies
+        self._inner = (None, None)  # (the optimizer callbacks see, its inner optimizer), checked once
 
     def __call__(self, completed):
-        template = inner_optimizer(self._model.optimizer if getattr(self._model, "optimizer", None) is not None
-                                   else self._template)
+        seen = self._model.optimizer if getattr(self._model, "optimizer", None) is not None else self._template
+        if seen is not self._inner[0]:
+            self._inner = (seen, inner_optimizer(seen))
+        template = self._inner[1]
         iterations = template.iterations.value
         _variable_ops.assign_variable_op(iterations.handle, tf.constant(completed, iterations.dtype))
         given = template._learning_rate

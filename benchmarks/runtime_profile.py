@@ -63,16 +63,16 @@ def category(frames):
     stack = ";".join(frames)
     if not stack.strip():
         return "TensorFlow's own threads (no Python frames: kernels, its executor)"
+    leaf = frames[-1]
+    if any(m in leaf for m in ("threading.py", "queue.py")):
+        return WAITING  # whatever the thread waits in (the fit for the pipeline's next event, say)
     for name, marks in BY_ANY_FRAME:
         if any(m in stack for m in marks):
             return name
-    leaf = frames[-1]
     compiled = "CompiledCall" in stack or "polymorphic_function" in stack
     if "execute.py" in leaf:
         return ("TensorFlow runtime in compiled calls (kernels, graph executor)" if compiled
                 else "eager ops (one TensorFlow op per Python call)")
-    if any(m in leaf for m in ("threading.py", "queue.py")):
-        return WAITING
     if compiled:
         return "tf.function dispatch (Python: binding, flattening, packing)"
     if "hetpipe_tf" in leaf:

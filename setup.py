@@ -22,20 +22,30 @@ BUILD_INFO = "_hetpipe_ops_build.json"
 
 
 class BuildTensorFlowOps(build_ext):
-    """Compiles the op library with g++ and TensorFlow's sysconfig flags."""
+    """Compiles the op library with g++ and TensorFlow's sysconfig flags, a compiler per source
+    file at once (as many as there are cores), then links."""
 
     def build_extension(self, ext):
         import tensorflow as tf  # the TensorFlow the ops must match
 
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
+        os.makedirs(self.build_temp, exist_ok=True)
         cxx = os.environ.get("CXX") or shutil.which("g++") or "c++"
-        cmd = [
-            cxx, "-shared", "-fPIC", "-O2",
-            "-Wno-deprecated-declarations", "-Wno-interference-size",
-            *ext.sources, "-o", out,
-            *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
-        ]
+        flags = ["-fPIC", "-O2", "-Wno-deprecated-declarations", "-Wno-interference-size",
+                 *tf.sysconfig.get_compile_flags()]
+        objects = [os.path.join(self.build_temp, source.replace(os.sep, "_") + ".o") for source in ext.sources]
+        pending = [[cxx, "-c", *flags, source, "-o", obj] for source, obj in zip(ext.sources, objects)]
+        running = []
+        while pending or running:
+            while pending and len(running) < (os.cpu_count() or 1):
+                cmd = pending.pop(0)
+                self.announce(" ".join(cmd), level=2)
+                running.append((cmd, subprocess.Popen(cmd)))
+            cmd, compiler = running.pop(0)
+            if compiler.wait():
+                raise subprocess.CalledProcessError(compiler.returncode, cmd)
+        cmd = [cxx, "-shared", *objects, "-o", out, *tf.sysconfig.get_link_flags()]
         self.announce(" ".join(cmd), level=2)
         subprocess.check_call(cmd)
         info = {"tensorflow_version": tf.__version__, "compiler": cxx,

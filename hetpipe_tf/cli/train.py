@@ -129,15 +129,15 @@ def _optimizer():
     return keras.optimizers.LossScaleOptimizer(optimizer) if FLAGS.mixed_precision == "fp16" else optimizer
 
 
-def _train_virtual_workers():
-    """--cluster: several virtual workers under WSP, planned and launched by HetPipeStrategy."""
+def _train_virtual_workers(cluster):
+    """--cluster: several virtual workers under WSP on `cluster` (the flag's, loaded), planned and
+    launched by HetPipeStrategy."""
     from hetpipe_tf.api.callbacks import WSPTensorBoard
     from hetpipe_tf.api.strategy import HetPipeStrategy
-    from hetpipe_tf.planning.cluster import load_cluster
 
     vw_size = None
     if FLAGS.num_vws:
-        total = len(load_cluster(FLAGS.cluster).devices())
+        total = len(cluster.devices())
         if total % FLAGS.num_vws:
             raise app.UsageError(f"--num_vws={FLAGS.num_vws} must divide the cluster's {total} devices")
         vw_size = total // FLAGS.num_vws
@@ -178,20 +178,24 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
+    # What the flags name, checked before TensorFlow starts (a usage error then takes a fraction of a second).
+    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.devices import parse_devices
+
+    cluster = load_cluster(FLAGS.cluster) if FLAGS.cluster else None
+    devices = None if cluster else parse_devices(_devices())
     import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
 
     _dataset_defaults()
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
-    if FLAGS.cluster:
-        _train_virtual_workers()
+    if cluster:
+        _train_virtual_workers(cluster)
         return
     from hetpipe_tf.api.callbacks import PipelineTensorBoard
-    from hetpipe_tf.planning.devices import parse_devices
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
     from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
-    devices = parse_devices(_devices())
     configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
     train, test, model = _data_and_model()
     shape = tuple(train.element_spec[0].shape[1:])

@@ -3,7 +3,7 @@ while parsing: a value out of its range, or flags that contradict each other, is
 before anything starts."""
 from absl import flags
 
-from hetpipe_tf.data import datasets
+from hetpipe_tf.data import DEFAULT_DATA_DIR
 
 from hetpipe_tf.cli import models
 from hetpipe_tf.cli.hetpipe_flags import OPTIMIZERS
@@ -20,7 +20,7 @@ def define_flags():
     flags.DEFINE_string("dataset", "hetpipe_digits",
                         "TFDS dataset name; hetpipe_digits ships with the package, others must be "
                         "prepared in --data_dir (nothing is downloaded).")
-    flags.DEFINE_string("data_dir", datasets.DEFAULT_DATA_DIR, "TFDS data directory.")
+    flags.DEFINE_string("data_dir", DEFAULT_DATA_DIR, "TFDS data directory.")
     flags.DEFINE_string("devices", None,
                         "Devices of the virtual worker, one per stage: SPEED@MEMORY (emulated), cpu, "
                         f"gpu:I[@MEMORY]. Default: {DEFAULT_DEVICES} (emulated, heterogeneous).")

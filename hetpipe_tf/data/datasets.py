@@ -15,11 +15,10 @@ import os
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from hetpipe_tf.data import DEFAULT_DATA_DIR
 from hetpipe_tf.data.addition_builder import HetpipeAddition  # registers "hetpipe_addition" with TFDS
 from hetpipe_tf.data.digits import HetpipeDigits  # registers "hetpipe_digits" with TFDS
 
-DEFAULT_DATA_DIR = os.environ.get("TFDS_DATA_DIR") or os.path.join(
-    os.path.expanduser("~"), "tensorflow_datasets")
 SHUFFLE_BUFFER = 10_000  # most examples held (still encoded) for shuffling
 PACKAGED = (HetpipeDigits.name, HetpipeAddition.name)  # prepared offline from the package
 

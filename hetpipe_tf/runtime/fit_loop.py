@@ -261,9 +261,9 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
         events.finished(error)
 
     follow = LearningRateFollower(model, optimizer, stage_optimizers)
-    # Only a callback sees or sets the optimizer between epochs: without one, it follows at the
-    # epochs' ends alone (each step's following costs two host round trips).
-    each_step = bool(callbacks)
+    # Only a callback's step hooks see or set the optimizer within an epoch: without one, it
+    # follows at the epochs' starts and ends alone (each step's following costs two host round trips).
+    each_step = _has_step_hooks(callbacks)
 
     def sync_optimizer(completed, step_end=False):
         if each_step or not step_end:
@@ -305,6 +305,7 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
                         request_stop()
                     stopped = True
                     break
+            sync_optimizer(completed)  # validation and the epoch's callbacks see its iterations
             epoch_logs = {k: v / max(count, 1) for k, v in sums.items()}
             if t_done > t_epoch:
                 epoch_logs["images_per_s"] = count * batch_size / (t_done - t_epoch)
@@ -340,6 +341,16 @@ def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_
     return model.history
 
 
+#: A callback's hooks that run at each step.
+_STEP_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+def _has_step_hooks(callbacks):
+    """Whether any of `callbacks` has a hook of its own (not keras.callbacks.Callback's) that runs at each step."""
+    return any(getattr(type(cb), hook) is not getattr(keras.callbacks.Callback, hook)
+               for cb in callbacks or () for hook in _STEP_HOOKS)
+
+
 def _terminate_on_nan_logs(error, callbacks):
     """The logs of the minibatch whose non-finite loss ended training, when a TerminateOnNaN
     callback is there to see them; else None."""
@@ -353,11 +364,12 @@ def _terminate_on_nan_logs(error, callbacks):
 
 class LearningRateFollower:
     """Keeps the user's optimizer (what callbacks see as model.optimizer) and the stages' copies in
-    step (with callbacks; else at each epoch's start and end): its iteration count follows the
-    completed updates, so that a schedule's learning rate reads right, and a learning rate a
-    callback set reaches every copy (each copy computes a schedule from its own iterations). Per
-    call it assigns one variable and reads one; the copies are set only when the value changed, or
-    the copies did (a virtual worker's process started again)."""
+    step, called after every step when a callback has step hooks, else at each epoch's start and
+    end: its iteration count follows the completed updates, so that a schedule's learning rate
+    reads right, and a learning rate a callback set reaches every copy (each copy computes a
+    schedule from its own iterations). Per call it assigns one variable and reads one; the copies
+    are set only when the value changed, or the copies did (a virtual worker's process started
+    again)."""
 
     def __init__(self, model, template, optimizers):
         self._model, self._template, self._optimizers = model, template, optimizers

@@ -3,6 +3,7 @@ import threading
 import time
 
 import keras
+import pytest
 
 from hetpipe_tf.runtime.fit_loop import Events, run_fit
 
@@ -43,3 +44,53 @@ def test_the_last_epoch_ends_after_training_has_finished():
             epoch_end=epoch_end, optimizer=model.optimizer, stage_optimizers=lambda: [],
             request_stop=lambda: None, abort=lambda: None, timeout_s=10.0)
     assert seen[-1] == (1, True)
+
+
+def _fit_counting(callbacks, copy):
+    def train(events):
+        events.put("started", time.perf_counter())
+        for _ in range(2 * 3):
+            events.put("done", ({"loss": 1.0}, time.perf_counter()))
+
+    model = _model()
+    run_fit(model, train=train, epochs=2, steps_per_epoch=3, callbacks=callbacks, verbose=0, batch_size=4,
+            epoch_end=lambda *_: {}, optimizer=model.optimizer, stage_optimizers=lambda: [copy],
+            request_stop=lambda: None, abort=lambda: None, timeout_s=10.0)
+    return model
+
+
+def test_a_callback_with_step_hooks_sees_the_iterations_and_sets_the_learning_rate_at_every_step():
+    copy = keras.optimizers.SGD(0.1)  # a stage's copy of the optimizer
+
+    class Steps(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append((int(self.model.optimizer.iterations), float(copy.learning_rate)))
+            self.model.optimizer.learning_rate = 0.01 * len(self.seen)  # the copy follows before the next step
+
+    steps = Steps()
+    _fit_counting([steps], copy)
+    # After step n's hooks, the iterations count the n completed updates; the copy has the rate set at step n - 1.
+    assert [i for i, _ in steps.seen] == list(range(6))
+    assert [lr for _, lr in steps.seen] == pytest.approx([0.1, 0.01, 0.02, 0.03, 0.04, 0.05])
+
+
+def test_without_step_hooks_the_optimizer_follows_at_the_epochs_ends():
+    copy = keras.optimizers.SGD(0.1)
+
+    class Epochs(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seen.append(int(self.model.optimizer.iterations))
+            self.model.optimizer.learning_rate = 0.5
+
+    epochs = Epochs()
+    model = _fit_counting([epochs], copy)
+    assert epochs.seen == [3, 6] and int(model.optimizer.iterations) == 6
+    assert abs(float(copy.learning_rate) - 0.5) < 1e-7

@@ -19,9 +19,11 @@ Configurations of each, every one in a fresh process:
   of one process and as one process per virtual worker with parameter-server and worker tasks
   on TensorFlow's distributed runtime (gRPC on loopback).
 
-Each run fits two epochs of `--steps` minibatches and times the second (tracing and the
-pipeline's start are in the first); the rounds alternate the configurations, so that slow
-phases of a shared machine hit them alike, and each figure is the median over `--rounds`.
+Each run fits three epochs of `--steps` minibatches and times the second: tracing and the
+pipeline's start are in the first, and the last holds the run's end (its drain, and the first
+call of the last minibatches' tasks, which stash no further version); the rounds alternate the
+configurations, so that slow phases of a shared machine hit them alike, and each figure is the
+median over `--rounds`.
 Per row: ms per minibatch (for the strategy, per minibatch of either worker: the wall time over
 every worker's minibatches), the ratio of Keras's ms to it, and the CPU seconds per minibatch of
 every process of the run (the process and every process it started). Per model: the fixed cost
@@ -101,14 +103,14 @@ minibatches = steps
 if config == "keras_fit":
     model = build(model_name)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
-    model.fit(data(model_name, batch), epochs=2, verbose=0, callbacks=[clock])
+    model.fit(data(model_name, batch), epochs=3, verbose=0, callbacks=[clock])
 elif config.startswith("virtual_worker"):
     from hetpipe_tf import VirtualWorker
     k = int(config[-1])
     model = build(model_name)
     vw = VirtualWorker(model, devices=",".join(["cpu"] * k), num_in_flight=k, optimizer=keras.optimizers.SGD(0.01),
                        loss=loss)
-    vw.fit(data(model_name, batch), epochs=2, verbose=0, callbacks=[clock])
+    vw.fit(data(model_name, batch), epochs=3, verbose=0, callbacks=[clock])
 else:
     from hetpipe_tf import HetPipeStrategy
     launch = config[len("strategy_"):]
@@ -118,7 +120,7 @@ else:
         model = build(model_name)
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
         train = data(model_name, batch, workers=2)
-    model.fit(train, epochs=2, verbose=0, callbacks=[clock])
+    model.fit(train, epochs=3, verbose=0, callbacks=[clock])
     minibatches = steps * 2  # both workers' minibatches of the epoch
 wall, cpu = (e - s for e, s in zip(clock.end, clock.start))
 print("RESULT " + json.dumps({"ms_per_minibatch": 1e3 * wall / minibatches, "cpu_s_per_minibatch": cpu / minibatches}))

@@ -17,9 +17,9 @@ FIRST_CALLS = threading.RLock()
 
 
 class FirstCallLocked:
-    """`fn`, a ``tf.function``, whose first call holds :data:`FIRST_CALLS`: traced and run under
-    it, or with `waits` (its run may wait for other workers) only traced under it
-    (``get_concrete_function`` of the call's arguments)."""
+    """`fn`, a graph function, whose first call holds :data:`FIRST_CALLS`: traced (a
+    ``tf.function``) and run under it, or with `waits` (its run may wait for other workers; a
+    ``tf.function``) only traced under it (``get_concrete_function`` of the call's arguments)."""
 
     def __init__(self, fn: Callable, waits: bool = False):
         self._fn = fn

@@ -25,7 +25,7 @@ import tensorflow as tf
 # tape uses for a tf.function call.
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
-from hetpipe_tf.ops.first_calls import FIRST_CALLS
+from hetpipe_tf.ops.first_calls import FIRST_CALLS, FirstCallLocked
 
 
 def batch_relaxed(spec: tf.TensorSpec) -> tf.TensorSpec:
@@ -75,7 +75,6 @@ class CompiledCall:
         self.name = name
         self._jit = jit_compile
         self._call = None
-        self._warm = False  # run once: TensorFlow has instantiated it
 
     def trace(self, specs) -> None:
         """Traces the graph for arguments of `specs` (a tuple, one nested spec per argument),
@@ -91,18 +90,12 @@ class CompiledCall:
                 out = atomic.call_flat(*flat, *captured)
             return pack(iter(out or ()))
 
-        self._call = call
+        self._call = FirstCallLocked(call)  # its first run instantiates it
 
     def __call__(self, *args):
         if self._call is None:
             self.trace(tuple(spec_of(a) for a in args))
-        flat = tf.nest.flatten(args, expand_composites=True)
-        if self._warm:
-            return self._call(flat)
-        with FIRST_CALLS:
-            out = self._call(flat)
-        self._warm = True
-        return out
+        return self._call(tf.nest.flatten(args, expand_composites=True))
 
 
 class SplitPass:
@@ -128,7 +121,7 @@ class SplitPass:
                 concrete._func_graph, concrete._attrs, concrete._garbage_collector, forwardprop_input_indices=(),
                 delayed_rewrite_functions=concrete._delayed_rewrite_functions, need_gradients_for_jvps=False)
             self._forward = self._functions.forward([], [])  # the arguments matter only to forward-mode jvps
-        self._warm = False
+        self._run_forward = FirstCallLocked(self._forward.call_flat)  # its first run instantiates it
         #: The specs of a record (unknown dimensions where the inputs' specs have them).
         self.record_specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._functions._forward_graph.outputs]
 
@@ -136,13 +129,11 @@ class SplitPass:
         """(outputs, record) of the forward pass on `inputs`: run now on the device, or added to the
         graph function being traced."""
         flat = tf.nest.flatten(inputs, expand_composites=True)
-        if self._warm or tf.inside_function():
-            with tf.device(self.device):
+        with tf.device(self.device):
+            if tf.inside_function():  # added to the graph being traced (under FIRST_CALLS)
                 record = self._forward.call_flat(*flat, *self._captured)
-        else:
-            with FIRST_CALLS, tf.device(self.device):
-                record = self._forward.call_flat(*flat, *self._captured)
-            self._warm = True
+            else:
+                record = self._run_forward(*flat, *self._captured)
         return list(record[:self.num_outputs]), list(record)
 
     def backward(self, output_gradients: Sequence, record: Sequence, inputs: Sequence) -> list:

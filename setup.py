@@ -6,6 +6,7 @@ writes ``_hetpipe_ops_build.json`` with the TensorFlow version it was built
 against; ``hetpipe_tf.ops.loader`` refuses to load a library built for another
 version and names the command that rebuilds it.
 """
+import concurrent.futures
 import glob
 import json
 import os
@@ -35,16 +36,11 @@ class BuildTensorFlowOps(build_ext):
         flags = ["-fPIC", "-O2", "-Wno-deprecated-declarations", "-Wno-interference-size",
                  *tf.sysconfig.get_compile_flags()]
         objects = [os.path.join(self.build_temp, source.replace(os.sep, "_") + ".o") for source in ext.sources]
-        pending = [[cxx, "-c", *flags, source, "-o", obj] for source, obj in zip(ext.sources, objects)]
-        running = []
-        while pending or running:
-            while pending and len(running) < (os.cpu_count() or 1):
-                cmd = pending.pop(0)
-                self.announce(" ".join(cmd), level=2)
-                running.append((cmd, subprocess.Popen(cmd)))
-            cmd, compiler = running.pop(0)
-            if compiler.wait():
-                raise subprocess.CalledProcessError(compiler.returncode, cmd)
+        compiles = [[cxx, "-c", *flags, source, "-o", obj] for source, obj in zip(ext.sources, objects)]
+        for cmd in compiles:
+            self.announce(" ".join(cmd), level=2)
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(subprocess.check_call, compiles))  # raises the first compiler that failed
         cmd = [cxx, "-shared", *objects, "-o", out, *tf.sysconfig.get_link_flags()]
         self.announce(" ".join(cmd), level=2)
         subprocess.check_call(cmd)

@@ -309,6 +309,7 @@ class VirtualWorker:
             recorder.name_thread(pid, s, f"stage {s}: {spec} [{self.device_names[s]}]")
             if self.sync:
                 recorder.name_thread(pid, 100 + s, f"stage {s}: waits for pulled weights")
+                recorder.name_thread(pid, 200 + s, f"stage {s}: pushes to the parameter servers")
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto",
             validation_data=None, trace_path=None):

@@ -53,12 +53,11 @@ leaves the others' later all-reduces unanswered until the run's ``timeout_s``, a
 lost worker (``on_worker_failure="continue"`` does not apply): a TimeoutError says so, and
 TensorFlow then aborts every later collective of that process.
 """
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, Instruction, Task, TaskStream
 from hetpipe_tf.pipeline.schedule import SyncScheme, register_sync
+from hetpipe_tf.sync.lanes import StageLanes
 
 AGGREGATED = "aggregated"
 MERGED_AGGREGATE = "merged aggregate"
@@ -216,7 +215,11 @@ class AllReduceBinding:
     group: object
     timeout_s: float = 300.0
     pull_waits: list = field(default_factory=list)
-    lanes: dict = field(default_factory=dict)  # stage -> its communication thread (one run)
+    lanes: StageLanes = field(default=None)  # the stages' communication threads
+
+    def __post_init__(self):
+        if self.lanes is None:
+            self.lanes = StageLanes("pipe-sgd", self.worker)
     instances: dict = field(default_factory=dict)  # stage -> collectives issued so far
 
 
@@ -292,21 +295,14 @@ class PipeSGD(SyncScheme):
         """Instruction type -> handler for one run of a worker bound by `binding`. Each stage's
         collectives run on a thread of their own, in minibatch order (:meth:`run_ended` ends it)."""
         first_wave = binding.servers.clock.clocks()[0][binding.worker] if binding.worker == 0 else 0
-        lock = threading.Lock()
-
-        def lane(s):
-            with lock:
-                if s not in binding.lanes:
-                    binding.lanes[s] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-sgd-w{binding.worker}-s{s}")
-                return binding.lanes[s]
 
         def contribute(ex, s, ins):
             rt, asked = ex.runtimes[s], ex.clock()
             update = rt.sync_state.take_update(first_minibatch=ins.minibatch + ex.schedule.num_in_flight)
             instance = binding.instances.get(s, 0) + 1
             binding.instances[s] = instance
-            done = lane(s).submit(binding.group.all_reduce, binding.worker, s, rt.device, instance, update,
-                                  rt.sync_state.paths)
+            done = binding.lanes.submit(s, f"all-reduce of minibatch {ins.minibatch}", binding.group.all_reduce,
+                                        binding.worker, s, rt.device, instance, update, rt.sync_state.paths)
 
             def aggregate():
                 total = done.result()
@@ -325,10 +321,8 @@ class PipeSGD(SyncScheme):
         return {ContributeUpdate: contribute, MergeAggregate: merge}
 
     def run_ended(self, binding):
-        """Ends the stages' communication threads of the run."""
-        for pool in binding.lanes.values():
-            pool.shutdown(wait=True)
-        binding.lanes.clear()
+        """Ends the stages' communication threads of the run once their collectives have ended."""
+        binding.lanes.settle(binding.timeout_s)
 
     def dry_handlers(self):
         """The stage's side alone: the update is taken out and, as if no other worker had

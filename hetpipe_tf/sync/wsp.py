@@ -12,10 +12,12 @@ Pure Python. Everything WSP adds between virtual workers is here, as a
   must hold the global updates of wave c, waits for that merge. For D = 0, Nm = 4 (seed
   001): minibatch 8 waits for every worker's wave 0 while minibatches 5..7 of wave 1 are
   already in the pipeline.
-* **how the executor carries them out** (:meth:`WSP.handlers`): a push is one call to the
-  parameter servers; a pull is answered on a pool thread once every worker has pushed wave
-  c - D (the stage goes on meanwhile); a merge makes the live weights and the versions
-  stashed since the push equal to the global weights plus the local updates made since.
+* **how the executor carries them out** (:meth:`WSP.handlers`): a push takes the wave's update
+  on the stage and sends it to the parameter servers on the stage's lane (a thread of its own,
+  :class:`hetpipe_tf.sync.lanes.StageLanes`; the stage goes on); a pull is answered on a pool
+  thread once the stage's own push of the wave has landed and every worker has pushed wave
+  c - D; a merge makes the live weights and the versions stashed since the push equal to the
+  global weights plus the local updates made since. A run ends once its pushes have landed.
   What a stage keeps for this is a :class:`PushBase`.
 * **how the simulator models them**: :class:`ParameterServerModel`.
 * **what the planner charges**: one more copy of a stage's weights (those at the last
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, Instruction, Task, TaskStream
 from hetpipe_tf.pipeline.schedule import SyncScheme, register_sync
+from hetpipe_tf.sync.lanes import StageLanes
 
 PULLED = "pulled"
 MERGED = "merged"
@@ -119,13 +122,18 @@ class WorkerSync:
     its family, `scheme`): its index, the servers
     (:class:`hetpipe_tf.sync.parameter_server.ParameterServers`), the bound its pulls keep (D;
     None: they never wait) and the longest a pull may wait. `pull_waits` records (stage, wave,
-    asked, answered) of every pull."""
+    asked, answered) of every pull; `lanes` carry its stages' pushes."""
     scheme: object
     worker: int
     servers: object
     staleness_bound: object
     timeout_s: float = 300.0
     pull_waits: list = field(default_factory=list, compare=False)
+    lanes: StageLanes = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.lanes is None:
+            object.__setattr__(self, "lanes", StageLanes("wsp-push", self.worker))
 
 
 class WSP(SyncScheme):
@@ -189,19 +197,30 @@ class WSP(SyncScheme):
         """Instruction type -> handler(executor, stage, instruction, *taken keys) for one run of a
         worker bound by `binding` (a :class:`WorkerSync`). A run's waves count from the worker's
         clock at its start, so that a later ``fit`` goes on where the last one ended; a worker
-        retired by its last run's end holds the global clock back again."""
+        retired by its last run's end holds the global clock back again. The pushes of a run
+        that failed before its end land before this one starts."""
+        binding.lanes.settle(binding.timeout_s)
         binding.servers.clock.retire(binding.worker, retired=False)
         first_wave = binding.servers.clock.clocks()[0][binding.worker]
+        pushes = {}  # (stage, wave) -> the future of its push, until the stage's pull of the wave
 
         def push(ex, s, ins):
-            base = ex.runtimes[s].sync_state
-            binding.servers.push(binding.worker, s, first_wave + ins.wave, *ex.runtimes[s].pushed(base.wave_update()))
+            paths, deltas = ex.runtimes[s].pushed(ex.runtimes[s].sync_state.wave_update())
+
+            def send():
+                start = ex.clock()
+                binding.servers.push(binding.worker, s, first_wave + ins.wave, paths, deltas)
+                ex.trace_span(200 + s, f"push of wave {ins.wave}", start, ex.clock(), "Push")
+
+            pushes[(s, ins.wave)] = binding.lanes.submit(s, f"push of wave {ins.wave}", send)
 
         def pull(ex, s, ins):
             base, asked = ex.runtimes[s].sync_state, ex.clock()
             wave = gate(ins.wave, binding.staleness_bound)
+            own = pushes.pop((s, ins.wave))
 
             def answer():
+                own.result()  # the global weights merged hold the stage's own push of the wave (§5)
                 values, clocks = binding.servers.pull(base.paths, first_wave + wave if wave >= 0 else -1,
                                                       binding.timeout_s)
                 answered = ex.clock()
@@ -217,7 +236,9 @@ class WSP(SyncScheme):
     def run_ended(self, binding):
         """A worker that ended its run pushes no more waves of it: retired at the clock, it no
         longer holds back the others, whose minibatches still in flight wait for the global
-        weights of waves it will never push (after a stop, workers end at different clocks)."""
+        weights of waves it will never push (after a stop, workers end at different clocks).
+        It retires once its pushes have landed."""
+        binding.lanes.settle(binding.timeout_s)
         binding.servers.clock.retire(binding.worker)
 
     def dry_handlers(self):

@@ -3,6 +3,7 @@
 The multi-process runs on TensorFlow's distributed runtime are in test_launch.py.
 """
 import threading
+import time
 
 import keras
 import numpy as np
@@ -67,6 +68,29 @@ def test_global_weights_hold_every_update_of_every_worker_exactly_once(nm, n):
     for got, want in zip(model.get_layer("frozen").get_weights(), frozen):
         np.testing.assert_array_equal(got, want)
     assert runner.servers.clock.clocks()[0] == (-(-n // nm),) * 2
+
+
+def test_a_pull_merges_the_stages_own_push_of_its_wave_however_late_that_push_lands():
+    # A stage sends its wave's push on a lane of its own and goes on (§5). Alone, a worker's live
+    # weights end equal to the global ones only if every merge held its own push of the wave: a
+    # pull answered before that push landed (the bound D = 2 lets it through) would take the
+    # wave's update out of the live weights, while the servers still get it.
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    runner = wsp_runner(model, ("1,1",), nm=2, d=2, loss=LOSS)
+    push = runner.servers.push
+
+    def late(*args):
+        time.sleep(0.05)
+        push(*args)
+
+    runner.servers.push = late
+    runner.train([random_batches(model, 12, seed=0)], 12)
+    assert runner.servers.clock.clocks() == ((6,), 6)  # every push landed before the run ended
+    global_weights = runner.servers.values()
+    for rt in runner.vws[0].runtimes:
+        for path, v in zip(rt.synchronised_paths, rt.synchronised):
+            np.testing.assert_allclose(v.numpy(), global_weights[path].numpy(), atol=1e-6, err_msg=path)
 
 
 def test_a_second_run_goes_on_where_the_first_ended():
@@ -161,7 +185,7 @@ def test_stats_and_trace_show_every_worker():
     assert [s["worker"] for s in stats] == [0, 1]
     assert all(s["clock"] == 4 and s["clock_distance"] == 0 for s in stats)
     events = runner.trace.events()
-    for cat in ("PushUpdate", "PullWeights", "MergePulled", "PullWait"):
+    for cat in ("PushUpdate", "Push", "PullWeights", "MergePulled", "PullWait"):
         assert {e["pid"] for e in events if e.get("cat") == cat} == {0, 1}, cat
 
 

@@ -119,7 +119,7 @@ class ParameterServers:
         with tf.control_dependencies(updates):
             self.clock.push_graph(worker, stage, wave)
 
-    def _pull_graph(self, paths, wave, timeout):
+    def _pull_graph(self, paths, to_device, wave, timeout):
         global_clock = self.clock.wait_graph(wave, timeout)
         with tf.control_dependencies([global_clock]):
             clocks, _ = self.clock.clocks_graph()
@@ -127,7 +127,11 @@ class ParameterServers:
         with tf.control_dependencies([clocks]):
             for path in paths:
                 with tf.device(self.device_of[path]):
-                    values.append(self.variables[path].read_value())
+                    value = self.variables[path].read_value()
+                if to_device is not None:
+                    with tf.device(to_device):
+                        value = tf.identity(value)
+                values.append(value)
         return values, clocks
 
     def push(self, worker, stage, wave, paths, deltas):
@@ -142,15 +146,17 @@ class ParameterServers:
                               tf.constant(wave, tf.int64), tf.constant(self.push_weights[worker], tf.float32),
                               list(deltas))
 
-    def pull(self, paths, wave, timeout):
-        """Waits until every worker pushed `wave` (none when wave < 0), then reads `paths`.
+    def pull(self, paths, wave, timeout, to_device=None):
+        """Waits until every worker pushed `wave` (none when wave < 0), then reads `paths`; with
+        `to_device`, the values arrive there within the same call (one call, not a copy per
+        variable when the stage that merges them asks for its inputs).
 
         Returns (values, worker clocks read before the values).
         """
-        paths = tuple(paths)
-        if paths not in self._pull_fns:
-            self._pull_fns[paths] = FirstCallLocked(tf.function(functools.partial(self._pull_graph, paths)), waits=True)
-        values, clocks = self._pull_fns[paths](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
+        key = (tuple(paths), to_device)
+        if key not in self._pull_fns:
+            self._pull_fns[key] = FirstCallLocked(tf.function(functools.partial(self._pull_graph, *key)), waits=True)
+        values, clocks = self._pull_fns[key](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 
     def all_reduce_group(self, compression, timeout_s):

@@ -222,7 +222,7 @@ class WSP(SyncScheme):
             def answer():
                 own.result()  # the global weights merged hold the stage's own push of the wave (§5)
                 values, clocks = binding.servers.pull(base.paths, first_wave + wave if wave >= 0 else -1,
-                                                      binding.timeout_s)
+                                                      binding.timeout_s, to_device=ex.runtimes[s].device)
                 answered = ex.clock()
                 binding.pull_waits.append((s, ins.wave, asked, answered))
                 ex.trace_span(100 + s, f"wait for wave {wave} (pull of clock {ins.wave})", asked, answered,

@@ -71,6 +71,10 @@ class ChiefCluster(abc.ABC):
         """The TensorFlow address of task (job, index)."""
         return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
 
+    def host(self, node):
+        """The machine whose cores node `node`'s tasks share: its worker task's host."""
+        return self.spec["worker"][node].rsplit(":", 1)[0]
+
     def on_lost(self, callback):
         """Calls callback(LostTask) when a watched task is lost."""
         self._on_lost.append(callback)
@@ -163,6 +167,10 @@ class LocalCluster(ChiefCluster):
             return f"{host}:{free_port(host)}"
         self._ports[host] = self._ports.get(host, 20000) + 1
         return f"{host}:{self._ports[host]}"
+
+    def host(self, node):
+        """This machine: every task of a local cluster runs here, in a node's network namespace or not."""
+        return "localhost"
 
     def node_host(self, node):
         """The address that node `node`'s tasks bind: its namespace's with emulated links,

@@ -206,11 +206,13 @@ class ProcessRunner:
         host = self.cluster.address("chief", 0).rsplit(":", 1)[0]
         servers = json.dumps({"ps": self.cluster.spec["ps"], "worker": self.cluster.spec["worker"]})
         conns = dict(enumerate(self._conns))
+        hosts = [self.cluster.host(n) for n in self.home_nodes]
         with multiprocessing.connection.Listener((host, 0), authkey=self.cluster.authkey) as listener:
             self.cluster.start_tasks([
                 (job_name(w), 0, self.home_nodes[w], "hetpipe_tf.distributed.worker_process",
                  [f"--chief={host}:{listener.address[1]}", f"--worker={w}", f"--cluster_spec={servers}",
-                  f"--local_devices={self.local_devices[w]}"]) for w in workers])
+                  f"--local_devices={self.local_devices[w]}",
+                  f"--processes_on_host={hosts.count(hosts[w])}"]) for w in workers])
             for _ in workers:  # each process connects right after its ready line
                 conn = _accept(listener, self.config.timeout_s)
                 hello = conn.recv()

@@ -48,6 +48,8 @@ flags.DEFINE_integer("worker", None, "The virtual worker this process drives (it
 flags.DEFINE_string("address", None, "This process's TensorFlow address, HOST:PORT.")
 flags.DEFINE_string("cluster_spec", None, "The servers as JSON: {\"ps\": [...], \"worker\": [...]}.")
 flags.DEFINE_integer("local_devices", 1, "Logical CPU devices of this process (its node's emulated devices).")
+flags.DEFINE_integer("processes_on_host", 1, "Virtual workers' processes on this machine, this one included: "
+                     "each takes its share of the cores as TensorFlow's intra-op threads.", lower_bound=1)
 flags.DEFINE_integer("parent_pid", 0, "End when this process ends (default: the parent).")
 flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbeat for this long (0: never).")
 FLAGS = flags.FLAGS
@@ -146,6 +148,14 @@ def describe_error(exc):
     return type(exc).__name__, str(exc) or repr(exc), None
 
 
+def intra_op_threads(cores, processes_on_host):
+    """The intra-op threads of one of `processes_on_host` virtual workers' processes on a machine
+    of `cores` cores: its share, at least one. In one process the workers' stages share one pool
+    of the cores' threads; a pool of every core per process would put more threads than cores
+    on the machine, all computing at once."""
+    return max(1, cores // processes_on_host)
+
+
 def main(argv):
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -166,6 +176,8 @@ def main(argv):
     from hetpipe_tf.planning.devices import DeviceSpec
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
+    tf.config.threading.set_intra_op_parallelism_threads(
+        intra_op_threads(len(os.sched_getaffinity(0)), FLAGS.processes_on_host))
     load_ops()
     # Before connecting. Its own devices are logical CPUs; a GPU of this host belongs to the
     # node's worker task, which runs the stages placed on it.

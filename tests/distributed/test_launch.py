@@ -49,3 +49,10 @@ def test_a_killed_worker_task_fails_training_with_a_clear_error_and_leaves_no_pr
     # The error names the killed task: the kill ended training (how soon after it is the host's).
     assert "virtual worker" in r["message"] and "/job:worker/replica:0/task:1" in r["message"], r["message"]
     print(f"training failed {r['seconds_after_kill']:.1f} s after the kill")
+
+
+def test_a_virtual_workers_process_takes_its_share_of_its_machines_cores():
+    from hetpipe_tf.distributed.worker_process import intra_op_threads
+
+    assert [intra_op_threads(2, n) for n in (1, 2, 3)] == [2, 1, 1]
+    assert intra_op_threads(16, 3) == 5

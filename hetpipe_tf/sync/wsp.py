@@ -274,9 +274,9 @@ def gate(wave, staleness_bound):
 class ParameterServerModel:
     """Simulated WSP parameter servers: clocks from pushes, pulls answered under bound D.
 
-    A push of wave c arrives after its transfer time; a pull of clock c is answered once
-    every stage of every worker has pushed wave c - D (:func:`gate`; D = None: at once), and
-    arrives after its transfer time."""
+    A push of wave c arrives after its transfer time; a pull of clock c is answered once its
+    stage's own push of wave c has arrived and every stage of every worker has pushed wave
+    c - D (:func:`gate`; D = None: no other), and arrives after its transfer time."""
 
     def __init__(self, staleness_bound, push_time=lambda agent, ins: 0.0, pull_time=lambda agent, ins: 0.0):
         if staleness_bound is not None and staleness_bound < 0:
@@ -302,8 +302,9 @@ class ParameterServerModel:
         for agent, wave, asked, ins in self.pending:
             needed = gate(wave, self.staleness_bound)
             pushed = self.pushes.get(needed, {}) if needed >= 0 else None
+            own = self.pushes.get(wave, {}).get(agent, asked)  # a pull without a push of its own: none
             if needed < 0 or len(pushed) == len(agents):
-                start = max([asked] + (list(pushed.values()) if pushed else []))
+                start = max([asked, own] + (list(pushed.values()) if pushed else []))
                 ready.append((agent, (PULLED, wave), asked, start + self.pull_time(agent, ins)))
             else:
                 still.append((agent, wave, asked, ins))

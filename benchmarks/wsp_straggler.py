@@ -12,9 +12,11 @@ synchronisation, not gRPC). Scenarios, each with the same random seed for every 
   worker's pace, so the ratio should stay near 1: the planner's allocation is the remedy.
 
 Per row: images/s over the whole run, its ratio to D=0, the simulator's prediction of
-both from the measured stage times, every worker's average wait for pulled weights and
-the part of it its first stage ran nothing (idle, §8.4), and the emulation's overrun
-fraction. The last rows compare wait(D=4)/wait(D=0) and idle/wait with the paper's 62 %
+both (the passes at their emulated times, the pushes, merges and pulls at the times the
+run's trace measured), the same steady (after the first fifth of the minibatches: the run's
+start, whose first calls trace the synchronisation's functions, left out) with the
+prediction's ratio to it, every worker's average wait for pulled weights and the part of it
+its first stage ran nothing (idle, §8.4), and the emulation's overrun fraction. The last rows compare wait(D=4)/wait(D=0) and idle/wait with the paper's 62 %
 and 18 % (§8.4).
 
     python benchmarks/wsp_straggler.py [--waves=100] [--dilation=20]
@@ -28,6 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 WORKERS, STAGES, NM, BATCH = 4, 2, 2, 32
 BOUNDS = (0, 1, 4, 32)
+STEADY_FROM = 0.2  # steady images/s count from this share of a run's minibatches
 
 
 def _emit(**fields):
@@ -91,30 +94,90 @@ def run_once(model, names, slow, d, steps, dilation, data, references):
     runner = WSPRunner(model, workers, config, [names[0]])
     for vw in runner.vws:
         vw.references = references
-    runner.train([data] * WORKERS, steps)
+    runner.train([data] * WORKERS, steps, trace=True)
     images_per_s = runner.images_per_s()
     from hetpipe_tf.pipeline.emulation import EmulationReport
     overrun = EmulationReport.combine(vw.emulation_report() for vw in runner.vws).overrun_fraction
     return runner, images_per_s, overrun
 
 
+def synchronisation_times(events):
+    """What the run's trace measured of its synchronisation, averaged over the run: seconds per
+    (worker, stage) of its pushes' and merges' instructions on the stage, of a push's send to the
+    servers (its lane), and of a pull's answer once the pushes it waited for had landed."""
+    import collections
+    import re
+
+    spans = collections.defaultdict(list)
+    landed, answers = {}, []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        w, start, end = e["pid"], e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6
+        if e["cat"] in ("PushUpdate", "MergePulled"):
+            spans[(e["cat"], w, e["tid"])].append(end - start)
+        elif e["cat"] == "Push":
+            spans[("send", w, e["tid"] - 200)].append(end - start)
+            landed[(w, e["tid"] - 200, int(e["name"].rsplit(" ", 1)[1]))] = end
+        elif e["cat"] == "PullWait":
+            gate, clock = map(int, re.findall(r"-?\d+", e["name"]))
+            answers.append((w, e["tid"] - 100, gate, clock, start, end))
+    mean = {key: sum(v) / len(v) for key, v in spans.items()}
+    latency = []
+    for w, s, gate, clock, asked, answered in answers:
+        needed = [landed[(w, s, clock)]] + [t for (_, _, c), t in landed.items() if c == gate]
+        latency.append(answered - max([asked] + needed))
+    return mean, sum(latency) / len(latency)
+
+
+def steady_images_per_s(applied, first):
+    """Images/s of every worker together after its update of minibatch `first`: the start of a
+    run (its first calls, which trace the synchronisation's functions) left out. `applied`:
+    {worker: {minibatch: when its first stage applied it}}."""
+    rates = []
+    for times in applied.values():
+        last = max(times)
+        rates.append(BATCH * (last - first) / (times[last] - times[first]))
+    return sum(rates)
+
+
+def measured_applied(events):
+    """{worker: {minibatch: the end of its first stage's ApplyUpdate}} of a run's trace."""
+    applied = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "ApplyUpdate" and e["tid"] == 0:
+            p = int(e["name"][len("ApplyUpdate("):-1])
+            applied.setdefault(e["pid"], {})[p] = (e["ts"] + e["dur"]) * 1e-6
+    return applied
+
+
 def predict(runner, slow, d, steps, dilation):
-    """The simulator's images/s for the same schedules, from the measured stage times."""
-    from hetpipe_tf.pipeline.instructions import Backward, Forward
+    """The simulator's images/s for the same schedules (over the whole run, and steady as
+    :func:`steady_images_per_s` from minibatch :data:`STEADY_FROM` of `steps`): the forward and
+    backward passes at their emulated times, the pushes, merges and pulls at the times the
+    run's trace measured."""
+    from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
     from hetpipe_tf.pipeline.simulator import simulate_workers
     from hetpipe_tf.sync.wsp import ParameterServerModel
 
     schedules = [vw.schedule(steps) for vw in runner.vws]
+    measured, pull_s = synchronisation_times(runner.trace.events())
 
     def duration(agent, ins):
         w, s = agent
         if isinstance(ins, (Forward, Backward)):
             factor = 2.0 if slow[w][(ins.minibatch - 1) // NM] else 1.0
             return dilation * runner.vws[w].references[s][type(ins)] * factor
-        return 0.0
+        return measured.get((type(ins).__name__, w, s), 0.0)
 
-    result = simulate_workers(schedules, duration, parameter_servers=ParameterServerModel(d))
-    return WORKERS * steps * BATCH / result.makespan
+    servers = ParameterServerModel(d, push_time=lambda agent, ins: measured[("send",) + agent],
+                                   pull_time=lambda agent, ins: pull_s)
+    result = simulate_workers(schedules, duration, parameter_servers=servers)
+    applied = {}
+    for span in result.spans:
+        if isinstance(span.instruction, ApplyUpdate) and span.stage[1] == 0:
+            applied.setdefault(span.stage[0], {})[span.instruction.minibatch] = span.end
+    return WORKERS * steps * BATCH / result.makespan, steady_images_per_s(applied, int(STEADY_FROM * steps))
 
 
 def main():
@@ -149,7 +212,8 @@ def main():
             t0 = time.perf_counter()
             runner, images_per_s, overrun = run_once(model, names, slow, d, steps, args.dilation, data,
                                                      references)
-            predicted = predict(runner, slow, d, steps, args.dilation)
+            predicted, predicted_steady = predict(runner, slow, d, steps, args.dilation)
+            steady = steady_images_per_s(measured_applied(runner.trace.events()), int(STEADY_FROM * steps))
             model_rate = wave_model_throughput(slow, d)
             if d == 0:
                 base = {"measured": images_per_s, "predicted": predicted, "wave_model": model_rate}
@@ -160,6 +224,8 @@ def main():
             _emit(scenario=scenario, staleness_bound=d, images_per_s=images_per_s,
                   ratio_to_d0=images_per_s / base["measured"], predicted_images_per_s=predicted,
                   predicted_ratio_to_d0=predicted / base["predicted"],
+                  steady_images_per_s=steady, predicted_steady_images_per_s=predicted_steady,
+                  predicted_over_measured_steady=predicted_steady / steady,
                   wave_model_ratio_to_d0=model_rate / base["wave_model"],
                   average_wait_s=wait, average_idle_s=idle,
                   virtual_workers=[{k: s[k] for k in ("worker", "average_wait_s", "average_idle_s", "images_per_s")}

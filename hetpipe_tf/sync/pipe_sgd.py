@@ -216,11 +216,11 @@ class AllReduceBinding:
     timeout_s: float = 300.0
     pull_waits: list = field(default_factory=list)
     lanes: StageLanes = field(default=None)  # the stages' communication threads
+    instances: dict = field(default_factory=dict)  # stage -> collectives issued so far
 
     def __post_init__(self):
         if self.lanes is None:
             self.lanes = StageLanes("pipe-sgd", self.worker)
-    instances: dict = field(default_factory=dict)  # stage -> collectives issued so far
 
 
 class PipeSGD(SyncScheme):

@@ -66,6 +66,8 @@ class _Connection:
         self.worker = worker
         self.conn = conn
         self.ended = False  # the connection ended: the process is gone
+        self.left = False  # the chief went on without the process: the connection's end is no news
+        self.leaving = threading.Lock()  # orders `left` and the report of the connection's end
         self.lock = threading.Lock()
         self.answers = queue.Queue()
         self.on_training = on_training
@@ -88,7 +90,9 @@ class _Connection:
                 self.ended = True
                 why = f"its order connection ended ({type(e).__name__})"
                 self.answers.put(protocol.Error("ConnectionError", why))
-                self.on_training(self.worker, protocol.Lost("ConnectionError", why))
+                with self.leaving:
+                    if not self.left:
+                        self.on_training(self.worker, protocol.Lost("ConnectionError", why))
                 return
             if isinstance(message, protocol.TRAINING_MESSAGES):
                 self.on_training(self.worker, message)
@@ -382,14 +386,36 @@ class ProcessRunner:
 
     def drain(self):
         """Every worker's process drains (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.drain`);
-        under "continue", one whose process is gone meanwhile is left out (its loss is handled
-        in the next :meth:`_collect`)."""
+        under "continue", one whose process is gone meanwhile is lost here (:meth:`_lose`): its
+        connection ended, or it gave no answer and its heartbeat gave it up within another timeout
+        (a stopped process's heartbeat stops with it, and is given up a little after a drain's
+        wait that began after the stop)."""
         for c in self._live():
             try:
                 c.ask(self.config.timeout_s, protocol.Drain())
             except WorkerProcessError:
-                if not (self.config.on_worker_failure == "continue" and c.ended):
+                if not (self.config.on_worker_failure == "continue" and (
+                        c.ended or self.cluster.lost_task(job_name(c.worker), 0, wait_s=self.config.timeout_s))):
                     raise
+                self._go_on_without(c)
+
+    def _go_on_without(self, c):
+        """Loses the worker of connection `c` between segments: the report of its connection's end,
+        sent or to come, is dropped, so that no later :meth:`_collect` takes it for the process that
+        restarts in its place."""
+        with c.leaving:
+            c.left = True
+            kept = []
+            while True:
+                try:
+                    worker, message = self._finished.get_nowait()
+                except queue.Empty:
+                    break
+                if not (worker == c.worker and isinstance(message, protocol.Lost)):
+                    kept.append((worker, message))
+            for item in kept:
+                self._finished.put(item)
+        self._lose(c.worker)
 
     def after_drain(self, positions):
         # On the caller's thread: a process's death signal follows the thread that started it.

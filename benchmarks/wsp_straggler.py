@@ -16,8 +16,8 @@ both (the passes at their emulated times, the pushes, merges and pulls at the ti
 run's trace measured), the same steady (after the first fifth of the minibatches: the run's
 start, whose first calls trace the synchronisation's functions, left out) with the
 prediction's ratio to it, every worker's average wait for pulled weights and the part of it
-its first stage ran nothing (idle, §8.4), and the emulation's overrun fraction. The last rows compare wait(D=4)/wait(D=0) and idle/wait with the paper's 62 %
-and 18 % (§8.4).
+its first stage ran nothing (idle, §8.4), and the emulation's overrun fraction. The last rows
+compare wait(D=4)/wait(D=0) and idle/wait with the paper's 62 % and 18 % (§8.4).
 
     python benchmarks/wsp_straggler.py [--waves=100] [--dilation=20]
 """
@@ -123,10 +123,11 @@ def synchronisation_times(events):
             gate, clock = map(int, re.findall(r"-?\d+", e["name"]))
             answers.append((w, e["tid"] - 100, gate, clock, start, end))
     mean = {key: sum(v) / len(v) for key, v in spans.items()}
-    latency = []
-    for w, s, gate, clock, asked, answered in answers:
-        needed = [landed[(w, s, clock)]] + [t for (_, _, c), t in landed.items() if c == gate]
-        latency.append(answered - max([asked] + needed))
+    wave_landed = {}  # wave -> when its last push landed
+    for (_, _, wave), t in landed.items():
+        wave_landed[wave] = max(t, wave_landed.get(wave, t))
+    latency = [answered - max(asked, landed[(w, s, clock)], wave_landed.get(gate, asked))
+               for w, s, gate, clock, asked, answered in answers]
     return mean, sum(latency) / len(latency)
 
 
@@ -151,17 +152,17 @@ def measured_applied(events):
     return applied
 
 
-def predict(runner, slow, d, steps, dilation):
+def predict(runner, events, slow, d, steps, dilation):
     """The simulator's images/s for the same schedules (over the whole run, and steady as
     :func:`steady_images_per_s` from minibatch :data:`STEADY_FROM` of `steps`): the forward and
     backward passes at their emulated times, the pushes, merges and pulls at the times the
-    run's trace measured."""
+    run's trace (`events`) measured."""
     from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
     from hetpipe_tf.pipeline.simulator import simulate_workers
     from hetpipe_tf.sync.wsp import ParameterServerModel
 
     schedules = [vw.schedule(steps) for vw in runner.vws]
-    measured, pull_s = synchronisation_times(runner.trace.events())
+    measured, pull_s = synchronisation_times(events)
 
     def duration(agent, ins):
         w, s = agent
@@ -212,8 +213,9 @@ def main():
             t0 = time.perf_counter()
             runner, images_per_s, overrun = run_once(model, names, slow, d, steps, args.dilation, data,
                                                      references)
-            predicted, predicted_steady = predict(runner, slow, d, steps, args.dilation)
-            steady = steady_images_per_s(measured_applied(runner.trace.events()), int(STEADY_FROM * steps))
+            events = runner.trace.events()
+            predicted, predicted_steady = predict(runner, events, slow, d, steps, args.dilation)
+            steady = steady_images_per_s(measured_applied(events), int(STEADY_FROM * steps))
             model_rate = wave_model_throughput(slow, d)
             if d == 0:
                 base = {"measured": images_per_s, "predicted": predicted, "wave_model": model_rate}

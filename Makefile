@@ -46,6 +46,9 @@ $(DOCS_STAMP): docs/requirements.txt
 	$(DOCS_VENV)/bin/python -m pip install -q --disable-pip-version-check -r docs/requirements.txt
 	touch $@
 
+# docs/cli.md, the command line's reference, is generated from the flags' definitions first
+# (docs/cli_reference.py, with the project's venv: absl and hetpipe_tf's flag modules).
 .PHONY: docs
-docs: $(DOCS_STAMP)
+docs: $(DOCS_STAMP) $(STAMP)
+	$(BIN)/python docs/cli_reference.py docs/cli.md
 	$(DOCS_VENV)/bin/mkdocs build --strict

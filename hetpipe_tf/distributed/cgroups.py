@@ -21,7 +21,8 @@ throttles it for the rest, so with the default 100 ms a group of 0.2 cores would
 speed and then stop for 80 ms, longer than a minibatch's tasks (milliseconds each on this
 machine's models): the tasks would run in bursts, some at full speed, others stalled. At 10 ms a
 stall is at most a few tasks long, and the quota (at least the kernel's 1 ms) allows groups of
-0.1 core and more.
+0.1 core and more. A group's weight is :data:`WEIGHT` times the default, so that the quota is
+what it receives on a busy machine too.
 """
 import contextlib
 import dataclasses
@@ -39,6 +40,10 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 PERIOD_US = 10_000
 #: The kernel's least quota per period, in microseconds.
 MIN_QUOTA_US = 1_000
+#: A group's scheduling weight, in multiples of the default: on a busy machine a group still
+#: receives its quota (which caps it), as a device of its own does, rather than a share of what
+#: the other processes leave.
+WEIGHT = 10
 #: The prefix of the groups' names: hetpipe-OWNERPID-NAME.
 PREFIX = "hetpipe-"
 
@@ -248,8 +253,10 @@ class CpuGroups:
         if self.controller.version == 1:
             _write(os.path.join(group.path, "cpu.cfs_period_us"), str(self.period_us))
             _write(os.path.join(group.path, "cpu.cfs_quota_us"), str(group.quota_us))
+            _write(os.path.join(group.path, "cpu.shares"), str(WEIGHT * 1024))
         else:
             _write(os.path.join(group.path, "cpu.max"), f"{group.quota_us} {self.period_us}")
+            _write(os.path.join(group.path, "cpu.weight"), str(WEIGHT * 100))
         self._groups[name] = group
         return group
 

@@ -147,3 +147,32 @@ def test_quotas_below_the_kernels_least_or_over_the_machine_are_refused():
         LocalCluster(num_ps=1, worker_cpus=[1], cpu_quotas=[cores])
     with pytest.raises(ValueError, match="cpu_quotas gives 2 quotas for 1 worker tasks"):
         LocalCluster(num_ps=1, worker_cpus=[1], cpu_quotas=[0.2, 0.2])
+
+
+def test_quota_nodes_are_refused_in_process():
+    from hetpipe_tf.distributed.cluster_devices import ClusterDevices
+    from hetpipe_tf.planning.cluster import load_cluster
+
+    with pytest.raises(ValueError, match=r"CPU-quota device types \['G', 'Q', 'R', 'V'\], which run at their quota "
+                                         r"only in their node's processes; .*use launch='processes'"):
+        ClusterDevices(load_cluster("paper_quota"), "in_process")
+
+
+@pytest.mark.slow
+def test_a_started_clusters_worker_task_runs_in_its_nodes_group_and_its_ps_task_outside():
+    """LocalCluster.start(): the TensorFlow server of a quota node's worker task starts in its group
+    (the same path as start_tasks, which test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end
+    covers without TensorFlow), the ps tasks and a node without a quota outside; stop() removes the group."""
+    controller = _controller_or_skip()
+    cluster = LocalCluster(num_ps=2, worker_cpus=[1, 1], cpu_quotas=[0.5, None])
+    try:
+        cluster.start()
+        group = cluster.cpu_group(0)
+        assert group.pids() == (cluster.pid("worker", 0),)
+        assert _quota_and_period(group) == (5000, 10_000)
+        outside = [cgroups.current_group(controller, cluster.pid(job, i)) for job, i in
+                   (("ps", 0), ("ps", 1), ("worker", 1))]
+        assert group.path not in outside
+    finally:
+        cluster.stop()
+    assert not os.path.exists(group.path)

@@ -101,3 +101,55 @@ def test_a_plan_of_the_preset_takes_the_measured_speeds(measured):
     slowest = dict(zip(("V", "R", "G", "Q"), (w.partition.bottleneck for w in result.workers)))
     assert slowest["V"] < slowest["R"] < slowest["G"] < slowest["Q"]
     assert slowest["Q"] / slowest["V"] == pytest.approx(speeds["V"].speed / speeds["Q"].speed, rel=0.2)
+
+
+NODE = """
+import json, os, time
+import tensorflow as tf
+from hetpipe_tf.distributed.launch import LocalCluster, worker_device
+cluster = LocalCluster(num_ps=1, worker_cpus=[1, 1], cpu_quotas=[0.3, None]).start().connect()
+
+@tf.function
+def work(x):
+    return tf.foldl(lambda acc, _: tf.tanh(tf.matmul(acc, x)), tf.range(1000), initializer=x)
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+def runs(node):
+    pid = cluster.pid("worker", node)
+    with tf.device(worker_device(node, "CPU", 0)):
+        x = tf.random.uniform((256, 256)) / 256
+        work(x).numpy()  # traced and placed
+        out = []
+        for _ in range(3):
+            t0, c0 = time.perf_counter(), cpu_seconds(pid)
+            work(x).numpy()
+            out.append((time.perf_counter() - t0, cpu_seconds(pid) - c0))
+    return out
+
+free, grouped = min(runs(1)), runs(0)
+print(json.dumps({"free": free, "group": sum(t for t, _ in grouped) / len(grouped)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_quota_nodes_worker_task_computes_at_its_quota():
+    """A LocalCluster's quota node (0.3 cores) runs a computation placed on its worker task (one
+    intra-op thread) at its quota share of the speed of a worker task without a quota (the share
+    by the cores that task's process kept busy), within the tolerance: the node's group, not only a
+    probe group, is what the measured speeds stand for. Covered in the subset by
+    test_each_quota_types_measured_speed_is_its_quota_share (the same kind of group, the process
+    held in it) and test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end."""
+    try:
+        find_cpu_controller()
+    except CgroupError as e:
+        pytest.skip(f"cgroups cannot be written here: {e}")
+    out = subprocess.run([sys.executable, "-c", NODE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    (free, free_cpu), group = result["free"], result["group"]
+    speed = QuotaSpeed("node0", 0.3, free, free_cpu / free, group)
+    print(speed)
+    assert abs(speed.speed / speed.share - 1) <= TOLERANCE

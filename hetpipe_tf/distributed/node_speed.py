@@ -19,9 +19,10 @@ Definitions (:class:`QuotaSpeed`):
   their groups' runs only);
   ``free_cores``: the cores the passes kept busy in that run (this process's CPU seconds per wall
   second);
-* ``group_seconds``: wall seconds per pass in the group, the mean over a run of at least
-  :data:`GROUP_PERIODS` periods of the quota (a run within one period could fit in its grant and
-  not be throttled at all);
+* ``group_seconds``: wall seconds per pass in the group, the least of :data:`GROUP_RUNS` runs'
+  means, each run at least :data:`GROUP_PERIODS` periods of the quota long (a run within one
+  period could fit in its grant and not be throttled at all; one of N periods takes at most
+  N + 1 periods' grants, a speed at most 1/N above the quota's);
 * ``speed = free_seconds / group_seconds``: how much slower the device runs the passes than the
   host, which the planner divides the host's times by;
 * ``share = cpu_quota / free_cores``: the speed the quota allows when the passes need the same CPU
@@ -46,7 +47,9 @@ from hetpipe_tf.planning.cluster import Cluster
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 
 #: The least number of the quota's periods a run in the group spans.
-GROUP_PERIODS = 50
+GROUP_PERIODS = 25
+#: Runs in each group, of which the least mean is taken (the machine's other work only ever adds time).
+GROUP_RUNS = 3
 #: Unconstrained runs, of which the least is taken.
 FREE_RUNS = 10
 
@@ -110,8 +113,7 @@ def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluste
                          cgroup_root: str = CGROUP_ROOT, free_seconds: float = 0.05) -> dict[str, QuotaSpeed]:
     """Every quota device type of `cluster`: its :class:`QuotaSpeed` on `model`'s passes on `sample`,
     a minibatch (x, y). `free_seconds`: the length of each unconstrained run; a run in a group
-    spans :data:`GROUP_PERIODS` periods of its quota, or :data:`FREE_RUNS` unconstrained runs if
-    longer. The
+    spans :data:`GROUP_PERIODS` periods of its quota, or five unconstrained runs if longer. The
     model's non-trainable state is restored afterwards."""
     types = [t for t in cluster.device_types.values() if t.cpu_quota is not None]
     if not types:
@@ -127,7 +129,8 @@ def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluste
             free.extend(_timed(run, free_seconds) for _ in range(FREE_RUNS))
             group = groups.create(f"probe-{t.name}", t.cpu_quota)
             with group.holding(os.getpid()):
-                in_group[t], _ = _timed(run, max(GROUP_PERIODS * group.period_us * 1e-6, FREE_RUNS * free_seconds))
+                length = max(GROUP_PERIODS * group.period_us * 1e-6, 5 * free_seconds)
+                in_group[t] = min(_timed(run, length)[0] for _ in range(GROUP_RUNS))
             groups.remove(f"probe-{t.name}")
     finally:
         groups.remove_all()

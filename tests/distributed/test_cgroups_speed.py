@@ -59,15 +59,21 @@ def minibatch():
     return rng.normal(size=(128, 128)).astype("float32"), rng.integers(0, 10, 128)
 
 
-@pytest.fixture(scope="module")
-def measured():
+def _run(code):
+    """The JSON that `code`, run by a Python of its own, prints last; skipped where cgroups cannot be
+    written."""
     try:
         find_cpu_controller()
     except CgroupError as e:
         pytest.skip(f"cgroups cannot be written here: {e}")
-    out = subprocess.run([sys.executable, "-c", MEASURE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.splitlines()[-1])
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def measured():
+    result = _run(MEASURE)
     assert result["left"] == [], "the probe groups were left behind"
     return Profile.from_json(result["profile"]), {s["device_type"]: QuotaSpeed(**s) for s in result["speeds"]}
 
@@ -142,13 +148,7 @@ def test_a_quota_nodes_worker_task_computes_at_its_quota():
     probe group, is what the measured speeds stand for. Covered in the subset by
     test_each_quota_types_measured_speed_is_its_quota_share (the same kind of group, the process
     held in it) and test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end."""
-    try:
-        find_cpu_controller()
-    except CgroupError as e:
-        pytest.skip(f"cgroups cannot be written here: {e}")
-    out = subprocess.run([sys.executable, "-c", NODE], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.splitlines()[-1])
+    result = _run(NODE)
     (free, free_cpu), group = result["free"], result["group"]
     speed = QuotaSpeed("node0", 0.3, free, free_cpu / free, group)
     print(speed)

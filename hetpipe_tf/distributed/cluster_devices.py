@@ -17,6 +17,7 @@ own group: ``processes`` puts them there (``hetpipe launch`` too, for ``tf_confi
 """
 from hetpipe_tf.distributed.launch import ps_device, worker_device
 from hetpipe_tf.distributed.protocol import local_device
+from hetpipe_tf.planning.cluster import Cluster
 from hetpipe_tf.planning.devices import DeviceSpec
 from hetpipe_tf.runtime.run_config import WorkerSpec
 
@@ -36,7 +37,7 @@ class ClusterDevices:
     """The TensorFlow devices of `cluster` (a :class:`hetpipe_tf.planning.cluster.Cluster`) under
     `launch` (see the module docstring)."""
 
-    def __init__(self, cluster, launch):
+    def __init__(self, cluster: Cluster, launch: str) -> None:
         quotas = sorted(name for name, t in cluster.device_types.items() if t.cpu_quota is not None)
         if launch == "in_process" and quotas:
             raise ValueError(f"cluster '{cluster.name}' has CPU-quota device types {quotas}, which run at their quota "

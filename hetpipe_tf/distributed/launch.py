@@ -24,11 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CgroupError, CpuGroups, reap_orphans
+from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CgroupError, CpuGroup, CpuGroups, reap_orphans
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
                                             free_port, spawn, starter_file, wait_ready)
+
+if TYPE_CHECKING:
+    from hetpipe_tf.distributed.netlinks import EmulatedLinks
 
 
 def use_parallel_remote_ops():
@@ -145,8 +150,10 @@ class LocalCluster(ChiefCluster):
       cgroup_root: where the cgroup filesystems are mounted.
     """
 
-    def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0, timeout_s=300.0,
-                 task_starters=False, links=None, cpu_quotas=None, cgroup_root=CGROUP_ROOT):
+    def __init__(self, num_ps: int, worker_cpus: Sequence[int], host: str | dict[str, list[str]] = "127.0.0.1",
+                 log_dir: str | None = None, start_timeout: float = 120.0, timeout_s: float = 300.0,
+                 task_starters: bool = False, links: "EmulatedLinks | None" = None,
+                 cpu_quotas: Sequence[float | None] | None = None, cgroup_root: str = CGROUP_ROOT) -> None:
         self.worker_cpus = list(worker_cpus)
         self.links = links
         self.cpu_quotas = self._checked_quotas(cpu_quotas)
@@ -173,7 +180,7 @@ class LocalCluster(ChiefCluster):
         self._heartbeats = {}
         self._connected = False
 
-    def _checked_quotas(self, cpu_quotas):
+    def _checked_quotas(self, cpu_quotas: Sequence[float | None] | None) -> list[float | None]:
         if cpu_quotas is None:
             return [None] * len(self.worker_cpus)
         quotas = list(cpu_quotas)
@@ -187,7 +194,7 @@ class LocalCluster(ChiefCluster):
                               f"the quotas could not all be granted; scale them to total less than {cores}")
         return quotas
 
-    def cpu_group(self, node):
+    def cpu_group(self, node: int) -> CpuGroup | None:
         """The CPU-quota group (:class:`hetpipe_tf.distributed.cgroups.CpuGroup`) of node `node`'s
         worker task and started processes, or None for a node without a quota. The first call
         that needs one makes every node's group (and removes those of owners no longer alive)."""
@@ -239,7 +246,7 @@ class LocalCluster(ChiefCluster):
     def task_log(self, job, index):
         return os.path.join(self.log_dir, f"{job}-{index}.log")
 
-    def start(self):
+    def start(self) -> "LocalCluster":
         """Starts every ps and worker task (each worker task in its node's CPU-quota group, if it
         has one) and waits until each says it is ready."""
         for job, cpus in [("ps", [1] * len(self.spec["ps"])), ("worker", self.worker_cpus)]:
@@ -252,7 +259,7 @@ class LocalCluster(ChiefCluster):
             self._wait_ready(job, i)
         return self
 
-    def start_tasks(self, tasks):
+    def start_tasks(self, tasks: Sequence[tuple[str, int, int, str, list[str]]]) -> None:
         """Starts more tasks, each (job, index, node, module, args): ``python -m module args
         --address=HOST:PORT`` at an address of node `node`, in its CPU-quota group if it has one
         (it takes --parent_pid and --chief_timeout_s and prints the ready line of
@@ -267,7 +274,7 @@ class LocalCluster(ChiefCluster):
             if self.monitor is not None:
                 self.monitor.add(self._watched(job, index))
 
-    def _spawn(self, job, index, module, args, keyed, group):
+    def _spawn(self, job: str, index: int, module: str, args: list[str], keyed: bool, group: CpuGroup | None) -> None:
         """Starts a task; `keyed`: with the cluster's key (a worker task then runs its starter);
         `group`: the CpuGroup it runs in, or None."""
         host = self.address(job, index).rsplit(":", 1)[0]
@@ -354,7 +361,7 @@ class LocalCluster(ChiefCluster):
         """TF_CONFIG for the chief (to hand to a program that connects itself)."""
         return json.dumps({"cluster": self.spec, "task": {"type": "chief", "index": 0}})
 
-    def stop(self):
+    def stop(self) -> None:
         """Ends every task, unless this process is connected to the cluster: TensorFlow cannot
         disconnect a client, and tasks ended under it make it fail at exit, so a connected
         chief's tasks end when the chief does (each task watches the process that started it)."""

@@ -65,7 +65,7 @@ class DeviceType:
         return self.emulated_speed is not None
 
     @property
-    def host_speed(self):
+    def host_speed(self) -> float | None:
         """Speed relative to this host running a task alone, for the devices this host serves
         (emulated ones and the host CPU); None for accelerators. A quota device's is its quota,
         nominal: what the allocation policies compare devices by; the cost model plans it on its
@@ -159,7 +159,7 @@ def _flag(spec, key, where):
     return value
 
 
-def from_dict(spec, where="cluster"):
+def from_dict(spec: dict, where: str = "cluster") -> Cluster:
     """A validated :class:`Cluster` from its JSON-like description."""
     if not isinstance(spec, dict):
         raise ClusterError(f"{where}: a cluster description is a JSON object, got {type(spec).__name__}")
@@ -295,7 +295,7 @@ PRESETS = {
 }
 
 
-def load_cluster(name_or_path):
+def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
     """A preset by name (``paper``, ``local``, ``local_cpu``, ``paper_quota``) or a JSON file's path."""
     if isinstance(name_or_path, Cluster):
         return name_or_path

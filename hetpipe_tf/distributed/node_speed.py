@@ -13,12 +13,11 @@ connecting).
 
 Definitions (:class:`QuotaSpeed`):
 
-* ``free_seconds``: wall seconds per pass unconstrained, the least of several short runs (other
-  work on the machine only ever adds time, as the profile's host times are taken) of runs made
-  before each type's run in its group, one figure for every type (so that their speeds differ by
-  their groups' runs only);
-  ``free_cores``: the cores the passes kept busy in that run (this process's CPU seconds per wall
-  second);
+* ``free_seconds``: wall seconds per pass unconstrained, the least over :data:`FREE_RUNS` short
+  runs before each type's runs in its group (other work on the machine only ever adds time, as
+  the profile's host times are taken); one figure for every type, so that their speeds differ by
+  their groups' runs only; ``free_cores``: the cores the passes kept busy in that run (this
+  process's CPU seconds per wall second);
 * ``group_seconds``: wall seconds per pass in the group, the least of :data:`GROUP_RUNS` runs'
   means, each run at least :data:`GROUP_PERIODS` periods of the quota long (a run within one
   period could fit in its grant and not be throttled at all; one of N periods takes at most

@@ -10,9 +10,14 @@ A cluster description's devices (:mod:`hetpipe_tf.planning.cluster`) run, by lau
   the node of its first stage) holds the home node's emulated and host-CPU devices itself
   (:func:`hetpipe_tf.distributed.protocol.local_device`), and reaches the others on their
   node's worker task.
+
+A CPU-quota node (:mod:`hetpipe_tf.distributed.cgroups`) runs at its quota only in processes of its
+own group: ``processes`` puts them there (``hetpipe launch`` too, for ``tf_config``), and
+``in_process``, where every device is a thread of this process, is refused for it.
 """
 from hetpipe_tf.distributed.launch import ps_device, worker_device
 from hetpipe_tf.distributed.protocol import local_device
+from hetpipe_tf.planning.cluster import Cluster
 from hetpipe_tf.planning.devices import DeviceSpec
 from hetpipe_tf.runtime.run_config import WorkerSpec
 
@@ -32,7 +37,12 @@ class ClusterDevices:
     """The TensorFlow devices of `cluster` (a :class:`hetpipe_tf.planning.cluster.Cluster`) under
     `launch` (see the module docstring)."""
 
-    def __init__(self, cluster, launch):
+    def __init__(self, cluster: Cluster, launch: str) -> None:
+        quotas = sorted(name for name, t in cluster.device_types.items() if t.cpu_quota is not None)
+        if launch == "in_process" and quotas:
+            raise ValueError(f"cluster '{cluster.name}' has CPU-quota device types {quotas}, which run at their quota "
+                             f"only in their node's processes; launch='in_process' runs every device in this process: "
+                             f"use launch='processes'")
         self.cluster = cluster
         self.launch = launch
         self._nodes = [n.name for n in cluster.nodes]

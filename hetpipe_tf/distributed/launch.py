@@ -24,10 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CgroupError, CpuGroup, CpuGroups, reap_orphans
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
                                             free_port, spawn, starter_file, wait_ready)
+
+if TYPE_CHECKING:
+    from hetpipe_tf.distributed.netlinks import EmulatedLinks
 
 
 def use_parallel_remote_ops():
@@ -133,12 +139,26 @@ class LocalCluster(ChiefCluster):
         and worker task: node i's tasks (ps i, worker i, and tasks given its address) run in
         its network namespace at its address, the chief at the links' own address (`host`
         is then not used).
+      cpu_quotas: per worker task (node), the cores of its CPU-quota group, or None for none:
+        worker task i and the processes started at node i (:meth:`start_tasks`) run in a group
+        of that quota from their first instruction (:mod:`hetpipe_tf.distributed.cgroups`); the
+        ps tasks and this process, the chief, run outside every group, on the cores the quotas
+        leave. The groups are named by this process's pid and removed by :meth:`stop`, or, when
+        this process ends first (a connected chief, or one killed), by a reaper process that
+        waits for its end; a reaper killed too leaves them to the next quota cluster's start,
+        which removes the groups of owners no longer alive.
+      cgroup_root: where the cgroup filesystems are mounted.
     """
 
-    def __init__(self, num_ps, worker_cpus, host="127.0.0.1", log_dir=None, start_timeout=120.0, timeout_s=300.0,
-                 task_starters=False, links=None):
+    def __init__(self, num_ps: int, worker_cpus: Sequence[int], host: str | dict[str, list[str]] = "127.0.0.1",
+                 log_dir: str | None = None, start_timeout: float = 120.0, timeout_s: float = 300.0,
+                 task_starters: bool = False, links: "EmulatedLinks | None" = None,
+                 cpu_quotas: Sequence[float | None] | None = None, cgroup_root: str = CGROUP_ROOT) -> None:
         self.worker_cpus = list(worker_cpus)
         self.links = links
+        self.cpu_quotas = self._checked_quotas(cpu_quotas)
+        self.cgroups = None  # CpuGroups, made with the first task of a node that has a quota
+        self._cgroup_root = cgroup_root
         self._node_hosts = []
         self._ports = {}  # ports given out per namespace address
         if links is not None:
@@ -159,6 +179,36 @@ class LocalCluster(ChiefCluster):
         self._procs = {}
         self._heartbeats = {}
         self._connected = False
+
+    def _checked_quotas(self, cpu_quotas: Sequence[float | None] | None) -> list[float | None]:
+        if cpu_quotas is None:
+            return [None] * len(self.worker_cpus)
+        quotas = list(cpu_quotas)
+        if len(quotas) != len(self.worker_cpus):
+            raise ValueError(f"cpu_quotas gives {len(quotas)} quotas for {len(self.worker_cpus)} worker tasks; give "
+                             f"one per worker task (node), None for a node without a quota")
+        total, cores = sum(q for q in quotas if q is not None), len(os.sched_getaffinity(0))
+        if total >= cores:
+            raise CgroupError(f"the nodes' CPU quotas {quotas} total {total:g} cores, and this machine gives this "
+                              f"process {cores}: nothing would be left to the chief and the parameter servers, and "
+                              f"the quotas could not all be granted; scale them to total less than {cores}")
+        return quotas
+
+    def cpu_group(self, node: int) -> CpuGroup | None:
+        """The CPU-quota group (:class:`hetpipe_tf.distributed.cgroups.CpuGroup`) of node `node`'s
+        worker task and started processes, or None for a node without a quota. The first call
+        that needs one makes every node's group (and removes those of owners no longer alive)."""
+        if self.cpu_quotas[node] is None:
+            return None
+        if self.cgroups is None:
+            groups = CpuGroups(self._cgroup_root)
+            reap_orphans(groups.controller)
+            groups.start_reaper()
+            for n, quota in enumerate(self.cpu_quotas):
+                if quota is not None:
+                    groups.create(f"node{n}", quota)
+            self.cgroups = groups
+        return self.cgroups[f"node{node}"]
 
     def free_address(self, host):
         """A TensorFlow address HOST:PORT with a port free on `host`. An emulated node's
@@ -196,37 +246,42 @@ class LocalCluster(ChiefCluster):
     def task_log(self, job, index):
         return os.path.join(self.log_dir, f"{job}-{index}.log")
 
-    def start(self):
-        """Starts every ps and worker task and waits until each says it is ready."""
+    def start(self) -> "LocalCluster":
+        """Starts every ps and worker task (each worker task in its node's CPU-quota group, if it
+        has one) and waits until each says it is ready."""
         for job, cpus in [("ps", [1] * len(self.spec["ps"])), ("worker", self.worker_cpus)]:
             for i, n in enumerate(cpus):
                 self._spawn(job, i, "hetpipe_tf.distributed.server",
                             [f"--cluster_spec={json.dumps(self.spec)}", f"--job_name={job}", f"--task_index={i}",
-                             f"--logical_cpus={n}", f"--task_log_dir={self.log_dir}"], keyed=self.task_starters)
+                             f"--logical_cpus={n}", f"--task_log_dir={self.log_dir}"], keyed=self.task_starters,
+                            group=self.cpu_group(i) if job == "worker" else None)
         for job, i in list(self._procs):
             self._wait_ready(job, i)
         return self
 
-    def start_tasks(self, tasks):
+    def start_tasks(self, tasks: Sequence[tuple[str, int, int, str, list[str]]]) -> None:
         """Starts more tasks, each (job, index, node, module, args): ``python -m module args
-        --address=HOST:PORT`` at an address of node `node` (it takes --parent_pid and
-        --chief_timeout_s and prints the ready line of :mod:`hetpipe_tf.distributed.server`);
-        waits until every one is ready and watches their heartbeats if the others' are watched."""
+        --address=HOST:PORT`` at an address of node `node`, in its CPU-quota group if it has one
+        (it takes --parent_pid and --chief_timeout_s and prints the ready line of
+        :mod:`hetpipe_tf.distributed.server`); waits until every one is ready and watches their
+        heartbeats if the others' are watched."""
         for job, index, node, module, args in tasks:
             address = self.free_address(self.node_host(node))
             self._addresses[(job, index)] = address
-            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True)
+            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True, group=self.cpu_group(node))
         for job, index, *_ in tasks:
             self._wait_ready(job, index)
             if self.monitor is not None:
                 self.monitor.add(self._watched(job, index))
 
-    def _spawn(self, job, index, module, args, keyed):
-        """Starts a task; `keyed`: with the cluster's key (a worker task then runs its starter)."""
+    def _spawn(self, job: str, index: int, module: str, args: list[str], keyed: bool, group: CpuGroup | None) -> None:
+        """Starts a task; `keyed`: with the cluster's key (a worker task then runs its starter);
+        `group`: the CpuGroup it runs in, or None."""
         host = self.address(job, index).rsplit(":", 1)[0]
-        wrap = None
+        wrap = None if group is None else group.command
         if host in self._node_hosts:  # in its node's network namespace (`ip netns exec` execs it: same pid)
-            wrap = functools.partial(self.links.command, self._node_hosts.index(host))
+            in_namespace = functools.partial(self.links.command, self._node_hosts.index(host))
+            wrap = in_namespace if group is None else (lambda cmd: in_namespace(group.command(cmd)))
         self._procs[(job, index)] = spawn(module, args, self.task_log(job, index),
                                           env={AUTHKEY_ENV: self.authkey.hex()} if keyed else None,
                                           chief_timeout_s=self.timeout_s, wrap=wrap)
@@ -306,7 +361,7 @@ class LocalCluster(ChiefCluster):
         """TF_CONFIG for the chief (to hand to a program that connects itself)."""
         return json.dumps({"cluster": self.spec, "task": {"type": "chief", "index": 0}})
 
-    def stop(self):
+    def stop(self) -> None:
         """Ends every task, unless this process is connected to the cluster: TensorFlow cannot
         disconnect a client, and tasks ended under it make it fail at exit, so a connected
         chief's tasks end when the chief does (each task watches the process that started it)."""
@@ -322,6 +377,8 @@ class LocalCluster(ChiefCluster):
                 proc.kill()
                 proc.wait()
         self._procs.clear()
+        if self.cgroups is not None:
+            self.cgroups.remove_all()
         if self.task_starters:
             for address in self.spec["worker"]:
                 with contextlib.suppress(FileNotFoundError):
@@ -473,7 +530,8 @@ def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, em
                                   description.inter_node_latency).start()
             atexit.register(links.stop)  # after the tasks, which end with this process
         cluster = LocalCluster(num_ps=shape[0], worker_cpus=shape[1], log_dir=log_dir, links=links,
-                               start_timeout=start_timeout, timeout_s=timeout_s).start().connect()
+                               start_timeout=start_timeout, timeout_s=timeout_s,
+                               cpu_quotas=description.node_quotas()).start().connect()
     else:
         cluster = TFConfigCluster(num_ps=shape[0], num_workers=shape[0], timeout_s=timeout_s,
                                   start_timeout=start_timeout).connect()
@@ -536,7 +594,8 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
 def _launch(description, command, links, log_dir, host, start_timeout, timeout_s, out):
     nodes = description.nodes
     local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
-                         start_timeout=start_timeout, timeout_s=timeout_s, task_starters=True, links=links)
+                         start_timeout=start_timeout, timeout_s=timeout_s, task_starters=True, links=links,
+                         cpu_quotas=description.node_quotas())
     local.start()
     lost_file = os.path.join(local.log_dir, "lost-task.json")
     lost_at = []

@@ -19,12 +19,17 @@ root needed).
 A device type with ``emulated_speed`` is emulated on this host (see
 :mod:`hetpipe_tf.pipeline.emulation`): its speed is relative to the host running a task
 alone. One with ``"host_cpu": true`` is this host's CPU as it is (real compute, no
-pacing; its tasks share the host's cores). Other types are real accelerators, described
+pacing; its tasks share the host's cores); with ``"cpu_quota": Q`` as well, each of its
+devices is Q cores of it (real compute at a fraction of a core): a node of n such devices
+runs its tasks in a CPU-quota group of n x Q cores (:mod:`hetpipe_tf.distributed.cgroups`),
+and its speed is measured in such a group, not assumed
+(:mod:`hetpipe_tf.distributed.node_speed`). Other types are real accelerators, described
 by their peak FP32 TFLOP/s and memory bandwidth (used for analytic profiles of hardware
 that is not here).
 
 Presets: ``paper`` (Table 1's four nodes of four GPUs each), ``local`` (this
-machine's emulated devices) and ``local_cpu`` (this machine's CPU as four devices).
+machine's emulated devices), ``local_cpu`` (this machine's CPU as four devices) and
+``paper_quota`` (the paper's four node types as CPU-quota nodes of two devices each).
 """
 import json
 import os
@@ -53,16 +58,23 @@ class DeviceType:
     memory_bandwidth: float | None = None  # bytes/s, real accelerators
     emulated_speed: float | None = None  # emulated devices, relative to the host
     host_cpu: bool = False  # this host's CPU as it is
+    cpu_quota: float | None = None  # host CPU devices at a quota: cores per device
 
     @property
     def emulated(self):
         return self.emulated_speed is not None
 
     @property
-    def host_speed(self):
+    def host_speed(self) -> float | None:
         """Speed relative to this host running a task alone, for the devices this host serves
-        (emulated ones and the host CPU); None for accelerators."""
-        return self.emulated_speed if self.emulated else 1.0 if self.host_cpu else None
+        (emulated ones and the host CPU); None for accelerators. A quota device's is its quota,
+        nominal: what the allocation policies compare devices by; the cost model plans it on its
+        speed measured in a group of that quota instead."""
+        if self.emulated:
+            return self.emulated_speed
+        if self.host_cpu:
+            return 1.0 if self.cpu_quota is None else self.cpu_quota
+        return None
 
     @property
     def on_host(self):
@@ -124,6 +136,15 @@ class Cluster:
         """Bytes/s between devices `a` and `b` (Device objects)."""
         return self.intra_node_bandwidth if a.node == b.node else self.inter_node_bandwidth
 
+    def node_quotas(self) -> tuple[float | None, ...]:
+        """Per node, the cores of its CPU-quota group (its devices' quota times their count), or
+        None for a node without a quota."""
+        quotas = []
+        for n in self.nodes:
+            quota = self.device_types[n.device_type].cpu_quota
+            quotas.append(None if quota is None else quota * n.count)
+        return tuple(quotas)
+
     def describe(self):
         parts = [f"{n.count}x {self.device_types[n.device_type].label} ({n.device_type}) on {n.name}"
                  for n in self.nodes]
@@ -138,7 +159,7 @@ def _flag(spec, key, where):
     return value
 
 
-def from_dict(spec, where="cluster"):
+def from_dict(spec: dict, where: str = "cluster") -> Cluster:
     """A validated :class:`Cluster` from its JSON-like description."""
     if not isinstance(spec, dict):
         raise ClusterError(f"{where}: a cluster description is a JSON object, got {type(spec).__name__}")
@@ -160,6 +181,12 @@ def from_dict(spec, where="cluster"):
         if speed is None and not host_cpu and (t.get("peak_tflops") is None or t.get("memory_bandwidth_GBps") is None):
             raise ClusterError(f"{at}: give peak_tflops and memory_bandwidth_GBps (a real device), "
                                f"emulated_speed (emulated on this host) or \"host_cpu\": true (this host's CPU)")
+        quota = t.get("cpu_quota")
+        if quota is not None and not host_cpu:
+            raise ClusterError(f"{at}: cpu_quota is a share of this host's CPU, for a \"host_cpu\": true type only; "
+                               f"add \"host_cpu\": true or remove cpu_quota")
+        if quota is not None and (isinstance(quota, bool) or not isinstance(quota, (int, float)) or not quota > 0):
+            raise ClusterError(f"{at}: cpu_quota is the cores of each device, a number > 0 (e.g. 0.4), got {quota!r}")
         for key in ("emulated_speed", "peak_tflops", "memory_bandwidth_GBps"):
             if t.get(key) is not None and not float(t[key]) > 0:
                 raise ClusterError(f"{at}: {key} must be > 0, got {t[key]!r}")
@@ -167,7 +194,8 @@ def from_dict(spec, where="cluster"):
             name=name, label=t.get("label", name), memory=_bytes(t["memory"], at),
             peak_tflops=float(t["peak_tflops"]) if t.get("peak_tflops") is not None else None,
             memory_bandwidth=float(t["memory_bandwidth_GBps"]) * 1e9 if t.get("memory_bandwidth_GBps") else None,
-            emulated_speed=float(speed) if speed is not None else None, host_cpu=host_cpu)
+            emulated_speed=float(speed) if speed is not None else None, host_cpu=host_cpu,
+            cpu_quota=float(quota) if quota is not None else None)
     if not types:
         raise ClusterError(f"{where}: no device types")
     nodes, names = [], set()
@@ -245,11 +273,30 @@ PRESETS = {
                   {"name": "host-B", "device_type": "C", "count": 2}],
         "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0},
     },
+    # The paper's cluster as CPU-quota nodes of this host: four node types of two devices each,
+    # whose quotas (cores per device) stand as the speeds of V, R, G and Q do in the emulated
+    # comparisons (1 : 0.67 : 0.4 : 0.33), scaled so that the nodes hold 1.44 of this 2-core
+    # machine's cores and leave 0.56 to the chief and the parameter servers; memory in Table 1's
+    # proportions.
+    "paper_quota": {
+        "name": "paper_quota",
+        "device_types": {
+            "V": {"label": "CPU quota as TITAN V", "host_cpu": True, "cpu_quota": 0.3, "memory": "1536M"},
+            "R": {"label": "CPU quota as TITAN RTX", "host_cpu": True, "cpu_quota": 0.2, "memory": "3G"},
+            "G": {"label": "CPU quota as GeForce RTX 2060", "host_cpu": True, "cpu_quota": 0.12, "memory": "768M"},
+            "Q": {"label": "CPU quota as Quadro P4000", "host_cpu": True, "cpu_quota": 0.1, "memory": "1G"},
+        },
+        "nodes": [{"name": "node-V", "device_type": "V", "count": 2},
+                  {"name": "node-R", "device_type": "R", "count": 2},
+                  {"name": "node-G", "device_type": "G", "count": 2},
+                  {"name": "node-Q", "device_type": "Q", "count": 2}],
+        "links": {"intra_node_GBps": 10.0, "inter_node_GBps": 10.0},
+    },
 }
 
 
-def load_cluster(name_or_path):
-    """A preset by name (``paper``, ``local``, ``local_cpu``) or a JSON file's path."""
+def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
+    """A preset by name (``paper``, ``local``, ``local_cpu``, ``paper_quota``) or a JSON file's path."""
     if isinstance(name_or_path, Cluster):
         return name_or_path
     if isinstance(name_or_path, dict):

@@ -187,7 +187,15 @@ class CostModel:
         return self.links.seconds(nbytes, src, dst, self.cluster, flows=self._flows.get(pair, 1))
 
     def times(self, device_type):
-        """SegmentTimes of a device type, and the factor its compute is scaled by."""
+        """SegmentTimes of a device type, and the factor its compute is scaled by. A CPU-quota type's
+        are its own, measured in a group of its quota (never the host's times scaled by the quota)."""
+        if device_type.cpu_quota is not None:
+            if device_type.name not in self.profile.times:
+                raise ValueError(f"device type '{device_type.name}' runs at a CPU quota of {device_type.cpu_quota:g} "
+                                 f"cores: its speed is measured, not assumed, and the profile has times for "
+                                 f"{sorted(self.profile.times)} only; add them with "
+                                 f"hetpipe_tf.distributed.node_speed.quota_profile")
+            return self.profile.times[device_type.name], 1.0
         if device_type.on_host:  # a dilation slows emulated devices only
             return self.profile.times["host"], (self.dilation if device_type.emulated else 1.0) / device_type.host_speed
         if device_type.name in self.profile.times:
@@ -207,11 +215,19 @@ class CostModel:
         p = self.profile
         if device_type.on_host or device_type.name in p.times:
             per_byte = p.apply_shared_per_byte if num_in_flight > 1 and p.apply_shared_per_byte else p.apply_per_byte
-            return p.apply_base + per_byte * weight_bytes
+            return (p.apply_base + per_byte * weight_bytes) * self._quota_slowdown(device_type)
         from hetpipe_tf.planning.profile import AnalyticAssumptions
         moved = weight_bytes * (3 + 2 * self.optimizer_slots)
         efficiency = (self.analytic or AnalyticAssumptions()).memory_efficiency
         return moved / (device_type.memory_bandwidth * efficiency)
+
+    def _quota_slowdown(self, device_type):
+        """How much slower a CPU-quota type computes than the host, by its measured passes (1 for
+        other types): an apply runs in its group too."""
+        if device_type.cpu_quota is None:
+            return 1.0
+        own, host = self.times(device_type)[0], self.profile.times["host"]
+        return (sum(own.forward) + sum(own.backward)) / (sum(host.forward) + sum(host.backward))
 
     def executor_seconds(self, position, num_stages):
         """The executor's cost of one minibatch's non-compute instructions at a stage position."""

@@ -28,6 +28,20 @@ def test_local_cpu_preset_is_the_host_cpu_as_it_is():
     assert all(d.type.host_cpu and d.type.host_speed == 1.0 for d in c.devices())
 
 
+def test_paper_quota_preset_stands_as_the_emulated_paper_types_and_leaves_a_third_of_a_core():
+    c = load_cluster("paper_quota")
+    assert [(n.device_type, n.count) for n in c.nodes] == [("V", 2), ("R", 2), ("G", 2), ("Q", 2)]
+    quotas = {k: t.cpu_quota for k, t in c.device_types.items()}
+    assert quotas == {"V": 0.3, "R": 0.2, "G": 0.12, "Q": 0.1}
+    # the speeds of V, R, G, Q in the emulated comparisons: 1, 0.67, 0.4, 0.33
+    for k, speed in (("R", 0.67), ("G", 0.4), ("Q", 0.33)):
+        assert quotas[k] / quotas["V"] == pytest.approx(speed, abs=0.005)
+    assert c.node_quotas() == (0.6, 0.4, 0.24, 0.2)
+    assert 2 - sum(c.node_quotas()) >= 1 / 3  # this 2-core machine's rest for the chief and the servers
+    assert all(d.type.host_cpu and d.type.on_host and d.type.host_speed == d.type.cpu_quota for d in c.devices())
+    assert load_cluster("local_cpu").node_quotas() == (None, None)
+
+
 def test_json_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(PRESETS["local"]))
@@ -42,6 +56,10 @@ def test_json_file(tmp_path):
     (lambda s: s["device_types"]["F"].update(host_cpu=True), "got emulated_speed and host_cpu"),
     (lambda s: s["device_types"]["F"].update(host_cpu="yes"), "host_cpu is true or false, got 'yes'"),
     (lambda s: s["links"].update(inter_node_GBps=0), "inter_node_GBps must be a bandwidth > 0"),
+    (lambda s: s["device_types"]["F"].update(cpu_quota=0.4), "cpu_quota is a share of this host's CPU, for a "
+                                                             "\"host_cpu\": true type only"),
+    (lambda s: s["device_types"]["F"].update(cpu_quota=0, host_cpu=True, emulated_speed=None),
+     "cpu_quota is the cores of each device, a number > 0 \\(e.g. 0.4\\), got 0"),
     (lambda s: s.pop("links"), "missing 'links'"),
     (lambda s: s["links"].update(inter_node_latency_ms=-1), "inter_node_latency_ms must be a number >= 0, got -1"),
     (lambda s: s["links"].update(emulate="yes"), "links.emulate is true or false, got 'yes'"),
@@ -55,7 +73,7 @@ def test_bad_descriptions_say_what_is_wrong(change, match):
 
 
 def test_unknown_name():
-    with pytest.raises(ClusterError, match="no cluster preset or file named 'moon'; presets: \\['local', 'local_cpu', 'paper'\\]"):
+    with pytest.raises(ClusterError, match="no cluster preset or file named 'moon'; presets: \\['local', 'local_cpu', 'paper', 'paper_quota'\\]"):
         load_cluster("moon")
 
 

@@ -1,0 +1,158 @@
+"""The measured speed of CPU-quota devices, and a profile that plans them on it (HetPipe §7: the
+model is profiled on each type of device).
+
+A CPU-quota device type (``"host_cpu": true, "cpu_quota": Q``, :mod:`hetpipe_tf.planning.cluster`)
+is Q cores of this host: its speed is measured, not assumed. :func:`measure_quota_speeds` times
+the model's passes (a forward and a backward pass of the whole model on one minibatch, as
+TensorFlow runs Keras's model, nothing applied) in this process, first unconstrained, then with
+this process held in a group of quota Q (:mod:`hetpipe_tf.distributed.cgroups`, the period of a
+node's group): the same passes with the same intra-op threads. So this process's threads should be
+those the devices' tasks run with (a worker task's: one intra-op thread), and nothing else should
+run in it while it is held (a connected chief's heartbeats would be held with it: measure before
+connecting).
+
+Definitions (:class:`QuotaSpeed`):
+
+* ``free_seconds``: wall seconds per pass unconstrained, the least over :data:`FREE_RUNS` short
+  runs before each type's runs in its group (other work on the machine only ever adds time, as
+  the profile's host times are taken); one figure for every type, so that their speeds differ by
+  their groups' runs only; ``free_cores``: the cores the passes kept busy in that run (this
+  process's CPU seconds per wall second);
+* ``group_seconds``: wall seconds per pass in the group, the least of :data:`GROUP_RUNS` runs'
+  means, each run at least :data:`GROUP_PERIODS` periods of the quota long (a run within one
+  period could fit in its grant and not be throttled at all; one of N periods takes at most
+  N + 1 periods' grants, a speed at most 1/N above the quota's);
+* ``speed = free_seconds / group_seconds``: how much slower the device runs the passes than the
+  host, which the planner divides the host's times by;
+* ``share = cpu_quota / free_cores``: the speed the quota allows when the passes need the same CPU
+  seconds in the group as outside; with one intra-op thread ``free_cores`` is about 1, and the
+  speed is the CPU time a busy thread receives per wall second.
+
+:func:`quota_profile` adds to a profile measured on this host (:mod:`hetpipe_tf.runtime.profiler`)
+the times of every quota type, the host's divided by its speed; the cost model plans quota types
+on those only.
+"""
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CpuGroups
+from hetpipe_tf.planning.cluster import Cluster
+from hetpipe_tf.planning.profile import Profile, SegmentTimes
+
+#: The least number of the quota's periods a run in the group spans.
+GROUP_PERIODS = 25
+#: Runs in each group, of which the least mean is taken (the machine's other work only ever adds time).
+GROUP_RUNS = 3
+#: Unconstrained runs, of which the least is taken.
+FREE_RUNS = 10
+
+#: Model inputs or labels: an array, or a list of them for several inputs or outputs.
+Batch = np.ndarray | tf.Tensor | list[np.ndarray | tf.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuotaSpeed:
+    """One quota type's measured speed (see the module docstring for the definitions)."""
+    device_type: str
+    cpu_quota: float
+    free_seconds: float
+    free_cores: float
+    group_seconds: float
+
+    @property
+    def speed(self) -> float:
+        return self.free_seconds / self.group_seconds
+
+    @property
+    def share(self) -> float:
+        return self.cpu_quota / self.free_cores
+
+    def __str__(self) -> str:
+        return (f"{self.device_type}: speed {self.speed:.3f} (a pass {self.group_seconds * 1e3:.1f} ms in a group of "
+                f"{self.cpu_quota:g} cores, {self.free_seconds * 1e3:.2f} ms outside on {self.free_cores:.2f} cores), "
+                f"quota share {self.share:.3f}")
+
+
+def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y: Batch) -> Callable[[], None]:
+    """A call that runs `model`'s forward and backward pass on minibatch (x, y) and returns once
+    they are computed. Nothing is applied; the passes update the model's non-trainable state
+    (BatchNormalization's moving statistics) as a training step does."""
+    loss_fn = keras.losses.get(loss)
+    variables = model.trainable_variables
+
+    @tf.function
+    def passes(x, y):
+        with tf.GradientTape() as tape:
+            value = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(value, variables)
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    return lambda: passes(x, y).numpy()
+
+
+def _timed(run: Callable[[], None], seconds: float) -> tuple[float, float]:
+    """(wall seconds per call, this process's CPU seconds per wall second) of calling `run` for at
+    least `seconds` (and at least twice)."""
+    calls, wall0, cpu0 = 0, time.perf_counter(), time.process_time()
+    while calls < 2 or time.perf_counter() - wall0 < seconds:
+        run()
+        calls += 1
+    wall = time.perf_counter() - wall0
+    return wall / calls, (time.process_time() - cpu0) / wall
+
+
+def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluster: Cluster,
+                         loss: str | keras.losses.Loss = "sparse_categorical_crossentropy",
+                         cgroup_root: str = CGROUP_ROOT, free_seconds: float = 0.05) -> dict[str, QuotaSpeed]:
+    """Every quota device type of `cluster`: its :class:`QuotaSpeed` on `model`'s passes on `sample`,
+    a minibatch (x, y). `free_seconds`: the length of each unconstrained run; a run in a group
+    spans :data:`GROUP_PERIODS` periods of its quota, or five unconstrained runs if longer. The
+    model's non-trainable state is restored afterwards."""
+    types = [t for t in cluster.device_types.values() if t.cpu_quota is not None]
+    if not types:
+        raise ValueError(f"cluster '{cluster.name}' has no CPU-quota device types (\"host_cpu\": true with a "
+                         f"\"cpu_quota\"): there is no speed to measure; plan it on the profile as it is")
+    groups = CpuGroups(cgroup_root)
+    state = [v.numpy() for v in model.non_trainable_variables]
+    run = model_passes(model, loss, *sample)
+    run()  # traces the passes
+    free, in_group = [], {}
+    try:
+        for t in types:
+            free.extend(_timed(run, free_seconds) for _ in range(FREE_RUNS))
+            group = groups.create(f"probe-{t.name}", t.cpu_quota)
+            with group.holding(os.getpid()):
+                length = max(GROUP_PERIODS * group.period_us * 1e-6, 5 * free_seconds)
+                in_group[t] = min(_timed(run, length)[0] for _ in range(GROUP_RUNS))
+            groups.remove(f"probe-{t.name}")
+    finally:
+        groups.remove_all()
+        for v, value in zip(model.non_trainable_variables, state):
+            v.assign(value)
+    free_pass, free_cores = min(free, key=lambda timed: timed[0])
+    return {t.name: QuotaSpeed(t.name, t.cpu_quota, free_pass, free_cores, seconds) for t, seconds in in_group.items()}
+
+
+def quota_profile(profile: Profile, speeds: dict[str, QuotaSpeed]) -> Profile:
+    """`profile` with the times of every type of `speeds`: the host's (measured on this host, key
+    ``"host"``) divided by its measured speed."""
+    if "host" not in profile.times:
+        raise ValueError(f"the profile of {profile.model} has no times measured on this host (it has "
+                         f"{sorted(profile.times) or 'none'}); measure one with "
+                         f"hetpipe_tf.runtime.profiler.measure_profile, then add the quota types' speeds")
+    host = profile.times["host"]
+    for name, s in speeds.items():
+        times = SegmentTimes(forward=tuple(t / s.speed for t in host.forward),
+                             backward=tuple(t / s.speed for t in host.backward),
+                             forward_overhead=host.forward_overhead / s.speed,
+                             backward_overhead=host.backward_overhead / s.speed,
+                             source=f"{host.source}, divided by the speed {s.speed:.3f} measured in a CPU-quota "
+                                    f"group of {s.cpu_quota:g} cores")
+        profile = profile.with_times(name, times)
+    return profile

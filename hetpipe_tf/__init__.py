@@ -79,7 +79,7 @@ _EXPORTS = {
     "WspClock": "hetpipe_tf.ops.wsp_clock",
     # Errors
     "PipelineError": "hetpipe_tf.pipeline.executor",
-    "NonFiniteError": "hetpipe_tf.runtime.stage_runtime",
+    "NonFiniteError": "hetpipe_tf.runtime.stage.verdicts",
     "StalenessViolation": "hetpipe_tf.sync.staleness",
     "ClusterStartError": "hetpipe_tf.distributed.starter",
     "ClusterConfigError": "hetpipe_tf.distributed.launch",

@@ -49,7 +49,7 @@ USAGE_ERRORS = {
 }
 FAILED_RUNS = {
     "hetpipe_tf.pipeline.emulation": ("DeviceOutOfMemoryError",),
-    "hetpipe_tf.runtime.stage_runtime": ("NonFiniteError",),
+    "hetpipe_tf.runtime.stage.verdicts": ("NonFiniteError",),
     "hetpipe_tf.distributed.starter": ("ClusterStartError",),
     "hetpipe_tf.distributed.heartbeat": ("TaskLostError",),
     "hetpipe_tf.ops.loader": ("OpsLibraryError",),

@@ -14,7 +14,7 @@ forwards learning-rate changes and stops everything. So the chief does no work p
 but read one small message per worker.
 
 What runs per minibatch and stage in a worker process is its pipeline's
-(:class:`hetpipe_tf.runtime.stage_runtime.StageRuntime`): one call of a compiled function per
+(:class:`hetpipe_tf.runtime.stage.StageRuntime`): one call of a compiled function per
 task (on the last stage a minibatch's forward and backward pass, update and next stash; on the
 others a forward task and a backward task), the executor's count of them is each stage's
 ``device_calls``; a stage on another node's worker task makes one RPC per call, its tensors
@@ -47,7 +47,7 @@ from hetpipe_tf.runtime.checkpoint import RunState, skip_consumed
 from hetpipe_tf.runtime.fit_loop import fit
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.stage_rewrite import split_model
-from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
 from hetpipe_tf.runtime.wsp_runner import stage_layer_servers
 from hetpipe_tf.sync.parameter_server import ParameterServers

@@ -140,7 +140,7 @@ class _Worker:
 def describe_error(exc):
     """(kind, message, logs) of a failure, for the chief: kind is the exception's class name, or
     ``NonFiniteError`` (with the minibatch's logs) when a non-finite loss caused it."""
-    from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+    from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 
     cause = exc if isinstance(exc, NonFiniteError) else exc.__cause__
     if isinstance(cause, NonFiniteError):

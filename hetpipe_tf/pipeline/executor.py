@@ -178,7 +178,7 @@ class _Deliveries:
 
 
 class PipelineExecutor:
-    """Runs `schedule` with one :class:`StageRuntime` per stage.
+    """Runs `schedule` with one :class:`hetpipe_tf.runtime.stage.StageRuntime` per stage.
 
     Args:
       schedule: a :class:`hetpipe_tf.pipeline.schedule.Schedule`.

@@ -173,10 +173,10 @@ class SyncScheme:
         names the bounds it can keep. This base (no workers to synchronise) keeps none."""
         return None
 
-    def stage_state(self, runtime):
-        """What the scheme keeps on each stage (`runtime`, a stage runtime of
-        :mod:`hetpipe_tf.runtime.stage_runtime`) for its handlers, or None. It has
-        ``snapshot()`` and ``restore(snapshot)``; the runtime's state carries it."""
+    def stage_state(self, weights):
+        """What the scheme keeps on each stage (`weights`, the stage's synchronised weights,
+        :class:`hetpipe_tf.runtime.stage.synchronised.SynchronisedWeights`) for its handlers, or
+        None. It has ``snapshot()`` and ``restore(snapshot)``; the stage's state carries it."""
         return None
 
     def bind(self, worker, servers, staleness_bound, timeout_s):

@@ -35,7 +35,7 @@ from tensorflow.python.ops import gen_resource_variable_ops as _variable_ops
 
 from hetpipe_tf.runtime.checkpoint import EpochSegments
 from hetpipe_tf.runtime.optimizers import check_optimizer, inner_optimizer
-from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.worker_data import epoch_steps, mean_batch_size, worker_shards
 
 

@@ -26,13 +26,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
+from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
 from hetpipe_tf.planning.profile import AttentionBlock, Profile, SegmentTimes, static_profile
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
-from hetpipe_tf.runtime.stage_rewrite import split_model, variable_bytes
+from hetpipe_tf.runtime.stage_rewrite import describe_model, split_model, variable_bytes
 from hetpipe_tf.runtime.run_config import RunConfig
-from hetpipe_tf.runtime.stage_runtime import StageRuntime, is_remote
+from hetpipe_tf.runtime.stage import StageRuntime
+from hetpipe_tf.runtime.stage.timing import measure_stage_times
+from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf", "profiles")
 #: Part of every cached profile's name, bumped when what a profile measures changes: profiles
@@ -169,11 +171,6 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
     instruction, how much slower an apply is there than alone, the mean time the host takes
     to go on after its emulated device ended a task)."""
-    from hetpipe_tf.pipeline.instructions import ApplyUpdate
-    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
-
-    from hetpipe_tf.runtime.stage_rewrite import describe_model
-
     graph = describe_model(model).graph
     cuts = graph.allowed_cuts() or tuple(range(1, graph.num_nodes))  # else a tied layer is replicated
     vw = VirtualWorker(model, "1,1", num_in_flight=2, boundaries=(0, cuts[len(cuts) // 2]),
@@ -235,8 +232,6 @@ def model_profile(model, batch_size, sequence_length=None):
     """The static profile of a Keras model at `batch_size` (no times), with what its graph does
     not show (:func:`static_facts`): at `sequence_length`, every unknown dimension of its
     tensors (a transformer's sequence) is that long."""
-    from hetpipe_tf.runtime.stage_rewrite import describe_model
-
     described = describe_model(model)
     graph = described.graph if sequence_length is None else described.graph.at_sequence_length(sequence_length)
     attention, lookups = static_facts(described)
@@ -270,8 +265,6 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     executor's costs stay measured on `device`. With `cache_dir`, a profile measured before
     for the same model graph, batch size, optimizer, host and stage device is read back instead.
     """
-    from hetpipe_tf.runtime.stage_rewrite import describe_model
-
     graph = describe_model(model).graph
     base = model_profile(model, batch_size)
     optimizer = check_optimizer(optimizer)
@@ -315,84 +308,3 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
         with open(path, "w") as f:
             f.write(profile.to_json())
     return profile
-
-
-def _block(tensors):
-    """Waits until `tensors` are computed (GPU kernels run asynchronously)."""
-    for t in tf.nest.flatten(tensors):
-        if hasattr(t, "device") and "GPU" in t.device:
-            np.asarray(tf.reshape(t, [-1])[:1])
-            return
-
-
-def _moved(tensors, device):
-    """`tensors` (any structure; None entries kept) copied onto `device`, there when this returns."""
-    with tf.device(device):
-        moved = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
-    for t in tf.nest.flatten(moved):
-        if t is not None:
-            np.asarray(tf.reshape(t, [-1])[:1])
-    return moved
-
-
-def measure_stage_times(runtimes, split_inputs, x, y, repeats=7):
-    """Each stage's forward and backward time, measured alone, one stage at a time.
-
-    Runs minibatch (x, y) through the chain of `runtimes` (id 0, the weights as they
-    are) `repeats` + 1 times; the first run traces the functions, and the minimum of the
-    others is the result (interference from other work only ever adds time): a list
-    with, per stage, {Forward: seconds, Backward: seconds}. A stage on a cluster's device
-    (a task's, not this process's ``localhost``) is timed on that device
-    (:meth:`StageRuntime.timed_solo_pass`): timed from here, its passes would also hold the
-    RPCs that drive them, which pacing (``dilation / speed x`` this time) would then dilate as
-    if they were compute. For the same reason what a stage receives (the previous stage's
-    activations, the next one's gradients, inputs and labels) is on its device before its pass
-    is timed: moving it is communication, which the emulation does not pad.
-    Nothing is applied, and the stages' non-trainable state is restored afterwards.
-    """
-    times = [{Forward: [], Backward: []} for _ in runtimes]
-    on_device = [{Forward: [], Backward: []} if is_remote(rt.device) else None for rt in runtimes]
-    saved = [[v.numpy() for v in rt.non_trainable] for rt in runtimes]  # copies, not the variables
-    for _ in range(repeats + 1):
-        for rt in runtimes:
-            rt.run((StashWeights(0),))
-        loaded = split_inputs(x)
-        carry = None
-        for s, rt in enumerate(runtimes):
-            if carry is not None:
-                rt.set_received(0, _moved(carry, rt.device))
-            if s in loaded:
-                rt.set_loaded(0, _moved(loaded[s], rt.device))
-            if rt.is_last:
-                rt.set_labels(0, _moved(y, rt.device))
-            if on_device[s] is not None:
-                with rt.execution_scope():
-                    forward, backward = rt.timed_solo_pass(0)
-                on_device[s][Forward].append(forward)
-                on_device[s][Backward].append(backward)
-            t0 = time.perf_counter()
-            with rt.execution_scope():
-                rt.run((Forward(0),))
-                carry = None if rt.is_last else rt.sent(0)
-                _block(carry if carry is not None else rt.logs[0])
-            times[s][Forward].append(time.perf_counter() - t0)
-        grads = None
-        for s in reversed(range(len(runtimes))):
-            rt = runtimes[s]
-            if grads is not None:
-                rt.set_output_gradients(0, _moved(grads, rt.device))
-            t0 = time.perf_counter()
-            with rt.execution_scope():
-                rt.run((Backward(0),))
-                _block(rt._weight_grads[0])
-            times[s][Backward].append(time.perf_counter() - t0)
-            grads = rt.input_gradients(0) if rt.stage.io.received else None
-            rt._weight_grads.pop(0)
-            rt.run((ReleaseWeights(0),))
-        runtimes[-1].logs.pop(0, None)
-    for rt, values in zip(runtimes, saved):
-        for v, value in zip(rt.non_trainable, values):
-            v.assign(value)
-        if rt.provenance:
-            rt.provenance.used_versions.pop(0, None)
-    return [{kind: min(ts[1:]) for kind, ts in (device or stage).items()} for stage, device in zip(times, on_device)]

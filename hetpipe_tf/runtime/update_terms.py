@@ -16,7 +16,7 @@ computed for p (:class:`hetpipe_tf.pipeline.schedule.WorkerUpdate` orders the me
   replicas never drift.
 
 The terms travel as messages: each stage's gradient message carries, with the gradient, p's
-verdict so far (:func:`hetpipe_tf.runtime.stage_runtime.verdict_code`), the squared norm of the
+verdict so far (:func:`hetpipe_tf.runtime.stage.verdicts.verdict_code`), the squared norm of the
 gradients so far and S_p; the stages that hold a tied replica send the first stage its gradient;
 the first stage, the last to end p's backward pass, makes the terms (the verdict, S_p, the clip's
 factor, the scale after p, each tied weight's summed gradient) and sends them to the stages whose

@@ -29,8 +29,8 @@ from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.stage_rewrite import split_model
-from hetpipe_tf.runtime.profiler import measure_stage_times
-from hetpipe_tf.runtime.stage_runtime import StageRuntime
+from hetpipe_tf.runtime.stage import StageRuntime
+from hetpipe_tf.runtime.stage.timing import measure_stage_times
 
 
 class VirtualWorker:

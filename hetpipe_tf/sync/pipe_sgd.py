@@ -170,29 +170,30 @@ class ReplicaBase:
 
     Between instructions the live weights equal it; an update adds the local u_p, which
     :meth:`take_update` takes back out; :meth:`merge` adds an aggregate to both. Works on the
-    synchronised variables of `runtime` (a stage runtime), each operation one call on its device."""
+    synchronised `weights` of a stage (:class:`hetpipe_tf.runtime.stage.synchronised.SynchronisedWeights`),
+    each operation one call on its device."""
 
-    def __init__(self, runtime):
-        self.runtime = runtime
-        self.values = runtime.synchronised_values()
+    def __init__(self, weights):
+        self.weights = weights
+        self.values = weights.values()
         self.included = frozenset()  # (worker, minibatch) updates the replica holds
 
     @property
     def paths(self):
-        return self.runtime.synchronised_paths
+        return self.weights.paths
 
     def take_update(self, first_minibatch):
         """u = w_local - base; w_local and the versions stashed for minibatches >= `first_minibatch`
         go back to base. Returns u."""
-        now, update = self.runtime.synchronised_change(self.values)
-        self.runtime.add_to_weights(self.runtime.subtract(self.values, now), first_minibatch, self.included)
+        now, update = self.weights.change(self.values)
+        self.weights.add_to_weights(self.weights.subtract(self.values, now), first_minibatch, self.included)
         return update
 
     def merge(self, aggregate, first_minibatch, included):
         """base += aggregate, and so do w_local and the versions stashed for minibatches >= `first_minibatch`."""
-        self.values = self.runtime.sum(self.values, aggregate)
+        self.values = self.weights.sum(self.values, aggregate)
         self.included = self.included | frozenset(included)
-        self.runtime.add_to_weights(aggregate, first_minibatch, self.included)
+        self.weights.add_to_weights(aggregate, first_minibatch, self.included)
 
     def snapshot(self):
         return (self.values, self.included)
@@ -275,8 +276,8 @@ class PipeSGD(SyncScheme):
         return None
 
     # The executor -----------------------------------------------------------------------------
-    def stage_state(self, runtime):
-        return ReplicaBase(runtime)
+    def stage_state(self, weights):
+        return ReplicaBase(weights)
 
     def bind(self, worker, servers, staleness_bound, timeout_s):
         """The binding of `worker` to the all-reduce group of the run `servers` belong to, which
@@ -316,7 +317,7 @@ class PipeSGD(SyncScheme):
             rt.sync_state.merge(aggregate, first_minibatch=j + self.staleness + 1,
                                 included=((w, j) for w in range(binding.group.num_workers)))
             if binding.worker == 0:  # the servers mirror worker 0's replica
-                binding.servers.push(0, s, first_wave + j - 1, *rt.pushed(aggregate))
+                binding.servers.push(0, s, first_wave + j - 1, *rt.synchronisation.pushed(aggregate))
 
         return {ContributeUpdate: contribute, MergeAggregate: merge}
 

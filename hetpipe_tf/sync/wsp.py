@@ -85,29 +85,29 @@ class PushBase:
 
     The next push sends ``w_local - base``, which is exactly the local updates made since the
     last push; a merge of pulled global weights adds ``pulled - base`` to the live weights and
-    to the versions stashed since the push. Works on the synchronised variables of `runtime`
-    (a stage runtime: ``synchronised_values()``, ``synchronised_paths``,
-    ``synchronised_change()``, ``merge_pulled()``; each one call on the stage's device).
+    to the versions stashed since the push. Works on a stage's synchronised `weights`
+    (:class:`hetpipe_tf.runtime.stage.synchronised.SynchronisedWeights`: ``values()``, ``paths``,
+    ``change()``, ``merge_pulled()``; each one call on the stage's device).
     """
 
-    def __init__(self, runtime):
-        self.runtime = runtime
-        self.values = runtime.synchronised_values()
+    def __init__(self, weights):
+        self.weights = weights
+        self.values = weights.values()
 
     @property
     def paths(self):
-        return self.runtime.synchronised_paths
+        return self.weights.paths
 
     def wave_update(self):
         """The aggregated update of the wave, w_local - base; base := w_local."""
-        self.values, deltas = self.runtime.synchronised_change(self.values)
+        self.values, deltas = self.weights.change(self.values)
         return deltas
 
     def merge(self, pulled, clocks, first_minibatch):
         """Takes global weights pulled after the workers' `clocks` in: w_local and the versions
         stashed for minibatches >= `first_minibatch` become them plus the local updates since."""
         included = frozenset((w, c) for w, clock in enumerate(clocks) for c in range(clock))
-        self.values = self.runtime.merge_pulled(self.values, pulled, first_minibatch, included)
+        self.values = self.weights.merge_pulled(self.values, pulled, first_minibatch, included)
 
     def snapshot(self):
         return self.values
@@ -187,8 +187,8 @@ class WSP(SyncScheme):
         return (TaskStream("merge", max((steps - num_in_flight) // g, 0), lambda i: merge(i - 1)),)
 
     # The executor -----------------------------------------------------------------------------
-    def stage_state(self, runtime):
-        return PushBase(runtime)
+    def stage_state(self, weights):
+        return PushBase(weights)
 
     def bind(self, worker, servers, staleness_bound, timeout_s):
         return WorkerSync(self, worker, servers, self.checked_bound(staleness_bound), timeout_s)
@@ -205,7 +205,7 @@ class WSP(SyncScheme):
         pushes = {}  # (stage, wave) -> the future of its push, until the stage's pull of the wave
 
         def push(ex, s, ins):
-            paths, deltas = ex.runtimes[s].pushed(ex.runtimes[s].sync_state.wave_update())
+            paths, deltas = ex.runtimes[s].synchronisation.pushed(ex.runtimes[s].sync_state.wave_update())
 
             def send():
                 start = ex.clock()

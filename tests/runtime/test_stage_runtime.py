@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.instructions import Backward, Forward, ReleaseWeights, StashWeights
-from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from tests.helpers import models
 from tests.helpers.data import random_batches
@@ -152,8 +152,8 @@ def test_solo_times_are_taken_with_what_a_stage_receives_already_on_its_device(m
     emulation does not pad: measure_stage_times puts them on the receiving stage's device before
     it times the pass (timed with them elsewhere, the pass would hold the copy, which pacing
     then dilates as if it were compute)."""
-    from hetpipe_tf.runtime.profiler import measure_stage_times
-    from hetpipe_tf.runtime.stage_runtime import StageRuntime
+    from hetpipe_tf.runtime.stage import StageRuntime
+    from hetpipe_tf.runtime.stage.timing import measure_stage_times
 
     keras.utils.set_random_seed(0)
     model = models.mlp()
@@ -197,9 +197,9 @@ def test_a_merge_moves_the_live_weights_and_the_versions_stashed_from_its_first_
     rt, = vw.runtimes
     before = [v.numpy() for v in rt.trainable]
     rt.run((StashWeights(3), StashWeights(5)))
-    base = rt.synchronised_values()
+    base = rt.synchronisation.values()
     pulled = [b + 0.5 for b in base]
-    new_base = rt.merge_pulled(base, pulled, first_minibatch=4, included={(0, 0), (1, 0)})
+    new_base = rt.synchronisation.merge_pulled(base, pulled, first_minibatch=4, included={(0, 0), (1, 0)})
     dtypes = [v.dtype for v in rt.trainable]
     assert all(np.allclose(n, p) for n, p in zip(new_base, pulled))
     assert all(np.allclose(v.numpy(), w + 0.5) for v, w in zip(rt.trainable, before))

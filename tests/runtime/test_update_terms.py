@@ -7,7 +7,7 @@ import pytest
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
-from hetpipe_tf.runtime.stage_runtime import NonFiniteError
+from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
 from tests.helpers import models

@@ -89,7 +89,7 @@ def test_a_pull_merges_the_stages_own_push_of_its_wave_however_late_that_push_la
     assert runner.servers.clock.clocks() == ((6,), 6)  # every push landed before the run ended
     global_weights = runner.servers.values()
     for rt in runner.vws[0].runtimes:
-        for path, v in zip(rt.synchronised_paths, rt.synchronised):
+        for path, v in zip(rt.synchronisation.paths, rt.synchronisation.variables):
             np.testing.assert_allclose(v.numpy(), global_weights[path].numpy(), atol=1e-6, err_msg=path)
 
 

@@ -28,6 +28,7 @@ import time
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
                                             free_port, spawn, starter_file, wait_ready)
+from hetpipe_tf.errors import HetPipeUsageError
 
 
 def use_parallel_remote_ops():
@@ -334,7 +335,7 @@ class LocalCluster(ChiefCluster):
         self.stop()
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(HetPipeUsageError, ValueError):
     """TF_CONFIG is missing or does not describe the cluster asked for."""
 
 

@@ -38,6 +38,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeRunError
+
 FAITHFUL_OVERRUN = 0.05
 """An emulated run is faithful while fewer than this fraction of its paced tasks overran."""
 
@@ -49,7 +51,7 @@ DILATIONS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 """The dilations :func:`calibrate_dilation` tries, in order."""
 
 
-class DeviceOutOfMemoryError(MemoryError):
+class DeviceOutOfMemoryError(HetPipeRunError, MemoryError):
     """An emulated device would hold more bytes than its capacity."""
 
 

@@ -45,6 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from hetpipe_tf.errors import HetPipeRunError, HetPipeUsageError
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.instructions import (
     ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, TIED_GRADIENTS, UPDATE_TERMS, ApplyAccumulated,
@@ -77,11 +78,11 @@ def _nbytes(value):
     return elements * (getattr(dtype, "size", None) or getattr(dtype, "itemsize", 0))
 
 
-class PipelineError(RuntimeError):
+class PipelineError(HetPipeRunError, RuntimeError):
     """A stage failed; the message names the stage, its instruction and what the others were doing."""
 
 
-class UnknownInstructionError(TypeError):
+class UnknownInstructionError(HetPipeUsageError, TypeError):
     """A schedule holds an instruction type the executor does not carry out."""
 
 

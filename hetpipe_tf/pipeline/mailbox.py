@@ -9,12 +9,14 @@ would be applied twice).
 import threading
 import time
 
+from hetpipe_tf.errors import HetPipeRunError
 
-class PipelineAborted(RuntimeError):
+
+class PipelineAborted(HetPipeRunError, RuntimeError):
     """Another stage failed; this one stops."""
 
 
-class DuplicateMessageError(RuntimeError):
+class DuplicateMessageError(HetPipeRunError, RuntimeError):
     """The same key was delivered twice to a stage."""
 
 

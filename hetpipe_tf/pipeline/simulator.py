@@ -19,11 +19,12 @@ import heapq
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER
 from hetpipe_tf.pipeline.schedule import fifo_pick
 
 
-class ScheduleDeadlock(RuntimeError):
+class ScheduleDeadlock(HetPipeUsageError, RuntimeError):
     """No stage can go on, but some tasks have not run: the schedules can never finish."""
 
 

@@ -25,12 +25,13 @@ composition's predicted rate.
 """
 import numpy as np
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.planning.milp import Program
 
 POLICIES = ("np", "ed", "hd")
 
 
-class AllocationError(ValueError):
+class AllocationError(HetPipeUsageError, ValueError):
     """A policy that cannot be applied to a cluster as asked."""
 
 

@@ -23,10 +23,11 @@ uses only 12 GPUs"); with none left there is no prediction (Table 4's X).
 """
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 
 
-class DataParallelError(ValueError):
+class DataParallelError(HetPipeUsageError, ValueError):
     """No device of the cluster can hold the whole model."""
 
 

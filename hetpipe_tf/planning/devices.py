@@ -15,6 +15,7 @@ Memory takes ``K``, ``M``, ``G`` (powers of 1024), e.g. ``0.5@256M``.
 import re
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.emulation import format_bytes
 
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
@@ -22,7 +23,7 @@ _GRAMMAR = ("SPEED[@MEMORY] or emu:SPEED[@MEMORY] (emulated on the host CPU), cp
             "gpu:INDEX[@MEMORY]; e.g. '1@512M,0.5@256M' or 'gpu:0@2G,gpu:0@2G'")
 
 
-class DeviceSpecError(ValueError):
+class DeviceSpecError(HetPipeUsageError, ValueError):
     """A device description that cannot be parsed or served."""
 
 

@@ -26,8 +26,10 @@ any of them applies (Megatron's embedding group).
 """
 from dataclasses import dataclass, replace
 
+from hetpipe_tf.errors import HetPipeUsageError
 
-class PartitionError(ValueError):
+
+class PartitionError(HetPipeUsageError, ValueError):
     """Stage boundaries that do not describe a valid cut of the model."""
 
 

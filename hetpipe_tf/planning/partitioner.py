@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.planning.cost_model import neighbour
 from hetpipe_tf.planning.milp import Program
 
@@ -61,7 +62,7 @@ def balanced_boundaries(costs, num_stages, allowed_cuts=None, speeds=None):
     return tuple(starts[i] for i in chosen)
 
 
-class InfeasiblePartitionError(ValueError):
+class InfeasiblePartitionError(HetPipeUsageError, ValueError):
     """No cut of the model into stages fits the devices' memory."""
 
 

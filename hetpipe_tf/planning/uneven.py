@@ -25,10 +25,11 @@ The parameter servers then weight every push by its worker's share of the sample
 """
 import math
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 
 
-class UnevenMinibatchError(ValueError):
+class UnevenMinibatchError(HetPipeUsageError, ValueError):
     """Minibatch sizes that cannot be given: a worker's share does not fit, or is zero."""
 
 

@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from hetpipe_tf.errors import HetPipeRunError
 from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.ops.weight_stash import WeightStash
 from hetpipe_tf.pipeline.emulation import MemoryAccount
@@ -140,7 +141,7 @@ def _checked_gradient(code, grads, stage):
     return _combined(code, tf.logical_not(tf.reduce_all(finite)), own)
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(HetPipeRunError, FloatingPointError):
     """A minibatch's loss or gradient is NaN or infinite; nothing of that minibatch was applied.
 
     `stage` is the stage where the loss or gradient went bad; `logs` holds the minibatch's

@@ -22,10 +22,11 @@ global.
 """
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeRunError
 from hetpipe_tf.pipeline.schedule import get_sync
 
 
-class StalenessViolation(AssertionError):
+class StalenessViolation(HetPipeRunError, AssertionError):
     """A minibatch's weights missed updates its bound requires."""
 
 

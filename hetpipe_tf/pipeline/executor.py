@@ -57,6 +57,7 @@ from hetpipe_tf.pipeline.instructions import (
     SendTiedGradients, SendUpdateTerms, SnapshotState, StashWeights, Task)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
 from hetpipe_tf.pipeline.schedule import Candidate, Handler, Schedule, StageProgram, fifo_pick
+from hetpipe_tf.pipeline.stage_protocol import StageRuntime
 from hetpipe_tf.pipeline.trace import TraceRecorder
 
 #: What the executor carries out in one go: an instruction, or a group of the stage's device
@@ -64,9 +65,6 @@ from hetpipe_tf.pipeline.trace import TraceRecorder
 Step = Instruction | tuple[Instruction, ...]
 #: What an instruction's method hands to the stages: {(destination, key): value}.
 Values = dict[Delivery, Any]
-#: The stage runtimes (:mod:`hetpipe_tf.runtime.stage_runtime`) belong to the runtime layer, above
-#: this one, and the tensors they exchange to TensorFlow: ``Any`` here.
-StageRuntime = Any
 
 
 class _Finished:

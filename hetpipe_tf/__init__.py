@@ -17,12 +17,13 @@ install, and every name that needs TensorFlow raises ImportError with that line.
 import importlib
 import importlib.util
 import sys
+from typing import Any
 
 TENSORFLOW_NEEDED = ("hetpipe_tf needs TensorFlow 2.21 with Keras 3, and none is installed: "
                      "pip install tensorflow-cpu==2.21.0 (or tensorflow[and-cuda]==2.21.0 for GPUs)")
 
 
-def _tensorflow_missing():
+def _tensorflow_missing() -> bool:
     try:
         return importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None
     except (ImportError, ValueError):  # an import hook refused it, or a broken install
@@ -118,7 +119,7 @@ __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hetpipe_tf' has no attribute {name!r}")
@@ -132,5 +133,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -48,7 +48,7 @@ CARRIERS = (PipelineError, PipelineAborted)
 def classify(exc: BaseException) -> tuple[int | None, BaseException]:
     """(exit status, the error that decided it) for a usage error or failed run; (None, exc)
     for an internal error. Looks at `exc`, then at what it was raised from."""
-    seen = exc
+    seen: BaseException | None = exc
     while seen is not None:
         if not isinstance(seen, CARRIERS):
             if isinstance(seen, USAGE_ERRORS):

@@ -24,6 +24,7 @@ train: $(STAMP)
 # CI's subset: every test but the multi-process ones marked slow (see README).
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 
 test-all: $(STAMP)

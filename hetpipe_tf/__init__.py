@@ -17,12 +17,13 @@ install, and every name that needs TensorFlow raises ImportError with that line.
 import importlib
 import importlib.util
 import sys
+from typing import Any
 
 TENSORFLOW_NEEDED = ("hetpipe_tf needs TensorFlow 2.21 with Keras 3, and none is installed: "
                      "pip install tensorflow-cpu==2.21.0 (or tensorflow[and-cuda]==2.21.0 for GPUs)")
 
 
-def _tensorflow_missing():
+def _tensorflow_missing() -> bool:
     try:
         return importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None
     except (ImportError, ValueError):  # an import hook refused it, or a broken install
@@ -77,28 +78,48 @@ _EXPORTS = {
     # Custom ops
     "WeightStash": "hetpipe_tf.ops.weight_stash",
     "WspClock": "hetpipe_tf.ops.wsp_clock",
-    # Errors
+    # Errors: the root and its two branches (hetpipe_tf.errors), then every error by module
+    "HetPipeError": "hetpipe_tf.errors",
+    "HetPipeUsageError": "hetpipe_tf.errors",
+    "HetPipeRunError": "hetpipe_tf.errors",
     "PipelineError": "hetpipe_tf.pipeline.executor",
-    "NonFiniteError": "hetpipe_tf.runtime.stage.verdicts",
-    "StalenessViolation": "hetpipe_tf.sync.staleness",
-    "ClusterStartError": "hetpipe_tf.distributed.starter",
-    "ClusterConfigError": "hetpipe_tf.distributed.launch",
+    "UnknownInstructionError": "hetpipe_tf.pipeline.executor",
+    "PipelineAborted": "hetpipe_tf.pipeline.mailbox",
+    "DuplicateMessageError": "hetpipe_tf.pipeline.mailbox",
+    "ScheduleDeadlock": "hetpipe_tf.pipeline.simulator",
     "DeviceOutOfMemoryError": "hetpipe_tf.pipeline.emulation",
+    "StalenessViolation": "hetpipe_tf.sync.staleness",
     "DeviceSpecError": "hetpipe_tf.planning.devices",
-    "UnevenMinibatchError": "hetpipe_tf.planning.uneven",
+    "ClusterError": "hetpipe_tf.planning.cluster",
+    "AllocationError": "hetpipe_tf.planning.allocation",
     "SharedLayerError": "hetpipe_tf.planning.model_graph",
     "PartitionError": "hetpipe_tf.planning.model_graph",
+    "InfeasiblePartitionError": "hetpipe_tf.planning.partitioner",
+    "DataParallelError": "hetpipe_tf.planning.data_parallel",
+    "UnevenMinibatchError": "hetpipe_tf.planning.uneven",
+    "PlanError": "hetpipe_tf.planning.planner",
+    "NonFiniteError": "hetpipe_tf.runtime.stage.verdicts",
     "UnsupportedModelError": "hetpipe_tf.runtime.stage_rewrite",
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",
+    "ClusterStartError": "hetpipe_tf.distributed.starter",
+    "ClusterConfigError": "hetpipe_tf.distributed.launch",
+    "TaskLostError": "hetpipe_tf.distributed.heartbeat",
+    "WorkerProcessError": "hetpipe_tf.distributed.process_runner",
+    "DatasetTransferError": "hetpipe_tf.distributed.dataset_transfer",
+    "NetLinksError": "hetpipe_tf.distributed.netlinks",
     "OpsLibraryError": "hetpipe_tf.ops.loader",
     "DatasetNotFoundError": "hetpipe_tf.data.datasets",
+    "DatasetOptionError": "hetpipe_tf.data.datasets",
+    "ModelInputError": "hetpipe_tf.cli.models",
+    "TraceFileError": "hetpipe_tf.cli.plots",
+    "PlottingUnavailableError": "hetpipe_tf.cli.plots",
 }
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hetpipe_tf' has no attribute {name!r}")
@@ -112,5 +133,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

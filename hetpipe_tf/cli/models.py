@@ -9,13 +9,15 @@ generated ``hetpipe_addition``): it predicts every position's next token.
 All models output logits. Keras is imported when a model is built, so that the
 binaries' flags (which list the names) parse without loading it.
 """
+from hetpipe_tf.errors import HetPipeUsageError
+
 _APPLICATIONS = {"vgg16": "VGG16", "vgg19": "VGG19", "resnet50": "ResNet50", "resnet101": "ResNet101",
                  "resnet152": "ResNet152"}  # keras.applications names
 SEQUENCE_MODELS = ("gpt",)  # take token sequences, not images
 MODELS = ("mlp", "cnn") + tuple(_APPLICATIONS) + SEQUENCE_MODELS
 
 
-class ModelInputError(ValueError):
+class ModelInputError(HetPipeUsageError, ValueError):
     """A model of the zoo cannot take the data it was asked to build for."""
 
 

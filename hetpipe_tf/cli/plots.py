@@ -19,6 +19,8 @@ import json
 import os
 import textwrap
 
+from hetpipe_tf.errors import HetPipeRunError, HetPipeUsageError
+
 INSTALL_COMMAND = "pip install 'hetpipe_tf[plot]'"
 
 # Instruction kinds (trace categories) with a fixed colour and a legend label, in legend order;
@@ -38,11 +40,11 @@ PLAN_TIMES = {"forward": "#1f77b4", "backward": "#ff7f0e", "receive": "#17becf",
 MEMORY_COLOURS = ("#9467bd", "#2ca02c", "#bcbd22", "#e377c2", "#7f7f7f", "#17becf")
 
 
-class PlottingUnavailableError(ImportError):
+class PlottingUnavailableError(HetPipeRunError, ImportError):
     """matplotlib, which draws the pictures, is not installed."""
 
 
-class TraceFileError(ValueError):
+class TraceFileError(HetPipeUsageError, ValueError):
     """A file that is not a readable pipeline trace."""
 
 

@@ -18,16 +18,17 @@ import tensorflow_datasets as tfds
 from hetpipe_tf.data import DEFAULT_DATA_DIR
 from hetpipe_tf.data.addition_builder import HetpipeAddition  # registers "hetpipe_addition" with TFDS
 from hetpipe_tf.data.digits import HetpipeDigits  # registers "hetpipe_digits" with TFDS
+from hetpipe_tf.errors import HetPipeUsageError
 
 SHUFFLE_BUFFER = 10_000  # most examples held (still encoded) for shuffling
 PACKAGED = (HetpipeDigits.name, HetpipeAddition.name)  # prepared offline from the package
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(HetPipeUsageError, FileNotFoundError):
     """The data set is unknown, or not prepared in the data directory."""
 
 
-class DatasetOptionError(ValueError):
+class DatasetOptionError(HetPipeUsageError, ValueError):
     """A data set that cannot give what was asked: it is not of the kind asked for (image
     classification, token sequences), or has no such split, or the batch size, image size or
     channels do not suit it."""

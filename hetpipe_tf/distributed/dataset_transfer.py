@@ -13,8 +13,10 @@ import tensorflow as tf
 from tensorflow.core.protobuf import struct_pb2
 from tensorflow.python.saved_model import nested_structure_coder
 
+from hetpipe_tf.errors import HetPipeUsageError
 
-class DatasetTransferError(ValueError):
+
+class DatasetTransferError(HetPipeUsageError, ValueError):
     """A dataset that cannot be rebuilt in another process."""
 
 

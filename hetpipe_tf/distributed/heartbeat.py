@@ -27,6 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeRunError
+
 
 @dataclass(frozen=True)
 class LostTask:
@@ -40,7 +42,7 @@ class LostTask:
         return f"lost task {self.job}:{self.index} at {self.address}: {self.reason}"
 
 
-class TaskLostError(RuntimeError):
+class TaskLostError(HetPipeRunError, RuntimeError):
     """Training ended because a task of the cluster was lost (dead, stopped or unreachable)."""
 
     def __init__(self, lost):

@@ -31,6 +31,7 @@ from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CgroupError, CpuGroup, C
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
                                             free_port, spawn, starter_file, wait_ready)
+from hetpipe_tf.errors import HetPipeUsageError
 
 if TYPE_CHECKING:
     from hetpipe_tf.distributed.netlinks import EmulatedLinks
@@ -391,7 +392,7 @@ class LocalCluster(ChiefCluster):
         self.stop()
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(HetPipeUsageError, ValueError):
     """TF_CONFIG is missing or does not describe the cluster asked for."""
 
 

@@ -50,6 +50,8 @@ import sys
 import time
 from collections import deque
 
+from hetpipe_tf.errors import HetPipeRunError
+
 _LOCK_PATH = "/run/hetpipe-netlinks.lock"
 _FIRST_SUBNET = ipaddress.ip_network("10.200.0.0/24")
 _SLOTS = 56 * 256  # the subnets 10.200.0.0/24 ... 10.255.255.0/24, one per instance
@@ -65,7 +67,7 @@ _SO_RCVBUFFORCE = 33           # SO_RCVBUF above net.core.rmem_max (needs CAP_NE
 _PR_SET_TIMERSLACK = 29        # linux/prctl.h
 
 
-class NetLinksError(RuntimeError):
+class NetLinksError(HetPipeRunError, RuntimeError):
     """The emulated links cannot be made here, or an ``ip``/``tc`` command failed."""
 
 

@@ -31,13 +31,14 @@ import threading
 import time
 
 from hetpipe_tf.distributed.heartbeat import call_with_deadline
+from hetpipe_tf.errors import HetPipeRunError
 
 #: The environment variable holding the cluster's key (hex): it authenticates the chief's
 #: connections to the task starters and to the virtual workers' processes.
 AUTHKEY_ENV = "HETPIPE_AUTHKEY"
 
 
-class ClusterStartError(RuntimeError):
+class ClusterStartError(HetPipeRunError, RuntimeError):
     """A task of the cluster did not start."""
 
 

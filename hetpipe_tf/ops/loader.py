@@ -10,6 +10,8 @@ import json
 import os
 import threading
 
+from hetpipe_tf.errors import HetPipeRunError
+
 REBUILD_COMMAND = ("pip install --no-build-isolation -e .  "
                    "(or: python setup.py build_ext --inplace) in the hetpipe_tf source tree")
 
@@ -19,7 +21,7 @@ _lock = threading.Lock()
 _library = None
 
 
-class OpsLibraryError(ImportError):
+class OpsLibraryError(HetPipeRunError, ImportError):
     """The custom op library is missing or does not match the installed TensorFlow."""
 
 

@@ -36,7 +36,11 @@ allocation past the capacity fails like an out-of-memory on a real card.
 """
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from hetpipe_tf.errors import HetPipeRunError
 
 FAITHFUL_OVERRUN = 0.05
 """An emulated run is faithful while fewer than this fraction of its paced tasks overran."""
@@ -49,7 +53,7 @@ DILATIONS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 """The dilations :func:`calibrate_dilation` tries, in order."""
 
 
-class DeviceOutOfMemoryError(MemoryError):
+class DeviceOutOfMemoryError(HetPipeRunError, MemoryError):
     """An emulated device would hold more bytes than its capacity."""
 
 
@@ -62,25 +66,25 @@ class EmulationReport:
     dilation: float
     tasks: int
     overran: int
-    calibration: tuple = ()
+    calibration: tuple[tuple[float, float], ...] = ()
 
     @property
-    def overrun_fraction(self):
+    def overrun_fraction(self) -> float:
         return self.overran / self.tasks if self.tasks else 0.0
 
     @property
-    def faithful(self):
+    def faithful(self) -> bool:
         return self.overrun_fraction < FAITHFUL_OVERRUN
 
-    def as_dict(self):
-        out = {"emulated": True, "dilation": self.dilation, "paced_tasks": self.tasks,
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"emulated": True, "dilation": self.dilation, "paced_tasks": self.tasks,
                "overran_tasks": self.overran, "overrun_fraction": round(self.overrun_fraction, 4),
                "emulation_faithful": self.faithful}
         if self.calibration:
             out["dilation_calibration"] = [[d, round(f, 4)] for d, f in self.calibration]
         return out
 
-    def warning(self):
+    def warning(self) -> str | None:
         """A line saying that the run was not faithful, or None when it was."""
         if self.faithful:
             return None
@@ -90,16 +94,18 @@ class EmulationReport:
                 f"{self.dilation:g} or emulate fewer devices per host core")
 
     @staticmethod
-    def combine(reports):
-        reports = [r for r in reports if r is not None]
-        if not reports:
+    def combine(reports: Iterable["EmulationReport | None"]) -> "EmulationReport | None":
+        given = [r for r in reports if r is not None]
+        if not given:
             return None
-        return EmulationReport(dilation=reports[0].dilation, tasks=sum(r.tasks for r in reports),
-                               overran=sum(r.overran for r in reports),
-                               calibration=next((r.calibration for r in reports if r.calibration), ()))
+        return EmulationReport(dilation=given[0].dilation, tasks=sum(r.tasks for r in given),
+                               overran=sum(r.overran for r in given),
+                               calibration=next((r.calibration for r in given if r.calibration), ()))
 
 
-def calibrate_dilation(probe, candidates=DILATIONS, limit=FAITHFUL_OVERRUN / 2, extra_steps=2):
+def calibrate_dilation(probe: Callable[[float], EmulationReport], candidates: Sequence[float] = DILATIONS,
+                       limit: float = FAITHFUL_OVERRUN / 2, extra_steps: int = 2
+                       ) -> tuple[float, tuple[tuple[float, float], ...]]:
     """Chooses the dilation of an emulated run: the first of `candidates` whose probe overran
     on fewer than `limit` of its tasks, then `extra_steps` candidates further, else the last
     candidate. Both are margins: a probe is short (about 120 tasks), a run meets slower phases
@@ -109,7 +115,7 @@ def calibrate_dilation(probe, candidates=DILATIONS, limit=FAITHFUL_OVERRUN / 2, 
 
     `probe(dilation)` runs the real pipeline briefly at that dilation, keeps nothing of it, and
     returns its EmulationReport. Returns (dilation, ((dilation, overrun fraction), ...))."""
-    tried = []
+    tried: list[tuple[float, float]] = []
     for i, dilation in enumerate(candidates):
         report = probe(dilation)
         tried.append((dilation, report.overrun_fraction))
@@ -125,7 +131,8 @@ class Pacer:
     slower for that minibatch's tasks: a transient straggler, as on a shared cluster.
     """
 
-    def __init__(self, speed, dilation=1.0, clock=time.perf_counter, sleep=time.sleep, slowdown=None):
+    def __init__(self, speed: float, dilation: float = 1.0, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep, slowdown: Callable[[int], float] | None = None) -> None:
         if speed <= 0:
             raise ValueError(f"an emulated device's speed must be > 0, got {speed}")
         if dilation < 1.0:
@@ -140,22 +147,23 @@ class Pacer:
         self.overran = 0
         self.free_at = float("-inf")  # when the device's last task ends (the device timeline)
 
-    def target(self, reference, minibatch=None):
+    def target(self, reference: float, minibatch: int | None = None) -> float:
         """The time a task whose solo compute time is `reference` takes on this device."""
         factor = self.slowdown(minibatch) if self.slowdown is not None and minibatch is not None else 1.0
         if factor < 1.0:
             raise ValueError(f"a slowdown factor must be >= 1, got {factor} for minibatch {minibatch}")
         return self.dilation * reference * factor / self.speed
 
-    def occupy(self, started, reference, minibatch=None, actual=None):
+    def occupy(self, started: float, reference: float, minibatch: int | None = None,
+               actual: float | None = None) -> tuple[float, float]:
         """Puts a task on the device's timeline without waiting: it ran on the host from `started`
         for `actual` seconds (default: until now), and occupies the device from max(`started`, the
         end of the device's previous task) for its target. Counts it as overrun when the host took
         longer than the target. Returns (begin, end) on the device (clock times)."""
-        actual = self._clock() - started if actual is None else actual
-        return self._place(started, actual, self.target(reference, minibatch))
+        took = self._clock() - started if actual is None else actual
+        return self._place(started, took, self.target(reference, minibatch))
 
-    def wait_idle(self, stop=None):
+    def wait_idle(self, stop: threading.Event | None = None) -> None:
         """Waits until the device's last task ends (returns at once if it has); `stop`, a
         threading.Event, ends the wait early when set."""
         while True:
@@ -167,7 +175,7 @@ class Pacer:
             else:
                 self._sleep(left)
 
-    def pace(self, started, reference, minibatch=None):
+    def pace(self, started: float, reference: float, minibatch: int | None = None) -> tuple[float, float]:
         """A task whose result its runner reads at once: occupies the device as :meth:`occupy`
         does and waits for its end. Returns (actual, target) of the task: `actual`, the host's
         time, is the one its overrun was counted by."""
@@ -177,7 +185,7 @@ class Pacer:
         self.wait_idle()
         return actual, target
 
-    def _place(self, started, actual, target):
+    def _place(self, started: float, actual: float, target: float) -> tuple[float, float]:
         """Counts a task that ran on the host for `actual` seconds from `started` (an overrun when
         that is over its `target`) and puts it on the device's timeline: from max(`started`, the
         end of the device's previous task) for `target`. Returns (begin, end) on the device."""
@@ -189,7 +197,7 @@ class Pacer:
             self.free_at = begin + target
             return begin, self.free_at
 
-    def report(self):
+    def report(self) -> EmulationReport:
         with self._lock:
             return EmulationReport(self.dilation, self.tasks, self.overran)
 
@@ -201,11 +209,11 @@ class HostCpu:
     the work between them (a stage's RPCs, a rank's collective), which the host runs at its own
     speed only while it has cores to spare. Time stolen by a hypervisor counts as busy."""
 
-    def __init__(self, path="/proc/stat"):
+    def __init__(self, path: str = "/proc/stat") -> None:
         self._path = path
-        self._start = None
+        self._start: tuple[int, int] | None = None
 
-    def _read(self):
+    def _read(self) -> tuple[int, int] | None:
         try:
             with open(self._path) as f:
                 ticks = [int(v) for v in f.readline().split()[1:9]]
@@ -214,11 +222,11 @@ class HostCpu:
         idle = ticks[3] + ticks[4]  # idle, iowait
         return sum(ticks) - idle, sum(ticks)
 
-    def start(self):
+    def start(self) -> "HostCpu":
         self._start = self._read()
         return self
 
-    def busy_fraction(self):
+    def busy_fraction(self) -> float | None:
         """The busy share of the host's CPU time since start(), or None where it cannot be read."""
         now = self._read()
         if self._start is None or now is None or now[1] <= self._start[1]:
@@ -229,18 +237,18 @@ class HostCpu:
 class MemoryAccount:
     """Bytes held on one device by category, checked against the device's capacity."""
 
-    def __init__(self, device, capacity=None):
+    def __init__(self, device: str, capacity: int | None = None) -> None:
         self.device = device
         self.capacity = capacity
-        self._held = {}
+        self._held: dict[str, int] = {}
         self._lock = threading.Lock()
         self.peak = 0
 
     @property
-    def used(self):
+    def used(self) -> int:
         return sum(self._held.values())
 
-    def allocate(self, category, nbytes):
+    def allocate(self, category: str, nbytes: int) -> None:
         with self._lock:
             used = self.used + nbytes
             if self.capacity is not None and used > self.capacity:
@@ -253,24 +261,25 @@ class MemoryAccount:
             self._held[category] = self._held.get(category, 0) + nbytes
             self.peak = max(self.peak, used)
 
-    def free(self, category, nbytes):
+    def free(self, category: str, nbytes: int) -> None:
         with self._lock:
             self._held[category] = self._held.get(category, 0) - nbytes
 
-    def held(self):
+    def held(self) -> dict[str, int]:
         with self._lock:
             return dict(self._held)
 
 
-def format_bytes(n):
-    n = float(n)
+def format_bytes(n: float) -> str:
+    """`n` bytes in B, KiB, MiB or GiB."""
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
-def format_breakdown(held):
+def format_breakdown(held: Mapping[str, float]) -> str:
     """'weights 1.0 MiB, activations 20 B' for a {category: bytes} dict (zeros left out)."""
     return ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)

@@ -43,25 +43,41 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, cast
 
-from hetpipe_tf.pipeline.emulation import EmulationReport
+from hetpipe_tf.errors import HetPipeRunError, HetPipeUsageError
+from hetpipe_tf.pipeline.emulation import EmulationReport, Pacer
 from hetpipe_tf.pipeline.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, PARAMETER_SERVER, TIED_GRADIENTS, UPDATE_TERMS, ApplyAccumulated,
-    ApplyUpdate, Backward, Forward, LoadMinibatch, Recompute, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
-    RecvTiedGradients, RecvUpdateTerms, Send, SendActivation, SendGradient, SendTiedGradients, SendUpdateTerms,
-    SnapshotState, StashWeights)
+    ACTIVATION, GRADIENT, INPUTS, LABELS, TIED_GRADIENTS, UPDATE_TERMS, ApplyAccumulated,
+    ApplyUpdate, Backward, Delivery, Forward, Instruction, Key, LoadMinibatch, Recompute, RecvActivation,
+    RecvGradient, RecvInputs, RecvLabels, RecvTiedGradients, RecvUpdateTerms, Send, SendActivation, SendGradient,
+    SendTiedGradients, SendUpdateTerms, SnapshotState, StashWeights, Task)
 from hetpipe_tf.pipeline.mailbox import Mailbox, PipelineAborted
-from hetpipe_tf.pipeline.schedule import fifo_pick
+from hetpipe_tf.pipeline.schedule import Candidate, Handler, Schedule, StageProgram, fifo_pick
+from hetpipe_tf.pipeline.stage_protocol import StageRuntime
+from hetpipe_tf.pipeline.trace import TraceRecorder
+
+#: What the executor carries out in one go: an instruction, or a group of the stage's device
+#: instructions (one call of its runtime).
+Step = Instruction | tuple[Instruction, ...]
+#: What an instruction's method hands to the stages: {(destination, key): value}.
+Values = dict[Delivery, Any]
 
 
-_FINISHED = object()
+class _Finished:
+    """What a stage's choice of its next task is when every stream is done."""
+
+
+_FINISHED = _Finished()
 _STOP_GRACE_S = 5.0  # a stopped run waits this long for each stage thread to end
 _STUCK_FRAMES = 12  # of the stack of a stage thread that did not end, shown in the error
 _DEVICE_RESULTS = (ACTIVATION, GRADIENT, UPDATE_TERMS, TIED_GRADIENTS)  # what a device computes for another stage
 
 
-def _nbytes(value):
+def _nbytes(value: Any) -> int:
     """The bytes of the tensors in `value` (nested lists, tuples and dicts of objects with a shape
     and a dtype, such as tensors and arrays)."""
     if isinstance(value, dict):
@@ -74,14 +90,15 @@ def _nbytes(value):
     elements = 1
     for d in shape:
         elements *= int(d)
-    return elements * (getattr(dtype, "size", None) or getattr(dtype, "itemsize", 0))
+    size = getattr(dtype, "size", None) or getattr(dtype, "itemsize", 0)
+    return elements * int(size or 0)
 
 
-class PipelineError(RuntimeError):
+class PipelineError(HetPipeRunError, RuntimeError):
     """A stage failed; the message names the stage, its instruction and what the others were doing."""
 
 
-class UnknownInstructionError(TypeError):
+class UnknownInstructionError(HetPipeUsageError, TypeError):
     """A schedule holds an instruction type the executor does not carry out."""
 
 
@@ -104,19 +121,20 @@ class StageReport:
 
 @dataclass
 class ExecutionReport:
+    """What a run did: its minibatches, its wall time and each stage's report."""
     steps: int
     wall_s: float
-    stages: list = field(default_factory=list)
+    stages: list[StageReport] = field(default_factory=list)
 
     @property
-    def minibatches_per_s(self):
+    def minibatches_per_s(self) -> float:
         return self.steps / self.wall_s if self.wall_s > 0 else 0.0
 
-    def busy_fraction(self):
+    def busy_fraction(self) -> list[float]:
         return [s.busy_s / self.wall_s if self.wall_s else 0.0 for s in self.stages]
 
     @property
-    def emulation(self):
+    def emulation(self) -> EmulationReport | None:
         return EmulationReport.combine(s.emulation for s in self.stages if s.emulation)
 
 
@@ -124,10 +142,10 @@ class ExecutionReport:
 class _Delivery:
     """What instruction `ins` of stage `source` computed for stage `stage` under `key`."""
     stage: int
-    key: tuple
-    value: object
+    key: Key
+    value: Any  # a stage's tensors
     source: int
-    ins: object
+    ins: Instruction
 
 
 class _Deliveries:
@@ -136,30 +154,31 @@ class _Deliveries:
     ends. A delivery that fails (a key delivered twice) is passed to `on_error(where, exc)`,
     `where` naming the stage that was to receive it and the instruction that sent it."""
 
-    def __init__(self, clock, mailboxes, on_error):
+    def __init__(self, clock: Callable[[], float], mailboxes: Sequence[Mailbox],
+                 on_error: Callable[[str, BaseException], None]) -> None:
         self._clock = clock
         self._mailboxes = mailboxes
         self._stop = threading.Event()
         self._on_error = on_error
-        self._heap = []
+        self._heap: list[tuple[float, int, _Delivery]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._main, name="hetpipe-deliveries", daemon=True)
         self._thread.start()
 
-    def put_at(self, due, delivery):
+    def put_at(self, due: float, delivery: _Delivery) -> None:
         with self._cond:
             heapq.heappush(self._heap, (due, next(self._order), delivery))
             self._cond.notify()
 
-    def close(self):
+    def close(self) -> None:
         with self._cond:
             self._heap.clear()
             self._stop.set()
             self._cond.notify()
         self._thread.join(timeout=5.0)
 
-    def _main(self):
+    def _main(self) -> None:
         while not self._stop.is_set():
             with self._cond:
                 if not self._heap:
@@ -197,26 +216,32 @@ class PipelineExecutor:
         ``runtimes``, ``schedule``, :meth:`clock`, :meth:`trace_span` and :meth:`in_background`.
     """
 
-    _HANDLERS = {
+    _HANDLERS: dict[type[Instruction], str] = {
         LoadMinibatch: "_load_minibatch", RecvInputs: "_recv_inputs", RecvLabels: "_recv_labels",
         RecvActivation: "_recv_activation", SendActivation: "_send_activation",
         RecvGradient: "_recv_gradient", SendGradient: "_send_gradient", SnapshotState: "_snapshot_state",
         SendUpdateTerms: "_send_update_terms", RecvUpdateTerms: "_recv_update_terms",
         SendTiedGradients: "_send_tied_gradients", RecvTiedGradients: "_recv_tied_gradients",
     }
-    _PACED = {Forward: Forward, Recompute: Forward, Backward: Backward}  # what each pass is paced as
+    # what each pass is paced as
+    _PACED: dict[type[Instruction], type[Instruction]] = {Forward: Forward, Recompute: Forward, Backward: Backward}
 
-    def __init__(self, schedule, runtimes, data, split_inputs, pacers=None, references=None,
-                 timeout_s=120.0, trace=None, pid=0, on_minibatch_done=None, on_snapshot=None,
-                 clock=time.perf_counter, sync_handlers=None):
+    def __init__(self, schedule: Schedule, runtimes: Sequence[StageRuntime], data: Iterator[Any],
+                 split_inputs: Callable[[Any], Mapping[int, Any]], pacers: Sequence[Pacer | None] | None = None,
+                 references: Sequence[Mapping[type[Instruction], float]] | None = None, timeout_s: float = 120.0,
+                 trace: TraceRecorder | None = None, pid: int = 0,
+                 on_minibatch_done: Callable[[int, dict[str, Any]], None] | None = None,
+                 on_snapshot: Callable[[int, list[Any]], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sync_handlers: Mapping[type[Instruction], Handler] | None = None) -> None:
         if len(runtimes) != schedule.num_stages:
             raise ValueError(f"{schedule.num_stages} stages in the schedule, {len(runtimes)} runtimes")
         self.schedule = schedule
         self.runtimes = runtimes
         self._data = data
         self._split_inputs = split_inputs
-        self._pacers = pacers or [None] * len(runtimes)
-        self._references = references or [{} for _ in runtimes]
+        self._pacers: Sequence[Pacer | None] = pacers or [None] * len(runtimes)
+        self._references: Sequence[Mapping[type[Instruction], float]] = references or [{} for _ in runtimes]
         self.timeout_s = float(timeout_s)
         self._trace = trace
         self._pid = pid
@@ -227,24 +252,26 @@ class PipelineExecutor:
         k = schedule.num_stages
         self._mailboxes = [Mailbox(f"stage {s} ({runtimes[s].device})", self._abort, clock) for s in range(k)]
         self._positions = [[0] * len(p.streams) for p in schedule.programs]  # next task of each stream
-        self._status = [("not started", None)] * k  # (what, about): formatted when asked
+        self._status: list[tuple[str, Step | list[Task] | None]] = [("not started", None)] * k  # formatted when asked
         self._since = [0.0] * k
         self._progress = clock()
-        self._errors = []
+        self._errors: list[tuple[str, BaseException, str]] = []
         self._limit = schedule.steps
         self._admitted = 0
-        self._snapshots = {}
+        self._snapshots: dict[int, dict[int, Any]] = {}
         self._snapshot_lock = threading.Lock()
-        self._logs = {}
+        self._logs: dict[int, dict[str, Any]] = {}
         self.reports = [StageReport(s, runtimes[s].device) for s in range(k)]
         self._sync_handlers = dict(sync_handlers or {})
-        self._background = None
-        self._deliveries = None
-        self._done = []  # (minibatch, logs) the first stage applied, reported once its device is idle
-        self.first_stage_busy = []  # (start, end) of the first stage's tasks (§8.4's idle time)
+        self._background: ThreadPoolExecutor | None = None
+        self._deliveries: _Deliveries | None = None
+        # (minibatch, logs) the first stage applied, reported once its device is idle
+        self._done: list[tuple[int, dict[str, Any]]] = []
+        # (start, end) of the first stage's tasks (§8.4's idle time)
+        self.first_stage_busy: list[tuple[float, float]] = []
         self._check_instructions()
 
-    def _check_instructions(self):
+    def _check_instructions(self) -> None:
         for prog in self.schedule.programs:
             samples = list(prog.prologue) + [ins for stream in prog.streams for task in stream[:2]
                                              for ins in task.instructions]
@@ -256,10 +283,9 @@ class PipelineExecutor:
                         f"stage {prog.stage}: the executor does not carry out {ins!r}; it knows: {known}")
 
     # Running ----------------------------------------------------------------------------
-    def run(self):
+    def run(self) -> ExecutionReport:
         """Runs the whole schedule; returns an ExecutionReport or raises PipelineError."""
         if self._sync_handlers:
-            from concurrent.futures import ThreadPoolExecutor
             self._background = ThreadPoolExecutor(max_workers=self.schedule.num_stages,
                                                   thread_name_prefix=f"hetpipe-sync-w{self._pid}")
         threads = [threading.Thread(target=self._stage_main, args=(s,), name=f"hetpipe-stage-{s}",
@@ -304,19 +330,18 @@ class PipelineExecutor:
             raise PipelineError(f"{where}: {type(exc).__name__}: {exc}\n"
                                 f"stages: {self.describe_status()}\n{stuck}{tb}") from exc
         wall = self._clock() - start
-        for s, rep in enumerate(self.reports):
-            rt = self.runtimes[s]
+        for rep, rt, pacer in zip(self.reports, self.runtimes, self._pacers):
             rep.memory_peak = rt.memory.peak
-            if self._pacers[s] is not None:
-                rep.emulation = self._pacers[s].report()
+            if pacer is not None:
+                rep.emulation = pacer.report()
         return ExecutionReport(steps=min(self._limit, self.schedule.steps),
                                wall_s=wall, stages=self.reports)
 
-    def abort(self):
+    def abort(self) -> None:
         """Stops every stage now (for example when the caller was interrupted)."""
         self._fail("the pipeline stalled", KeyboardInterrupt("the run was aborted by its caller"))
 
-    def request_stop(self):
+    def request_stop(self) -> int:
         """Stops admitting minibatches: every stream ends at the last one already started.
 
         Returns the id of the last minibatch the run will complete.
@@ -325,7 +350,7 @@ class PipelineExecutor:
             self._limit = min(self._limit, max(self._admitted, 0))
         return self._limit
 
-    def describe_waits(self):
+    def describe_waits(self) -> str:
         """For every stage: the next task of each stream and the keys it still lacks."""
         parts = []
         for s, prog in enumerate(self.schedule.programs):
@@ -335,12 +360,12 @@ class PipelineExecutor:
             parts.append(f"stage {s}: " + ("; ".join(lacking) or "done"))
         return " | ".join(parts)
 
-    def describe_status(self):
+    def describe_status(self) -> str:
         now = self._clock()
         return "; ".join(f"stage {s}: {_format_status(*st)} ({now - self._since[s]:.1f} s)"
                          for s, st in enumerate(self._status))
 
-    def _fail(self, where, exc):
+    def _fail(self, where: str, exc: BaseException) -> None:
         """Stops every stage for `exc`; run() raises it as a PipelineError that starts with
         `where`, what failed ("stage 1 failed at Forward(3)"), and shows the traceback it was
         raised with, if it was raised."""
@@ -350,17 +375,17 @@ class PipelineExecutor:
         for mb in self._mailboxes:
             mb.wake()
 
-    def _set_status(self, s, what, about=None):
+    def _set_status(self, s: int, what: str, about: Step | list[Task] | None = None) -> None:
         self._status[s] = (what, about)
         self._since[s] = self._clock()
 
-    def _stage_main(self, s):
+    def _stage_main(self, s: int) -> None:
         with self.runtimes[s].execution_scope():
             self._run_program(s)
 
-    def _run_program(self, s):
+    def _run_program(self, s: int) -> None:
         prog = self.schedule.programs[s]
-        ins = None
+        ins: Step | None = None
         try:
             for ins in self._steps(s, prog.prologue):
                 self._execute(s, ins)
@@ -398,13 +423,15 @@ class PipelineExecutor:
             self._set_status(s, "failed at", ins)
             self._fail(f"stage {s} failed at {_format_step(ins)}", exc)
 
-    def _next_task(self, s, prog, pos):
+    def _next_task(self, s: int, prog: StageProgram, pos: list[int]) -> tuple[int, Task] | None:
         """The task stage `s` runs next, by §4's rules (:func:`fifo_pick` among the heads of its
         streams whose required keys have arrived), once one is ready; None when every stream is done."""
         mb = self._mailboxes[s]
 
-        def choose():  # under the mailbox's lock: stage 0's choice and request_stop see one _admitted
-            left, ready = False, []
+        def choose() -> tuple[int, Task] | _Finished | None:  # under the mailbox's lock: stage 0's choice and
+            # request_stop see one _admitted
+            left = False
+            ready: list[tuple[Candidate, Task]] = []
             for i, stream in enumerate(prog.streams):
                 # After a stop, a stream skips the tasks of minibatches past the limit: in a
                 # stream that interleaves passes (1F1B), the backward passes of those already
@@ -427,20 +454,24 @@ class PipelineExecutor:
                 self._admitted = max(self._admitted, task.minibatch)
             return pick[2], task
 
-        def waiting():
+        def waiting() -> None:
             self._set_status(s, "waiting:", [stream[pos[i]] for i, stream in enumerate(prog.streams)
                                              if pos[i] < len(stream)])
 
-        chosen = mb.wait_until(choose, self.timeout_s, self.describe_waits, on_wait=waiting)
-        return None if chosen is _FINISHED else chosen
+        # mypy joins choose's union to object when it solves wait_until's type variable: say it
+        chosen = cast("tuple[int, Task] | _Finished", mb.wait_until(choose, self.timeout_s, self.describe_waits,
+                                                                    on_wait=waiting))
+        return None if isinstance(chosen, _Finished) else chosen
 
-    def _steps(self, s, instructions):
+    def _steps(self, s: int, instructions: Iterable[Instruction]) -> list[Step]:
         """`instructions` as they run: a maximal run of the stage's device instructions is one
         group (a tuple, one call of its runtime), a send inside such a run goes right after the
         group (what it sends is made there), every other instruction is a step of its own. After
         a stop, versions are not stashed for minibatches past the last one admitted."""
         device = self.runtimes[s].device_instructions
-        steps, group, sends = [], [], []
+        steps: list[Step] = []
+        group: list[Instruction] = []
+        sends: list[Instruction] = []
         for ins in instructions:
             if type(ins) in device:
                 if not (isinstance(ins, StashWeights) and ins.minibatch > self._limit):
@@ -449,19 +480,23 @@ class PipelineExecutor:
                 sends.append(ins)
             else:
                 if group:
-                    steps += [tuple(group)] + sends
+                    steps.append(tuple(group))
+                    steps.extend(sends)
                     group, sends = [], []
                 steps.append(ins)
-        return steps + [tuple(group)] + sends if group else steps
+        if group:
+            steps.append(tuple(group))
+            steps.extend(sends)
+        return steps
 
-    def _execute(self, s, step):
+    def _execute(self, s: int, step: Step) -> None:
         """Carries out one step (:meth:`_steps`): a group of device instructions, or an instruction."""
         if isinstance(step, tuple):
             self._execute_group(s, step)
         else:
             self._execute_one(s, step)
 
-    def _execute_group(self, s, group):
+    def _execute_group(self, s: int, group: tuple[Instruction, ...]) -> None:
         """Runs a group of device instructions in one call of the stage's runtime, puts its passes on
         the emulated device's timeline, and delivers the keys they provide at their own stage."""
         rt = self.runtimes[s]
@@ -473,7 +508,8 @@ class PipelineExecutor:
         spans = self._pace(s, group, t0, t1)
         for ins in group:
             for dst, key in ins.provides(s):  # a version stashed, an activation slot freed: this stage's
-                self._mailboxes[dst].put(key)
+                if isinstance(dst, int):
+                    self._mailboxes[dst].put(key)
             if isinstance(ins, (ApplyUpdate, ApplyAccumulated)):
                 self._report_done(s, ins)
             elif rt.is_last and isinstance(ins, Forward):
@@ -484,7 +520,8 @@ class PipelineExecutor:
                 begin, end = spans.get(ins, (t0, t1))
                 self._trace.span(self._pid, s, repr(ins), begin, end, category=type(ins).__name__)
 
-    def _pace(self, s, group, t0, t1):
+    def _pace(self, s: int, group: tuple[Instruction, ...], t0: float, t1: float
+              ) -> dict[Instruction, tuple[float, float]]:
         """Puts the passes of a group that ran on the host from `t0` to `t1` on the stage's emulated
         device's timeline, in turn, each taking a share of the host's time in proportion to its
         reference; returns {pass: (begin, end) on the device} (empty on a device not emulated)."""
@@ -495,7 +532,8 @@ class PipelineExecutor:
             return {}
         paced = [(ins, self._references[s][self._PACED[type(ins)]]) for ins in group if type(ins) in self._PACED]
         total = sum(reference for _, reference in paced)
-        spans, start = {}, t0
+        spans: dict[Instruction, tuple[float, float]] = {}
+        start = t0
         for ins, reference in paced:
             actual = (t1 - t0) * reference / total
             begin, end = pacer.occupy(start, reference, ins.minibatch, actual=actual)
@@ -505,7 +543,7 @@ class PipelineExecutor:
             start += actual
         return spans
 
-    def _execute_one(self, s, ins):
+    def _execute_one(self, s: int, ins: Instruction) -> None:
         """Carries out one instruction: takes the keys it requires from the stage's mailbox,
         runs its method, and delivers the keys it provides, with the values the method
         returns for them ({(stage, key): value}; keys without a value carry None)."""
@@ -519,15 +557,16 @@ class PipelineExecutor:
         self._set_status(s, "running", ins)
         t0 = self._clock()
         taken = [self._mailboxes[s].take(key) for key in ins.requires()]
-        values = (getattr(self, method)(s, ins, *taken) if method
-                  else self._sync_handlers[type(ins)](self, s, ins, *taken)) or {}
+        values: Values = (getattr(self, method)(s, ins, *taken) if method
+                          else self._sync_handlers[type(ins)](self, s, ins, *taken)) or {}
         pacer = self._pacers[s]
         sent = _nbytes(list(values.values())) if isinstance(ins, Send) else 0
         self.reports[s].sent_bytes += sent
         for dst, key in ins.provides(s):
-            if dst == PARAMETER_SERVER:  # the method itself talked to the parameter servers
+            if isinstance(dst, str):  # PARAMETER_SERVER: the method itself talked to the parameter servers
                 continue
-            if pacer is not None and dst != s and key[0] in _DEVICE_RESULTS and pacer.free_at > self._clock():
+            if (pacer is not None and self._deliveries is not None and dst != s and key[0] in _DEVICE_RESULTS
+                    and pacer.free_at > self._clock()):
                 self._deliveries.put_at(pacer.free_at, _Delivery(dst, key, values.get((dst, key)), s, ins))
             else:
                 self._mailboxes[dst].put(key, values.get((dst, key)))
@@ -537,7 +576,7 @@ class PipelineExecutor:
             self._trace.span(self._pid, s, repr(ins), t0, t1, category=type(ins).__name__,
                              args={"bytes": sent} if sent else None)
 
-    def _wait_for_device(self, s):
+    def _wait_for_device(self, s: int) -> None:
         """Waits until stage `s`'s emulated device has ended its tasks (returns at once on a device
         that is not emulated, or when the run stops): what reads the device's results back waits."""
         pacer = self._pacers[s]
@@ -545,14 +584,14 @@ class PipelineExecutor:
             pacer.wait_idle(self._abort)
 
     # Messages ---------------------------------------------------------------------------
-    def _load_minibatch(self, s, ins):
+    def _load_minibatch(self, s: int, ins: LoadMinibatch) -> Values:
         item = next(self._data)
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise ValueError(f"minibatch {ins.minibatch}: the dataset must yield (inputs, labels) "
                              f"pairs, got {type(item).__name__} of length "
                              f"{len(item) if hasattr(item, '__len__') else '?'}")
         x, y = item
-        values = {(ins.labels_to, (LABELS, ins.minibatch)): y}
+        values: Values = {(ins.labels_to, (LABELS, ins.minibatch)): y}
         for stage, tensors in self._split_inputs(x).items():
             if stage == s:
                 self.runtimes[s].set_loaded(ins.minibatch, tensors)
@@ -560,39 +599,39 @@ class PipelineExecutor:
                 values[(stage, (INPUTS, ins.minibatch))] = tensors
         return values
 
-    def _recv_inputs(self, s, ins, tensors):
+    def _recv_inputs(self, s: int, ins: RecvInputs, tensors: Any) -> None:
         self.runtimes[s].set_loaded(ins.minibatch, tensors)
 
-    def _recv_labels(self, s, ins, labels):
+    def _recv_labels(self, s: int, ins: RecvLabels, labels: Any) -> None:
         self.runtimes[s].set_labels(ins.minibatch, labels)
 
-    def _recv_activation(self, s, ins, tensors):
+    def _recv_activation(self, s: int, ins: RecvActivation, tensors: Any) -> None:
         self.runtimes[s].set_received(ins.minibatch, tensors)
 
-    def _send_activation(self, s, ins):
+    def _send_activation(self, s: int, ins: SendActivation) -> Values:
         return {(ins.to, (ACTIVATION, ins.minibatch)): self.runtimes[s].sent(ins.minibatch)}
 
-    def _recv_gradient(self, s, ins, message):
+    def _recv_gradient(self, s: int, ins: RecvGradient, message: Any) -> None:
         self.runtimes[s].set_output_gradients(ins.minibatch, message)
 
-    def _send_gradient(self, s, ins):
+    def _send_gradient(self, s: int, ins: SendGradient) -> Values:
         return {(ins.to, (GRADIENT, ins.minibatch)): self.runtimes[s].input_gradients(ins.minibatch)}
 
-    def _send_update_terms(self, s, ins):
+    def _send_update_terms(self, s: int, ins: SendUpdateTerms) -> Values:
         terms = self.runtimes[s].update_terms(ins.minibatch)
         return {key: terms for key in ins.provides(s)}
 
-    def _recv_update_terms(self, s, ins, terms):
+    def _recv_update_terms(self, s: int, ins: RecvUpdateTerms, terms: Any) -> None:
         self.runtimes[s].set_update_terms(ins.minibatch, terms)
 
-    def _send_tied_gradients(self, s, ins):
+    def _send_tied_gradients(self, s: int, ins: SendTiedGradients) -> Values:
         return {key: self.runtimes[s].tied_gradients(ins.minibatch) for key in ins.provides(s)}
 
-    def _recv_tied_gradients(self, s, ins, grads):
+    def _recv_tied_gradients(self, s: int, ins: RecvTiedGradients, grads: Any) -> None:
         self.runtimes[s].set_tied_gradients(ins.minibatch, ins.source, grads)
 
     # Reports --------------------------------------------------------------------------
-    def _report_done(self, s, ins):
+    def _report_done(self, s: int, ins: Instruction) -> None:
         """The first stage, the last to apply a minibatch's update, reports every minibatch `ins`
         applied: at once, or on an emulated device at the next :meth:`_flush_reports`, which
         comes after the host waited for the device to end the update's pass."""
@@ -601,7 +640,7 @@ class PipelineExecutor:
             if self._pacers[0] is None:
                 self._flush_reports(0)
 
-    def _flush_reports(self, s):
+    def _flush_reports(self, s: int) -> None:
         """On the first stage: reads back the verdicts of the minibatches it applied since the last
         flush (a minibatch whose loss or gradient was not finite on any stage fails the run here,
         applied nowhere), then calls on_minibatch_done for each (their updates are in every stage's
@@ -609,10 +648,11 @@ class PipelineExecutor:
         if s == 0 and self._done:
             done, self._done = self._done, []
             self.runtimes[0].check_applied(logs=dict(done))
-            for p, logs in done if self._on_done else ():
-                self._on_done(p, logs)
+            if self._on_done is not None:
+                for p, logs in done:
+                    self._on_done(p, logs)
 
-    def _snapshot_state(self, s, ins):
+    def _snapshot_state(self, s: int, ins: SnapshotState) -> None:
         state = self.runtimes[s].snapshot()
         with self._snapshot_lock:
             states = self._snapshots.setdefault(ins.minibatch, {})
@@ -624,46 +664,48 @@ class PipelineExecutor:
             self._on_snapshot(ins.minibatch, [states[i] for i in range(self.schedule.num_stages)])
 
     # What the synchronisation scheme's handlers use ------------------------------------
-    def clock(self):
+    def clock(self) -> float:
         return self._clock()
 
-    def trace_span(self, thread, name, start, end, category):
+    def trace_span(self, thread: int, name: str, start: float, end: float, category: str) -> None:
         """Adds a span to this worker's trace (if traced): `thread` is a row of its own."""
         if self._trace:
             self._trace.span(self._pid, thread, name, start, end, category=category)
 
-    def in_background(self, s, ins, key, work):
+    def in_background(self, s: int, ins: Instruction, key: Key, work: Callable[[], Any]) -> None:
         """Runs `work()` on a pool thread while stage `s` goes on, and delivers its result to
         the stage as `key`; an error fails the run at `ins`."""
-        def run():
+        def run() -> None:
             try:
                 self._mailboxes[s].put(key, work())
             except BaseException as exc:  # noqa: BLE001 - reported by run()
                 self._fail(f"stage {s} failed at {ins!r}", exc)
 
+        if self._background is None:
+            raise RuntimeError("in_background is for the handlers of a synchronisation scheme, during run()")
         self._background.submit(run)
 
 
-def _stacks_of(threads):
+def _stacks_of(threads: Iterable[threading.Thread]) -> str:
     """Where each of `threads` (stage threads that did not stop when the run did) is: its Python
     stack, innermost call last, for the error (a call into TensorFlow that never returns shows as
     the TensorFlow call it is in)."""
     frames = sys._current_frames()
-    parts = []
+    parts: list[str] = []
     for t in threads:
-        frame = frames.get(t.ident)
+        frame = frames.get(t.ident) if t.ident is not None else None
         if frame is not None:
             stack = "".join(traceback.format_stack(frame)[-_STUCK_FRAMES:])
             parts.append(f"{t.name} did not stop; it is in (innermost last):\n{stack}")
     return "".join(parts)
 
 
-def _format_step(step):
+def _format_step(step: Step | None) -> str:
     """A step (:meth:`PipelineExecutor._steps`) as the program shows it."""
     return "[" + " ".join(map(repr, step)) + "]" if isinstance(step, tuple) else repr(step)
 
 
-def _format_status(what, about):
+def _format_status(what: str, about: Step | list[Task] | None) -> str:
     """A stage's status for a message: what it does, and the step or tasks it is about."""
     if about is None:
         return what

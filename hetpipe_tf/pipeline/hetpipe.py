@@ -22,12 +22,15 @@ the release of w_p) and the stash of w_{p+Nm} form a task of its own, in an ``up
 takes the terms first; its backward task ends with sending the gradient (and its tied replicas'
 gradients to the first stage).
 """
+from collections.abc import Collection, Sequence
+
 from hetpipe_tf.pipeline.instructions import (
-    ApplyUpdate, Backward, Forward, LoadMinibatch, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
+    ApplyUpdate, Backward, Forward, Instruction, LoadMinibatch, RecvActivation, RecvGradient, RecvInputs, RecvLabels,
     RecvTiedGradients, RecvUpdateTerms, ReleaseWeights, SendActivation, SendGradient, SendTiedGradients,
     SendUpdateTerms, SnapshotState, StashWeights, Task, TaskStream)
 from hetpipe_tf.pipeline.schedule import (
-    NO_SYNC, NO_WORKER_UPDATE, PipelineSchedule, Schedule, StageProgram, get_sync, register_schedule)
+    NO_SYNC, NO_WORKER_UPDATE, PipelineSchedule, Schedule, StageProgram, SyncScheme, WorkerUpdate, get_sync,
+    register_schedule)
 from hetpipe_tf.pipeline.stage_programs import after_update, check_run, entry
 
 
@@ -41,16 +44,17 @@ class HetPipeSchedule(PipelineSchedule):
                               RecvTiedGradients})
     worker_update = True
 
-    def activations_held(self, position, num_stages, num_in_flight):
+    def activations_held(self, position: int, num_stages: int, num_in_flight: int) -> int:
         """min(Nm, k - q) (§4)."""
         return max(1, min(num_in_flight, num_stages - position))
 
-    def weight_versions(self, num_in_flight):
+    def weight_versions(self, num_in_flight: int) -> int:
         """Nm: w_p is released before update p, and w_{p+Nm} stashed after it."""
         return num_in_flight
 
-    def programs(self, num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(),
-                 sync=NO_SYNC, worker_update=NO_WORKER_UPDATE):
+    def programs(self, num_stages: int, steps: int, num_in_flight: int, input_stages: Sequence[int] = (0,),
+                 snapshot_after: Collection[int] = (), sync: SyncScheme = NO_SYNC,
+                 worker_update: WorkerUpdate = NO_WORKER_UPDATE) -> Schedule:
         """Args:
           num_stages: k.
           steps: how many minibatches the run trains.
@@ -60,55 +64,58 @@ class HetPipeSchedule(PipelineSchedule):
           sync: the synchronisation scheme between virtual workers (default: none).
           worker_update: the update terms the stages share (see the module docstring).
         """
-        k, n, nm, input_stages = check_run(num_stages, steps, num_in_flight, input_stages)
+        k, n, nm, inputs = check_run(num_stages, steps, num_in_flight, input_stages)
         snapshots = frozenset(snapshot_after)
         last = k - 1
         waiting = frozenset(worker_update.waiting)
 
-        def sent(s, p):  # what a stage's backward pass hands on
-            ins = [SendGradient(p, to=s - 1)] if s > 0 else []
+        def sent(s: int, p: int) -> list[Instruction]:  # what a stage's backward pass hands on
+            ins: list[Instruction] = [SendGradient(p, to=s - 1)] if s > 0 else []
             return ins + ([SendTiedGradients(p, to=0)] if s in worker_update.tied else [])
 
-        def received(s, p):  # what the first stage's backward pass takes besides the gradient
+        def received(s: int, p: int) -> list[Instruction]:  # what stage 0's backward pass takes besides the gradient
             return [RecvTiedGradients(p, source=t) for t in worker_update.tied] if s == 0 else []
 
-        def update(s, p):  # the update of p and what follows it
-            ins = [*self.before_update(p), ReleaseWeights(p), ApplyUpdate(p)]
+        def update(s: int, p: int) -> list[Instruction]:  # the update of p and what follows it
+            ins: list[Instruction] = [*self.before_update(p), ReleaseWeights(p), ApplyUpdate(p)]
             if p + nm <= n:
                 ins.append(StashWeights(p + nm))
             return ins + after_update(sync, (p,), n, nm, snapshots)
 
-        def backward_end(s, p):
+        def backward_end(s: int, p: int) -> list[Instruction]:
             if s in waiting:
                 return sent(s, p)
-            terms = [SendUpdateTerms(p, to=tuple(sorted(waiting)))] if s == 0 and waiting else []
+            terms: list[Instruction] = [SendUpdateTerms(p, to=tuple(sorted(waiting)))] if s == 0 and waiting else []
             return sent(s, p) + terms + update(s, p)
 
-        programs = []
+        programs: list[StageProgram] = []
         for s in range(k):
             prologue = tuple(StashWeights(p) for p in range(1, min(nm, n) + 1))
             if s < last:
                 window = k - s if k - s < nm else 0  # only where it is tighter than Nm itself
 
-                def forward(p, s=s, w=window):
-                    return Task(s, "forward", p, tuple(entry(s, p, input_stages, last) + [
+                def forward(p: int, s: int = s, w: int = window) -> Task:
+                    return Task(s, "forward", p, tuple(entry(s, p, inputs, last) + [
                         Forward(p, window=w, waits=sync.forward_waits(p, nm)), SendActivation(p, to=s + 1)]))
 
-                def backward(p, s=s, w=window):
+                def backward(p: int, s: int = s, w: int = window) -> Task:
                     return Task(s, "backward", p, tuple([RecvGradient(p)] + received(s, p) + [Backward(p, window=w)]
                                                         + backward_end(s, p)))
 
-                streams = (TaskStream("forward", n, forward), TaskStream("backward", n, backward))
+                streams: tuple[TaskStream, ...] = (TaskStream("forward", n, forward),
+                                                   TaskStream("backward", n, backward))
             else:
-                def forward_backward(p, s=s):
+                def forward_backward(p: int, s: int = s) -> Task:
                     return Task(s, "forward_backward", p, tuple(
-                        entry(s, p, input_stages, last) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)),
+                        entry(s, p, inputs, last) + [RecvLabels(p), Forward(p, waits=sync.forward_waits(p, nm)),
                                                           Backward(p)] + backward_end(s, p)))
 
                 streams = (TaskStream("forward_backward", n, forward_backward),)
             if s in waiting:
-                streams += (TaskStream("update", n, lambda p, s=s: Task(s, "update", p, tuple(
-                    [RecvUpdateTerms(p)] + update(s, p)))),)
+                def apply(p: int, s: int = s) -> Task:
+                    return Task(s, "update", p, tuple([RecvUpdateTerms(p)] + update(s, p)))
+
+                streams += (TaskStream("update", n, apply),)
             streams += sync.streams(s, n, nm)
             programs.append(StageProgram(stage=s, prologue=prologue, streams=streams))
         return Schedule(name=self.name, num_stages=k, steps=n, num_in_flight=nm,
@@ -118,7 +125,8 @@ class HetPipeSchedule(PipelineSchedule):
 HETPIPE = register_schedule(HetPipeSchedule())
 
 
-def hetpipe_schedule(num_stages, steps, num_in_flight, input_stages=(0,), snapshot_after=(), sync=None):
+def hetpipe_schedule(num_stages: int, steps: int, num_in_flight: int, input_stages: Sequence[int] = (0,),
+                     snapshot_after: Collection[int] = (), sync: str | SyncScheme | None = None) -> Schedule:
     """HetPipe's :class:`Schedule` (see :meth:`HetPipeSchedule.programs`); `sync` is a
     :class:`hetpipe_tf.pipeline.schedule.SyncScheme`, its registered name, or None."""
     return HETPIPE.programs(num_stages, steps, num_in_flight, input_stages=input_stages,

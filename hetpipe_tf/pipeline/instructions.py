@@ -13,9 +13,10 @@ task is ready when every key it requires from outside itself is there; its
 *ready time* is when the last of them arrived. The executor and the simulator
 derive readiness from these keys alone.
 """
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import overload
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
@@ -28,35 +29,43 @@ TIED_GRADIENTS = "tied gradients"
 #: The destination of what a stage sends to the parameter servers.
 PARAMETER_SERVER = "ps"
 
+#: A key a task requires or provides: (kind, minibatch or wave), or (kind, minibatch, stage)
+#: for a stage's tied gradients.
+Key = tuple[str, int] | tuple[str, int, int]
+#: Where an instruction provides a key: a stage, or :data:`PARAMETER_SERVER`.
+Destination = int | str
+#: A key made present at a destination.
+Delivery = tuple[Destination, Key]
+
 
 @dataclass(frozen=True, repr=False)
 class Instruction:
     """One step of a stage's program, about one minibatch."""
     minibatch: int
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         """Keys that must be present at this stage before the task starts."""
         return ()
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         """(stage, key) pairs this instruction makes present when it is done."""
         return ()
 
-    def applies(self):
+    def applies(self) -> tuple[int, ...]:
         """The minibatches whose updates this instruction puts into the stage's live weights."""
         return ()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({self.minibatch})"
 
 
 @dataclass(frozen=True, repr=False)
 class LoadMinibatch(Instruction):
     """Takes minibatch p from the input pipeline; routes inputs and labels by minibatch id."""
-    inputs_to: tuple = ()  # other stages that consume model inputs
+    inputs_to: tuple[int, ...] = ()  # other stages that consume model inputs
     labels_to: int = 0  # the last stage, which computes the loss
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return tuple((s, (INPUTS, self.minibatch)) for s in self.inputs_to) + (
             (self.labels_to, (LABELS, self.minibatch)),)
 
@@ -65,7 +74,7 @@ class LoadMinibatch(Instruction):
 class RecvInputs(Instruction):
     """Takes the model inputs of minibatch p that this stage consumes first."""
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((INPUTS, self.minibatch),)
 
 
@@ -73,7 +82,7 @@ class RecvInputs(Instruction):
 class RecvLabels(Instruction):
     """Takes the labels of minibatch p (last stage): they are keyed by p, never by arrival order."""
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((LABELS, self.minibatch),)
 
 
@@ -81,7 +90,7 @@ class RecvLabels(Instruction):
 class RecvActivation(Instruction):
     """Takes minibatch p's activations from the previous stage."""
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((ACTIVATION, self.minibatch),)
 
 
@@ -96,10 +105,10 @@ class SendActivation(Send):
     """Sends minibatch p's activations (and forwarded skip tensors) to the next stage."""
     to: int = field(default=0, kw_only=True)
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return ((self.to, (ACTIVATION, self.minibatch)),)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SendActivation({self.minibatch}, to={self.to})"
 
 
@@ -107,7 +116,7 @@ class SendActivation(Send):
 class RecvGradient(Instruction):
     """Takes the gradient of minibatch p's sent tensors from the next stage."""
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((GRADIENT, self.minibatch),)
 
 
@@ -116,10 +125,10 @@ class SendGradient(Send):
     """Sends the gradient of minibatch p's received tensors to the previous stage."""
     to: int = field(default=0, kw_only=True)
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return ((self.to, (GRADIENT, self.minibatch)),)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SendGradient({self.minibatch}, to={self.to})"
 
 
@@ -129,12 +138,12 @@ class SendUpdateTerms(Send):
     terms every stage's update of p takes: whether it applies at all (every stage's gradient
     finite), the factor of a clip by the norm of all the stages' gradients together, the loss
     scale after p, the sums of tied weights' replicas' gradients (:class:`hetpipe_tf.pipeline.schedule.WorkerUpdate`)."""
-    to: tuple = field(default=(), kw_only=True)
+    to: tuple[int, ...] = field(default=(), kw_only=True)
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return tuple((t, (UPDATE_TERMS, self.minibatch)) for t in self.to)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SendUpdateTerms({self.minibatch}, to={list(self.to)})"
 
 
@@ -142,7 +151,7 @@ class SendUpdateTerms(Send):
 class RecvUpdateTerms(Instruction):
     """Takes minibatch p's update terms from the first stage."""
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((UPDATE_TERMS, self.minibatch),)
 
 
@@ -152,10 +161,10 @@ class SendTiedGradients(Send):
     weights (a layer that several stages call), which it sums with its own for every replica."""
     to: int = field(default=0, kw_only=True)
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return ((self.to, (TIED_GRADIENTS, self.minibatch, stage)),)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SendTiedGradients({self.minibatch}, to={self.to})"
 
 
@@ -164,10 +173,10 @@ class RecvTiedGradients(Instruction):
     """Takes the gradients of minibatch p of stage `source`'s tied replicas."""
     source: int = field(default=0, kw_only=True)
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((TIED_GRADIENTS, self.minibatch, self.source),)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"RecvTiedGradients({self.minibatch}, source={self.source})"
 
 
@@ -183,17 +192,17 @@ class Forward(Instruction):
     :class:`Recompute` rebuilds them before :class:`Backward`.
     """
     window: int = field(default=0, kw_only=True)
-    waits: tuple = field(default=(), kw_only=True)
+    waits: tuple[Key, ...] = field(default=(), kw_only=True)
     live: bool = field(default=False, kw_only=True)
     recompute: bool = field(default=False, kw_only=True)
 
-    def requires(self):
-        keys = () if self.live else ((WEIGHTS, self.minibatch),)
+    def requires(self) -> tuple[Key, ...]:
+        keys: tuple[Key, ...] = () if self.live else ((WEIGHTS, self.minibatch),)
         if self.window and self.minibatch > self.window:
             keys += ((SLOT, self.minibatch),)
         return keys + tuple(self.waits)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         flags = "".join(f", {name}=True" for name in ("live", "recompute") if getattr(self, name))
         return f"Forward({self.minibatch}{flags})"
 
@@ -216,7 +225,7 @@ class Backward(Instruction):
     """
     window: int = field(default=0, kw_only=True)
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return ((stage, (SLOT, self.minibatch + self.window)),) if self.window else ()
 
 
@@ -224,7 +233,7 @@ class Backward(Instruction):
 class ApplyUpdate(Instruction):
     """Applies minibatch p's update to the stage's local weights: w_local += u_p (§4)."""
 
-    def applies(self):
+    def applies(self) -> tuple[int, ...]:
         return (self.minibatch,)
 
 
@@ -238,7 +247,7 @@ class CompensateGradient(Instruction):
     `variance_control` is λ."""
     variance_control: float = field(default=2.0, kw_only=True)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"CompensateGradient({self.minibatch}, variance_control={self.variance_control:g})"
 
 
@@ -253,10 +262,10 @@ class ApplyAccumulated(Instruction):
     microbatches `first`..p, w_local += u(mean); the sum starts again from zero."""
     first: int = field(default=1, kw_only=True)
 
-    def applies(self):
+    def applies(self) -> tuple[int, ...]:
         return tuple(range(self.first, self.minibatch + 1))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ApplyAccumulated({self.minibatch}, first={self.first})"
 
 
@@ -264,7 +273,7 @@ class ApplyAccumulated(Instruction):
 class StashWeights(Instruction):
     """Stashes the local weights as w_p, the version minibatch p will use."""
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return ((stage, (WEIGHTS, self.minibatch)),)
 
 
@@ -285,12 +294,13 @@ class Task:
     stage: int
     kind: str
     minibatch: int
-    instructions: tuple
+    instructions: tuple[Instruction, ...]
 
     @cached_property
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         """Keys needed from outside the task, in instruction order."""
-        provided, needed = set(), []
+        provided: set[Key] = set()
+        needed: list[Key] = []
         for ins in self.instructions:
             for key in ins.requires():
                 if key not in provided and key not in needed:
@@ -300,31 +310,37 @@ class Task:
                     provided.add(key)
         return tuple(needed)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"[{' '.join(map(repr, self.instructions))}]"
 
 
-class TaskStream(Sequence):
+class TaskStream(Sequence[Task]):
     """The tasks of one kind on one stage, for minibatches 1..count, made on demand."""
 
-    def __init__(self, kind, count, make):
+    def __init__(self, kind: str, count: int, make: Callable[[int], Task]) -> None:
         self.kind = kind
         self._count = count
         self._make = make
-        self._last = (None, None)  # the task made last: a stream's head is asked for repeatedly
+        self._last: tuple[int, Task] | None = None  # the task made last: a stream's head is asked for repeatedly
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> Task: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Task]: ...
+
+    def __getitem__(self, i: int | slice) -> Task | list[Task]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._count))]
         if not -self._count <= i < self._count:
             raise IndexError(i)
         i %= self._count
-        if self._last[0] != i:
+        if self._last is None or self._last[0] != i:
             self._last = (i, self._make(i + 1))
         return self._last[1]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TaskStream({self.kind!r}, {self._count} tasks)"

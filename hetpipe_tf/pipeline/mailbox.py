@@ -8,42 +8,52 @@ would be applied twice).
 """
 import threading
 import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, TypeVar
+
+from hetpipe_tf.errors import HetPipeRunError
 
 
-class PipelineAborted(RuntimeError):
+class PipelineAborted(HetPipeRunError, RuntimeError):
     """Another stage failed; this one stops."""
 
 
-class DuplicateMessageError(RuntimeError):
+class DuplicateMessageError(HetPipeRunError, RuntimeError):
     """The same key was delivered twice to a stage."""
 
 
+_Chosen = TypeVar("_Chosen")
+
+
 class Mailbox:
-    def __init__(self, owner, abort_event, clock=time.perf_counter):
+    """A stage's messages by key (any hashable: the instructions' keys), each with when it arrived."""
+
+    def __init__(self, owner: str, abort_event: threading.Event, clock: Callable[[], float] = time.perf_counter
+                 ) -> None:
         self.owner = owner
         self._abort = abort_event
         self._clock = clock
-        self._items = {}  # key -> (arrival time, value)
+        self._items: dict[Hashable, tuple[float, Any]] = {}  # key -> (arrival time, value)
         self.cond = threading.Condition()
 
-    def put(self, key, value=None):
+    def put(self, key: Hashable, value: Any = None) -> None:
         with self.cond:
             if key in self._items:
                 raise DuplicateMessageError(f"{self.owner} received {key} twice")
             self._items[key] = (self._clock(), value)
             self.cond.notify_all()
 
-    def take(self, key):
+    def take(self, key: Hashable) -> Any:
         """Removes and returns the message under `key`, which must be present."""
         with self.cond:
             return self._items.pop(key)[1]
 
-    def arrival(self, key):
+    def arrival(self, key: Hashable) -> float | None:
         """When `key` arrived, or None if it has not."""
         item = self._items.get(key)
         return item[0] if item else None
 
-    def ready_time(self, keys):
+    def ready_time(self, keys: Iterable[Hashable]) -> float | None:
         """When the last of `keys` arrived (0 for none), or None while one has not."""
         latest = 0.0
         for key in keys:
@@ -54,11 +64,12 @@ class Mailbox:
                 latest = item[0]
         return latest
 
-    def wake(self):
+    def wake(self) -> None:
         with self.cond:
             self.cond.notify_all()
 
-    def wait_until(self, choose, timeout, describe, on_wait=None):
+    def wait_until(self, choose: Callable[[], _Chosen | None], timeout: float, describe: Callable[[], str],
+                   on_wait: Callable[[], None] | None = None) -> _Chosen:
         """Waits until `choose()` (called under the lock) returns a value, and returns it;
         `on_wait()` is called once if it has to wait.
 
@@ -66,7 +77,7 @@ class Mailbox:
           PipelineAborted: if the pipeline is aborted meanwhile.
           TimeoutError: after `timeout` seconds, with `describe()` in the message.
         """
-        deadline = None
+        deadline: float | None = None
         with self.cond:
             while True:
                 if self._abort.is_set():

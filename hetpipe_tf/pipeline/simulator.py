@@ -16,52 +16,66 @@ what instructions send to ``PARAMETER_SERVER`` and says when its answers arrive.
 import bisect
 import gc
 import heapq
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER
-from hetpipe_tf.pipeline.schedule import fifo_pick
+from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.pipeline.instructions import Delivery, Instruction, Key, Task, TaskStream
+from hetpipe_tf.pipeline.schedule import (
+    Agent, Candidate, Schedule, ServerModel, StageProgram, Timing, fifo_pick)
+
+#: Where an instruction ran: a stage (one virtual worker), or (worker, stage).
+Place = int | Agent
+#: The seconds for what an agent's instruction provides to reach another agent.
+Transfer = Callable[[Agent, Agent, Instruction], float]
+#: The task an agent runs next: (start, agent, stream index, task).
+Next = tuple[float, Agent, int, Task]
 
 
-class ScheduleDeadlock(RuntimeError):
+class ScheduleDeadlock(HetPipeUsageError, RuntimeError):
     """No stage can go on, but some tasks have not run: the schedules can never finish."""
 
 
 class Span(NamedTuple):
     """One instruction as carried out: where (stage, or (worker, stage)), which, and when."""
-    stage: object
-    instruction: object
+    stage: Place
+    instruction: Instruction
     start: float
     end: float
 
 
 @dataclass
 class SimulationResult:
-    agents: list  # stage ids, or (worker, stage) pairs
+    """What a simulated run did: its spans, each agent's tasks in order and busy time, the
+    servers' answers."""
+    agents: Sequence[Place]  # stage ids, or (worker, stage) pairs
     steps: int  # per virtual worker
-    spans: list = field(default_factory=list)
-    task_order: dict = field(default_factory=dict)  # agent -> [(kind, minibatch), ...]
-    pulls: list = field(default_factory=list)  # (worker, stage, key, requested, answered) of server answers
+    spans: list[Span] = field(default_factory=list)
+    task_order: dict[Place, list[tuple[str, int]]] = field(default_factory=dict)  # agent -> [(kind, minibatch), ...]
+    # (worker, stage, key, requested, answered) of server answers
+    pulls: list[tuple[int, int, Key, float, float]] = field(default_factory=list)
     num_workers: int = 0  # virtual workers simulated, with those that ran as another (0: those of agents)
-    busy: dict = field(default_factory=dict)  # agent -> seconds its instructions took (spans kept or not)
+    busy: dict[Place, float] = field(default_factory=dict)  # agent -> seconds its instructions took (spans kept or not)
     ended: float = 0.0  # when the last instruction ended
-    _index: tuple = field(default=(0, {}), repr=False, compare=False)  # (spans indexed, agent -> its spans)
+    # (spans indexed, agent -> its spans)
+    _index: tuple[int, dict[Place, list[Span]]] = field(default=(0, {}), repr=False, compare=False)
 
     @property
-    def num_stages(self):
+    def num_stages(self) -> int:
         return len(self.agents)
 
     @property
-    def makespan(self):
+    def makespan(self) -> float:
         return self.ended
 
     @property
-    def throughput(self):
+    def throughput(self) -> float:
         """Minibatches per second over the whole run, all virtual workers together."""
-        workers = self.num_workers or len({a[0] for a in self.agents} if isinstance(self.agents[0], tuple) else {0})
+        workers = self.num_workers or len({a[0] for a in self.agents if isinstance(a, tuple)} or {0})
         return workers * self.steps / self.makespan if self.makespan > 0 else 0.0
 
-    def spans_of(self, agent):
+    def spans_of(self, agent: Place) -> list[Span]:
         """The spans of `agent`, in the order they ran."""
         indexed, by_agent = self._index
         if indexed != len(self.spans):
@@ -71,14 +85,15 @@ class SimulationResult:
             self._index = (len(self.spans), by_agent)
         return by_agent.get(agent, [])
 
-    def busy_time(self, agent):
+    def busy_time(self, agent: Place) -> float:
         return self.busy.get(agent, 0.0)
 
-    def busy_fraction(self):
+    def busy_fraction(self) -> tuple[float, ...]:
         m = self.makespan
         return tuple(self.busy_time(a) / m if m else 0.0 for a in self.agents)
 
-    def completion_times(self, agent=0, instruction_type=None):
+    def completion_times(self, agent: Place = 0, instruction_type: type[Instruction] | None = None
+                         ) -> dict[int, float]:
         """When each minibatch's update finished on `agent` (the first stage applies last): the
         end of the instruction that applied it (``applies()``; a GPipe flush applies several), or
         with `instruction_type`, of that type's instruction about it."""
@@ -87,7 +102,7 @@ class SimulationResult:
                     if type(s.instruction) is instruction_type}
         return {p: s.end for s in self.spans_of(agent) for p in s.instruction.applies()}
 
-    def steady_throughput(self, agent=0, skip=None):
+    def steady_throughput(self, agent: Place = 0, skip: int | None = None) -> float:
         """Minibatches per second between the completions of minibatch `skip` and the last,
         which leaves out the pipeline's fill (default skip: a quarter of the run)."""
         done = self.completion_times(agent)
@@ -95,7 +110,7 @@ class SimulationResult:
         first = skip if skip is not None else max(1, last // 4)
         return (last - first) / (done[last] - done[first]) if done[last] > done[first] else 0.0
 
-    def wait_and_idle(self, worker):
+    def wait_and_idle(self, worker: int) -> list[tuple[float, float]]:
         """Per pull of `worker`'s first stage: (seconds waited for the answer, seconds of that
         wait in which the stage ran nothing), §8.4. A stage runs one instruction at a time, so
         its busy time up to any moment is a prefix sum of its spans (a search per pull)."""
@@ -105,41 +120,49 @@ class SimulationResult:
         for s in spans:
             done.append(done[-1] + (s.end - s.start))
 
-        def busy_until(t):
+        def busy_until(t: float) -> float:
             i = bisect.bisect_right(starts, t)  # spans that started by t; the last may run past it
             return done[i] - (max(0.0, spans[i - 1].end - t) if i else 0.0)
 
-        out = []
+        out: list[tuple[float, float]] = []
         for w, stage, key, asked, answered in self.pulls:
             if w == worker and stage == 0:
                 out.append((answered - asked, answered - asked - (busy_until(answered) - busy_until(asked))))
         return out
 
 
-def wait_and_idle(waits, busy):
+def wait_and_idle(waits: Collection[tuple[float, float]], busy: Collection[tuple[float, float]]
+                  ) -> list[tuple[float, float]]:
     """For every (asked, answered) wait of a stage for pulled weights: (seconds waited, seconds
     of that wait in which the stage ran nothing), given its busy (start, end) spans (§8.4)."""
-    out = []
+    out: list[tuple[float, float]] = []
     for asked, answered in waits:
         covered = sum(max(0.0, min(e, answered) - max(b, asked)) for b, e in busy)
         out.append((answered - asked, answered - asked - covered))
     return out
 
 
-def simulate(schedule, duration, transfer=None):
+def simulate(schedule: Schedule, duration: Callable[[int, Instruction], float],
+             transfer: Callable[[int, int, Instruction], float] | None = None) -> SimulationResult:
     """Runs one virtual worker's `schedule` in simulated time (stages are ints)."""
-    result = simulate_workers([schedule], lambda agent, ins: duration(agent[1], ins),
-                              None if transfer is None else (lambda a, b, ins: transfer(a[1], b[1], ins)))
+    moved: Transfer | None = None
+    if transfer is not None:
+        def moved(a: Agent, b: Agent, ins: Instruction) -> float:
+            return transfer(a[1], b[1], ins)
+    result = simulate_workers([schedule], lambda agent, ins: duration(agent[1], ins), moved)
     stages = list(range(schedule.num_stages))
     plain = SimulationResult(agents=stages, steps=schedule.steps,
-                             task_order={a[1]: order for a, order in result.task_order.items()},
-                             busy={a[1]: seconds for a, seconds in result.busy.items()}, ended=result.ended)
-    plain.spans = [Span(s.stage[1], s.instruction, s.start, s.end) for s in result.spans]
+                             task_order={s: result.task_order[(0, s)] for s in stages},
+                             busy={s: result.busy[(0, s)] for s in stages}, ended=result.ended)
+    plain.spans = [Span(s.stage[1] if isinstance(s.stage, tuple) else s.stage, s.instruction, s.start, s.end)
+                   for s in result.spans]
     return plain
 
 
-def simulate_workers(schedules, duration, transfer=None, parameter_servers=None, same_as=None,
-                     servers_hear_every_worker=True, by_type=False, stages_recorded=None):
+def simulate_workers(schedules: Sequence[Schedule], duration: Timing, transfer: Transfer | None = None,
+                     parameter_servers: ServerModel | None = None, same_as: Sequence[int] | None = None,
+                     servers_hear_every_worker: bool = True, by_type: bool = False,
+                     stages_recorded: Collection[int] | None = None) -> SimulationResult:
     """Runs the schedules of several virtual workers in one simulated time.
 
     Args:
@@ -166,20 +189,20 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
     Raises:
       ScheduleDeadlock: if the programs can never all finish.
     """
-    same_as = list(range(len(schedules))) if same_as is None else list(same_as)
-    if len(same_as) != len(schedules) or any(not 0 <= r <= w or same_as[r] != r for w, r in enumerate(same_as)):
+    runs_as = list(range(len(schedules))) if same_as is None else list(same_as)
+    if len(runs_as) != len(schedules) or any(not 0 <= r <= w or runs_as[r] != r for w, r in enumerate(runs_as)):
         raise ValueError(f"same_as must give every one of the {len(schedules)} workers itself or an earlier worker "
-                         f"that is its own, got {same_as}")
-    agents = [(w, s) for w, sched in enumerate(schedules) if same_as[w] == w for s in range(sched.num_stages)]
-    twins = {w: [w] for w in set(same_as)}
+                         f"that is its own, got {runs_as}")
+    agents = [(w, s) for w, sched in enumerate(schedules) if runs_as[w] == w for s in range(sched.num_stages)]
+    twins = {w: [w] for w in set(runs_as)}
     heard = agents
     if servers_hear_every_worker:
-        for w, r in enumerate(same_as):
+        for w, r in enumerate(runs_as):
             if w != r:
                 twins[r].append(w)
         heard = [(w, s) for w, sched in enumerate(schedules) for s in range(sched.num_stages)]
     programs = {(w, s): schedules[w].programs[s] for w, s in agents}
-    avail = {a: {} for a in agents}
+    avail: dict[Agent, dict[Key, float]] = {a: {} for a in agents}
     free = {a: 0.0 for a in agents}
     pos = {a: [0] * len(programs[a].streams) for a in agents}
     result = SimulationResult(agents=agents, steps=schedules[0].steps, task_order={a: [] for a in agents},
@@ -187,10 +210,12 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
     spans, pulls = result.spans, result.pulls
     ps = parameter_servers
     asked = [False]  # whether the servers received something since they last answered
-    made, steps_of = {}, {}  # tasks by (stream, index), shared by the agents that run one program
-    wanted = {a: () for a in agents}  # keys the agent's next tasks need: others do not change its choice
+    made: dict[tuple[TaskStream, int], Task] = {}  # tasks by (stream, index), shared by the agents of a program
+    steps_of: dict[tuple[int, int], tuple[tuple[Instruction, ...], list[tuple[Instruction, tuple[Delivery, ...]]]]] = {}
+    # keys the agent's next tasks need: others do not change its choice
+    wanted: dict[Agent, Collection[Key]] = {a: () for a in agents}
 
-    def steps(instructions, stage):
+    def steps(instructions: tuple[Instruction, ...], stage: int) -> list[tuple[Instruction, tuple[Delivery, ...]]]:
         """(instruction, what it provides) of each instruction, asked once per program."""
         key = (id(instructions), stage)
         out = steps_of.get(key)
@@ -198,10 +223,10 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
             out = steps_of[key] = (instructions, [(ins, tuple(ins.provides(stage))) for ins in instructions])
         return out[1]
 
-    touched = set()  # agents whose candidate task may have changed
-    seconds = {}  # (agent, instruction type) -> seconds, with by_type
+    touched: set[Agent] = set()  # agents whose candidate task may have changed
+    seconds: dict[tuple[Agent, type[Instruction]], float] = {}  # (agent, instruction type) -> seconds, with by_type
 
-    def run(agent, instructions, start):
+    def run(agent: Agent, instructions: tuple[Instruction, ...], start: float) -> float:
         t = start
         touched.add(agent)
         worker, stage = agent
@@ -221,7 +246,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
             if record:
                 spans.append(Span(agent, ins, t, end))
             for dst, what in gives:
-                if dst == PARAMETER_SERVER:
+                if isinstance(dst, str):  # PARAMETER_SERVER, the one destination that is not a stage
                     if ps is None:
                         raise ValueError(f"{ins!r} talks to parameter servers, but none are simulated")
                     for w in twins[worker]:
@@ -237,7 +262,7 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
         result.busy[agent] = busy
         if t > result.ended:
             result.ended = t
-        if asked[0]:  # answers change only with what the servers receive
+        if asked[0] and ps is not None:  # answers change only with what the servers receive
             asked[0] = False
             for who, what, requested, arrival in ps.answers(heard):
                 if who in avail:
@@ -250,10 +275,11 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
     streams_of = {a: tuple(enumerate(programs[a].streams)) for a in agents}
     ends = {stream: len(stream) for a in agents for stream in programs[a].streams}
 
-    def candidate(a):
+    def candidate(a: Agent) -> Next | None:
         """(start, agent, stream index, task) of the task `a` would run next, or None; and the keys
         its next tasks need."""
-        ready, needs = [], []
+        ready: list[tuple[Candidate, Task]] = []
+        needs: list[Key] = []
         have = avail[a]
         at = pos[a]
         for i, stream in streams_of[a]:
@@ -293,19 +319,26 @@ def simulate_workers(schedules, duration, transfer=None, parameter_servers=None,
             gc.enable()
 
 
-def _loop(agents, programs, pos, avail, free, result, touched, candidate, run, schedules):
+def _loop(agents: list[Agent], programs: dict[Agent, StageProgram], pos: dict[Agent, list[int]],
+          avail: dict[Agent, dict[Key, float]], free: dict[Agent, float], result: SimulationResult,
+          touched: set[Agent], candidate: Callable[[Agent], Next | None],
+          run: Callable[[Agent, tuple[Instruction, ...], float], float], schedules: Sequence[Schedule]
+          ) -> SimulationResult:
     """simulate_workers' event loop."""
     for a in agents:
         free[a] = run(a, programs[a].prologue, 0.0)
 
     # Every agent's next task, in a heap by (start, agent): §4's order across agents is the
     # earliest start, ties to the lower agent; an entry is stale once its agent was looked at again.
-    candidates, heap, looked = {}, [], {a: 0 for a in agents}
+    candidates: dict[Agent, Next] = {}
+    heap: list[tuple[float, Agent, int]] = []
+    looked = {a: 0 for a in agents}
     while True:
         for a in touched:
-            candidates[a] = c = candidate(a)
+            c = candidate(a)
             looked[a] += 1
             if c is not None:
+                candidates[a] = c
                 heapq.heappush(heap, (c[0], a, looked[a]))
         touched.clear()
         while heap and heap[0][2] != looked[heap[0][1]]:

@@ -34,7 +34,7 @@ as the schedule object wherever a schedule name is accepted.
 import math
 
 from hetpipe_tf.pipeline.hetpipe import HetPipeSchedule
-from hetpipe_tf.pipeline.instructions import CompensateGradient
+from hetpipe_tf.pipeline.instructions import CompensateGradient, Instruction
 from hetpipe_tf.pipeline.pipedream import PipeDreamSchedule
 from hetpipe_tf.pipeline.schedule import register_schedule
 
@@ -42,7 +42,7 @@ from hetpipe_tf.pipeline.schedule import register_schedule
 DEFAULT_VARIANCE_CONTROL = 2.0
 
 
-def checked_variance_control(variance_control):
+def checked_variance_control(variance_control: float) -> float:
     """λ as a float, or a ValueError saying what was given and what is allowed."""
     try:
         value = float(variance_control)
@@ -60,12 +60,12 @@ class TaylorCompensation:
     update, g := g + λ·g⊙g⊙(W̄ − W_t) (§3.2), while W_t, minibatch p's version, is still stashed."""
 
     variance_control = DEFAULT_VARIANCE_CONTROL
-    apply_like = frozenset({CompensateGradient})
+    apply_like: frozenset[type[Instruction]] = frozenset({CompensateGradient})
     #: The compensation takes a stage's own gradient as its backward pass made it: no worker-wide
     #: terms (an unscaled, clipped or summed gradient) before it.
     worker_update = False
 
-    def before_update(self, minibatch):
+    def before_update(self, minibatch: int) -> tuple[Instruction, ...]:
         return (CompensateGradient(minibatch, variance_control=self.variance_control),)
 
 
@@ -73,13 +73,13 @@ class TaylorPipeSchedule(TaylorCompensation, PipeDreamSchedule):
     """TaylorPipe (Algorithm 1): 1F1B with weight stashing, stage q admitting
     min(Nm, 2(k - q) - 1) minibatches (Figure 2), each gradient compensated before its update."""
 
-    def __init__(self, variance_control=DEFAULT_VARIANCE_CONTROL, name="taylorpipe"):
+    def __init__(self, variance_control: float = DEFAULT_VARIANCE_CONTROL, name: str = "taylorpipe") -> None:
         super().__init__(vertical_sync=False)
         self.name = name
         self.variance_control = checked_variance_control(variance_control)
         self.instructions = self.instructions | {CompensateGradient}
 
-    def admitted(self, position, num_stages, num_in_flight):
+    def admitted(self, position: int, num_stages: int, num_in_flight: int) -> int:
         """min(Nm, 2(k - q) - 1): node n of N keeps 2(N - n) + 1 replicas (§3.1, Figure 2)."""
         return max(1, min(num_in_flight, 2 * (num_stages - position) - 1))
 
@@ -88,7 +88,7 @@ class HetPipeTaylorSchedule(TaylorCompensation, HetPipeSchedule):
     """HetPipe's schedule (§4) with TaylorPipe's compensation (TaylorPipe §3.2) before every update:
     under WSP it also compensates the staleness of the pulled global weights."""
 
-    def __init__(self, variance_control=DEFAULT_VARIANCE_CONTROL, name="hetpipe-taylor"):
+    def __init__(self, variance_control: float = DEFAULT_VARIANCE_CONTROL, name: str = "hetpipe-taylor") -> None:
         self.name = name
         self.variance_control = checked_variance_control(variance_control)
         self.instructions = HetPipeSchedule.instructions | {CompensateGradient}

@@ -23,37 +23,62 @@ policies make at every worker size and HD group size, and :func:`mixed_allocatio
 workers of several compositions (:func:`compositions`: one or two device types), given each
 composition's predicted rate.
 """
+from collections.abc import Iterable, Mapping, Sequence
+
 import numpy as np
 
+from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.planning.cluster import Cluster, Device, DeviceType
 from hetpipe_tf.planning.milp import Program
+
+#: A virtual worker's devices, and an allocation's workers.
+Worker = tuple[Device, ...]
+Workers = tuple[Worker, ...]
+#: A worker's device types and how many of each: ((type name, count), ...), sorted.
+Composition = tuple[tuple[str, int], ...]
+#: A kind of group of nodes: the kinds (indices) of its nodes, sorted.
+GroupKind = tuple[int, ...]
+#: (least compute, greatest compute, least memory, greatest memory) of workers.
+Extremes = tuple[float, float, float, float]
+#: One step of HD's walk: (the group's nodes, extremes after it, nodes taken of each kind after it,
+#: the group's kind, the least score of a grouping that starts so).
+Child = tuple[list[int], Extremes, tuple[int, ...], GroupKind, float]
 
 POLICIES = ("np", "ed", "hd")
 
 
-class AllocationError(ValueError):
+class AllocationError(HetPipeUsageError, ValueError):
     """A policy that cannot be applied to a cluster as asked."""
 
 
-def _compute(device_type):
-    return device_type.host_speed if device_type.on_host else device_type.peak_tflops
+def _compute(device_type: DeviceType) -> float:
+    """A device's compute as HD compares workers' (§8.1): an emulated one's speed, a real one's peak."""
+    if device_type.on_host:
+        speed: float = device_type.host_speed
+        return speed
+    if device_type.peak_tflops is None:
+        raise AllocationError(f"device type {device_type.label!r} gives no peak_tflops, by which HD compares the "
+                              f"workers' compute: give it in the cluster description, or use the NP or ED policy")
+    return device_type.peak_tflops
 
 
-def _spread(values):
+def _spread(values: Sequence[float]) -> float:
     mean = sum(values) / len(values)
     return (max(values) - min(values)) / mean if mean else 0.0
 
 
-def _by_node(cluster):
-    out = {}
+def _by_node(cluster: Cluster) -> dict[str, list[Device]]:
+    out: dict[str, list[Device]] = {}
     for d in cluster.devices():
         out.setdefault(d.node, []).append(d)
     return out
 
 
-def node_partition(cluster, vw_size=None):
+def node_partition(cluster: Cluster, vw_size: int | None = None) -> Workers:
+    """NP (§8.1): each node's devices make workers of `vw_size` (default: the smallest node's count)."""
     nodes = _by_node(cluster)
     size = vw_size or min(len(v) for v in nodes.values())
-    workers = []
+    workers: list[Worker] = []
     for devices in nodes.values():
         workers += [tuple(devices[i:i + size]) for i in range(0, len(devices) - size + 1, size)]
     if not workers:
@@ -61,7 +86,7 @@ def node_partition(cluster, vw_size=None):
     return tuple(workers)
 
 
-def _equal_shares(node_devices, num_workers, policy):
+def _equal_shares(node_devices: Mapping[str, list[Device]], num_workers: int, policy: str) -> Workers:
     """Each of `num_workers` workers gets the same number of devices from every node."""
     for node, devices in node_devices.items():
         if len(devices) % num_workers:
@@ -72,7 +97,8 @@ def _equal_shares(node_devices, num_workers, policy):
                  for w in range(num_workers))
 
 
-def equal_distribution(cluster, vw_size=None):
+def equal_distribution(cluster: Cluster, vw_size: int | None = None) -> Workers:
+    """ED (§8.1): every worker gets the same share of every node's devices."""
     nodes = _by_node(cluster)
     total = sum(len(v) for v in nodes.values())
     num_workers = total // vw_size if vw_size else min(len(v) for v in nodes.values())
@@ -81,7 +107,8 @@ def equal_distribution(cluster, vw_size=None):
     return _equal_shares(nodes, num_workers, "ED")
 
 
-def hybrid_distribution(cluster, vw_size=None, group_size=2, first_in_order=True):
+def hybrid_distribution(cluster: Cluster, vw_size: int | None = None, group_size: int = 2,
+                        first_in_order: bool = True) -> Workers:
     """HD: the most alike workers (§8.1), of the first grouping in the order of the recursion that
     puts the first node left in a group with each combination of the others (itertools'
     order), then groups the rest.
@@ -108,19 +135,19 @@ def hybrid_distribution(cluster, vw_size=None, group_size=2, first_in_order=True
     (not proven the most alike), or, if it found none by then, the program's first solution."""
     nodes = _by_node(cluster)
     names = list(nodes)
-    vw_size = vw_size or min(len(v) for v in nodes.values())  # as NP and ED (k = 4 in the paper)
+    size = vw_size or min(len(v) for v in nodes.values())  # as NP and ED (k = 4 in the paper)
     if len(names) % group_size:
         raise AllocationError(f"HD: {len(names)} nodes do not form groups of {group_size}")
-    hd = _Grouping(nodes, vw_size, group_size)
+    hd = _Grouping(nodes, size, group_size)
     failed = AllocationError(f"HD: no grouping of the nodes {names} into groups of {group_size} gives equal "
-                             f"virtual workers of {vw_size} devices")
+                             f"virtual workers of {size} devices")
     if len(hd.reach) < len(hd.kinds):  # some node is in no group that gives equal workers
         raise failed
     groups = hd.walk(settle=not first_in_order) or hd.build(first_in_order)
     if groups is None:
         raise failed
     return tuple(w for g in groups for w in _equal_shares(
-        {names[i]: nodes[names[i]] for i in g}, sum(len(nodes[names[i]]) for i in g) // vw_size, "HD"))
+        {names[i]: nodes[names[i]] for i in g}, sum(len(nodes[names[i]]) for i in g) // size, "HD"))
 
 
 HD_STATES = 2000
@@ -129,7 +156,7 @@ HD_STATES = 2000
 class _Grouping:
     """The search of :func:`hybrid_distribution` over one cluster's nodes."""
 
-    def __init__(self, nodes, vw_size, group_size):
+    def __init__(self, nodes: dict[str, list[Device]], vw_size: int, group_size: int) -> None:
         self.names, self.vw_size, self.size = list(nodes), vw_size, group_size
         kind_of = [(nodes[n][0].type.name, len(nodes[n])) for n in self.names]
         self.kinds = list(dict.fromkeys(kind_of))
@@ -139,8 +166,9 @@ class _Grouping:
         count = max(1, len(devices) // vw_size)
         self.means = (sum(_compute(d.type) for d in devices) / count, sum(d.type.memory for d in devices) / count)
         self.nodes = nodes
-        self.group_kinds = {}
-        self.reach = {}  # node kind -> least and greatest (compute, memory) of a worker of any group with it
+        self.group_kinds: dict[GroupKind, tuple[float, float]] = {}
+        # node kind -> least and greatest (compute, memory) of a worker of any group with it
+        self.reach: dict[int, Extremes] = {}
         sizes = sorted({c for _, c in self.kinds})  # whether a group gives equal workers depends on its counts
         nodes_of_size = [sum(len(m) for k, m in zip(self.kinds, self.members) if k[1] == c) for c in sizes]
         if not any(self._equal([sizes[i] for i in g]) for g in _kind_groups(range(len(sizes)), group_size,
@@ -156,12 +184,12 @@ class _Grouping:
                 self.reach[k] = (min(lo_c, values[0]), max(hi_c, values[0]), min(lo_m, values[1]),
                                  max(hi_m, values[1]))
 
-    def _equal(self, counts):
+    def _equal(self, counts: Sequence[int]) -> bool:
         """Whether nodes of these device counts give equal workers of vw_size."""
         total = sum(counts)
         return total % self.vw_size == 0 and all(c % (total // self.vw_size) == 0 for c in counts)
 
-    def _values(self, group):
+    def _values(self, group: GroupKind) -> tuple[float, float] | None:
         """(compute, memory) of each worker of a group of nodes of these kinds (its workers are
         equal), or None when they do not give equal workers of vw_size."""
         if not self._equal([self.kinds[k][1] for k in group]):
@@ -170,7 +198,7 @@ class _Grouping:
         return (sum(self.kinds[k][1] // share * _compute(self.types[self.kinds[k][0]]) for k in group),
                 sum(self.kinds[k][1] // share * self.types[self.kinds[k][0]].memory for k in group))
 
-    def _children(self, offsets, extremes):
+    def _children(self, offsets: tuple[int, ...], extremes: Extremes | None) -> list[Child]:
         """(nodes, extremes after, offsets after, kind, bound) of every group for the first node
         left, in the walk's order, the first of those with the same kinds of node only; bound:
         the least score of a grouping that starts so (the range of the nodes left counted)."""
@@ -178,7 +206,7 @@ class _Grouping:
                     key=lambda k: self.members[k][offsets[k]])
         after = list(offsets)
         after[first] += 1
-        out = []
+        out: list[tuple[list[int], list[int], Extremes, tuple[int, ...], GroupKind, float]] = []
         for others in _kind_groups(range(len(self.kinds)), self.size - 1,
                                    [len(self.members[k]) - after[k] for k in range(len(self.kinds))]):
             kind = tuple(sorted((first,) + others))
@@ -189,7 +217,7 @@ class _Grouping:
                 chosen.append(self.members[k][taken[k]])
                 taken[k] += 1
             c, m = self.group_kinds[kind]
-            now = (c, c, m, m) if extremes is None else (min(extremes[0], c), max(extremes[1], c),
+            now: Extremes = (c, c, m, m) if extremes is None else (min(extremes[0], c), max(extremes[1], c),
                                                           min(extremes[2], m), max(extremes[3], m))
             bound = now
             for k in range(len(self.kinds)):
@@ -200,23 +228,27 @@ class _Grouping:
             out.append((chosen[1:], chosen, now, tuple(taken), kind, _spread_of(bound, self.means)))
         return [child[1:] for child in sorted(out)]
 
-    def _score(self, groups):
+    def _score(self, groups: Sequence[Sequence[int]]) -> float:
         workers = [w for g in groups for w in _equal_shares(
             {self.names[i]: self.nodes[self.names[i]] for i in g},
             sum(len(self.nodes[self.names[i]]) for i in g) // self.vw_size, "HD")]
         return _spread([sum(_compute(d.type) for d in w) for w in workers]) + _spread(
             [sum(d.type.memory for d in w) for w in workers])
 
-    def walk(self, settle=False):
+    def walk(self, settle: bool = False) -> list[list[int]] | None:
         """The best grouping by the walk, or when it needs more than HD_STATES states, None (or, to
         `settle`, the best it found by then, if any)."""
-        best, dead, path = [None, None], set(), []
+        best: list[float | None] = [None]  # the least score found
+        best_groups: list[list[list[int]]] = []  # its grouping
+        dead: set[tuple[tuple[int, ...], Extremes | None]] = set()
+        path: list[list[int]] = []
 
-        def visit(offsets, extremes):
+        def visit(offsets: tuple[int, ...], extremes: Extremes | None) -> bool:
             if all(o == len(m) for o, m in zip(offsets, self.members)):
                 score = self._score(path)
                 if best[0] is None or score < best[0] - 1e-12:
-                    best[:] = [score, list(path)]
+                    best[0] = score
+                    best_groups[:] = [list(path)]
                     return True
                 return False
             if (offsets, extremes) in dead:  # the best only falls: what improved on nothing then cannot now
@@ -237,10 +269,10 @@ class _Grouping:
         try:
             visit(tuple(0 for _ in self.kinds), None)
         except _TooMany:
-            return best[1] if settle and best[1] else None
-        return best[1] or ()
+            return best_groups[0] if settle and best_groups and best_groups[0] else None
+        return best_groups[0] if best_groups else []
 
-    def build(self, first_in_order=True):
+    def build(self, first_in_order: bool = True) -> list[list[int]] | None:
         """The best grouping by the integer program, or None if there is none: the first in the
         walk's order, or (not `first_in_order`) the program's first solution's."""
         left = [len(m) for m in self.members]
@@ -248,7 +280,9 @@ class _Grouping:
         if least is None:
             return None
         target, witness = least
-        offsets, extremes, groups = tuple(0 for _ in self.kinds), None, []
+        offsets: tuple[int, ...] = tuple(0 for _ in self.kinds)
+        extremes: Extremes | None = None
+        groups: list[list[int]] = []
         while any(o < len(m) for o, m in zip(offsets, self.members)):
             for chosen, now, taken, kind, bound in self._children(offsets, extremes):
                 if bound > target * (1 + 1e-9) + 1e-12:
@@ -275,12 +309,14 @@ class _TooMany(Exception):
     """The walk of HD's groupings passed HD_STATES states."""
 
 
-def _spread_of(extremes, means):
+def _spread_of(extremes: Extremes | None, means: tuple[float, float]) -> float:
     return 0.0 if extremes is None else sum((hi - lo) / mean for lo, hi, mean in
                                             ((extremes[0], extremes[1], means[0]), (extremes[2], extremes[3], means[1])))
 
 
-def _least_spread(group_kinds, left, extremes, means):
+def _least_spread(group_kinds: Mapping[GroupKind, tuple[float, float]], left: Sequence[int],
+                  extremes: Extremes | None, means: tuple[float, float]
+                  ) -> tuple[float, dict[GroupKind, int]] | None:
     """The least score (spread of compute plus spread of memory, :func:`_spread` with the
     cluster's means) of groupings of the nodes `left` (a count per node kind) into groups of
     the kinds of `group_kinds` ({kind: (compute, memory) of its workers}), beside workers whose
@@ -320,54 +356,56 @@ def _least_spread(group_kinds, left, extremes, means):
     if x is None:
         return None
     counts = {g: int(round(x[i])) for i, g in enumerate(kinds) if round(x[i]) > 0}
-    used = [group_kinds[g] for g in counts]
+    used: list[tuple[float, float]] = [group_kinds[g] for g in counts]
     if extremes is not None:
         used += [(extremes[0], extremes[2]), (extremes[1], extremes[3])]
     found = (min(c for c, _ in used), max(c for c, _ in used), min(m for _, m in used), max(m for _, m in used))
     return _spread_of(found, means), counts
 
 
-def _kind_groups(kinds, size, available):
+def _kind_groups(kinds: Iterable[int], size: int, available: Sequence[int]) -> list[GroupKind]:
     """Every multiset of `size` of `kinds` (at most `available[k]` of kind k), as tuples."""
-    kinds = list(kinds)
-    out = []
+    listed = list(kinds)
+    out: list[GroupKind] = []
 
-    def choose(i, left, picked):
+    def choose(i: int, left: int, picked: list[int]) -> None:
         if left == 0:
             out.append(tuple(picked))
-        elif i < len(kinds):
-            for take in range(min(left, available[kinds[i]]), -1, -1):
-                choose(i + 1, left - take, picked + [kinds[i]] * take)
+        elif i < len(listed):
+            for take in range(min(left, available[listed[i]]), -1, -1):
+                choose(i + 1, left - take, picked + [listed[i]] * take)
 
     choose(0, size, [])
     return out
 
 
-def allocate(cluster, policy, vw_size=None, group_size=2, first_in_order=True):
+def allocate(cluster: Cluster, policy: str, vw_size: int | None = None, group_size: int = 2,
+             first_in_order: bool = True) -> Workers:
     """Virtual workers (tuples of cluster devices) by `policy` (np, ed or hd; for HD's
     `first_in_order`, see :func:`hybrid_distribution`)."""
-    policy = policy.lower()
-    if policy == "np":
+    chosen = policy.lower()
+    if chosen == "np":
         return node_partition(cluster, vw_size)
-    if policy == "ed":
+    if chosen == "ed":
         return equal_distribution(cluster, vw_size)
-    if policy == "hd":
+    if chosen == "hd":
         return hybrid_distribution(cluster, vw_size, group_size, first_in_order)
     raise AllocationError(f"unknown allocation policy {policy!r}; allowed: {', '.join(POLICIES)} or auto")
 
 
-def describe(workers):
+def describe(workers: Iterable[Worker]) -> str:
     """'VVQQ VVQQ RRGG RRGG': each worker's device types."""
     return " ".join("".join(d.type.name for d in w) for w in workers)
 
 
-def candidate_allocations(cluster, max_size=None):
+def candidate_allocations(cluster: Cluster, max_size: int | None = None) -> list[tuple[str, Workers]]:
     """Every allocation the policies can make on `cluster` with workers of at most `max_size`
     devices (HD: any of its most alike groupings), labelled: part of the `auto` search space."""
     nodes = _by_node(cluster)
     total = sum(len(v) for v in nodes.values())
     sizes = [s for s in range(1, min(total, max_size or total) + 1) if total % s == 0]
-    seen, out = set(), []
+    seen: set[tuple[tuple[str, ...], ...]] = set()
+    out: list[tuple[str, Workers]] = []
     for policy in POLICIES:
         groups = [g for g in range(2, len(nodes)) if len(nodes) % g == 0] if policy == "hd" else [2]
         for size in [None] + sizes:
@@ -386,29 +424,30 @@ def candidate_allocations(cluster, max_size=None):
     return out
 
 
-def compositions(cluster, max_size):
+def compositions(cluster: Cluster, max_size: int) -> list[Composition]:
     """Worker compositions (sorted tuples of (device type, count)) of one or two device types,
     each count a power of two or a node's device count, at most a node of that type holds, and
     at most `max_size` devices and a node's worth (the largest node's count; larger workers are the
     policies'): what `auto` mixes beside the policies' allocations."""
     nodes = _by_node(cluster)
-    most = {}
+    most: dict[str, int] = {}
     for devices in nodes.values():
         t = devices[0].type.name
         most[t] = max(most.get(t, 0), len(devices))
-    max_size = min(max_size, max(most.values()))
+    largest = min(max_size, max(most.values()))
     counts = {t: sorted({2 ** i for i in range(m.bit_length()) if 2 ** i <= m} | {len(v) for v in nodes.values()
                                                                                   if v[0].type.name == t})
               for t, m in most.items()}
     types = sorted(most)
-    out = [((t, c),) for t in types for c in counts[t] if c <= max_size]
+    out: list[Composition] = [((t, c),) for t in types for c in counts[t] if c <= largest]
     for i, a in enumerate(types):
         for b in types[i + 1:]:
-            out += [((a, ca), (b, cb)) for ca in counts[a] for cb in counts[b] if ca + cb <= max_size]
+            out += [((a, ca), (b, cb)) for ca in counts[a] for cb in counts[b] if ca + cb <= largest]
     return out
 
 
-def mixed_allocations(cluster, rates, limit=3):
+def mixed_allocations(cluster: Cluster, rates: Mapping[Composition, float], limit: int = 3
+                      ) -> list[tuple[str, Workers]]:
     """Allocations of virtual workers of several compositions (sizes and mixes of device types).
 
     `rates`: {composition: predicted minibatches/s of one worker of it}. Under a bounded
@@ -418,11 +457,12 @@ def mixed_allocations(cluster, rates, limit=3):
     devices may stay idle), best W·r first, at most `limit` of them. Each worker's devices of a
     type come from one node where one has them free (the first such), else node by node."""
     nodes = _by_node(cluster)
-    have = {}
+    have: dict[str, int] = {}
     for devices in nodes.values():
         have[devices[0].type.name] = have.get(devices[0].type.name, 0) + len(devices)
     usable = {c: r for c, r in rates.items() if r > 0 and all(n <= have.get(t, 0) for t, n in c)}
-    found, seen = [], set()
+    found: list[tuple[float, dict[Composition, int]]] = []
+    seen: set[tuple[tuple[Composition, int], ...]] = set()
     for r in sorted(set(usable.values()), reverse=True):
         chosen = [c for c in usable if usable[c] >= r]
         most_workers = sum(have.values()) // min(sum(n for _, n in c) for c in chosen)
@@ -436,14 +476,14 @@ def mixed_allocations(cluster, rates, limit=3):
         found.append((sum(counts.values()) * r, counts))
         found.sort(key=lambda f: -f[0])
         del found[limit:]
-    out = []
+    out: list[tuple[str, Workers]] = []
     for _, counts in found:
         label = "MIX(" + ", ".join(f"{k}x{''.join(t * n for t, n in c)}" for c, k in sorted(counts.items())) + ")"
         out.append((label, pack_workers(cluster, counts)))
     return out
 
 
-def _most_workers(chosen, have):
+def _most_workers(chosen: Sequence[Composition], have: Mapping[str, int]) -> dict[Composition, int]:
     """{composition: count} of the most workers of the `chosen` compositions the devices hold."""
     types = sorted(have)
     program = Program(len(chosen))
@@ -456,15 +496,15 @@ def _most_workers(chosen, have):
     return {c: int(round(v)) for c, v in zip(chosen, x) if round(v) > 0}
 
 
-def pack_workers(cluster, counts):
+def pack_workers(cluster: Cluster, counts: Mapping[Composition, int]) -> Workers:
     """Workers of each composition in `counts` ({composition: how many}), the larger first, their
     devices of each type from the first node that has that many free, else node by node."""
     nodes = _by_node(cluster)
     free = {n: list(v) for n, v in nodes.items()}
-    workers = []
+    workers: list[Worker] = []
     for comp, k in sorted(counts.items(), key=lambda ck: (-sum(n for _, n in ck[0]), ck[0])):
         for _ in range(k):
-            devices = []
+            devices: list[Device] = []
             for t, n in comp:
                 of_type = [name for name, v in free.items() if nodes[name][0].type.name == t]
                 home = next((name for name in of_type if len(free[name]) >= n), None)

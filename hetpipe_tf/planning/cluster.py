@@ -35,10 +35,11 @@ import json
 import os
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.planning.devices import DeviceSpecError, parse_bytes
 
 
-class ClusterError(ValueError):
+class ClusterError(HetPipeUsageError, ValueError):
     """A cluster description that is malformed or inconsistent."""
 
 

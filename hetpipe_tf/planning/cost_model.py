@@ -26,15 +26,19 @@ in flight:
   most and the last one holds one (§4; the schedule enforces this window); WSP keeps one
   more copy (the weights at the last push).
 """
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
-from hetpipe_tf.pipeline.schedule import NO_SYNC
+from hetpipe_tf.pipeline.schedule import NO_SYNC, PipelineSchedule, SyncScheme
+from hetpipe_tf.planning.cluster import Cluster, Device, DeviceType
+from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, SegmentTimes, analytic_times
 
 REAL_DEVICE_RESERVE = 500 * 1024 ** 2  # CUDA context and workspace on a real GPU
-_ANALYTIC = {}  # (id of a profile, device type, assumptions) -> (the profile, its analytic times)
+# (id of a profile, device type, assumptions) -> (the profile, its analytic times)
+_ANALYTIC: dict[tuple[int, DeviceType, AnalyticAssumptions], tuple[Profile, SegmentTimes]] = {}
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class LinkModel:
     intra_intercept: float = 0.0
     source: str = "assumed (not calibrated): 0.8 of PCIe, 50 us + bytes / (0.9 x InfiniBand)"
 
-    def seconds(self, nbytes, src, dst, cluster, flows=1):
+    def seconds(self, nbytes: float, src: Device, dst: Device, cluster: Cluster, flows: int = 1) -> float:
         """Seconds for `nbytes` from device `src` to `dst`; between nodes, `flows` transfers share
         the link at once and each moves at its share of the bandwidth."""
         if nbytes <= 0 or src == dst:
@@ -58,22 +62,24 @@ class LinkModel:
         shared = 1 if src.node == dst.node else max(flows, 1)
         return self.intercept(src, dst, cluster) + nbytes * shared / self.bandwidth(src, dst, cluster)
 
-    def bandwidth(self, src, dst, cluster):
+    def bandwidth(self, src: Device, dst: Device, cluster: Cluster) -> float:
         """Bytes/s one transfer reaches from device `src` to device `dst` alone."""
         if src.node == dst.node:
             return cluster.intra_node_bandwidth * self.intra_scale
         return cluster.inter_node_bandwidth * self.inter_scale
 
-    def intercept(self, src, dst, cluster):
+    def intercept(self, src: Device, dst: Device, cluster: Cluster) -> float:
         """Seconds a transfer from `src` to `dst` takes besides its bytes."""
         if src.node == dst.node:
             return self.intra_intercept
         return self.inter_intercept + cluster.inter_node_latency
 
-    def calibrated(self, cluster, intra_samples=None, inter_samples=None):
+    def calibrated(self, cluster: Cluster, intra_samples: Sequence[tuple[float, float]] | None = None,
+                   inter_samples: Sequence[tuple[float, float]] | None = None) -> "LinkModel":
         """This model with the intra-node and/or inter-node lines fitted to (bytes, seconds)
         samples, e.g. from :func:`hetpipe_tf.runtime.profiler.measure_transfers`."""
-        fields, notes = {}, []
+        fields: dict[str, float] = {}
+        notes: list[str] = []
         if intra_samples:
             intercept, per_byte = fit_line(intra_samples)
             fields.update(intra_intercept=intercept, intra_scale=1.0 / (per_byte * cluster.intra_node_bandwidth))
@@ -90,7 +96,7 @@ class LinkModel:
                             "source": "calibrated: " + "; ".join(notes + kept)})
 
 
-def fit_line(samples):
+def fit_line(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least squares (intercept >= 0, seconds per byte > 0) of seconds against bytes."""
     n = len(samples)
     if n < 2 or len({b for b, _ in samples}) < 2:
@@ -104,12 +110,12 @@ def fit_line(samples):
     return max(mean_t - slope * mean_b, 0.0), slope
 
 
-def link_flows(workers):
+def link_flows(workers: Iterable[Iterable[Device]]) -> tuple[tuple[tuple[str, str], int], ...]:
     """For every pair of nodes, how many of the virtual workers (tuples of cluster devices) have
     devices on both, so that their transfers between those nodes share the inter-node link at
     once (equal workers run in step): ``((node_a, node_b), flows)`` pairs, sorted, for
     :class:`CostModel`'s ``link_flows``."""
-    counts = {}
+    counts: dict[tuple[str, str], int] = {}
     for w in workers:
         nodes = sorted({d.node for d in w})
         for i, a in enumerate(nodes):
@@ -118,7 +124,7 @@ def link_flows(workers):
     return tuple(sorted(counts.items()))
 
 
-def non_compute_instructions(position, num_stages, schedule=HETPIPE):
+def non_compute_instructions(position: int, num_stages: int, schedule: PipelineSchedule = HETPIPE) -> int:
     """How many receives, sends, stashes and releases a minibatch has at a stage position,
     counted from the schedule itself."""
     prog = schedule.programs(num_stages, 3, 1).programs[position]
@@ -128,8 +134,10 @@ def non_compute_instructions(position, num_stages, schedule=HETPIPE):
 
 @dataclass(frozen=True)
 class StageCost:
-    device: object  # a cluster Device
-    segments: tuple  # (lo, hi)
+    """What a stage of segments [lo, hi) costs at a position of a device chain (§7): seconds per
+    minibatch and bytes held."""
+    device: Device
+    segments: tuple[int, int]  # (lo, hi)
     position: int
     forward: float
     backward: float
@@ -137,24 +145,24 @@ class StageCost:
     recv_gradient: float
     apply: float
     executor: float = 0.0  # non-compute instructions
-    memory: dict = field(default_factory=dict)  # category -> bytes
+    memory: dict[str, float] = field(default_factory=dict)  # category -> bytes
     exchange: float = 0.0  # receiving the other replicas' gradients of the tied layers it holds, before its update
 
     @property
-    def time(self):
+    def time(self) -> float:
         return (self.forward + self.backward + self.recv_activation + self.recv_gradient + self.apply
                 + self.executor + self.exchange)
 
     @property
-    def memory_total(self):
+    def memory_total(self) -> float:
         return sum(self.memory.values())
 
     @property
-    def capacity(self):
+    def capacity(self) -> int:
         return self.device.type.memory
 
 
-def neighbour(devices, position):
+def neighbour(devices: Sequence[Device], position: int) -> Device | None:
     """The device of the stage before `position` in the chain `devices`, the next one's for the
     first stage, None for a chain of one: where a stage's tied layers' other replicas are taken to
     be when the whole chain is not known."""
@@ -166,27 +174,28 @@ def neighbour(devices, position):
 @dataclass(frozen=True)
 class CostModel:
     """Stage costs for one profile on one cluster."""
-    profile: object
-    cluster: object
+    profile: Profile
+    cluster: Cluster
     links: LinkModel = LinkModel()
     dilation: float = 1.0  # emulated devices' time dilation
     optimizer_slots: int = 1  # optimizer variables per weight (SGD with momentum: 1, Adam: 2)
-    schedule: object = HETPIPE  # the PipelineSchedule: activations and weight versions a stage holds
-    sync: object = NO_SYNC  # the SyncScheme between virtual workers: its weight copies per stage
-    analytic: object = None  # AnalyticAssumptions for device types that are not measured
-    link_flows: tuple = ()  # ((node_a, node_b), workers sending between them at once), see link_flows
+    schedule: PipelineSchedule = HETPIPE  # activations and weight versions a stage holds
+    sync: SyncScheme = NO_SYNC  # the scheme between virtual workers: its weight copies per stage
+    analytic: AnalyticAssumptions | None = None  # for device types that are not measured
+    # ((node_a, node_b), workers sending between them at once), see link_flows
+    link_flows: tuple[tuple[tuple[str, str], int], ...] = ()
 
     @cached_property
-    def _flows(self):
+    def _flows(self) -> dict[tuple[str, str], int]:
         return dict(self.link_flows)
 
-    def link_seconds(self, nbytes, src, dst):
+    def link_seconds(self, nbytes: float, src: Device, dst: Device) -> float:
         """Seconds for `nbytes` from device `src` to device `dst`, sharing an inter-node link with
         the other virtual workers that cross it (``link_flows``)."""
         pair = (src.node, dst.node) if src.node < dst.node else (dst.node, src.node)
         return self.links.seconds(nbytes, src, dst, self.cluster, flows=self._flows.get(pair, 1))
 
-    def times(self, device_type):
+    def times(self, device_type: DeviceType) -> tuple[SegmentTimes, float]:
         """SegmentTimes of a device type, and the factor its compute is scaled by. A CPU-quota type's
         are its own, measured in a group of its quota (never the host's times scaled by the quota)."""
         if device_type.cpu_quota is not None:
@@ -200,7 +209,6 @@ class CostModel:
             return self.profile.times["host"], (self.dilation if device_type.emulated else 1.0) / device_type.host_speed
         if device_type.name in self.profile.times:
             return self.profile.times[device_type.name], 1.0
-        from hetpipe_tf.planning.profile import AnalyticAssumptions, analytic_times
         assume = self.analytic or AnalyticAssumptions()
         key = (id(self.profile), device_type, assume)
         if key not in _ANALYTIC:  # the roofline of every segment, once per profile and device type
@@ -209,19 +217,21 @@ class CostModel:
             _ANALYTIC[key] = (self.profile, analytic_times(self.profile, device_type, assume))
         return _ANALYTIC[key][1], 1.0
 
-    def apply_seconds(self, device_type, weight_bytes, num_in_flight=1):
+    def apply_seconds(self, device_type: DeviceType, weight_bytes: float, num_in_flight: int = 1) -> float:
         """Applying an update: measured on the host for the devices it serves; on an accelerator,
         reading and writing the weights, gradients and slots at its memory bandwidth."""
         p = self.profile
         if device_type.on_host or device_type.name in p.times:
             per_byte = p.apply_shared_per_byte if num_in_flight > 1 and p.apply_shared_per_byte else p.apply_per_byte
             return (p.apply_base + per_byte * weight_bytes) * self._quota_slowdown(device_type)
-        from hetpipe_tf.planning.profile import AnalyticAssumptions
+        if device_type.memory_bandwidth is None:
+            raise ValueError(f"{device_type.label} is neither measured nor given a memory_bandwidth: the update "
+                             f"time of a real device type needs one of them")
         moved = weight_bytes * (3 + 2 * self.optimizer_slots)
         efficiency = (self.analytic or AnalyticAssumptions()).memory_efficiency
         return moved / (device_type.memory_bandwidth * efficiency)
 
-    def _quota_slowdown(self, device_type):
+    def _quota_slowdown(self, device_type: DeviceType) -> float:
         """How much slower a CPU-quota type computes than the host, by its measured passes (1 for
         other types): an apply runs in its group too."""
         if device_type.cpu_quota is None:
@@ -229,18 +239,19 @@ class CostModel:
         own, host = self.times(device_type)[0], self.profile.times["host"]
         return (sum(own.forward) + sum(own.backward)) / (sum(host.forward) + sum(host.backward))
 
-    def executor_seconds(self, position, num_stages):
+    def executor_seconds(self, position: int, num_stages: int) -> float:
         """The executor's cost of one minibatch's non-compute instructions at a stage position."""
         if not self.profile.instruction_seconds:
             return 0.0
         return self.profile.instruction_seconds * non_compute_instructions(position, num_stages, self.schedule)
 
-    def weight_copies(self, num_in_flight):
+    def weight_copies(self, num_in_flight: int) -> int:
         """Copies of a stage's weights: live, the schedule's stashed versions (HetPipe: Nm), and
         the synchronisation scheme's (WSP: the weights at the last push)."""
         return 1 + self.schedule.weight_versions(num_in_flight) + self.sync.weight_copies
 
-    def exchange_seconds(self, lo, hi, device, partners):
+    def exchange_seconds(self, lo: int, hi: int, device: Device, partners: Mapping[int | None, Device | None]
+                         ) -> float:
         """Seconds a stage of segments [lo, hi) on `device` takes to receive the gradients of the
         tied layers it holds a replica of from the stages that hold the others: `partners` maps a
         segment to the device of the stage that holds it (a missing segment: on a neighbouring
@@ -251,7 +262,8 @@ class CostModel:
             seconds += sum(self.link_seconds(nbytes, other, device) for other in others if other is not None)
         return seconds
 
-    def stage(self, lo, hi, devices, position, num_in_flight, partners=None):
+    def stage(self, lo: int, hi: int, devices: Sequence[Device], position: int, num_in_flight: int,
+              partners: Mapping[int | None, Device | None] | None = None) -> StageCost:
         """The :class:`StageCost` of segments [lo, hi) at `position` of the device chain `devices`;
         `partners` as for :meth:`exchange_seconds` (default: every other replica on a neighbour's device)."""
         p = self.profile
@@ -281,9 +293,10 @@ class CostModel:
                          executor=self.executor_seconds(position, k), memory=memory,
                          exchange=self.exchange_seconds(lo, hi, device, partners))
 
-    def stages(self, boundaries, devices, num_in_flight):
+    def stages(self, boundaries: Sequence[int], devices: Sequence[Device], num_in_flight: int) -> list[StageCost]:
         """StageCosts of a whole partition (segment boundaries, starting with 0)."""
         ends = tuple(boundaries[1:]) + (self.profile.num_segments,)
-        partners = {i: devices[q] for q, (lo, hi) in enumerate(zip(boundaries, ends)) for i in range(lo, hi)}
+        partners: dict[int | None, Device | None] = {i: devices[q] for q, (lo, hi) in enumerate(zip(boundaries, ends))
+                                                     for i in range(lo, hi)}
         return [self.stage(lo, hi, devices, q, num_in_flight, partners)
                 for q, (lo, hi) in enumerate(zip(boundaries, ends))]

@@ -21,12 +21,16 @@ A device that cannot hold the whole model with one minibatch is left out (§8.3:
 whole model is too large to be loaded into a single GPU with G type, and thus, Horovod
 uses only 12 GPUs"); with none left there is no prediction (Table 4's X).
 """
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.planning.cluster import Cluster, Device
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
+from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile
 
 
-class DataParallelError(ValueError):
+class DataParallelError(HetPipeUsageError, ValueError):
     """No device of the cluster can hold the whole model."""
 
 
@@ -40,7 +44,7 @@ class AllReduceModel:
     step_seconds: float = 0.0
     source: str = "assumed: the links' bandwidth"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -49,7 +53,7 @@ class AllReduceModel:
         if self.step_seconds < 0:
             raise ValueError(f"AllReduceModel step_seconds must be >= 0, got {self.step_seconds}")
 
-    def edge_bandwidth(self, src, dst, cluster, links):
+    def edge_bandwidth(self, src: Device, dst: Device, cluster: Cluster, links: LinkModel) -> float:
         """Bytes/s the ring moves from device `src` to device `dst`."""
         cap = self.intra_node_bandwidth if src.node == dst.node else self.inter_node_bandwidth
         own = links.bandwidth(src, dst, cluster)
@@ -58,8 +62,9 @@ class AllReduceModel:
 
 @dataclass(frozen=True)
 class DataParallelPrediction:
-    devices: tuple  # the devices that train
-    left_out: tuple  # those that cannot hold the model
+    """Data parallelism's predicted step on a cluster (the paper's Horovod baseline, §8)."""
+    devices: tuple[Device, ...]  # the devices that train
+    left_out: tuple[Device, ...]  # those that cannot hold the model
     forward_seconds: float  # the slowest device's forward pass
     backward_seconds: float  # the slowest device's backward pass
     update_seconds: float  # the slowest device's update
@@ -69,19 +74,20 @@ class DataParallelPrediction:
     batch_size: int
 
     @property
-    def compute_seconds(self):
+    def compute_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds + self.update_seconds
 
     @property
-    def step_seconds(self):
+    def step_seconds(self) -> float:
         return self.forward_seconds + max(self.backward_seconds, self.allreduce_seconds) + self.update_seconds
 
     @property
-    def images_per_s(self):
+    def images_per_s(self) -> float:
         return len(self.devices) * self.batch_size / self.step_seconds
 
 
-def ring_allreduce_seconds(nbytes, devices, cluster, links=LinkModel(), allreduce=AllReduceModel()):
+def ring_allreduce_seconds(nbytes: float, devices: Sequence[Device], cluster: Cluster, links: LinkModel = LinkModel(),
+                           allreduce: AllReduceModel = AllReduceModel()) -> float:
     """Seconds to all-reduce `nbytes` over `devices` (in ring order) by the ring algorithm."""
     n = len(devices)
     if n < 2 or nbytes <= 0:
@@ -93,16 +99,18 @@ def ring_allreduce_seconds(nbytes, devices, cluster, links=LinkModel(), allreduc
     return steps * hop + steps / n * nbytes / bandwidth
 
 
-def predict_data_parallel(profile, cluster, devices=None, links=None, allreduce=AllReduceModel(),
-                          optimizer_slots=1, analytic=None):
+def predict_data_parallel(profile: Profile, cluster: Cluster, devices: Sequence[Device] | None = None,
+                          links: LinkModel | None = None, allreduce: AllReduceModel = AllReduceModel(),
+                          optimizer_slots: int = 1, analytic: AnalyticAssumptions | None = None
+                          ) -> DataParallelPrediction:
     """A :class:`DataParallelPrediction` for `devices` (default: every device of `cluster`,
     node by node) training `profile`'s model, each on a minibatch of its batch size."""
-    links = links or LinkModel()
-    model = CostModel(profile, cluster, links=links, optimizer_slots=optimizer_slots, analytic=analytic)
-    devices = tuple(devices or cluster.devices())
-    whole = {d: model.stage(0, profile.num_segments, [d], 0, 1) for d in devices}
-    kept = tuple(d for d in devices if whole[d].memory_total <= whole[d].capacity)
-    left_out = tuple(d for d in devices if d not in kept)
+    link_model = links or LinkModel()
+    model = CostModel(profile, cluster, links=link_model, optimizer_slots=optimizer_slots, analytic=analytic)
+    chosen: tuple[Device, ...] = tuple(devices or cluster.devices())
+    whole = {d: model.stage(0, profile.num_segments, [d], 0, 1) for d in chosen}
+    kept = tuple(d for d in chosen if whole[d].memory_total <= whole[d].capacity)
+    left_out = tuple(d for d in chosen if d not in kept)
     if not kept:
         need = min(st.memory_total for st in whole.values())
         raise DataParallelError(f"no device holds the whole of {profile.model} at batch {profile.batch_size} "
@@ -113,6 +121,6 @@ def predict_data_parallel(profile, cluster, devices=None, links=None, allreduce=
         devices=kept, left_out=left_out, forward_seconds=max(whole[d].forward for d in kept),
         backward_seconds=max(whole[d].backward for d in kept),
         update_seconds=max(whole[d].apply + whole[d].executor for d in kept),
-        allreduce_seconds=ring_allreduce_seconds(gradient_bytes, kept, cluster, links, allreduce),
+        allreduce_seconds=ring_allreduce_seconds(gradient_bytes, kept, cluster, link_model, allreduce),
         gradient_bytes=gradient_bytes, bytes_sent_per_device=2 * (n - 1) / n * gradient_bytes if n > 1 else 0.0,
         batch_size=profile.batch_size)

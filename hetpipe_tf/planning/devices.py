@@ -13,8 +13,10 @@ A device is one of:
 Memory takes ``K``, ``M``, ``G`` (powers of 1024), e.g. ``0.5@256M``.
 """
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.emulation import format_bytes
 
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
@@ -22,22 +24,23 @@ _GRAMMAR = ("SPEED[@MEMORY] or emu:SPEED[@MEMORY] (emulated on the host CPU), cp
             "gpu:INDEX[@MEMORY]; e.g. '1@512M,0.5@256M' or 'gpu:0@2G,gpu:0@2G'")
 
 
-class DeviceSpecError(ValueError):
+class DeviceSpecError(HetPipeUsageError, ValueError):
     """A device description that cannot be parsed or served."""
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
+    """One device a virtual worker's stage runs on: emulated (a speed, a memory), the host CPU or a GPU."""
     kind: str  # "emulated", "cpu" or "gpu"
     index: int = 0  # physical GPU index for "gpu"
     speed: float = 1.0
     memory: int | None = None  # bytes
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         return self.kind == "emulated"
 
-    def __str__(self):
+    def __str__(self) -> str:
         mem = f", memory {format_bytes(self.memory)}" if self.memory else ""
         if self.emulated:
             return f"emulated device (speed {self.speed:g}{mem})"
@@ -46,7 +49,8 @@ class DeviceSpec:
         return "host CPU"
 
 
-def parse_bytes(text):
+def parse_bytes(text: str | int | float) -> int:
+    """Bytes from '512M', '1.5G', '2GiB' or a number; a DeviceSpecError for anything else."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
     if not m:
         raise DeviceSpecError(f"cannot read memory size {text!r}: use a number with K, M or G, e.g. 512M")
@@ -56,7 +60,8 @@ def parse_bytes(text):
     return value
 
 
-def parse_device(text):
+def parse_device(text: str) -> DeviceSpec:
+    """The DeviceSpec of one item of a device list (see the module docstring)."""
     item = text.strip()
     mem = None
     if "@" in item:
@@ -84,7 +89,7 @@ def parse_device(text):
     return DeviceSpec("emulated", speed=speed, memory=mem)
 
 
-def parse_devices(text):
+def parse_devices(text: str | Sequence[str | DeviceSpec]) -> tuple[DeviceSpec, ...]:
     """A tuple of DeviceSpec from a comma-separated list (see the module docstring)."""
     if isinstance(text, (list, tuple)):
         return tuple(d if isinstance(d, DeviceSpec) else parse_device(d) for d in text)

@@ -7,19 +7,23 @@ sparse (variable, coefficient) lists, then solved with a zero gap (an optimum, n
 import contextlib
 import os
 import sys
+from collections.abc import Iterable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 
 class Program:
     """min cost . x subject to low <= row . x <= high for every row added, lower <= x <= upper,
     x integer where `integrality` is 1."""
 
-    def __init__(self, num_variables):
+    def __init__(self, num_variables: int) -> None:
         self.num_variables = num_variables
-        self.rows, self.low, self.high = [], [], []
+        self.rows: list[npt.NDArray[np.float64]] = []
+        self.low: list[float] = []
+        self.high: list[float] = []
 
-    def add(self, coefficients, low, high):
+    def add(self, coefficients: Iterable[tuple[int, float]], low: float, high: float) -> None:
         """One row: sum of coefficient * x[index] over the (index, coefficient) pairs."""
         row = np.zeros(self.num_variables)
         for i, v in coefficients:
@@ -28,19 +32,21 @@ class Program:
         self.low.append(low)
         self.high.append(high)
 
-    def solve(self, cost, integrality, lower, upper, time_limit=None):
+    def solve(self, cost: npt.ArrayLike, integrality: npt.ArrayLike, lower: npt.ArrayLike, upper: npt.ArrayLike,
+              time_limit: float | None = None) -> npt.NDArray[np.float64] | None:
         """The optimal x, or None if there is none (within `time_limit` seconds)."""
-        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.optimize import Bounds, LinearConstraint, milp  # slow to load: only plans that solve one pay
 
         options = {"mip_rel_gap": 0.0, **({"time_limit": time_limit} if time_limit else {})}
         with _quiet_stdout():  # HiGHS prints debug lines of its own
             res = milp(cost, constraints=LinearConstraint(np.array(self.rows), self.low, self.high),
                        integrality=integrality, bounds=Bounds(lower, upper), options=options)
-        return res.x
+        x: npt.NDArray[np.float64] | None = res.x
+        return x
 
 
 @contextlib.contextmanager
-def _quiet_stdout():
+def _quiet_stdout() -> Iterator[None]:
     """Silences file descriptor 1 (C-level prints) for the duration."""
     sys.stdout.flush()
     saved = os.dup(1)

@@ -14,15 +14,34 @@ maximum execution time of the partitions") subject to every stage's memory:
   :func:`fits_some_order` says whether any of them fits.
 """
 import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from hetpipe_tf.planning.cost_model import neighbour
+from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.pipeline.emulation import format_breakdown, format_bytes
+from hetpipe_tf.planning.cluster import Device, DeviceType
+from hetpipe_tf.planning.cost_model import REAL_DEVICE_RESERVE, CostModel, StageCost, neighbour
 from hetpipe_tf.planning.milp import Program
 
+#: Seconds or bytes per segment or cut, as numpy computes them.
+Floats = npt.NDArray[np.float64]
+#: Which cuts (or (lo, hi) pairs) qualify.
+Mask = npt.NDArray[np.bool_]
+#: A stage's own costs at a position on a device type: (time const, time prefix, memory const,
+#: memory prefix, activations held, capacity).
+Own = tuple[float, Floats, float, Floats, int, int]
+#: A device's (node, type name): what costs see of it.
+PoolKey = tuple[str, str]
+#: The types of a unit of devices placed together, and how many such units are left.
+Units = tuple[tuple[tuple[DeviceType, ...], int], ...]
 
-def balanced_boundaries(costs, num_stages, allowed_cuts=None, speeds=None):
+
+def balanced_boundaries(costs: Sequence[float], num_stages: int, allowed_cuts: Iterable[int] | None = None,
+                        speeds: Sequence[float] | None = None) -> tuple[int, ...]:
     """Stage boundaries minimising the largest stage time, exactly.
 
     Args:
@@ -39,9 +58,9 @@ def balanced_boundaries(costs, num_stages, allowed_cuts=None, speeds=None):
     k = int(num_stages)
     if k < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    speeds = tuple(speeds) if speeds is not None else (1.0,) * k
-    if len(speeds) != k or any(v <= 0 for v in speeds):
-        raise ValueError(f"speeds must be {k} positive numbers, got {list(speeds)}")
+    rates = tuple(speeds) if speeds is not None else (1.0,) * k
+    if len(rates) != k or any(v <= 0 for v in rates):
+        raise ValueError(f"speeds must be {k} positive numbers, got {list(rates)}")
     cuts = sorted(set(range(1, n)) if allowed_cuts is None else set(allowed_cuts))
     if k - 1 > len(cuts):
         raise ValueError(f"cannot cut {n} layer calls into {k} stages: only {len(cuts)} "
@@ -52,8 +71,8 @@ def balanced_boundaries(costs, num_stages, allowed_cuts=None, speeds=None):
         prefix.append(prefix[-1] + float(c))
     bounds_at = starts + [n]
 
-    def stage_time(s, i, j):  # stage s covers candidate starts i..j-1
-        return (prefix[bounds_at[j]] - prefix[bounds_at[i]]) / speeds[s]
+    def stage_time(s: int, i: int, j: int) -> float:  # stage s covers candidate starts i..j-1
+        return (prefix[bounds_at[j]] - prefix[bounds_at[i]]) / rates[s]
 
     _, chosen = _minmax_dp(len(starts), k, stage_time)
     if chosen is None:
@@ -61,20 +80,20 @@ def balanced_boundaries(costs, num_stages, allowed_cuts=None, speeds=None):
     return tuple(starts[i] for i in chosen)
 
 
-class InfeasiblePartitionError(ValueError):
+class InfeasiblePartitionError(HetPipeUsageError, ValueError):
     """No cut of the model into stages fits the devices' memory."""
 
 
 @dataclass(frozen=True)
 class Partition:
     """Stages of one virtual worker: the device order, segment boundaries and their costs."""
-    devices: tuple
-    boundaries: tuple  # first segment of each stage
-    stages: tuple  # StageCost per stage
+    devices: tuple[Device, ...]
+    boundaries: tuple[int, ...]  # first segment of each stage
+    stages: tuple[StageCost, ...]
     num_in_flight: int
 
     @property
-    def bottleneck(self):
+    def bottleneck(self) -> float:
         """The slowest stage's time per minibatch (§7 minimises it)."""
         return max(s.time for s in self.stages)
 
@@ -93,13 +112,15 @@ class _Tables:
     more than it costs (the cost model's stage costs are exact); the plans with every shared
     layer on one stage are planned apart (:func:`hetpipe_tf.planning.profile.colocated`)."""
 
-    def __init__(self, model, num_stages, num_in_flight):
+    def __init__(self, model: CostModel, num_stages: int, num_in_flight: int) -> None:
         self.model, self.k, self.num_in_flight = model, num_stages, num_in_flight
         self.n = model.profile.num_segments
         self.cut = model.profile.cut_bytes
-        self._own, self._links, self._exchanges = {}, {}, {}
+        self._own: dict[tuple[str, int], Own] = {}
+        self._links: dict[tuple[str, str], Floats] = {}
+        self._exchanges: dict[tuple[str | None, str], Floats] = {}
 
-    def own(self, device_type, q):
+    def own(self, device_type: DeviceType, q: int) -> Own:
         """(time const, time prefix, memory const, memory prefix, activations held, capacity) of a
         stage at position q on `device_type`, its links left out."""
         key = (device_type.name, q)
@@ -116,11 +137,11 @@ class _Tables:
             held = model.schedule.activations_held(q, self.k, nm)
             copies = model.weight_copies(nm) + model.optimizer_slots
             mem = [w * copies + s + held * a for w, s, a in zip(p.weight_bytes, p.state_bytes, p.activation_bytes)]
-            self._own[key] = (time_const, np.array(_prefix(per_seg)), 0 if device_type.on_host else _reserve(),
+            self._own[key] = (time_const, np.array(_prefix(per_seg)), 0 if device_type.on_host else REAL_DEVICE_RESERVE,
                               np.array(_prefix(mem), dtype=float), held, device_type.memory)
         return self._own[key]
 
-    def link(self, src, dst):
+    def link(self, src: Device, dst: Device) -> Floats:
         """Seconds for what crosses each cut c = 0..n to go from device `src` to device `dst`."""
         key = (src.node, dst.node)
         if key not in self._links:
@@ -128,7 +149,7 @@ class _Tables:
                                          for c in range(self.n + 1)])
         return self._links[key]
 
-    def exchange(self, partner, device):
+    def exchange(self, partner: Device | None, device: Device) -> Floats:
         """Prefix sums over the segments of the seconds `device` takes to receive the gradients of
         the tied layers each segment calls from `partner` (None: no other stage, zeros)."""
         key = (None if partner is None else partner.node, device.node)
@@ -141,7 +162,8 @@ class _Tables:
             self._exchanges[key] = np.array(_prefix(per_segment))
         return self._exchanges[key]
 
-    def stage_times(self, q, device, before, after):
+    def stage_times(self, q: int, device: Device, before: Device | None, after: Device | None
+                    ) -> tuple[Floats, Floats]:
         """(time, memory) of stage q on `device` for every (lo, hi) as (n + 1) x (n + 1) arrays
         (inf where hi <= lo), with the device `before` it and `after` it (None at the ends)."""
         time_const, time_prefix, mem_const, mem_prefix, held, _ = self.own(device.type, q)
@@ -157,10 +179,10 @@ class _Tables:
         return np.where(_UPPER[self.n], time, math.inf), memory
 
 
-class _Upper(dict):
+class _Upper(dict[int, Mask]):
     """lo < hi masks by segment count."""
 
-    def __missing__(self, n):
+    def __missing__(self, n: int) -> Mask:
         self[n] = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
         return self[n]
 
@@ -171,12 +193,17 @@ _UPPER = _Upper()
 class _Coefficients:
     """Prefix sums that make a stage's time and memory linear in its boundaries, for one order."""
 
-    def __init__(self, model, devices, num_in_flight, tables=None):
+    def __init__(self, model: CostModel, devices: Sequence[Device], num_in_flight: int,
+                 tables: "_Tables | None" = None) -> None:
         tables = tables or _Tables(model, len(devices), num_in_flight)
         n, k = tables.n, len(devices)
         self.n, self.k = n, k
-        self.time_prefix, self.time_const, self.mem_prefix, self.mem_const, self.cap = [], [], [], [], []
-        self.held = []
+        self.time_prefix: list[list[float]] = []
+        self.mem_prefix: list[list[float]] = []
+        self.time_const: list[float] = []
+        self.mem_const: list[float] = []
+        self.cap: list[int] = []
+        self.held: list[int] = []
         for q, d in enumerate(devices):
             time_const, time_prefix, mem_const, mem_prefix, held, cap = tables.own(d.type, q)
             self.time_prefix.append((time_prefix + tables.exchange(neighbour(devices, q), d)).tolist())
@@ -187,11 +214,12 @@ class _Coefficients:
             self.cap.append(cap)
         self.cut = tables.cut
         # link[q][c]: seconds for the bytes crossing cut c to reach stage q from stage q - 1
-        self.link_in = [[0.0] * (n + 1)] + [tables.link(devices[q - 1], devices[q]).tolist() for q in range(1, k)]
-        self.link_grad = ([tables.link(devices[q + 1], devices[q]).tolist() for q in range(k - 1)]
+        self.link_in: list[list[float]] = [[0.0] * (n + 1)] + [tables.link(devices[q - 1], devices[q]).tolist()
+                                                               for q in range(1, k)]
+        self.link_grad: list[list[float]] = ([tables.link(devices[q + 1], devices[q]).tolist() for q in range(k - 1)]
                           + [[0.0] * (n + 1)])
 
-    def time(self, q, lo, hi):
+    def time(self, q: int, lo: int, hi: int) -> float:
         t = self.time_const[q] + self.time_prefix[q][hi] - self.time_prefix[q][lo]
         if q > 0:
             t += self.link_in[q][lo]
@@ -199,35 +227,30 @@ class _Coefficients:
             t += self.link_grad[q][hi]
         return t
 
-    def memory(self, q, lo, hi):
+    def memory(self, q: int, lo: int, hi: int) -> float:
         m = self.mem_const[q] + self.mem_prefix[q][hi] - self.mem_prefix[q][lo]
         if q > 0:
             m += self.held[q] * self.cut[lo]
         return m
 
 
-def _prefix(values):
+def _prefix(values: Iterable[float]) -> list[float]:
     out = [0.0]
     for v in values:
         out.append(out[-1] + v)
     return out
 
 
-def _reserve():
-    from hetpipe_tf.planning.cost_model import REAL_DEVICE_RESERVE
-    return REAL_DEVICE_RESERVE
-
-
-def _result(model, devices, boundaries, num_in_flight):
+def _result(model: CostModel, devices: Sequence[Device], boundaries: Sequence[int], num_in_flight: int) -> Partition:
     return Partition(devices=tuple(devices), boundaries=tuple(boundaries),
                      stages=tuple(model.stages(boundaries, devices, num_in_flight)),
                      num_in_flight=num_in_flight)
 
 
-def _minmax_dp(n, k, stage_value):
+def _minmax_dp(n: int, k: int, stage_value: Callable[[int, int, int], float]) -> tuple[float, tuple[int, ...] | None]:
     """Boundaries minimising the largest stage_value(q, lo, hi) over contiguous stages."""
     best = [[math.inf] * (n + 1) for _ in range(k + 1)]
-    choice = [[None] * (n + 1) for _ in range(k + 1)]
+    choice: list[list[int | None]] = [[None] * (n + 1) for _ in range(k + 1)]
     for lo in range(n):
         best[k - 1][lo] = stage_value(k - 1, lo, n)
     for q in range(k - 2, -1, -1):
@@ -238,19 +261,20 @@ def _minmax_dp(n, k, stage_value):
                     best[q][lo], choice[q][lo] = v, hi
     bounds, lo = [0], 0
     for q in range(k - 1):
-        lo = choice[q][lo]
-        if lo is None:
+        end = choice[q][lo]
+        if end is None:
             return math.inf, None
-        bounds.append(lo)
+        bounds.append(end)
+        lo = end
     return best[0][0], tuple(bounds)
 
 
-def _infeasible(model, devices, num_in_flight, co):
+def _infeasible(model: CostModel, devices: Sequence[Device], num_in_flight: int, co: _Coefficients
+                ) -> InfeasiblePartitionError:
     """The error for a device order nothing fits: the cut closest to fitting, its worst stage."""
     _, bounds = _minmax_dp(co.n, co.k, lambda q, lo, hi: co.memory(q, lo, hi) / co.cap[q])
-    stages = model.stages(bounds, devices, num_in_flight)
+    stages = model.stages(bounds or (0,), devices, num_in_flight)
     worst = max(stages, key=lambda s: s.memory_total / s.capacity)
-    from hetpipe_tf.pipeline.emulation import format_breakdown, format_bytes
     return InfeasiblePartitionError(
         f"{model.profile.model} does not fit devices {[d.name for d in devices]} with Nm={num_in_flight} "
         f"at batch {model.profile.batch_size}: at best, stage {worst.position} (segments "
@@ -259,7 +283,7 @@ def _infeasible(model, devices, num_in_flight, co):
         f"{format_bytes(worst.capacity)}")
 
 
-def partition_dp(model, devices, num_in_flight):
+def partition_dp(model: CostModel, devices: Sequence[Device], num_in_flight: int) -> Partition:
     """The exact dynamic program: boundaries minimising the slowest stage under memory (§7).
 
     Args:
@@ -271,7 +295,7 @@ def partition_dp(model, devices, num_in_flight):
     if co.k > co.n:
         raise InfeasiblePartitionError(f"{co.k} devices but only {co.n} segments to place")
 
-    def value(q, lo, hi):
+    def value(q: int, lo: int, hi: int) -> float:
         return co.time(q, lo, hi) if co.memory(q, lo, hi) <= co.cap[q] else math.inf
 
     best, bounds = _minmax_dp(co.n, co.k, value)
@@ -280,7 +304,8 @@ def partition_dp(model, devices, num_in_flight):
     return _result(model, devices, bounds, num_in_flight)
 
 
-def partition_milp(model, devices, num_in_flight, time_limit=60.0):
+def partition_milp(model: CostModel, devices: Sequence[Device], num_in_flight: int,
+                   time_limit: float = 60.0) -> Partition:
     """The same problem as a mixed-integer linear program solved by HiGHS (scipy.optimize.milp).
 
     Binary y[c, q] says stage q ends right before segment c. With prefix sums P(c), a
@@ -298,7 +323,7 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
     cuts = range(1, n)
     nvar = len(cuts) * (k - 1) + 1  # y, then T
 
-    def y(c, q):
+    def y(c: int, q: int) -> int:
         return (q * len(cuts)) + (c - 1)
 
     program = Program(nvar)
@@ -309,7 +334,8 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
         add([(y(c, q), float(c)) for c in cuts] + [(y(c, q + 1), -float(c)) for c in cuts], -np.inf, -1.0)
     t_index = nvar - 1
     for q in range(k):
-        tc, mc = [], []
+        tc: list[tuple[int, float]] = []
+        mc: list[tuple[int, float]] = []
         t_const = co.time_const[q]
         m_const = co.mem_const[q]
         if q < k - 1:  # + P(end)
@@ -335,7 +361,7 @@ def partition_milp(model, devices, num_in_flight, time_limit=60.0):
     return _result(model, devices, tuple(bounds_out), num_in_flight)
 
 
-def fits(model, devices, num_in_flight):
+def fits(model: CostModel, devices: Sequence[Device], num_in_flight: int) -> bool:
     """Whether some cut of the model over `devices`, in this order, fits their memory."""
     co = _Coefficients(model, devices, num_in_flight)
     if co.k > co.n:
@@ -347,15 +373,15 @@ def fits(model, devices, num_in_flight):
 MAX_ORDERS = 720
 
 
-def _pools(devices):
+def _pools(devices: Iterable[Device]) -> dict[PoolKey, list[Device]]:
     """The worker's devices by (node, type), in order of first appearance."""
-    pools = {}
+    pools: dict[PoolKey, list[Device]] = {}
     for d in devices:
         pools.setdefault((d.node, d.type.name), []).append(d)
     return pools
 
 
-def _count_orders(pools, limit):
+def _count_orders(pools: dict[PoolKey, list[Device]], limit: int) -> int:
     """How many orders differ in their (node, type) sequence, counted up to limit + 1."""
     total, placed = 1, 0
     for pool in pools.values():
@@ -367,7 +393,7 @@ def _count_orders(pools, limit):
     return total
 
 
-def distinct_orders(devices, limit=MAX_ORDERS):
+def distinct_orders(devices: Sequence[Device], limit: int = MAX_ORDERS) -> list[tuple[Device, ...]]:
     """The orders of `devices` that differ in their (node, type) sequence, which is all costs see.
 
     When there are more than `limit` of them, only orders that keep each node's devices together
@@ -376,9 +402,9 @@ def distinct_orders(devices, limit=MAX_ORDERS):
     """
     pools = _pools(devices)
     blocks = _count_orders(pools, limit) > limit
-    out = []
+    out: list[tuple[Device, ...]] = []
 
-    def visit(prefix):
+    def visit(prefix: tuple[Device, ...]) -> bool:
         if len(prefix) == len(devices):
             out.append(prefix)
         return len(out) < limit
@@ -387,7 +413,9 @@ def distinct_orders(devices, limit=MAX_ORDERS):
     return out
 
 
-def _walk_orders(pools, blocks, signature, visit):
+def _walk_orders(pools: dict[PoolKey, list[Device]], blocks: bool,
+                 signature: Callable[[Sequence[Device], PoolKey, int], Hashable],
+                 visit: Callable[[tuple[Device, ...]], bool]) -> None:
     """Calls visit(prefix) for every prefix of the orders, in distinct_orders' sequence (the
     devices' (node, type) keys in the order of a recursion over the keys left, or the nodes'
     permutations in order); visit returns False to skip the orders that start with the prefix.
@@ -396,23 +424,23 @@ def _walk_orders(pools, blocks, signature, visit):
     if blocks:
         keys = list(pools)
 
-        def extend(prefix, left):
+        def extend_blocks(prefix: list[Device], left: list[PoolKey]) -> None:
             if prefix and not visit(tuple(prefix)):
                 return
-            seen = set()
+            seen: set[Hashable] = set()
             for key in left:
                 sig = signature(prefix, key, len(pools[key]))
                 if sig not in seen:
                     seen.add(sig)
-                    extend(prefix + pools[key], [k for k in left if k != key])
+                    extend_blocks(prefix + pools[key], [k for k in left if k != key])
 
-        extend([], keys)
+        extend_blocks([], keys)
         return
 
-    def extend(prefix, remaining):
+    def extend(prefix: list[Device], remaining: dict[PoolKey, int]) -> None:
         if prefix and not visit(tuple(prefix)):
             return
-        seen = set()
+        seen: set[Hashable] = set()
         for key in list(remaining):
             sig = signature(prefix, key, remaining[key])
             if sig in seen:
@@ -453,7 +481,8 @@ class _OrderSearch:
     nodes were not before; the best of a few orders, :meth:`_seed_orders`, is known from the
     start)."""
 
-    def __init__(self, model, devices, num_in_flight, limit=MAX_ORDERS):
+    def __init__(self, model: CostModel, devices: Sequence[Device], num_in_flight: int, limit: int = MAX_ORDERS
+                 ) -> None:
         self.model, self.devices, self.num_in_flight = model, tuple(devices), num_in_flight
         self.k = len(self.devices)
         self.tables = _Tables(model, self.k, num_in_flight)
@@ -464,21 +493,21 @@ class _OrderSearch:
         nodes = sorted({d.node for d in self.devices})
         flows = dict(model.link_flows)
         self.symmetric = len({flows.get((a, b), 1) for i, a in enumerate(nodes) for b in nodes[i + 1:]}) <= 1
-        self._dead = set()
+        self._dead: set[tuple[int, Units, bytes]] = set()
 
     # Memory: which cuts a prefix can reach ------------------------------------------------------
-    def _reach(self, reach, q, device_type):
+    def _reach(self, reach: Mask, q: int, device_type: DeviceType) -> Mask:
         """Cuts the stage after q can start at, when stage q on `device_type` starts at one of `reach`."""
         time_const, time_prefix, mem_const, mem_prefix, held, cap = self.tables.own(device_type, q)
         memory = (mem_const + mem_prefix)[None, :] - mem_prefix[:, None]
         if q > 0:
             memory = memory + (held * np.array(self.tables.cut + (0,), dtype=float))[:, None]
         ok = (memory <= cap) & _UPPER[self.n] & reach[:, None]
-        out = ok.any(axis=0)
+        out: Mask = np.asarray(ok.any(axis=0))
         out[self.n - (self.k - q - 1) + 1:] = False  # the later stages need a segment each
         return out
 
-    def _fits_rest(self, q, reach, remaining):
+    def _fits_rest(self, q: int, reach: Mask, remaining: Units) -> bool:
         """Whether the types `remaining` (a sorted tuple of (types of a unit, count)) can take
         the stages from q on, starting at a cut in `reach`."""
         if not reach.any():
@@ -498,12 +527,12 @@ class _OrderSearch:
         self._dead.add(key)
         return False
 
-    def _units_left(self, used):
+    def _units_left(self, used: dict[PoolKey, int]) -> Units:
         """The remaining units' types as a sorted tuple of (types, count)."""
-        counts = {}
+        counts: dict[tuple[DeviceType, ...], int] = {}
         if self.blocks:
             for key, pool in self.pools.items():
-                if key not in used:
+                if used.get(key, 0) < len(pool):  # a node's devices go together: all placed, or none
                     types = tuple(d.type for d in pool)
                     counts[types] = counts.get(types, 0) + 1
         else:
@@ -513,7 +542,7 @@ class _OrderSearch:
                     counts[(pool[0].type,)] = counts.get((pool[0].type,), 0) + left
         return tuple(sorted(counts.items(), key=lambda kv: [t.name for t in kv[0]] + [kv[1]]))
 
-    def fits(self):
+    def fits(self) -> bool:
         """Whether some order fits the devices' memory (with some cut)."""
         if self.k > self.n:
             return False
@@ -522,7 +551,7 @@ class _OrderSearch:
         return self._fits_rest(0, start, self._units_left({}))
 
     # Time: the best order -----------------------------------------------------------------------
-    def best_order(self):
+    def best_order(self) -> tuple[float, tuple[Device, ...]] | None:
         """(slowest stage, order) of the best order that fits, or None if none does.
 
         The orders are walked in their sequence and the first within 1e-12 of the best kept, as
@@ -537,11 +566,12 @@ class _OrderSearch:
         seeds = [(self._value(order), order) for order in self._seed_orders(speeds)]
         best = min(seeds, key=lambda s: s[0])
         least = [best[0]]  # the least value known
-        within = []  # (value, order) of the orders reached within 1e-12 of the least known then, in sequence
+        # (value, order) of the orders reached within 1e-12 of the least known then, in sequence
+        within: list[tuple[float, tuple[Device, ...]]] = []
         extended = [0]
-        arrays = {}  # q -> best[c] over cuts c where stage q starts, along the current prefix
+        arrays: dict[int, Floats] = {}  # q -> best[c] over cuts c where stage q starts, along the current prefix
 
-        def visit(prefix):
+        def visit(prefix: tuple[Device, ...]) -> bool:
             top = len(prefix) - 1
             added = len(self.pools[(prefix[-1].node, prefix[-1].type.name)]) if self.blocks else 1
             for q in range(top + 1 - added, top + 1):  # the positions before are the parent's
@@ -569,15 +599,18 @@ class _OrderSearch:
             found = best
         return found
 
-    def _seed_orders(self, speeds):
+    def _seed_orders(self, speeds: dict[str, float]) -> list[tuple[Device, ...]]:
         """A few orders among those searched: devices (beyond MAX_ORDERS: nodes) fastest first,
         slowest first, and with the most memory first."""
         units = list(self.pools.values()) if self.blocks else [[d] for d in self.devices]
-        out = []
-        for key in (lambda u: -speeds[u[0].type.name], lambda u: speeds[u[0].type.name],
-                    lambda u: (-u[0].type.memory, -speeds[u[0].type.name])):
+        out: list[tuple[Device, ...]] = []
+        keys: tuple[Callable[[list[Device]], Any], ...] = (
+            lambda u: -speeds[u[0].type.name], lambda u: speeds[u[0].type.name],
+            lambda u: (-u[0].type.memory, -speeds[u[0].type.name]))
+        for key in keys:
             ordered = sorted(units, key=key)
-            taken, order = {}, []  # each (node, type)'s devices in their pool's order
+            taken: dict[str, int] = {}
+            order: list[Device] = []  # each (node, type)'s devices in their pool's order
             for unit in ordered:
                 for d in unit:
                     pool = self.pools[(d.node, d.type.name)]
@@ -586,44 +619,43 @@ class _OrderSearch:
             out.append(tuple(order))
         return out
 
-    def _value(self, order):
+    def _value(self, order: Sequence[Device]) -> float:
         """The slowest stage of the best cut of `order`, inf if none fits."""
-        arrays = {}
+        arrays: dict[int, Floats] = {}
         for q in range(self.k):
             arrays[q] = self._extend(arrays, order, q)
         return float(np.maximum(arrays[self.k - 1], self._last_stage(order)).min())
 
-    def _extend(self, arrays, prefix, q):
+    def _extend(self, arrays: dict[int, Floats], prefix: Sequence[Device], q: int) -> Floats:
         """best[c] where stage q starts, from stage q - 1's (every device up to q known)."""
-        f = np.full(self.n + 1, math.inf)
+        start: Floats = np.full(self.n + 1, math.inf)
         if q == 0:
-            f[0] = 0.0
-            return f
+            start[0] = 0.0
+            return start
         time, memory = self.tables.stage_times(q - 1, prefix[q - 1], prefix[q - 2] if q > 1 else None, prefix[q])
         stage = np.where(memory <= self.tables.own(prefix[q - 1].type, q - 1)[5], time, math.inf)
-        f = np.maximum(arrays[q - 1][:, None], stage).min(axis=0)
+        f: Floats = np.maximum(arrays[q - 1][:, None], stage).min(axis=0)
         f[self.n - (self.k - q) + 1:] = math.inf  # the later stages need a segment each
         return f
 
-    def _last_stage(self, prefix):
+    def _last_stage(self, prefix: Sequence[Device]) -> Floats:
         q = self.k - 1
         time, memory = self.tables.stage_times(q, prefix[q], prefix[q - 1] if q > 0 else None, None)
         return np.where(memory[:, self.n] <= self.tables.own(prefix[q].type, q)[5], time[:, self.n], math.inf)
 
-    def _used(self, prefix):
-        used = {}
+    def _used(self, prefix: Iterable[Device]) -> dict[PoolKey, int]:
+        """How many devices of each (node, type) `prefix` places."""
+        used: dict[PoolKey, int] = {}
         for d in prefix:
             key = (d.node, d.type.name)
             used[key] = used.get(key, 0) + 1
-        if self.blocks:
-            return {key for key, pool in self.pools.items() if used.get(key, 0) == len(pool)}
         return used
 
-    def _speeds(self):
+    def _speeds(self) -> dict[str, float]:
         """Per device type: its best speed on any segment relative to the reference type (the
         worker's first), 1 / min over segments of (its time / the reference's)."""
         ref = self._segment_times(self.devices[0].type)
-        out = {}
+        out: dict[str, float] = {}
         for d in self.devices:
             if d.type.name not in out:
                 ratios = [m / r for m, r in zip(self._segment_times(d.type), ref) if r > 0]
@@ -631,13 +663,14 @@ class _OrderSearch:
                 out[d.type.name] = 1.0 / slowest if slowest > 0 else math.inf
         return out
 
-    def _segment_times(self, device_type):
-        return np.diff(self.tables.own(device_type, 0)[1])
+    def _segment_times(self, device_type: DeviceType) -> Floats:
+        times: Floats = np.diff(self.tables.own(device_type, 0)[1])
+        return times
 
-    def _walk(self, visit):
+    def _walk(self, visit: Callable[[tuple[Device, ...]], bool]) -> None:
         """The orders' prefixes in distinct_orders' sequence, skipping a sibling that only swaps
         two nodes the links cannot tell apart (a node of the previous device differs from both)."""
-        def signature(prefix, key, left):
+        def signature(prefix: Sequence[Device], key: PoolKey, left: int) -> Hashable:
             if not self.symmetric or (prefix and prefix[-1].node == key[0]):
                 return key
             return (key[1], left)
@@ -645,7 +678,7 @@ class _OrderSearch:
         _walk_orders(self.pools, self.blocks, signature, visit)
 
 
-def least_slowest_stage(model, devices, num_in_flight=1):
+def least_slowest_stage(model: CostModel, devices: Sequence[Device], num_in_flight: int = 1) -> float:
     """A lower bound on the slowest stage of every cut of the model over every order of `devices`
     at `num_in_flight`, without cutting: the segments' time spread over the devices at their best
     speed on any segment (the order search's bound before any device is placed)."""
@@ -655,13 +688,14 @@ def least_slowest_stage(model, devices, num_in_flight=1):
     return total / sum(speeds[d.type.name] for d in search.devices)
 
 
-def fits_some_order(model, devices, num_in_flight):
+def fits_some_order(model: CostModel, devices: Sequence[Device], num_in_flight: int) -> bool:
     """Whether some order of `devices` among those :func:`best_partition` searches, with some
     cut, fits their memory."""
     return _OrderSearch(model, devices, num_in_flight).fits()
 
 
-def best_partition(model, devices, num_in_flight, method="milp"):
+def best_partition(model: CostModel, devices: Sequence[Device], num_in_flight: int, method: str = "milp"
+                   ) -> Partition:
     """The best partition over the orders of the devices (seed 004; :class:`_OrderSearch`): the
     orders are searched by branch and bound on the dynamic program, and `method` ("milp", §7's
     MILP, or "dp") then cuts the best order, so that the MILP runs once, where it decides."""

@@ -57,6 +57,7 @@ Measured times are in benchmarks/README.md (planner_scale).
 import time
 from dataclasses import dataclass, replace
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import Backward, Forward, Recompute, RecvActivation, RecvGradient
 from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule, get_sync
@@ -74,7 +75,7 @@ from hetpipe_tf.sync.wsp import PLACEMENTS, WSP, WSP_SCHEME, ParameterServerMode
 MAX_SEGMENTS = 48
 
 
-class PlanError(ValueError):
+class PlanError(HetPipeUsageError, ValueError):
     """A plan that cannot be made: the model does not fit, or the options conflict."""
 
 

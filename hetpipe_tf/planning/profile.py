@@ -24,7 +24,15 @@ Memory is counted from tensor shapes (weights, optimizer slots, activations);
 frameworks add workspace on top, which the cost model reserves per device.
 """
 import json
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hetpipe_tf.planning.cluster import DeviceType
+from hetpipe_tf.planning.model_graph import ModelGraph
+
+#: A layer called in several segments (tied weights): (its name, those segments, its weight bytes).
+SharedWeights = tuple[str, tuple[int, ...], int]
 
 @dataclass(frozen=True)
 class AnalyticAssumptions:
@@ -41,13 +49,13 @@ class AnalyticAssumptions:
 class SegmentTimes:
     """Per-segment compute seconds on one device type, and the fixed cost of a forward
     task and of a backward task (a function call, the tape)."""
-    forward: tuple
-    backward: tuple
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
     forward_overhead: float
     backward_overhead: float
     source: str
 
-    def pass_seconds(self, lo, hi):
+    def pass_seconds(self, lo: int, hi: int) -> tuple[float, float]:
         """(forward, backward) seconds of one task running segments [lo, hi): its fixed cost plus
         its segments' compute (§7: a stage's time is the sum of its layers')."""
         return (self.forward_overhead + sum(self.forward[lo:hi]),
@@ -56,19 +64,21 @@ class SegmentTimes:
 
 @dataclass(frozen=True)
 class Profile:
+    """A model's segments at a batch size (§7): their bytes, FLOPs and traffic, and their times
+    on each device type measured or predicted."""
     model: str
     batch_size: int
-    starts: tuple  # first layer call of each segment
-    weight_bytes: tuple
-    state_bytes: tuple
-    activation_bytes: tuple
-    cut_bytes: tuple  # into segment i from segment i - 1 (0 for the first)
-    forward_flops: tuple
-    backward_flops: tuple
-    traffic_bytes: tuple  # bytes a segment's forward pass reads and writes
-    kernels: tuple  # layer calls per segment
-    layer_names: tuple = ()  # of every layer call, in order
-    times: dict = field(default_factory=dict)  # device type (or "host") -> SegmentTimes
+    starts: tuple[int, ...]  # first layer call of each segment
+    weight_bytes: tuple[int, ...]
+    state_bytes: tuple[int, ...]
+    activation_bytes: tuple[float, ...]
+    cut_bytes: tuple[float, ...]  # into segment i from segment i - 1 (0 for the first)
+    forward_flops: tuple[float, ...]
+    backward_flops: tuple[float, ...]
+    traffic_bytes: tuple[float, ...]  # bytes a segment's forward pass reads and writes
+    kernels: tuple[int, ...]  # layer calls per segment
+    layer_names: tuple[str, ...] = ()  # of every layer call, in order
+    times: dict[str, SegmentTimes] = field(default_factory=dict)  # device type (or "host") -> SegmentTimes
     apply_base: float = 0.0
     apply_per_byte: float = 0.0
     apply_shared_per_byte: float = 0.0
@@ -77,19 +87,19 @@ class Profile:
     #: Each layer called in several segments (tied weights): (its name, those segments, its weight
     #: bytes). Every one of them counts the weights in `weight_bytes`: a stage that holds several
     #: of them holds one copy (:meth:`stage_weight_bytes`), stages apart hold a replica each.
-    shared_weights: tuple = ()
+    shared_weights: tuple[SharedWeights, ...] = ()
 
     @property
-    def num_segments(self):
+    def num_segments(self) -> int:
         return len(self.starts)
 
-    def stage_weight_bytes(self, lo, hi):
+    def stage_weight_bytes(self, lo: int, hi: int) -> int:
         """Trainable weight bytes of a stage of segments [lo, hi): a layer called in several of
         them counts once."""
         over = sum(nbytes * (n - 1) for n, nbytes in self._shared_counts(lo, hi) if n > 1)
         return sum(self.weight_bytes[lo:hi]) - over
 
-    def replicated(self, lo, hi):
+    def replicated(self, lo: int, hi: int) -> list[SharedWeights]:
         """The :attr:`shared_weights` entries a stage of segments [lo, hi) holds a replica of (the
         layer is called both inside and outside it): their gradients of every minibatch are
         exchanged with the other replicas' stages and summed before any applies (Megatron's
@@ -97,12 +107,12 @@ class Profile:
         return [entry for (n, _), entry in zip(self._shared_counts(lo, hi), self.shared_weights)
                 if 0 < n < len(entry[1])]
 
-    def replicated_bytes(self, lo, hi):
+    def replicated_bytes(self, lo: int, hi: int) -> int:
         """Weight bytes of the layers a stage of segments [lo, hi) holds a replica of."""
         return sum(nbytes for _, _, nbytes in self.replicated(lo, hi))
 
     @property
-    def server_bytes(self):
+    def server_bytes(self) -> tuple[int, ...]:
         """Per segment: the weight bytes the parameter servers hold of it (what a wave pushes and
         pulls): a layer called in several segments at its first call's only, as the first stage
         holding a replica pushes it for all."""
@@ -113,39 +123,43 @@ class Profile:
         return tuple(w - extra for w, extra in zip(self.weight_bytes, later))
 
     @property
-    def total_weight_bytes(self):
+    def total_weight_bytes(self) -> int:
         """The model's trainable weight bytes, each layer once."""
         return self.stage_weight_bytes(0, self.num_segments)
 
-    def _shared_counts(self, lo, hi):
+    def _shared_counts(self, lo: int, hi: int) -> list[tuple[int, int]]:
         return [(sum(lo <= i < hi for i in segments), nbytes) for _, segments, nbytes in self.shared_weights]
 
-    def with_times(self, key, times):
+    def with_times(self, key: str, times: SegmentTimes) -> "Profile":
         merged = dict(self.times)
         merged[key] = times
         return Profile(**{**self._fields(), "times": merged})
 
-    def with_costs(self, **costs):
+    def with_costs(self, **costs: float) -> "Profile":
         """The profile with some of apply_base, apply_per_byte, apply_shared_per_byte,
         instruction_seconds replaced."""
         return Profile(**{**self._fields(), **costs})
 
-    def _fields(self):
+    def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
-    def to_json(self):
+    def to_json(self) -> str:
         d = asdict(self)
         d["times"] = {k: asdict(v) for k, v in self.times.items()}
         return json.dumps(d)
 
     @staticmethod
-    def from_json(text):
+    def from_json(text: str) -> "Profile":
         d = json.loads(text)
-        times = {k: SegmentTimes(**{f: tuple(x) if isinstance(x, list) else x for f, x in v.items()})
-                 for k, v in d.pop("times").items()}
+        times = {k: SegmentTimes(**{f: _tupled(x) for f, x in v.items()}) for k, v in d.pop("times").items()}
         d["shared_weights"] = tuple((layer, tuple(segments), nbytes) for layer, segments, nbytes in
                                     d.get("shared_weights", ()))
-        return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}, times=times)
+        return Profile(**{k: _tupled(v) for k, v in d.items()}, times=times)
+
+
+def _tupled(value: Any) -> Any:
+    """A JSON list as a tuple (a profile's sequences are tuples); anything else as it is."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @dataclass(frozen=True)
@@ -166,7 +180,7 @@ class AttentionBlock:
     feedforward: int = 0
     dropout: bool = False
 
-    def saved_bytes(self, length, hidden, itemsize):
+    def saved_bytes(self, length: int, hidden: int, itemsize: int) -> int:
         """Bytes per example the block keeps until its backward pass, beside its output."""
         width = self.heads * self.head_dim
         scores = self.heads * length * length
@@ -181,12 +195,12 @@ class AttentionBlock:
                 masks += 2 * length * hidden
         return elements * itemsize + masks
 
-    def extra_flops(self, length):
+    def extra_flops(self, length: int) -> int:
         """FLOPs per example of the scores and the weighted sum (a forward pass)."""
         return 4 * length * length * self.heads * self.head_dim
 
 
-def segment_starts(graph):
+def segment_starts(graph: ModelGraph) -> tuple[int, ...]:
     """First layer call of every segment: every layer call. A cut may separate the calls of a
     shared layer (tied weights): each stage that calls it then holds a replica, whose memory and
     gradient exchange the cost model charges, so the planner weighs replicas against keeping
@@ -194,20 +208,28 @@ def segment_starts(graph):
     return tuple(range(graph.num_nodes))
 
 
-def static_profile(graph, batch_size, attention=None, lookups=()):
+def static_profile(graph: ModelGraph, batch_size: int, attention: Mapping[int, AttentionBlock] | None = None,
+                   lookups: Collection[int] = ()) -> Profile:
     """A :class:`Profile` with the static facts of `graph` at `batch_size` and no times yet.
 
     `attention`: {node index: :class:`AttentionBlock`} of its attention layers, whose saved
     tensors count as activations and whose scores as FLOPs (forward; twice in the backward pass);
     `lookups`: indices of table lookups (embeddings), whose FLOPs are their outputs' elements,
     not the graph's estimate from the weights (a gather multiplies nothing)."""
-    attention = attention or {}
+    blocks = attention or {}
     starts = segment_starts(graph)
     ends = starts[1:] + (graph.num_nodes,)
-    weights, state, act, cut, fwd, bwd, traffic, kernels = [], [], [], [], [], [], [], []
+    weights: list[int] = []
+    state: list[int] = []
+    kernels: list[int] = []
+    act: list[float] = []
+    cut: list[float] = []
+    fwd: list[float] = []
+    bwd: list[float] = []
+    traffic: list[float] = []
     for i, (lo, hi) in enumerate(zip(starts, ends)):
         nodes = graph.nodes[lo:hi]
-        seen = set()
+        seen: set[str] = set()
         w = s = 0
         for n in nodes:
             if n.layer not in seen:
@@ -216,8 +238,8 @@ def static_profile(graph, batch_size, attention=None, lookups=()):
                 s += n.non_trainable_bytes
         made = {t for n in nodes for t in n.outputs}
         loaded = {t.index for t in graph.tensors if t.producer is None and t.consumers and lo <= t.consumers[0] < hi}
-        inside = [(attention[n.index], graph.tensors[n.outputs[0]]) for n in nodes if n.index in attention]
-        saved = sum(block.saved_bytes(t.shape[0] or 1, t.shape[-1], t.itemsize) for block, t in inside)
+        inside = [(blocks[n.index], graph.tensors[n.outputs[0]]) for n in nodes if n.index in blocks]
+        saved = sum(block.saved_bytes(t.shape[0] or 1, _width(t.shape, t.name), t.itemsize) for block, t in inside)
         act.append(batch_size * (sum(graph.tensors[t].bytes_per_example for t in made | loaded) + saved))
         cut.append(0 if i == 0 else batch_size * sum(graph.tensors[t].bytes_per_example
                                                      for t in graph.crossing(lo)))
@@ -231,7 +253,7 @@ def static_profile(graph, batch_size, attention=None, lookups=()):
         traffic.append(sum(batch_size * sum(graph.tensors[t].bytes_per_example for t in n.inputs + n.outputs)
                            + n.trainable_bytes for n in nodes) + batch_size * saved)
         kernels.append(len(nodes))
-    segments_of = {}  # layer -> the segments that call it, and its trainable bytes
+    segments_of: dict[str, tuple[list[int], int]] = {}  # layer -> the segments that call it, its trainable bytes
     for i, (lo, hi) in enumerate(zip(starts, ends)):
         for n in graph.nodes[lo:hi]:
             segments_of.setdefault(n.layer, ([], n.trainable_bytes))[0].append(i)
@@ -243,7 +265,15 @@ def static_profile(graph, batch_size, attention=None, lookups=()):
                    kernels=tuple(kernels), layer_names=tuple(n.layer for n in graph.nodes), shared_weights=shared)
 
 
-def coarsen(profile, max_segments):
+def _width(shape: Sequence[int | None], name: str) -> int:
+    """The last dimension of an attention layer's output, which must be known."""
+    if shape[-1] is None:
+        raise ValueError(f"the attention layer output {name!r} has an unknown width (shape {tuple(shape)}): "
+                         f"build the model with its hidden size given")
+    return shape[-1]
+
+
+def coarsen(profile: Profile, max_segments: int) -> Profile:
     """A profile of at most `max_segments` segments, made by merging the adjacent pair with
     the least compute (FLOPs) again and again; stages can then only be cut between merged
     segments. Per-segment times, bytes and FLOPs add up; a merged segment receives what its
@@ -257,7 +287,7 @@ def coarsen(profile, max_segments):
     return _merged(profile, groups)
 
 
-def colocated(profile):
+def colocated(profile: Profile) -> Profile:
     """The profile whose segments keep every shared layer's calls together (each span from its
     first call's segment to its last one's is one segment): the plans in which no layer is
     replicated, which :func:`hetpipe_tf.planning.planner.plan` weighs against replicas."""
@@ -269,9 +299,9 @@ def colocated(profile):
     return _merged(profile, groups)
 
 
-def _merged(profile, groups):
+def _merged(profile: Profile, groups: Sequence[list[int]]) -> Profile:
     """`profile` with the segments of each group (consecutive, in order) merged into one."""
-    def summed(values):
+    def summed(values: Sequence[float]) -> tuple[float, ...]:
         return tuple(sum(values[i] for i in g) for g in groups)
 
     times = {k: SegmentTimes(summed(t.forward), summed(t.backward), t.forward_overhead, t.backward_overhead,
@@ -291,12 +321,16 @@ def _merged(profile, groups):
                       "times": times})
 
 
-def analytic_times(profile, device_type, assume=AnalyticAssumptions()):
+def analytic_times(profile: Profile, device_type: DeviceType, assume: AnalyticAssumptions = AnalyticAssumptions()
+                   ) -> SegmentTimes:
     """Roofline times of every segment on a real device type described by its specs."""
+    if device_type.peak_tflops is None or device_type.memory_bandwidth is None:
+        raise ValueError(f"analytic times need the peak_tflops and memory_bandwidth of a real device type; "
+                         f"{device_type.label} lacks them: give them in the cluster description, or measure")
     flops = device_type.peak_tflops * 1e12 * assume.compute_efficiency
     bandwidth = device_type.memory_bandwidth * assume.memory_efficiency
 
-    def seconds(f, traffic, kernels):
+    def seconds(f: float, traffic: float, kernels: int) -> float:
         return max(f / flops, traffic / bandwidth) + kernels * assume.kernel_seconds
 
     forward = tuple(seconds(f, b, k) for f, b, k in zip(profile.forward_flops, profile.traffic_bytes,

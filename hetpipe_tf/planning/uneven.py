@@ -24,22 +24,25 @@ The parameter servers then weight every push by its worker's share of the sample
 (:func:`push_weights`), so that the global update stays an unbiased average.
 """
 import math
+from collections.abc import Sequence
 
+from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.planning.partitioner import Partition
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 
 
-class UnevenMinibatchError(ValueError):
+class UnevenMinibatchError(HetPipeUsageError, ValueError):
     """Minibatch sizes that cannot be given: a worker's share does not fit, or is zero."""
 
 
-def at_batch_size(profile, batch_size):
+def at_batch_size(profile: Profile, batch_size: int) -> Profile:
     """`profile` at `batch_size` samples per minibatch (see the module docstring: activation and
     cut bytes exactly, compute times, FLOPs and traffic in proportion, task overheads kept)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise UnevenMinibatchError(f"a minibatch size must be an integer >= 1, got {batch_size!r}")
     r = batch_size / profile.batch_size
 
-    def scaled(values):
+    def scaled(values: Sequence[float]) -> tuple[float, ...]:
         return tuple(v * r for v in values)
 
     times = {k: SegmentTimes(scaled(t.forward), scaled(t.backward), t.forward_overhead, t.backward_overhead,
@@ -52,11 +55,11 @@ def at_batch_size(profile, batch_size):
                       "backward_flops": scaled(profile.backward_flops), "traffic_bytes": traffic, "times": times})
 
 
-def memory_cap(partition, batch_size):
+def memory_cap(partition: Partition, batch_size: int) -> int | None:
     """The largest minibatch size every stage of `partition` (a Partition costed at
     `batch_size`) holds in its memory, with its cut and Nm; None when no stage's memory
     grows with it."""
-    caps = []
+    caps: list[int] = []
     for st in partition.stages:
         held = st.memory.get("activations", 0)
         if held:
@@ -65,7 +68,7 @@ def memory_cap(partition, batch_size):
     return min(caps) if caps else None
 
 
-def check_sizes(sizes, caps, workers=None):
+def check_sizes(sizes: Sequence[int], caps: Sequence[int | None], workers: Sequence[str] | None = None) -> None:
     """Raises UnevenMinibatchError unless every size is an integer >= 1 within its worker's
     memory cap (`caps`: :func:`memory_cap` of each worker; `workers`: their names)."""
     names = workers or [f"virtual worker {i}" for i in range(len(caps))]
@@ -83,23 +86,24 @@ def check_sizes(sizes, caps, workers=None):
                                        f"lower Nm")
 
 
-def proportional_sizes(rates, total, caps=None):
+def proportional_sizes(rates: Sequence[float], total: int, caps: Sequence[int | None] | None = None
+                       ) -> tuple[int, ...]:
     """Integer sizes summing to `total`, proportional to `rates` (each worker's predicted
     images/s), each within its cap (None: no cap). A capped worker gets its cap and the rest
     is shared by the others in proportion, again and again; then largest-remainder rounding.
     Raises UnevenMinibatchError when the caps hold fewer than `total` samples or a worker's
     share rounds to zero."""
     n = len(rates)
-    caps = list(caps) if caps is not None else [None] * n
+    limits: list[int | None] = list(caps) if caps is not None else [None] * n
     if n == 0 or any(r <= 0 for r in rates):
         raise UnevenMinibatchError(f"uneven minibatches need a positive predicted throughput for every worker, "
                                    f"got {list(rates)}")
     if not isinstance(total, int) or total < n:
         raise UnevenMinibatchError(f"a global batch of {total!r} samples cannot give each of {n} virtual workers "
                                    f"at least one: give a batch of at least {n}")
-    room = [math.inf if c is None else c for c in caps]
+    room: list[float] = [math.inf if c is None else c for c in limits]
     if sum(room) < total:
-        raise UnevenMinibatchError(f"the virtual workers' memory holds at most {caps} samples per minibatch, "
+        raise UnevenMinibatchError(f"the virtual workers' memory holds at most {limits} samples per minibatch, "
                                    f"{sum(room)} together, fewer than the global batch of {total}: give a smaller "
                                    f"batch or lower Nm")
     share, free = [0.0] * n, set(range(n))
@@ -130,7 +134,7 @@ def proportional_sizes(rates, total, caps=None):
     return tuple(sizes)
 
 
-def push_weights(sizes):
+def push_weights(sizes: Sequence[int]) -> tuple[float, ...]:
     """The weight of each worker's pushes: n · b_i / B for n workers of sizes b_i, B = Σ b_j.
 
     The servers apply w += Σ_i weight_i · u_i, where u_i is worker i's summed local updates

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import keras
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.runtime.update_terms import LossScaling, UpdateRule
 
 #: Supported optimizer class -> optimizer variables per weight, from its config (what each Keras
@@ -85,7 +86,7 @@ _REFUSED_SETTINGS = {
 }
 
 
-class UnsupportedOptimizerError(ValueError):
+class UnsupportedOptimizerError(HetPipeUsageError, ValueError):
     """An optimizer the pipeline cannot run as plain Keras would."""
 
 

@@ -43,12 +43,13 @@ from keras.src.backend import set_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.ops.core import ConvertToTensor
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
 
 
-class UnsupportedModelError(TypeError):
+class UnsupportedModelError(HetPipeUsageError, TypeError):
     """A model that has no layer graph to cut (for example a subclassed model)."""
 
 

@@ -22,6 +22,8 @@ import functools
 import threading
 import weakref
 import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -29,11 +31,11 @@ from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.sync.compression import decode_quant8, encode_quant8, truncate16, untruncate16
 from hetpipe_tf.sync.pipe_sgd import get_compression
 
-_groups = weakref.WeakValueDictionary()
+_groups: "weakref.WeakValueDictionary[tuple[str, str], AllReduceGroup]" = weakref.WeakValueDictionary()
 _groups_lock = threading.Lock()
 
 
-def group_of(servers, compression, timeout_s):
+def group_of(servers: Any, compression: str, timeout_s: float) -> "AllReduceGroup":
     """The all-reduce group of the run `servers` (its :class:`ParameterServers`) belong to, in this
     process: one per run and `compression`, with a member per virtual worker of the run."""
     key = (servers.run, compression)
@@ -55,20 +57,20 @@ class AllReduceGroup:
       timeout_s: the longest a collective waits for the other members.
     """
 
-    def __init__(self, run, num_workers, compression, timeout_s=300.0):
+    def __init__(self, run: str, num_workers: int, compression: str, timeout_s: float = 300.0) -> None:
         self.run = run
         self.num_workers = int(num_workers)
         self.compression = get_compression(compression).name
         self.timeout_s = float(timeout_s)
-        self._members = {}  # stage -> {worker: (device, paths)}
-        self._functions = {}  # (worker, stage) -> its tf.function
+        self._members: dict[int, dict[int, tuple[str, tuple[str, ...]]]] = {}  # stage -> {worker: (device, paths)}
+        self._functions: dict[tuple[int, int], Callable[..., list[tf.Tensor]]] = {}  # (worker, stage) -> its function
         self._lock = threading.Lock()
 
-    def group_key(self, stage):
+    def group_key(self, stage: int) -> int:
         """Stage `stage`'s collective group key: the same in every process of the run."""
         return 1 + zlib.crc32(f"hetpipe/{self.run}/{self.compression}/stage{stage}".encode()) % (2 ** 30)
 
-    def join(self, worker, stage, device, paths):
+    def join(self, worker: int, stage: int, device: str, paths: Sequence[str]) -> None:
         """Records `worker`'s stage `stage` as a member on `device` holding `paths`; a ValueError if
         another worker's same stage is on that device or holds other variables."""
         with self._lock:
@@ -89,12 +91,13 @@ class AllReduceGroup:
                         f"worker the same boundaries (an ED allocation, or equal WorkerSpec.boundaries)")
             members[worker] = (device, tuple(paths))
 
-    def all_reduce(self, worker, stage, device, instance, tensors, paths):
+    def all_reduce(self, worker: int, stage: int, device: str, instance: int, tensors: Sequence[tf.Tensor],
+                   paths: Sequence[str]) -> list[tf.Tensor]:
         """Σ over the workers of their `tensors` (worker `worker`'s stage `stage`, on `device`),
         communicated compressed; collective instance `instance` (>= 1) of the stage's group, the
         same on every worker for the same minibatch. Blocks until every member has contributed."""
-        tensors = list(tensors)
-        if not tensors:
+        values = list(tensors)
+        if not values:
             return []
         self.join(worker, stage, device, paths)
         fn = self._functions.get((worker, stage))
@@ -103,7 +106,7 @@ class AllReduceGroup:
             self._functions[(worker, stage)] = fn
         try:
             with tf.device(self.member_device(worker, device)):
-                return fn(tf.constant(instance, tf.int32), tensors)
+                return fn(tf.constant(instance, tf.int32), values)
         except tf.errors.DeadlineExceededError as exc:
             raise TimeoutError(
                 f"Pipe-SGD: all-reduce {instance} of stage {stage} (virtual worker {worker}) did not hear from all "
@@ -112,7 +115,7 @@ class AllReduceGroup:
                 f"a lost worker, leaves an all-reduce unanswered. TensorFlow then aborts every later collective of "
                 f"this process: start a new process to train again") from exc
 
-    def member_device(self, worker, device):
+    def member_device(self, worker: int, device: str) -> str:
         """Where `worker`'s collectives run. In one process: its stage's `device`. In a run of one
         process per virtual worker (`device` is a task's of a cluster), each process is a client of
         its own, and collectives between clients cannot meet (a client's cluster names no other
@@ -131,7 +134,7 @@ class AllReduceGroup:
         task, index = cpus[worker]
         return f"/job:worker/replica:0/task:{task}/device:CPU:{index}"
 
-    def payload(self, tensors):
+    def payload(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
         """What one worker sends of its `tensors` (float32, as its stage holds them): the flat
         float32 values (``none``), their truncation as bfloat16 (``truncate16``), or its scales and
         packed int8 values as int32 words (``quant8``)."""
@@ -145,7 +148,7 @@ class AllReduceGroup:
                              f"{sorted(d.name for d in dtypes)}")
         return tf.concat([tf.reshape(x, [-1]) for x in tensors], 0)
 
-    def _reduce_graph(self, group_key, instance, tensors):
+    def _reduce_graph(self, group_key: int, instance: tf.Tensor, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         size, key = tf.constant(self.num_workers), tf.constant(group_key)
         sent = self.payload(tensors)
         if self.compression == "quant8":
@@ -159,7 +162,8 @@ class AllReduceGroup:
             merge_op="Add", final_op="Id", timeout_seconds=self.timeout_s)
         if self.compression == "truncate16":
             total = untruncate16(total)
-        out, at = [], 0
+        out: list[tf.Tensor] = []
+        at = 0
         for x in tensors:
             n = x.shape.num_elements()
             out.append(tf.reshape(total[at:at + n], x.shape))

@@ -6,21 +6,25 @@ not the stage's). One stage's sends stay in order; a send that needs an earlier 
 waits for its future.
 """
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+_Result = TypeVar("_Result")
 
 
 class StageLanes:
     """One lane (a thread) per stage of virtual worker `worker`, made when the stage first sends;
     `name` prefixes the threads' names."""
 
-    def __init__(self, name, worker):
+    def __init__(self, name: str, worker: int) -> None:
         self.name = name
         self.worker = worker
         self._lock = threading.Lock()
-        self._pools = {}  # stage -> its thread
-        self._sent = {}  # future -> what it sends, until it ends well or settle() takes it
+        self._pools: dict[int, ThreadPoolExecutor] = {}  # stage -> its thread
+        self._sent: dict[Future[Any], str] = {}  # future -> what it sends, until it ends well or settle() takes it
 
-    def submit(self, stage, what, fn, *args):
+    def submit(self, stage: int, what: str, fn: Callable[..., _Result], *args: Any) -> Future[_Result]:
         """Runs fn(*args) on `stage`'s lane after everything the stage sent before; returns its
         future. `what` names the send in an error."""
         with self._lock:
@@ -33,12 +37,12 @@ class StageLanes:
         future.add_done_callback(self._ended)
         return future
 
-    def _ended(self, future):
+    def _ended(self, future: Future[Any]) -> None:
         if future.exception() is None:
             with self._lock:
                 self._sent.pop(future, None)
 
-    def settle(self, timeout_s):
+    def settle(self, timeout_s: float) -> None:
         """Waits until every send has ended, then ends the lanes. Raises the first send's error,
         or a TimeoutError naming the sends still going after `timeout_s` seconds (their lanes
         are left to end by themselves)."""
@@ -47,8 +51,9 @@ class StageLanes:
             pools, self._pools = self._pools, {}
         done, going = wait(sent, timeout=timeout_s, return_when=FIRST_EXCEPTION)
         for future in done:
-            if future.exception() is not None:
-                raise future.exception()
+            error = future.exception()
+            if error is not None:
+                raise error
         if going:
             names = ", ".join(sorted(sent[f] for f in going))
             raise TimeoutError(f"{names} of virtual worker {self.worker} did not end within {timeout_s:g} s")

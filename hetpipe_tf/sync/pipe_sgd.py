@@ -53,10 +53,12 @@ leaves the others' later all-reduces unanswered until the run's ``timeout_s``, a
 lost worker (``on_worker_failure="continue"`` does not apply): a TimeoutError says so, and
 TensorFlow then aborts every later collective of that process.
 """
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, Instruction, Task, TaskStream
-from hetpipe_tf.pipeline.schedule import SyncScheme, register_sync
+from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, Delivery, Instruction, Key, Task, TaskStream
+from hetpipe_tf.pipeline.schedule import Agent, Handler, SyncScheme, Timing, register_sync
 from hetpipe_tf.sync.lanes import StageLanes
 
 AGGREGATED = "aggregated"
@@ -76,7 +78,7 @@ class Compression:
     bound: str
     gathered: bool = False
 
-    def link_share(self, workers):
+    def link_share(self, workers: int) -> float:
         """The bytes a worker's link carries per all-reduce, as a multiple of its float32 values'
         bytes n: a ring all-reduce 2(p-1)/p·n (Pipe-SGD, Ring-AllReduce), compressed; a ring
         all-gather of the compressed payloads (p-1)·n_c."""
@@ -94,7 +96,7 @@ COMPRESSIONS = {
 }
 
 
-def get_compression(name):
+def get_compression(name: str) -> Compression:
     """The :class:`Compression` named `name`, or a ValueError naming the ones that exist."""
     if name not in COMPRESSIONS:
         raise ValueError(f"unknown compression {name!r}; Pipe-SGD's are: {', '.join(COMPRESSIONS)} "
@@ -103,8 +105,8 @@ def get_compression(name):
 
 
 # The seed's timing model ------------------------------------------------------------------------
-def ring_allreduce_seconds(workers, nbytes, latency, byte_seconds, reduce_byte_seconds=0.0, sync_seconds=0.0,
-                           segments=1):
+def ring_allreduce_seconds(workers: int, nbytes: float, latency: float, byte_seconds: float,
+                           reduce_byte_seconds: float = 0.0, sync_seconds: float = 0.0, segments: int = 1) -> float:
     """l_comm of a Ring-AllReduce of `nbytes` over p = `workers` (Pipe-SGD, "Finding the Optimal
     Level of Pipelining"): 2(p-1)·L·α + 2((p-1)/p)·n·β + ((p-1)/p)·n·γ + L·S, with L gradient
     `segments` (level of pipeline 1: L = 1), α the latency, β and γ the seconds per byte
@@ -117,7 +119,7 @@ def ring_allreduce_seconds(workers, nbytes, latency, byte_seconds, reduce_byte_s
             + share * nbytes * reduce_byte_seconds + segments * sync_seconds)
 
 
-def iteration_seconds(update, compute, communicate, staleness=1):
+def iteration_seconds(update: float, compute: float, communicate: float, staleness: int = 1) -> float:
     """Per-iteration time of Pipe-SGD under limited resources (Pipe-SGD, "Finding the Optimal
     Staleness"): l_total = T·max(l_up + l_comp, l_comm), for k >= 1; with k = 0 nothing
     overlaps: l_up + l_comp + l_comm."""
@@ -128,7 +130,7 @@ def iteration_seconds(update, compute, communicate, staleness=1):
     return max(update + compute, communicate)
 
 
-def scaling_efficiency(update, compute, communicate):
+def scaling_efficiency(update: float, compute: float, communicate: float) -> float:
     """SE = (l_up + l_comp) / max(l_up + l_comp, l_comm) (Pipe-SGD, "Finding the Optimal
     Communication Ratio"): 1 once the system is compute bound."""
     return (update + compute) / max(update + compute, communicate)
@@ -144,8 +146,8 @@ class ContributeUpdate(Instruction):
     version that must not hold an aggregate yet is stashed (k > Nm)."""
     gate: bool = field(default=False, kw_only=True)
 
-    def provides(self, stage):
-        keys = ((PARAMETER_SERVER, ("allreduce", self.minibatch)),)
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
+        keys: tuple[Delivery, ...] = ((PARAMETER_SERVER, ("allreduce", self.minibatch)),)
         return keys + (((stage, (CONTRIBUTED, self.minibatch)),) if self.gate else ())
 
 
@@ -157,14 +159,39 @@ class MergeAggregate(Instruction):
     have contributed first (0: none)."""
     after: int = field(default=0, kw_only=True)
 
-    def requires(self):
+    def requires(self) -> tuple[Key, ...]:
         return ((AGGREGATED, self.minibatch),) + (((CONTRIBUTED, self.after),) if self.after else ())
 
-    def provides(self, stage):
+    def provides(self, stage: int) -> tuple[Delivery, ...]:
         return ((stage, (MERGED_AGGREGATE, self.minibatch)),)
 
 
 # What a stage keeps ----------------------------------------------------------------------------
+class ReplicaStage(Protocol):
+    """What :class:`ReplicaBase` uses of a stage's synchronised weights (of the runtime layer,
+    above this one: :class:`hetpipe_tf.runtime.stage.synchronised.SynchronisedWeights`); the
+    values are the stage's tensors."""
+
+    @property
+    def paths(self) -> Sequence[str]:
+        """The synchronised variables' paths, in the order of the values."""
+
+    def values(self) -> Any:
+        """The synchronised variables' values now."""
+
+    def change(self, since: Any) -> tuple[Any, Any]:
+        """(the values now, their change since `since`)."""
+
+    def add_to_weights(self, values: Any, first_minibatch: int, included: frozenset[tuple[int, int]]) -> None:
+        """Adds `values` to the live weights and the versions stashed for minibatches >= `first_minibatch`."""
+
+    def subtract(self, a: Any, b: Any) -> Any:
+        """a - b, value by value."""
+
+    def sum(self, a: Any, b: Any) -> Any:
+        """a + b, value by value."""
+
+
 class ReplicaBase:
     """A stage's weights as Algorithm 1 defines them: w[0] plus the aggregates merged so far.
 
@@ -173,32 +200,32 @@ class ReplicaBase:
     synchronised `weights` of a stage (:class:`hetpipe_tf.runtime.stage.synchronised.SynchronisedWeights`),
     each operation one call on its device."""
 
-    def __init__(self, weights):
+    def __init__(self, weights: ReplicaStage) -> None:
         self.weights = weights
         self.values = weights.values()
-        self.included = frozenset()  # (worker, minibatch) updates the replica holds
+        self.included: frozenset[tuple[int, int]] = frozenset()  # (worker, minibatch) updates the replica holds
 
     @property
-    def paths(self):
+    def paths(self) -> Sequence[str]:
         return self.weights.paths
 
-    def take_update(self, first_minibatch):
+    def take_update(self, first_minibatch: int) -> Any:
         """u = w_local - base; w_local and the versions stashed for minibatches >= `first_minibatch`
         go back to base. Returns u."""
         now, update = self.weights.change(self.values)
         self.weights.add_to_weights(self.weights.subtract(self.values, now), first_minibatch, self.included)
         return update
 
-    def merge(self, aggregate, first_minibatch, included):
+    def merge(self, aggregate: Any, first_minibatch: int, included: Iterable[tuple[int, int]]) -> None:
         """base += aggregate, and so do w_local and the versions stashed for minibatches >= `first_minibatch`."""
         self.values = self.weights.sum(self.values, aggregate)
         self.included = self.included | frozenset(included)
         self.weights.add_to_weights(aggregate, first_minibatch, self.included)
 
-    def snapshot(self):
+    def snapshot(self) -> tuple[Any, frozenset[tuple[int, int]]]:
         return (self.values, self.included)
 
-    def restore(self, snapshot):
+    def restore(self, snapshot: tuple[Any, frozenset[tuple[int, int]]]) -> None:
         self.values, self.included = snapshot
 
 
@@ -210,18 +237,17 @@ class AllReduceBinding:
     (:class:`hetpipe_tf.sync.allreduce.AllReduceGroup`), the parameter servers that mirror
     worker 0's replica, and the longest a collective may wait. `pull_waits` records (stage,
     minibatch, contributed, aggregated) of every all-reduce, as WSP records its pulls."""
-    scheme: object
+    scheme: "PipeSGD"
     worker: int
-    servers: object
-    group: object
+    servers: Any  # the runtime layer's ParameterServers
+    group: Any  # the runtime layer's AllReduceGroup
     timeout_s: float = 300.0
-    pull_waits: list = field(default_factory=list)
-    lanes: StageLanes = field(default=None)  # the stages' communication threads
-    instances: dict = field(default_factory=dict)  # stage -> collectives issued so far
+    pull_waits: list[tuple[int, int, float, float]] = field(default_factory=list)
+    lanes: StageLanes = field(init=False)  # the stages' communication threads
+    instances: dict[int, int] = field(default_factory=dict)  # stage -> collectives issued so far
 
-    def __post_init__(self):
-        if self.lanes is None:
-            self.lanes = StageLanes("pipe-sgd", self.worker)
+    def __post_init__(self) -> None:
+        self.lanes = StageLanes("pipe-sgd", self.worker)
 
 
 class PipeSGD(SyncScheme):
@@ -229,14 +255,14 @@ class PipeSGD(SyncScheme):
     `compression` of :data:`COMPRESSIONS` (default none). Registered as "pipe-sgd" with the
     defaults; ``PipeSGD(staleness=k, compression=c)`` is a scheme too (``HetPipeStrategy(sync=...)``)."""
 
-    instructions = frozenset({ContributeUpdate, MergeAggregate})
-    apply_like = frozenset({ContributeUpdate, MergeAggregate})
+    instructions: frozenset[type[Instruction]] = frozenset((ContributeUpdate, MergeAggregate))
+    apply_like = instructions
     weight_copies = 1  # the replica's weights (ReplicaBase)
     #: Algorithm 1's indexing needs HetPipe's versions (w_{p+Nm} stashed right after update p) and
     #: forward passes in their own stream (one 1F1B stream would wait for an update it runs later).
     schedules = frozenset({"hetpipe"})
 
-    def __init__(self, staleness=1, compression="none"):
+    def __init__(self, staleness: int = 1, compression: str = "none") -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"Pipe-SGD's staleness k must be an integer >= 0, got {staleness!r}; the seed's "
                              f"optimum is k = 1 (0: synchronous all-reduce SGD)")
@@ -245,28 +271,28 @@ class PipeSGD(SyncScheme):
         self.name = "pipe-sgd" if (staleness, compression) == (1, "none") else (
             f"pipe-sgd(k={staleness}, compression={compression})")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"PipeSGD(staleness={self.staleness}, compression={self.compression.name!r})"
 
     # The schedule ---------------------------------------------------------------------------
-    def after_update(self, minibatch, steps, num_in_flight):
+    def after_update(self, minibatch: int, steps: int, num_in_flight: int) -> tuple[Instruction, ...]:
         lag = self.staleness - num_in_flight  # merge j waits for the contribution of j + lag
         return (ContributeUpdate(minibatch, gate=lag > 0 and minibatch - lag >= 1),)
 
-    def forward_waits(self, minibatch, num_in_flight):
+    def forward_waits(self, minibatch: int, num_in_flight: int) -> tuple[Key, ...]:
         j = minibatch - (self.staleness + 1)
         return ((MERGED_AGGREGATE, j),) if j >= 1 else ()
 
-    def streams(self, stage, steps, num_in_flight):
+    def streams(self, stage: int, steps: int, num_in_flight: int) -> tuple[TaskStream, ...]:
         lag = self.staleness - num_in_flight
 
-        def merge(j):
+        def merge(j: int) -> Task:
             after = j + lag if lag > 0 and j + lag <= steps else 0
             return Task(stage, "merge", j, (MergeAggregate(j, after=after),))
 
         return (TaskStream("merge", steps, merge),)
 
-    def checked_bound(self, staleness_bound):
+    def checked_bound(self, staleness_bound: int) -> int | None:
         """None: Pipe-SGD's staleness is its own k, not a bound of the parameter servers, so
         `staleness_bound` must stay 0 (its default)."""
         if staleness_bound != 0:
@@ -276,10 +302,10 @@ class PipeSGD(SyncScheme):
         return None
 
     # The executor -----------------------------------------------------------------------------
-    def stage_state(self, weights):
+    def stage_state(self, weights: ReplicaStage) -> ReplicaBase:
         return ReplicaBase(weights)
 
-    def bind(self, worker, servers, staleness_bound, timeout_s):
+    def bind(self, worker: int, servers: Any, staleness_bound: int, timeout_s: float) -> AllReduceBinding:
         """The binding of `worker` to the all-reduce group of the run `servers` belong to, which
         the servers give (:meth:`hetpipe_tf.sync.parameter_server.ParameterServers.all_reduce_group`:
         TensorFlow's collectives, :mod:`hetpipe_tf.sync.allreduce`)."""
@@ -292,12 +318,12 @@ class PipeSGD(SyncScheme):
         group = servers.all_reduce_group(self.compression.name, timeout_s)
         return AllReduceBinding(self, worker, servers, group, timeout_s)
 
-    def handlers(self, binding):
+    def handlers(self, binding: AllReduceBinding) -> Mapping[type[Instruction], Handler]:
         """Instruction type -> handler for one run of a worker bound by `binding`. Each stage's
         collectives run on a thread of their own, in minibatch order (:meth:`run_ended` ends it)."""
         first_wave = binding.servers.clock.clocks()[0][binding.worker] if binding.worker == 0 else 0
 
-        def contribute(ex, s, ins):
+        def contribute(ex: Any, s: int, ins: ContributeUpdate) -> None:
             rt, asked = ex.runtimes[s], ex.clock()
             update = rt.sync_state.take_update(first_minibatch=ins.minibatch + ex.schedule.num_in_flight)
             instance = binding.instances.get(s, 0) + 1
@@ -305,14 +331,14 @@ class PipeSGD(SyncScheme):
             done = binding.lanes.submit(s, f"all-reduce of minibatch {ins.minibatch}", binding.group.all_reduce,
                                         binding.worker, s, rt.device, instance, update, rt.sync_state.paths)
 
-            def aggregate():
+            def aggregate() -> Any:
                 total = done.result()
                 binding.pull_waits.append((s, ins.minibatch, asked, ex.clock()))
                 return total
 
             ex.in_background(s, ins, (AGGREGATED, ins.minibatch), aggregate)
 
-        def merge(ex, s, ins, aggregate, *_):
+        def merge(ex: Any, s: int, ins: MergeAggregate, aggregate: Any, *_: Any) -> None:
             rt, j = ex.runtimes[s], ins.minibatch
             rt.sync_state.merge(aggregate, first_minibatch=j + self.staleness + 1,
                                 included=((w, j) for w in range(binding.group.num_workers)))
@@ -321,25 +347,25 @@ class PipeSGD(SyncScheme):
 
         return {ContributeUpdate: contribute, MergeAggregate: merge}
 
-    def run_ended(self, binding):
+    def run_ended(self, binding: AllReduceBinding) -> None:
         """Ends the stages' communication threads of the run once their collectives have ended."""
         binding.lanes.settle(binding.timeout_s)
 
-    def dry_handlers(self):
+    def dry_handlers(self) -> Mapping[type[Instruction], Handler]:
         """The stage's side alone: the update is taken out and, as if no other worker had
         contributed, merged back as the aggregate (the same work, no change, no collective)."""
 
-        def contribute(ex, s, ins):
+        def contribute(ex: Any, s: int, ins: ContributeUpdate) -> None:
             update = ex.runtimes[s].sync_state.take_update(ins.minibatch + ex.schedule.num_in_flight)
             ex.in_background(s, ins, (AGGREGATED, ins.minibatch), lambda: update)
 
-        def merge(ex, s, ins, aggregate, *_):
+        def merge(ex: Any, s: int, ins: MergeAggregate, aggregate: Any, *_: Any) -> None:
             ex.runtimes[s].sync_state.merge(aggregate, ins.minibatch + self.staleness + 1, ())
 
         return {ContributeUpdate: contribute, MergeAggregate: merge}
 
     # The simulator and the planner ------------------------------------------------------------
-    def simulation_model(self, staleness_bound, push_time, pull_time):
+    def simulation_model(self, staleness_bound: int, push_time: Timing, pull_time: Timing) -> "AllReduceModel":
         """The all-reduces in simulated time. `push_time(agent, instruction)` is the seconds for the
         stage's weights to cross its link once (n·β + α); an all-reduce moves
         :meth:`Compression.link_share` of them (a ring all-reduce 2(p-1)/p, as
@@ -355,21 +381,22 @@ class AllReduceModel:
     communication thread per stage, Algorithm 1), and takes ``seconds(agent, instruction, p)``
     (p workers); every contributor gets the aggregate when it ends."""
 
-    def __init__(self, seconds):
+    def __init__(self, seconds: Callable[[Agent, Instruction, int], float]) -> None:
         self.seconds = seconds
-        self.contributed = {}  # (stage, minibatch) -> {worker: (time, agent, instruction)}
-        self.next = {}  # stage -> the minibatch of its next all-reduce
-        self.link_free = {}  # stage -> when its previous all-reduce ended
+        # (stage, minibatch) -> {worker: (time, agent, instruction)}
+        self.contributed: dict[tuple[int, int], dict[int, tuple[float, Agent, Instruction]]] = {}
+        self.next: dict[int, int] = {}  # stage -> the minibatch of its next all-reduce
+        self.link_free: dict[int, float] = {}  # stage -> when its previous all-reduce ended
 
-    def receive(self, agent, key, instruction, time):
-        kind, minibatch = key
+    def receive(self, agent: Agent, key: Key, instruction: Instruction, time: float) -> None:
+        kind, minibatch = key[0], key[1]
         if kind != "allreduce":
             raise ValueError(f"Pipe-SGD's all-reduce got an unknown request {key!r}")
         self.contributed.setdefault((agent[1], minibatch), {})[agent[0]] = (time, agent, instruction)
 
-    def answers(self, agents):
+    def answers(self, agents: Sequence[Agent]) -> list[tuple[Agent, Key, float, float]]:
         """(agent, key, contributed, arrival) of every all-reduce that completes now, in order."""
-        out = []
+        out: list[tuple[Agent, Key, float, float]] = []
         for stage in {s for _, s in agents}:
             members = {w for w, s in agents if s == stage}
             while True:

@@ -32,11 +32,11 @@ class SSP(WSP):
 
     name = "ssp"
 
-    def wave_size(self, num_in_flight):
+    def wave_size(self, num_in_flight: int) -> int:
         """One minibatch per push: a clock is an iteration (§2.2)."""
         return 1
 
-    def checked_bound(self, staleness_bound):
+    def checked_bound(self, staleness_bound: int) -> int | None:
         """s itself."""
         if staleness_bound < 0:
             raise ValueError(f"SSP's staleness bound s must be >= 0, got {staleness_bound}")
@@ -48,7 +48,7 @@ class BSP(SSP):
 
     name = "bsp"
 
-    def checked_bound(self, staleness_bound):
+    def checked_bound(self, staleness_bound: int) -> int | None:
         """0, the only bound BSP has."""
         _only_0(staleness_bound, "BSP waits for every worker at every minibatch: its staleness bound is 0")
         return 0
@@ -60,13 +60,13 @@ class ASP(SSP):
     name = "asp"
     bounded = False  # every worker at its own pace
 
-    def checked_bound(self, staleness_bound):
+    def checked_bound(self, staleness_bound: int) -> int | None:
         """None: no bound."""
         _only_0(staleness_bound, "ASP bounds no staleness (its pulls never wait; 0, the default, is not used)")
         return None
 
 
-def _only_0(staleness_bound, why):
+def _only_0(staleness_bound: int, why: str) -> None:
     if staleness_bound != 0:
         raise ValueError(f"{why}, so staleness_bound must be 0, got {staleness_bound}; give 0, or sync='ssp' for "
                          f"a bound of {staleness_bound} minibatches (sync='wsp': {staleness_bound} waves)")

@@ -20,37 +20,44 @@ The same rule with waves of g minibatches (a push per g; g = 1 under BSP, SSP an
 for g = 1, every other worker's minibatches 1 .. p - Nm - s. D = None (ASP) requires nothing
 global.
 """
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from hetpipe_tf.pipeline.schedule import get_sync
+from hetpipe_tf.errors import HetPipeRunError
+from hetpipe_tf.pipeline.schedule import SyncScheme, get_sync
+from hetpipe_tf.sync.wsp import WSP
+
+#: What a run recorded of (worker, minibatch): (its own minibatches in the weights it used,
+#: {(worker, wave), ...} of the others' pushes in them).
+Records = Mapping[tuple[int, int], tuple[Collection[int], Collection[tuple[int, int]]]]
 
 
-class StalenessViolation(AssertionError):
+class StalenessViolation(HetPipeRunError, AssertionError):
     """A minibatch's weights missed updates its bound requires."""
 
 
 @dataclass(frozen=True)
 class Bounds:
     num_in_flight: int  # Nm
-    staleness_bound: int  # D (WSP), s (SSP), 0 (BSP); None: no bound (ASP)
-    wave_size: int = None  # minibatches per push (per clock); None: Nm, a wave of WSP
+    staleness_bound: int | None  # D (WSP), s (SSP), 0 (BSP); None: no bound (ASP)
+    wave_size: int | None = None  # minibatches per push (per clock); None: Nm, a wave of WSP
 
     @property
-    def s_local(self):
+    def s_local(self) -> int:
         return self.num_in_flight - 1
 
     @property
-    def s_global(self):
+    def s_global(self) -> int | None:
         """How many of another worker's latest minibatches w_p may miss, less one (None: any)."""
         if self.staleness_bound is None:
             return None
         return (self.staleness_bound + 1) * (self.wave_size or self.num_in_flight) + self.s_local - 1
 
-    def local_required(self, p):
+    def local_required(self, p: int) -> set[int]:
         """Own minibatches whose updates w_p must hold."""
         return set(range(1, p - self.num_in_flight + 1))
 
-    def waves_required(self, p):
+    def waves_required(self, p: int) -> set[int]:
         """Waves of every other worker that w_p must hold."""
         if self.staleness_bound is None:
             return set()
@@ -58,7 +65,8 @@ class Bounds:
                              - self.staleness_bound, 0)))
 
 
-def check(records, num_in_flight, staleness_bound, num_workers, sync="wsp"):
+def check(records: Records, num_in_flight: int, staleness_bound: int, num_workers: int,
+          sync: str | SyncScheme = "wsp") -> int:
     """Raises StalenessViolation listing every minibatch whose weights broke a bound.
 
     Args:
@@ -70,8 +78,11 @@ def check(records, num_in_flight, staleness_bound, num_workers, sync="wsp"):
       The number of (worker, minibatch) records checked.
     """
     scheme = get_sync(sync)
+    if not isinstance(scheme, WSP):
+        raise ValueError(f"the staleness rules are those of the schemes with clocks and waves (wsp, ssp, bsp, asp), "
+                         f"got sync={scheme.name!r}")
     bounds = Bounds(num_in_flight, scheme.checked_bound(staleness_bound), scheme.wave_size(num_in_flight))
-    problems = []
+    problems: list[str] = []
     for (w, p), (local, pushed) in sorted(records.items()):
         missing_local = sorted(bounds.local_required(p) - set(local))
         if missing_local:

@@ -7,6 +7,7 @@ import sys
 import pytest
 from absl import app
 
+import hetpipe_tf
 from hetpipe_tf.cli import errors
 from hetpipe_tf.data.datasets import DatasetNotFoundError, DatasetOptionError
 from hetpipe_tf.pipeline.emulation import DeviceOutOfMemoryError
@@ -81,10 +82,14 @@ def test_the_traceback_is_there_when_asked_for(how):
 def test_one_rule_for_both_binaries():
     """Usage errors, failed runs (also inside a stage that failed), internal errors."""
     for exc in (app.UsageError("x"), DeviceSpecError("x"), ClusterError("x"), DatasetNotFoundError("x"),
-                DatasetOptionError("x"), SharedLayerError("x")):
+                DatasetOptionError("x"), SharedLayerError("x"), hetpipe_tf.PlanError("x"),
+                hetpipe_tf.InfeasiblePartitionError("x"), hetpipe_tf.HetPipeUsageError("x")):
         assert errors.classify(exc) == (errors.USAGE_STATUS, exc)
     oom = DeviceOutOfMemoryError("out of memory on stage 1")
     assert errors.classify(oom) == (errors.FAILED_RUN_STATUS, oom)
+    for exc in (hetpipe_tf.TaskLostError("lost task ps:0"), hetpipe_tf.ClusterStartError("x"),
+                hetpipe_tf.OpsLibraryError("x"), hetpipe_tf.HetPipeRunError("x"), TimeoutError("x")):
+        assert errors.classify(exc) == (errors.FAILED_RUN_STATUS, exc)
     try:
         raise PipelineError("stage 1 failed at Forward(3)") from oom
     except PipelineError as wrapped:
@@ -92,5 +97,7 @@ def test_one_rule_for_both_binaries():
     stalled = PipelineError("the pipeline stalled")
     stalled.__cause__ = TimeoutError("no stage made progress for 300 s")
     assert errors.classify(stalled)[0] == errors.FAILED_RUN_STATUS
-    for internal in (ValueError("x"), KeyError("x"), PipelineError("stage 0 failed: TypeError")):
+    for internal in (ValueError("x"), KeyError("x"), PipelineError("stage 0 failed: TypeError"),
+                     hetpipe_tf.PipelineAborted("stage 1 stopped"),
+                     hetpipe_tf.WorkerProcessError("virtual worker 0's process failed: KeyError: 'x'")):
         assert errors.classify(internal) == (None, internal)

@@ -19,7 +19,7 @@ from hetpipe_tf.pipeline.gpipe import microbatch_groups
 from hetpipe_tf.pipeline.instructions import (
     AccumulateGradient, Backward, Forward, Recompute, ReleaseWeights, StashWeights)
 from hetpipe_tf.pipeline.pipedream import one_f_one_b
-from hetpipe_tf.pipeline.schedule import check_combination, combinations, get_schedule
+from hetpipe_tf.pipeline.schedule import WorkerUpdate, check_combination, combinations, get_schedule
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.sync.wsp import WSP_SCHEME
@@ -113,3 +113,9 @@ def test_every_classic_schedule_works_with_wsp_and_alone():
     for name in CLASSIC:
         assert (name, "wsp") in combinations() and (name, "none") in combinations()
         assert check_combination(name, "wsp") == (get_schedule(name), WSP_SCHEME)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "pipedream", "naivepipe"])
+def test_a_schedule_that_cannot_wait_for_update_terms_refuses_them(name):
+    with pytest.raises(ValueError, match=f"the schedule '{name}' cannot wait for; the schedules that can: .*hetpipe"):
+        get_schedule(name).programs(2, 4, 2, worker_update=WorkerUpdate(waiting=(1,)))

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
+from hetpipe_tf.errors import HetPipeRunError
+
 #: A minibatch's verdict: finite so far.
 FINITE = -1
 
@@ -46,7 +48,7 @@ def checked_gradient(code: tf.Tensor, grads: Sequence[tf.Tensor | tf.IndexedSlic
     return combined(code, tf.logical_not(tf.reduce_all(finite)), own)
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(HetPipeRunError, FloatingPointError):
     """A minibatch's loss or gradient is NaN or infinite; nothing of that minibatch was applied.
 
     `stage` is the stage where the loss or gradient went bad; `logs` holds the minibatch's

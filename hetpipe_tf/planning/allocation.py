@@ -53,8 +53,8 @@ class AllocationError(HetPipeUsageError, ValueError):
 
 def _compute(device_type: DeviceType) -> float:
     """A device's compute as HD compares workers' (§8.1): an emulated one's speed, a real one's peak."""
-    if device_type.on_host:
-        speed: float = device_type.host_speed
+    speed = device_type.host_speed  # set for every type on the host
+    if speed is not None:
         return speed
     if device_type.peak_tflops is None:
         raise AllocationError(f"device type {device_type.label!r} gives no peak_tflops, by which HD compares the "

@@ -205,8 +205,9 @@ class CostModel:
                                  f"{sorted(self.profile.times)} only; add them with "
                                  f"hetpipe_tf.distributed.node_speed.quota_profile")
             return self.profile.times[device_type.name], 1.0
-        if device_type.on_host:  # a dilation slows emulated devices only
-            return self.profile.times["host"], (self.dilation if device_type.emulated else 1.0) / device_type.host_speed
+        speed = device_type.host_speed  # set for every type on the host
+        if speed is not None:  # a dilation slows emulated devices only
+            return self.profile.times["host"], (self.dilation if device_type.emulated else 1.0) / speed
         if device_type.name in self.profile.times:
             return self.profile.times[device_type.name], 1.0
         assume = self.analytic or AnalyticAssumptions()

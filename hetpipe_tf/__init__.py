@@ -107,6 +107,7 @@ _EXPORTS = {
     "WorkerProcessError": "hetpipe_tf.distributed.process_runner",
     "DatasetTransferError": "hetpipe_tf.distributed.dataset_transfer",
     "NetLinksError": "hetpipe_tf.distributed.netlinks",
+    "CgroupError": "hetpipe_tf.distributed.cgroups",
     "OpsLibraryError": "hetpipe_tf.ops.loader",
     "DatasetNotFoundError": "hetpipe_tf.data.datasets",
     "DatasetOptionError": "hetpipe_tf.data.datasets",

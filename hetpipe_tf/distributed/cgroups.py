@@ -34,6 +34,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from hetpipe_tf.errors import HetPipeRunError
+
 #: Where the cgroup filesystems are mounted.
 CGROUP_ROOT = "/sys/fs/cgroup"
 #: The period of every group's quota, in microseconds (see the module docstring).
@@ -48,7 +50,7 @@ WEIGHT = 10
 PREFIX = "hetpipe-"
 
 
-class CgroupError(RuntimeError):
+class CgroupError(HetPipeRunError, RuntimeError):
     """CPU-quota groups cannot be made or used here."""
 
 

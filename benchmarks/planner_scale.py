@@ -98,13 +98,14 @@ def child(args):
     """One cell, in a process of its own: plan (and simulate) and print one JSON line."""
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan, simulate_plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.planning.profile import Profile
 
     with open(args.profile) as f:
         profile = Profile.from_json(f.read())
     cluster = load_cluster(cluster_spec(args.cluster))
     t0 = time.perf_counter()
-    p = plan(profile, cluster, policy=args.policy, optimizer_slots=args.optimizer_slots)
+    p = plan(profile, cluster, PlanRequest(policy=args.policy), optimizer_slots=args.optimizer_slots)
     row = {"plan_s": round(time.perf_counter() - t0, 3), "predicted_images_per_s": round(p.images_per_s, 2),
            "num_in_flight": p.num_in_flight, "workers": len(p.workers), "allocation": _composition(p.workers),
            "chosen": p.policy}

@@ -352,6 +352,7 @@ class HetPipeStrategy:
         if self._runner_key == key:
             return self.runner
         from hetpipe_tf.planning.planner import plan
+        from hetpipe_tf.planning.request import PlanRequest
         from hetpipe_tf.runtime.optimizers import slots_per_weight
         from hetpipe_tf.runtime.checkpoint import plan_shape, plan_signature
         from hetpipe_tf.runtime.profiler import measure_profile
@@ -365,11 +366,11 @@ class HetPipeStrategy:
             profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
                                       sample=first_batch(data, f"launch={self.launch!r}"),
                                       stage_device=self._devices.profiling_device())
-        self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
-                         num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
-                         placement=self.placement, dilation=self.dilation or 1.0,
-                         optimizer_slots=slots_per_weight(model.optimizer), schedule=self.schedule, sync=self.sync,
-                         minibatch_sizes=_planned_sizes(self.uneven_minibatches))
+        request = PlanRequest(policy=self.policy, vw_size=self.vw_size, num_in_flight=self.num_in_flight,
+                              staleness_bound=self.staleness_bound, placement=self.placement, dilation=self.dilation,
+                              schedule=self.schedule, sync=self.sync,
+                              minibatch_sizes=_planned_sizes(self.uneven_minibatches))
+        self.plan = plan(profile, self.cluster, request, optimizer_slots=slots_per_weight(model.optimizer))
         self._cuts = plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
                                                               for w in range(len(self.plan.workers))])
         if self.plan.minibatch_sizes:  # saved with the plan: a resumed run keeps its split of the data

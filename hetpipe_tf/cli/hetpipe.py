@@ -56,6 +56,7 @@ def make_plan():
                              f"preset), not for cluster '{cluster.name}', whose devices this host serves and measures")
     from hetpipe_tf.cli import models
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.runtime.optimizers import by_name, slots_per_weight
     from hetpipe_tf.runtime.profiler import model_profile
 
@@ -85,9 +86,10 @@ def make_plan():
     else:
         length = FLAGS.sequence_length or hetpipe_flags.TRANSFORMERS.get(FLAGS.model, {}).get("max_sequence_length")
         profile = model_profile(model, FLAGS.batch_size, sequence_length=length)
-    return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_in_flight,
-                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
-                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links, time_budget_s=FLAGS.time_budget_s)
+    request = PlanRequest(policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_in_flight,
+                          staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
+                          method=FLAGS.method, time_budget_s=FLAGS.time_budget_s)
+    return plan(profile, cluster, request, optimizer_slots=slots_per_weight(optimizer), links=links)
 
 
 def simulate_plan(p, steps):

@@ -33,6 +33,7 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     from hetpipe_tf.planning.cluster import from_device_specs
     from hetpipe_tf.planning.cost_model import LinkModel
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
     from hetpipe_tf.runtime.optimizers import slots_per_weight
     from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
@@ -42,9 +43,9 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     names = configure_tensorflow_devices(devices)
     samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
     links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
-    chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_in_flight,
-                  dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links,
-                  schedule=FLAGS.schedule)
+    request = PlanRequest(workers=[cluster.devices()], num_in_flight=FLAGS.num_in_flight, dilation=FLAGS.dilation,
+                          schedule=FLAGS.schedule)
+    chosen = plan(profile, cluster, request, optimizer_slots=slots_per_weight(optimizer), links=links)
     print(chosen.format())
     by_type = {}
     for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):

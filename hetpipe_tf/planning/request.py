@@ -120,6 +120,13 @@ class PlanRequest:
                                    + (" and given workers" if self.workers else "")
                                    + ": give policy='auto' and a budget > 0, or time_budget_s=None")
 
+    @classmethod
+    def asked(cls, uneven_minibatches: bool | list[int] | tuple[int, ...] = False, **fields) -> "PlanRequest":
+        """The request of ``HetPipeStrategy``'s arguments (and of the commands' flags, which name them
+        alike): `uneven_minibatches` as the strategy takes it (:func:`requested_sizes`), the other
+        fields by their names."""
+        return cls(minibatch_sizes=requested_sizes(uneven_minibatches), **fields)
+
     @property
     def placement_of_policy(self) -> str:
         """The placement planned for: the one asked, else local for ED (its workers are equal, so

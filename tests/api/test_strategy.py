@@ -132,11 +132,11 @@ def test_devices_emulated_from_a_given_profile_pace_to_its_times_and_no_stage_is
 def test_a_transformers_profile_is_taken_for_the_same_model_built_again():
     # A profile counts attention scores and embedding lookups (not in the graph's own FLOPs): the
     # check that a given profile is the model's must count them alike.
-    from hetpipe_tf.api.strategy import _checked_profile
+    from hetpipe_tf.runtime.plan_assembly import checked_profile
     from hetpipe_tf.cli.models import gpt
     from hetpipe_tf.runtime.profiler import model_profile
 
     profile = model_profile(gpt(11, 12), 32)
-    assert _checked_profile(profile, gpt(11, 12), 32) is profile
+    assert checked_profile(profile, gpt(11, 12), 32) is profile
     with pytest.raises(ValueError, match="give the profile of this model and batch size"):
-        _checked_profile(profile, gpt(11, 12, blocks=1), 32)
+        checked_profile(profile, gpt(11, 12, blocks=1), 32)

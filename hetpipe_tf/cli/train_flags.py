@@ -99,6 +99,11 @@ def define_flags():
         ["resume", "checkpoint_dir"], lambda v: not v["resume"] or bool(v["checkpoint_dir"]),
         message="--resume needs the --checkpoint_dir to resume from")
     flags.register_multi_flags_validator(
+        ["cluster", "plan", "profile"],
+        lambda v: v["profile"] is None or v["cluster"] is not None or v["plan"] == "auto",
+        message="--profile is what the planner plans with: give --cluster (or --plan=auto for one virtual worker) "
+                "too, or drop --profile")
+    flags.register_multi_flags_validator(
         ["plan", "boundaries"], lambda v: v["plan"] != "auto" or v["boundaries"] is None,
         message="--plan=auto chooses the boundaries; drop --boundaries or --plan=auto")
     flags.register_multi_flags_validator(

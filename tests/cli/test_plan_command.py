@@ -54,3 +54,8 @@ def test_hetpipe_plan_with_a_training_runs_flags_and_profile_prints_the_plan_it_
     plan = planned.stdout.strip()
     assert "placement local, D=1" in plan and "note: times for host: given to both commands" in plan
     assert plan in trained.stdout, (plan, trained.stdout)
+
+
+def test_a_profile_without_a_plan_to_make_is_a_usage_error(tmp_path):
+    run = hetpipe_train(tmp_path, f"--profile={tmp_path / 'mlp.json'}")
+    assert run.returncode == 2 and "--profile is what the planner plans with: give --cluster" in run.stderr, run.stderr

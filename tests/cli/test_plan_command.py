@@ -20,7 +20,8 @@ def _profile_file(path):
     (not measured: both commands plan from exactly these), written as Profile.to_json writes it."""
     profile = model_profile(models.build_model("mlp", (8, 8, 1), 10), 32)
     n = profile.num_segments
-    times = SegmentTimes(forward=tuple(0.002 * (i + 1) for i in range(n)), backward=tuple(0.004 * (i + 1) for i in range(n)),
+    times = SegmentTimes(forward=tuple(0.002 * (i + 1) for i in range(n)),
+                         backward=tuple(0.004 * (i + 1) for i in range(n)),
                          forward_overhead=0.0003, backward_overhead=0.0005, source="given to both commands")
     path.write_text(profile.with_times("host", times).to_json())
     return path
@@ -33,7 +34,8 @@ def test_both_commands_and_the_strategy_make_one_request_of_the_same_arguments()
     request = plan_request(flags)
     assert (request.policy, request.vw_size, request.num_in_flight, request.staleness_bound, request.dilation,
             request.minibatch_sizes) == ("np", 2, 3, 0, 2.0, "proportional")
-    assert request.sync.name == "pipe-sgd(k=0, compression=quant8)" and request.placement_of_policy == "default"  # local is ED's
+    assert request.sync.name == "pipe-sgd(k=0, compression=quant8)"
+    assert request.placement_of_policy == "default"  # local is ED's
     strategy = HetPipeStrategy(cluster="local", launch="in_process", **request_arguments(flags))
     assert strategy.request.sync.name == request.sync.name  # a PipeSGD each, made of the same flags
     assert dataclasses.replace(strategy.request, sync=request.sync) == request

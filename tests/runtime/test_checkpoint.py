@@ -71,7 +71,8 @@ def test_a_save_that_did_not_complete_leaves_the_previous_checkpoint_usable(tmp_
 KILLED_SAVE = """
 import sys, numpy as np
 from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, RunState
-state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e], positions=[e], plan=PlanCuts(1, ((0,),)))
+state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e], positions=[e],
+                              plan=PlanCuts(1, ((0,),)))
 checkpoints = Checkpoints(sys.argv[1])
 checkpoints.save(state(1, [np.ones(3, "float32")]))
 print("saving", flush=True)
@@ -182,12 +183,15 @@ def _rewrite_plan_as_dict(directory, plan):
     meta = json.loads(reader.get_tensor(key.format("meta")))
     meta["plan"] = plan
     names = reader.get_variable_to_shape_map()
-    count = lambda prefix: sum(1 for n in names if n.startswith(prefix + "/") and n.endswith("VARIABLE_VALUE"))  # noqa: E731
+    def count(prefix):
+        return sum(1 for n in names if n.startswith(prefix + "/") and n.endswith("VARIABLE_VALUE"))
+
     with tf.device("/device:CPU:0"):
         checkpoint = tf.train.Checkpoint(
             meta=tf.Variable(json.dumps(meta)),
             weights=[tf.Variable(reader.get_tensor(key.format(f"weights/{i}"))) for i in range(count("weights"))],
-            optimizers=[tf.Variable(reader.get_tensor(key.format(f"optimizers/{i}"))) for i in range(count("optimizers"))])
+            optimizers=[tf.Variable(reader.get_tensor(key.format(f"optimizers/{i}")))
+                        for i in range(count("optimizers"))])
     tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2, checkpoint_name="ckpt").save(
         checkpoint_number=meta["epoch"])
 

@@ -18,6 +18,11 @@ def test_fit_trains_virtual_workers_like_keras_fit():
     history = model.fit(train, epochs=2, steps_per_epoch=12, validation_data=test, callbacks=[counter], verbose=0)
     assert strategy.plan.allocation == "FS FS" and len(strategy.runner.vws) == 2  # §8.1's ED
     assert strategy.runner.servers.placement == "local"
+    # What was asked stays apart from what was decided: Nm and the placement left to the planner,
+    # the run resolved with the plan's (an integer Nm, ED's local placement), which every worker trains.
+    assert strategy.request.num_in_flight is None and strategy.request.placement is None
+    assert strategy.run_config.num_in_flight == strategy.plan.num_in_flight == strategy.runner.num_in_flight >= 1
+    assert strategy.run_config.placement == strategy.plan.placement == "local"
     assert len(counter.epochs) == 2 and counter.batches == 24
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "images_per_s", "global_clock"):
         assert len(history.history[key]) == 2, key

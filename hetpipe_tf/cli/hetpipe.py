@@ -2,16 +2,20 @@
 
     hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json] [--png=plan.png]
     hetpipe plan --cluster=paper --model=gpt2_medium --batch_size=4 --optimizer=adamw --policy=auto
+    hetpipe plan --cluster=local --model=mlp --profile=mlp_profile.json   # as hetpipe-train --cluster=local
     hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
     hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
     hetpipe trace plot TRACE.json [-o timeline.png]
 
 `plan` prints the virtual workers and their device types, every stage's layer range,
-predicted time and memory, Nm and the predicted throughput. `simulate` runs the plan's
-schedules in the discrete-event simulator and prints throughput, each device's busy
-fraction, and each worker's wait and idle time under the staleness bound. `launch`
-starts the parameter-server and worker tasks of the cluster on this machine, runs the
-command after ``--`` as their chief (TF_CONFIG set), and stops every task at its end.
+predicted time and memory, Nm and the predicted throughput. Its planning flags are hetpipe-train's
+(:mod:`hetpipe_tf.cli.plan_flags`, the same names and defaults) and it plans as a training run does
+(:mod:`hetpipe_tf.runtime.plan_assembly`): with a run's flags and its ``--profile``, it prints the
+plan that run trains. `simulate` runs the plan's schedules in the discrete-event simulator and
+prints throughput, each device's busy fraction, and each worker's wait and idle time under the
+staleness bound. `launch` starts the parameter-server and worker tasks of the cluster on this
+machine, runs the command after ``--`` as their chief (TF_CONFIG set), and stops every task at its
+end.
 `--png` and `trace plot` draw a plan and a trace (``hetpipe-train --trace_file``) as PNG
 pictures (:mod:`hetpipe_tf.cli.plots`; needs matplotlib: ``pip install 'hetpipe_tf[plot]'``).
 

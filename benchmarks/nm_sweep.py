@@ -113,12 +113,13 @@ def build_workers(keras, model, profile, cluster, devices, nms, dilation, data, 
     workers of one cut are paced from one measurement, not from several that the load of the
     moment moves apart. Returns {Nm: (VirtualWorker, the planner's predicted minibatches/s)}."""
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     built = {}
     for nm in nms:
-        p = plan(profile, cluster, workers=[devices], num_in_flight=nm, dilation=dilation)
+        p = plan(profile, cluster, PlanRequest(workers=[devices], num_in_flight=nm, dilation=dilation))
         order, cut = p.workers[0].devices, p.node_boundaries(0)
         vw = VirtualWorker(model, [_spec(d) for d in order], num_in_flight=nm, boundaries=cut, dilation=dilation,
                            optimizer=keras.optimizers.SGD(0.05), loss=loss)

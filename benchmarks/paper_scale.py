@@ -127,14 +127,15 @@ class Model:
 
     def hetpipe(self, name, types, policy="ed", placement="local"):
         from hetpipe_tf.planning.planner import plan
+        from hetpipe_tf.planning.request import PlanRequest
         from hetpipe_tf.planning.profile import AnalyticAssumptions
 
         cluster = _cluster(types)
         assume = AnalyticAssumptions(compute_efficiency=self.efficiency[name])
         if types == "V":  # Table 4's 4[V]: one virtual worker of the node's four GPUs
-            return plan(self.profiles[name], cluster, workers=[cluster.devices()], analytic=assume,
+            return plan(self.profiles[name], cluster, PlanRequest(workers=[cluster.devices()]), analytic=assume,
                         links=self.links())
-        return plan(self.profiles[name], cluster, policy=policy, placement=placement, analytic=assume,
+        return plan(self.profiles[name], cluster, PlanRequest(policy=policy, placement=placement), analytic=assume,
                     links=self.links())
 
     def horovod(self, name, types):
@@ -279,6 +280,7 @@ def transformer(model, profile, out):
     from hetpipe_tf.planning.cluster import PRESETS, load_cluster
     from hetpipe_tf.planning.data_parallel import AllReduceModel, predict_data_parallel
     from hetpipe_tf.planning.planner import PlanError, plan
+    from hetpipe_tf.planning.request import PlanRequest
 
     spec = json.loads(json.dumps(PRESETS["paper"]))
     spec["device_types"]["G"]["memory"] = "12G"
@@ -289,7 +291,7 @@ def transformer(model, profile, out):
                                           ("ED-local", "ed", "local")):
             row = {"model": TRANSFORMER["name"], "cluster": label, "system": system}
             try:
-                p = plan(profile, cluster, policy=policy, placement=placement, links=model.links(),
+                p = plan(profile, cluster, PlanRequest(policy=policy, placement=placement), links=model.links(),
                          optimizer_slots=TRANSFORMER["optimizer_slots"])
             except PlanError as e:
                 row.update(predicted_tokens_per_s=None, reason=str(e).splitlines()[-1][:300])

@@ -74,6 +74,7 @@ def local_part(rounds):
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.cost_model import LinkModel
     from hetpipe_tf.planning.planner import plan as make_plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.runtime.optimizers import slots_per_weight
     from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
 
@@ -96,7 +97,7 @@ def local_part(rounds):
         dilation = None
         for d in (2, 3, 4, 6, 8, 12):
             profile = measure_profile(model, 32, loss=loss, optimizer=optimizer, sample=data[0], cache_dir=None)
-            p = plan(profile, cluster, workers=[cluster.devices()], dilation=d, optimizer_slots=slots)
+            p = plan(profile, cluster, PlanRequest(workers=[cluster.devices()], dilation=d), optimizer_slots=slots)
             report, _, _ = _run_plan(model, p, data, d, loss, optimizer)
             overrun = report.emulation.overrun_fraction
             _emit(part="local", model=name, calibrating_dilation=d, overrun_fraction=round(overrun, 4))
@@ -107,7 +108,8 @@ def local_part(rounds):
         stage_errors, throughput_errors, held = [], [], []
         for r in range(rounds):
             profile = measure_profile(model, 32, loss=loss, optimizer=optimizer, sample=data[0], cache_dir=None)
-            p = plan(profile, cluster, workers=[cluster.devices()], dilation=dilation, optimizer_slots=slots)
+            p = plan(profile, cluster, PlanRequest(workers=[cluster.devices()], dilation=dilation),
+                     optimizer_slots=slots)
             report, steady, targets = _run_plan(model, p, data, dilation, loss, optimizer)
             stages = []
             for q, st in enumerate(p.workers[0].partition.stages):
@@ -153,11 +155,12 @@ def _sub_cluster(types):
 
 def _paper_cell(profile, column, assume):
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
 
     cluster = _sub_cluster(COLUMNS[column])
     if column == "4[V]":  # one virtual worker of the four TITAN Vs
-        return plan(profile, cluster, workers=[cluster.devices()], analytic=assume)
-    return plan(profile, cluster, policy="ed", placement="local", analytic=assume)
+        return plan(profile, cluster, PlanRequest(workers=[cluster.devices()]), analytic=assume)
+    return plan(profile, cluster, PlanRequest(policy="ed", placement="local"), analytic=assume)
 
 
 def paper_part():
@@ -201,7 +204,8 @@ def paper_part():
     g_alone = _sub_cluster("G")
     try:
         from hetpipe_tf.planning.planner import plan
-        plan(profiles["resnet152"], g_alone, workers=[g_alone.devices()[:1]], analytic=assume)
+        from hetpipe_tf.planning.request import PlanRequest
+        plan(profiles["resnet152"], g_alone, PlanRequest(workers=[g_alone.devices()[:1]]), analytic=assume)
         shape["resnet152 cannot fit one G-type GPU"] = False
     except PlanError as e:
         shape["resnet152 cannot fit one G-type GPU"] = True

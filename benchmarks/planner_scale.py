@@ -9,7 +9,7 @@ resident memory (VmHWM) are the planner's and the Python interpreter's (about 90
 model builder's. Clusters: the paper's (16 GPUs, four nodes of four); nodes of 8 GPUs with the
 paper's four types round-robin over the nodes (64, 256, 1,024 GPUs); 256 GPUs of eight types (the
 paper's four and A100 40GB, V100 32GB, RTX 3090, T4, from their data sheets). Also timed, at
-1,024 GPUs: `hetpipe simulate` of HD's plan (the command's default policy) for 100 waves under WSP.
+1,024 GPUs: `hetpipe simulate --policy=hd` of HD's plan for 100 waves under WSP.
 
 Each row is a JSON line; `auto`'s gain over the best of NP, ED and HD is one row per model and
 cluster. `--label` names the code measured: with PYTHONPATH at another checkout of the package,
@@ -98,13 +98,15 @@ def child(args):
     """One cell, in a process of its own: plan (and simulate) and print one JSON line."""
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan, simulate_plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.planning.profile import Profile
 
     with open(args.profile) as f:
         profile = Profile.from_json(f.read())
     cluster = load_cluster(cluster_spec(args.cluster))
     t0 = time.perf_counter()
-    p = plan(profile, cluster, policy=args.policy, optimizer_slots=args.optimizer_slots)
+    p = plan(profile, cluster, PlanRequest(policy=args.policy, placement="default"),
+             optimizer_slots=args.optimizer_slots)
     row = {"plan_s": round(time.perf_counter() - t0, 3), "predicted_images_per_s": round(p.images_per_s, 2),
            "num_in_flight": p.num_in_flight, "workers": len(p.workers), "allocation": _composition(p.workers),
            "chosen": p.policy}

@@ -73,8 +73,6 @@ import contextlib
 import inspect
 import types
 
-from hetpipe_tf.planning.allocation import POLICIES
-
 EMULATION_REFERENCES = ("measured", "profile")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
 START_TIMEOUT_S = 120.0
@@ -149,21 +147,19 @@ class HetPipeStrategy:
                  on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured"):
         from hetpipe_tf.distributed.cluster_devices import LAUNCHES
         from hetpipe_tf.planning.cluster import load_cluster
+        from hetpipe_tf.planning.request import PlanRequest
         from hetpipe_tf.runtime.checkpoint import Checkpoints
-        from hetpipe_tf.runtime.run_config import RunConfig
+        from hetpipe_tf.runtime.plan_assembly import loaded_profile
+        from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout
 
-        if str(policy).lower() not in POLICIES + ("auto",):
-            raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES + ('auto',))}")
         if launch not in LAUNCHES:
             raise ValueError(f"unknown launch {launch!r}; allowed: {', '.join(LAUNCHES)}")
-        if placement not in (None, "default", "local"):
-            raise ValueError(f"unknown placement {placement!r}; allowed: None, 'default', 'local'")
-        self.policy = str(policy).lower()
-        #: The run's configuration (the optimizer, loss and metrics are the compiled model's,
-        #: Nm, the placement and the minibatch sizes the plan's, when fit plans the run).
-        self.config = RunConfig(num_in_flight=num_in_flight, staleness_bound=staleness_bound, schedule=schedule,
-                                sync=sync, placement=placement or ("local" if self.policy == "ed" else "default"),
-                                dilation=dilation, timeout_s=timeout_s, on_worker_failure=on_worker_failure)
+        #: What the run asks the planner for (:class:`hetpipe_tf.planning.request.PlanRequest`).
+        self.request = PlanRequest.asked(policy=policy, vw_size=vw_size, num_in_flight=num_in_flight,
+                                         staleness_bound=staleness_bound, placement=placement, dilation=dilation,
+                                         schedule=schedule, sync=sync, uneven_minibatches=uneven_minibatches)
+        self.timeout_s = checked_timeout(timeout_s)
+        self.on_worker_failure = checked_on_worker_failure(on_worker_failure)
         self.cluster = load_cluster(cluster)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch != "tf_config":
@@ -172,7 +168,6 @@ class HetPipeStrategy:
             raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: run on those machines "
                                      f"with launch='tf_config' (TF_CONFIG); launch={launch!r} serves emulated devices "
                                      f"and the host CPU only")
-        self.vw_size = vw_size
         self.launch = launch
         self.log_dir = log_dir
         self.emulate_links = self.cluster.emulate_links if emulate_links is None else bool(emulate_links)
@@ -187,60 +182,25 @@ class HetPipeStrategy:
             raise ValueError("on_worker_failure='continue' goes on without a virtual worker whose process was lost; "
                              "launch='in_process' runs every worker in this process: use launch='processes' or "
                              "'tf_config', or on_worker_failure='stop'")
-        if not isinstance(uneven_minibatches, (bool, list, tuple)):
-            raise ValueError(f"uneven_minibatches must be True, False or a list of minibatch sizes (one per virtual "
-                             f"worker), got {uneven_minibatches!r}")
-        self.uneven_minibatches = (tuple(uneven_minibatches) if isinstance(uneven_minibatches, (list, tuple))
-                                   else uneven_minibatches)
         if emulation_references not in EMULATION_REFERENCES:
             raise ValueError(f"unknown emulation_references {emulation_references!r}; allowed: "
                              f"{', '.join(EMULATION_REFERENCES)}")
-        if emulation_references == "profile" and self.uneven_minibatches:
+        if emulation_references == "profile" and self.request.minibatch_sizes:
             raise ValueError("emulation_references='profile' scales every stage from the profile's minibatch size; "
                              "with uneven_minibatches the workers train others: use emulation_references='measured'")
         self.emulation_references = emulation_references
-        self.profile = _loaded_profile(profile)
+        self.profile = loaded_profile(profile)
         self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
         self._resume = bool(resume)
         self.plan = None  # the planner's Plan, once fit has run
+        self.cuts = None  # the PlanCuts trained at (the plan's, or a resumed checkpoint's), once fit has planned
+        #: The resolved RunConfig (every field decided: Nm, placement, minibatch sizes), once fit has planned.
+        self.run_config = None
         self.runner = None  # the WSPRunner, once fit has run
         self._compiled = {}  # id(model) -> compile arguments
         self._runner_key = None
-        self._cuts = None  # the run's Nm and stage boundaries (a plan_signature), once fit has planned
         self._devices = None  # the ClusterDevices of the cluster under launch, once scope() joined it
         self._cluster = None  # the cluster this process is the chief of (launch processes or tf_config)
-
-    @property
-    def schedule(self):
-        return self.config.schedule
-
-    @property
-    def sync(self):
-        return self.config.sync
-
-    @property
-    def staleness_bound(self):
-        return self.config.staleness_bound
-
-    @property
-    def num_in_flight(self):
-        return self.config.num_in_flight
-
-    @property
-    def placement(self):
-        return self.config.placement
-
-    @property
-    def dilation(self):
-        return self.config.dilation
-
-    @property
-    def timeout_s(self):
-        return self.config.timeout_s
-
-    @property
-    def on_worker_failure(self):
-        return self.config.on_worker_failure
 
     # The user's side ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -312,7 +272,6 @@ class HetPipeStrategy:
             validation_data = as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
         resumed = self.checkpoints.restore_model(model) if self._resume and self.runner is None else None
         runner = self._runner(model, data, resumed.plan if resumed else None)
-        plan = self._cuts
         positions = None
         if resumed is not None:
             if initial_epoch not in (0, resumed.epoch):
@@ -329,7 +288,7 @@ class HetPipeStrategy:
             return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
                               verbose=verbose, validation_data=validation_data, trace_path=trace_path,
                               initial_epoch=initial_epoch, checkpoints=self.checkpoints, positions=positions,
-                              plan=plan)
+                              plan=self.cuts)
         except Exception as exc:
             from hetpipe_tf.distributed.heartbeat import TaskLostError
 
@@ -345,67 +304,50 @@ class HetPipeStrategy:
 
     # Planning and launching --------------------------------------------------------------
     def _runner(self, model, data, saved_cuts=None):
+        """The runner of `model` on `data`'s batch size: planned (:mod:`hetpipe_tf.runtime.plan_assembly`),
+        at a resumed checkpoint's `saved_cuts` when its plan has the same shape."""
+        from hetpipe_tf.runtime import plan_assembly as assembly
+        from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts
         from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch
 
         batch_size = batch_size_of(data)
         key = (id(model), batch_size)
         if self._runner_key == key:
             return self.runner
-        from hetpipe_tf.planning.planner import plan
-        from hetpipe_tf.runtime.optimizers import slots_per_weight
-        from hetpipe_tf.runtime.checkpoint import plan_shape, plan_signature
-        from hetpipe_tf.runtime.profiler import measure_profile
-
         compiled = self._compiled[id(model)]
-        if self.profile is not None:
-            profile = _checked_profile(self.profile, model, batch_size)
-        else:
-            # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure);
-            # with stages on the cluster's tasks, timed on a task's CPU as their references will be.
-            profile = measure_profile(model, batch_size, loss=compiled["loss"], optimizer=model.optimizer,
-                                      sample=first_batch(data, f"launch={self.launch!r}"),
-                                      stage_device=self._devices.profiling_device())
-        self.plan = plan(profile, self.cluster, policy=self.policy, vw_size=self.vw_size,
-                         num_in_flight=self.num_in_flight, staleness_bound=self.staleness_bound,
-                         placement=self.placement, dilation=self.dilation or 1.0,
-                         optimizer_slots=slots_per_weight(model.optimizer), schedule=self.schedule, sync=self.sync,
-                         minibatch_sizes=_planned_sizes(self.uneven_minibatches))
-        self._cuts = plan_signature(self.plan.num_in_flight, [self.plan.node_boundaries(w)
-                                                              for w in range(len(self.plan.workers))])
-        if self.plan.minibatch_sizes:  # saved with the plan: a resumed run keeps its split of the data
-            self._cuts["minibatch_sizes"] = list(self.plan.minibatch_sizes)
-        if saved_cuts is not None and plan_shape(saved_cuts) == plan_shape(self._cuts):
-            # The same shape of plan: the saved cuts, whichever the profile (measured anew) now gives,
-            # and the saved minibatch sizes when the run is still uneven.
-            sizes = saved_cuts.get("minibatch_sizes", self._cuts.get("minibatch_sizes"))
-            self._cuts = {k: v for k, v in saved_cuts.items() if k != "minibatch_sizes"}
-            if self.uneven_minibatches:
-                self._cuts["minibatch_sizes"] = sizes
-        elif saved_cuts is not None:
-            print(f"hetpipe: resuming {self.checkpoints.latest_path()}, saved under the plan {saved_cuts}, under "
-                  f"this run's plan {self._cuts}: weights and optimizer state per variable (every new worker from "
-                  f"the saved workers' mean when their number changed)", flush=True)
+        training = assembly.Training(model.optimizer, compiled["loss"], compiled["metrics"], compiled["loss_weights"],
+                                     self.timeout_s, self.on_worker_failure)
+        # Profiled on a minibatch of the data: the loss takes its labels as they come (any structure);
+        # with stages on the cluster's tasks, timed on a task's CPU as their references will be.
+        profile = assembly.workload_profile(model, batch_size, self.profile, training,
+                                            lambda: first_batch(data, f"launch={self.launch!r}"),
+                                            self._devices.profiling_device())
+        self.plan = assembly.assemble_plan(self.cluster, self.request, model.optimizer, profile)
+        planned = PlanCuts.of_plan(self.plan)
+        self.cuts = reconcile_cuts(saved_cuts, planned)
+        if saved_cuts is not None and saved_cuts.shape != planned.shape:
+            print(f"hetpipe: resuming {self.checkpoints.latest_path()}, saved under the plan {saved_cuts.to_dict()}, "
+                  f"under this run's plan {planned.to_dict()}: weights and optimizer state per variable (every new "
+                  f"worker from the saved workers' mean when their number changed)", flush=True)
+        self.run_config = assembly.resolved_config(self.request, self.plan, self.cuts, training)
         workers = [self._worker_spec(w) for w in range(len(self.plan.workers))]
-        config = self.config.replace(optimizer=model.optimizer, loss=compiled["loss"], metrics=compiled["metrics"],
-                                     loss_weights=compiled["loss_weights"], num_in_flight=self._cuts["num_in_flight"],
-                                     placement=self.plan.placement, minibatch_sizes=self._cuts.get("minibatch_sizes"))
         if self.launch != "in_process":
             from hetpipe_tf.distributed.process_runner import ProcessRunner
 
-            self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], config, self._devices.ps,
-                                        [n for _, n in workers],
+            self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], self.run_config,
+                                        self._devices.ps, [n for _, n in workers],
                                         [self._devices.home_node(w.devices) for w in self.plan.workers])
         else:
             from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
-            self.runner = WSPRunner(model, [spec for spec, _ in workers], config, self._devices.ps)
+            self.runner = WSPRunner(model, [spec for spec, _ in workers], self.run_config, self._devices.ps)
         self._runner_key = key
         return self.runner
 
     def _worker_spec(self, w):
         """Worker w's WorkerSpec and how many of its devices its own process holds
         (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts."""
-        boundaries = tuple(self._cuts["boundaries"][w])
+        boundaries = self.cuts.boundaries[w]
         references = None
         if self.emulation_references == "profile":
             if boundaries != self.plan.node_boundaries(w):
@@ -434,51 +376,13 @@ class HetPipeStrategy:
         """The chosen plan and where its tasks run, as text."""
         lines = [self.plan.format() if self.plan else "(no plan yet: fit plans the run)",
                  f"launch: {self.launch}"]
-        sizes = self._cuts and self._cuts.get("minibatch_sizes")
-        if sizes and list(sizes) != list(self.plan.minibatch_sizes):
+        sizes = self.cuts and self.cuts.minibatch_sizes
+        if sizes and sizes != self.plan.minibatch_sizes:
             lines.append(f"minibatch sizes {sizes} (resumed from the checkpoint)")
         if self._cluster is not None and hasattr(self._cluster, "log_dir"):
             lines.append(f"task logs: {self._cluster.log_dir}")
         if self.cluster.emulated:
             report = self.runner.emulation_report() if self.runner else None
-            dilation = report.dilation if report else self.dilation
+            dilation = report.dilation if report else self.request.dilation
             lines.append(f"EMULATED devices (dilation {'calibrated at fit' if dilation is None else f'{dilation:g}'})")
         return "\n".join(lines)
-
-
-def _planned_sizes(uneven_minibatches):
-    """What the planner is asked for: None (even), "proportional" (True) or the sizes given."""
-    if uneven_minibatches is True:
-        return "proportional"
-    return uneven_minibatches or None
-
-
-def _loaded_profile(profile):
-    """A Profile given as itself, as the path of its JSON, or None."""
-    from hetpipe_tf.planning.profile import Profile
-
-    if profile is None or isinstance(profile, Profile):
-        return profile
-    try:
-        with open(profile) as f:
-            return Profile.from_json(f.read())
-    except (OSError, TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"profile={profile!r}: give a Profile or the path of one's JSON (Profile.to_json), "
-                         f"e.g. strategy.plan.profile of an earlier run; reading it failed: {e}") from None
-
-
-def _checked_profile(profile, model, batch_size):
-    """`profile` if it describes `model`'s segments at `batch_size`, else a ValueError saying how it differs."""
-    from hetpipe_tf.runtime.profiler import model_profile
-
-    def shape(p):  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
-        return p.batch_size, len(p.layer_names), p.total_weight_bytes, sum(p.forward_flops)
-
-    own = model_profile(model, batch_size)  # as measured profiles count attention and lookups
-    if shape(profile) != shape(own):
-        raise ValueError(f"the profile given is of {profile.model} at batch {profile.batch_size} "
-                         f"({len(profile.layer_names)} layer calls, {profile.total_weight_bytes} weight bytes), the "
-                         f"model trained is {own.model} at batch {batch_size} ({len(own.layer_names)} layer calls, "
-                         f"{own.total_weight_bytes} weight bytes): give the profile of this model and batch size, "
-                         f"or profile=None to measure one")
-    return profile

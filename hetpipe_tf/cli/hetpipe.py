@@ -2,16 +2,20 @@
 
     hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json] [--png=plan.png]
     hetpipe plan --cluster=paper --model=gpt2_medium --batch_size=4 --optimizer=adamw --policy=auto
+    hetpipe plan --cluster=local --model=mlp --profile=mlp_profile.json   # as hetpipe-train --cluster=local
     hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
     hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
     hetpipe trace plot TRACE.json [-o timeline.png]
 
 `plan` prints the virtual workers and their device types, every stage's layer range,
-predicted time and memory, Nm and the predicted throughput. `simulate` runs the plan's
-schedules in the discrete-event simulator and prints throughput, each device's busy
-fraction, and each worker's wait and idle time under the staleness bound. `launch`
-starts the parameter-server and worker tasks of the cluster on this machine, runs the
-command after ``--`` as their chief (TF_CONFIG set), and stops every task at its end.
+predicted time and memory, Nm and the predicted throughput. Its planning flags are hetpipe-train's
+(:mod:`hetpipe_tf.cli.plan_flags`, the same names and defaults) and it plans as a training run does
+(:mod:`hetpipe_tf.runtime.plan_assembly`): with a run's flags and its ``--profile``, it prints the
+plan that run trains. `simulate` runs the plan's schedules in the discrete-event simulator and
+prints throughput, each device's busy fraction, and each worker's wait and idle time under the
+staleness bound. `launch` starts the parameter-server and worker tasks of the cluster on this
+machine, runs the command after ``--`` as their chief (TF_CONFIG set), and stops every task at its
+end.
 `--png` and `trace plot` draw a plan and a trace (``hetpipe-train --trace_file``) as PNG
 pictures (:mod:`hetpipe_tf.cli.plots`; needs matplotlib: ``pip install 'hetpipe_tf[plot]'``).
 
@@ -26,7 +30,7 @@ from absl import app, flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-from hetpipe_tf.cli import errors, hetpipe_flags  # noqa: E402 - after the environment TensorFlow reads
+from hetpipe_tf.cli import errors, hetpipe_flags, plan_flags  # noqa: E402 - after the environment TensorFlow reads
 
 hetpipe_flags.define_flags()
 FLAGS = flags.FLAGS
@@ -47,22 +51,32 @@ def build_transformer(name):
 
 
 def make_plan():
-    """The plan the flags ask for, and a one-line description of where its times come from."""
+    """The plan the flags ask for: the plan assembly of every run (:mod:`hetpipe_tf.runtime.plan_assembly`),
+    so that the flags of a hetpipe-train run (and its --profile) give that run's plan."""
+    import dataclasses
+
     from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.runtime import plan_assembly as assembly
+    from hetpipe_tf.runtime.optimizers import by_name
 
     cluster = load_cluster(FLAGS.cluster)
+    request = dataclasses.replace(plan_flags.plan_request(FLAGS), method=FLAGS.method,
+                                  time_budget_s=FLAGS.time_budget_s)
+    optimizer = by_name(FLAGS.optimizer, momentum=FLAGS.momentum)  # only its slots matter to a plan
+    profile = assembly.loaded_profile(FLAGS.profile) or _model_profile(cluster, optimizer)
+    return assembly.assemble_plan(cluster, request, optimizer, profile)
+
+
+def _model_profile(cluster, optimizer):
+    """The profile of the model the flags name: measured on this host for a cluster whose devices this
+    host serves (as hetpipe-train measures it), else read from the model's graph (analytic times)."""
     if cluster.on_host and FLAGS.model in hetpipe_flags.TRANSFORMERS:
         raise app.UsageError(f"--model={FLAGS.model} can be planned for real GPUs (a cluster file or the paper "
                              f"preset), not for cluster '{cluster.name}', whose devices this host serves and measures")
     from hetpipe_tf.cli import models
-    from hetpipe_tf.planning.planner import plan
-    from hetpipe_tf.runtime.optimizers import by_name, slots_per_weight
+    from hetpipe_tf.runtime import plan_assembly as assembly
     from hetpipe_tf.runtime.profiler import model_profile
 
-    if cluster.on_host:  # logical devices before anything starts TensorFlow's runtime
-        from hetpipe_tf.planning.devices import DeviceSpec
-        from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
-        names = configure_tensorflow_devices([DeviceSpec("emulated")] * 2)
     if FLAGS.model in hetpipe_flags.TRANSFORMERS:
         model = build_transformer(FLAGS.model)
     else:
@@ -70,24 +84,13 @@ def make_plan():
         shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
         classes = FLAGS.num_classes or (1000 if big else 10)
         model = models.build_model(FLAGS.model, shape, classes)
-    optimizer = by_name(FLAGS.optimizer, momentum=FLAGS.momentum)  # only its slots matter to a plan
-    links = None
     if cluster.on_host:
-        # Devices this host serves are measured here, and so is the host link between them (§7's
-        # synthetic transfer benchmark); every "node" of such a cluster is this host.
         import keras
-        from hetpipe_tf.planning.cost_model import LinkModel
-        from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
-        samples = measure_transfers(names[0], names[1])
-        links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
-        profile = measure_profile(model, FLAGS.batch_size, optimizer=optimizer,
-                                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    else:
-        length = FLAGS.sequence_length or hetpipe_flags.TRANSFORMERS.get(FLAGS.model, {}).get("max_sequence_length")
-        profile = model_profile(model, FLAGS.batch_size, sequence_length=length)
-    return plan(profile, cluster, policy=FLAGS.policy, vw_size=FLAGS.vw_size, num_in_flight=FLAGS.num_in_flight,
-                staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, dilation=FLAGS.dilation,
-                optimizer_slots=slots_per_weight(optimizer), method=FLAGS.method, links=links, time_budget_s=FLAGS.time_budget_s)
+
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return assembly.workload_profile(model, FLAGS.batch_size, None, assembly.Training(optimizer, loss))
+    length = FLAGS.sequence_length or hetpipe_flags.TRANSFORMERS.get(FLAGS.model, {}).get("max_sequence_length")
+    return model_profile(model, FLAGS.batch_size, sequence_length=length)
 
 
 def simulate_plan(p, steps):

@@ -2,9 +2,7 @@
 the ranges absl checks while parsing."""
 from absl import flags
 
-from hetpipe_tf.cli import models
-from hetpipe_tf.planning.allocation import POLICIES
-from hetpipe_tf.sync.wsp import PLACEMENTS
+from hetpipe_tf.cli import models, plan_flags
 
 #: What the binaries' --optimizer flag takes (hetpipe_tf.runtime.optimizers.by_name makes them; listed
 #: here so that the flags parse without loading Keras).
@@ -19,22 +17,16 @@ TRANSFORMERS = {"gpt2_medium": {"vocabulary_size": 50257, "num_layers": 24, "num
 
 
 def define_flags():
+    plan_flags.define_plan_flags()  # what the planner is asked for, as hetpipe-train takes it
     flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
     flags.DEFINE_enum("model", "resnet152", list(models.MODELS) + list(TRANSFORMERS),
                       "Model to plan for (gpt2_medium: a GPT-2-medium-sized transformer, keras_hub; plan only).")
-    flags.DEFINE_enum("policy", "hd", list(POLICIES) + ["auto"], "Allocation of devices to virtual workers.")
-    flags.DEFINE_integer("vw_size", None, "Devices per virtual worker (default: the smallest node's count).",
-                         lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Minibatch size.", lower_bound=1)
     flags.DEFINE_list("input_shape", None, "Input image shape H,W,C (default: 224,224,3 for keras.applications "
                                            "models, else the bundled digits' 8,8,1).")
     flags.DEFINE_integer("num_classes", None, "Classes (default: 1000 for keras.applications models, else 10).",
                          lower_bound=1)
-    flags.DEFINE_integer("num_in_flight", None, "Force Nm (default: chosen by the planner).", lower_bound=1)
-    flags.DEFINE_integer("staleness_bound", 0, "D of Wave Synchronous Parallel.", lower_bound=0)
-    flags.DEFINE_enum("placement", "default", list(PLACEMENTS), "Parameter placement on the servers.")
     flags.DEFINE_enum("method", "milp", ["milp", "dp"], "Partitioner.")
-    flags.DEFINE_float("dilation", 3.0, "Emulated devices' time dilation (as in hetpipe-train).", lower_bound=1.0)
     flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "Optimizer (its slots take memory).")
     flags.DEFINE_integer("sequence_length", None, "Transformers: the sequence planned for (default: the model's "
                          "longest, 1024 for gpt2_medium).", lower_bound=1)

@@ -14,7 +14,7 @@ from absl import app, flags, logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-from hetpipe_tf.cli import errors, train_flags
+from hetpipe_tf.cli import errors, plan_flags, train_flags
 
 train_flags.define_flags()
 FLAGS = flags.FLAGS
@@ -29,22 +29,22 @@ def _devices():
 
 
 def _auto_plan(model, devices, optimizer, loss, batch_size):
-    """The planner's device order, stage boundaries and Nm for one virtual worker on `devices`."""
+    """The planner's device order, stage boundaries and Nm for one virtual worker on `devices` (the plan
+    assembly of every run, :mod:`hetpipe_tf.runtime.plan_assembly`, with the links measured between
+    these devices, which are this process's own)."""
+    import dataclasses
+
     from hetpipe_tf.planning.cluster import from_device_specs
-    from hetpipe_tf.planning.cost_model import LinkModel
-    from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.runtime import plan_assembly as assembly
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
-    from hetpipe_tf.runtime.optimizers import slots_per_weight
-    from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers
 
     cluster = from_device_specs(devices, name="devices")
-    profile = measure_profile(model, batch_size, loss=loss, optimizer=optimizer)
+    profile = assembly.workload_profile(model, batch_size, assembly.loaded_profile(FLAGS.profile),
+                                        assembly.Training(optimizer, loss))
     names = configure_tensorflow_devices(devices)
-    samples = measure_transfers(names[0], names[-1])  # emulated devices all live on this host
-    links = LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
-    chosen = plan(profile, cluster, workers=[cluster.devices()], num_in_flight=FLAGS.num_in_flight,
-                  dilation=FLAGS.dilation or 1.0, optimizer_slots=slots_per_weight(optimizer), links=links,
-                  schedule=FLAGS.schedule)
+    request = dataclasses.replace(plan_flags.plan_request(FLAGS), workers=(tuple(cluster.devices()),))
+    chosen = assembly.assemble_plan(cluster, request, optimizer, profile,
+                                    assembly.calibrated_links(cluster, names[0], names[-1]))
     print(chosen.format())
     by_type = {}
     for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):
@@ -135,20 +135,10 @@ def _train_virtual_workers(cluster):
     from hetpipe_tf.api.callbacks import WSPTensorBoard
     from hetpipe_tf.api.strategy import HetPipeStrategy
 
-    vw_size = None
-    if FLAGS.num_vws:
-        total = len(cluster.devices())
-        if total % FLAGS.num_vws:
-            raise app.UsageError(f"--num_vws={FLAGS.num_vws} must divide the cluster's {total} devices")
-        vw_size = total // FLAGS.num_vws
-    strategy = HetPipeStrategy(cluster=FLAGS.cluster, policy=FLAGS.policy, num_in_flight=FLAGS.num_in_flight,
-                               staleness_bound=FLAGS.staleness_bound, placement=FLAGS.placement, vw_size=vw_size,
-                               dilation=FLAGS.dilation, launch=FLAGS.launch, timeout_s=FLAGS.timeout_s,
-                               emulate_links=FLAGS.emulate_links, checkpoint_dir=FLAGS.checkpoint_dir,
-                               save_every_epochs=FLAGS.save_every_epochs, resume=FLAGS.resume,
-                               schedule=FLAGS.schedule, sync=train_flags.chosen_sync(FLAGS),
-                               on_worker_failure=FLAGS.on_worker_failure,
-                               uneven_minibatches=FLAGS.uneven_minibatches)
+    strategy = HetPipeStrategy(cluster=cluster, **plan_flags.request_arguments(FLAGS), launch=FLAGS.launch,
+                               timeout_s=FLAGS.timeout_s, emulate_links=FLAGS.emulate_links,
+                               checkpoint_dir=FLAGS.checkpoint_dir, save_every_epochs=FLAGS.save_every_epochs,
+                               resume=FLAGS.resume, on_worker_failure=FLAGS.on_worker_failure, profile=FLAGS.profile)
     with strategy.scope():
         train, test, model = _data_and_model()
         loss, metrics = _loss_and_metrics()

@@ -5,7 +5,7 @@ from absl import flags
 
 from hetpipe_tf.data import DEFAULT_DATA_DIR
 
-from hetpipe_tf.cli import models
+from hetpipe_tf.cli import models, plan_flags
 from hetpipe_tf.cli.hetpipe_flags import OPTIMIZERS
 
 DEFAULT_DEVICES = "1@32M,0.5@32M,0.5@32M,0.25@32M"
@@ -32,8 +32,6 @@ def define_flags():
                       "auto: profile the model on this host and let the planner choose the device order, "
                       "the stage boundaries and Nm (memory per stage position included); none: --boundaries, "
                       "or a static FLOP balance, and --num_in_flight.")
-    flags.DEFINE_integer("num_in_flight", None, "Nm, minibatches in flight (default: the number of stages).",
-                         lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Minibatch size.", lower_bound=1)
     flags.DEFINE_integer("epochs", 12, "Epochs (hetpipe_addition: 20 unless given).", lower_bound=1)
     flags.DEFINE_integer("steps_per_epoch", None, "Minibatches per epoch (default: the whole training split).",
@@ -52,10 +50,6 @@ def define_flags():
                       "virtual worker); weights stay float32.")
     flags.DEFINE_integer("image_size", None, "Resize images to this side (keras.applications models need >= 32).",
                          lower_bound=1)
-    flags.DEFINE_float("dilation", None, "Multiplies every emulated device's slowdown. Default: calibrated "
-                                         "by short probe runs before training, the smallest at which fewer "
-                                         "than 2.5 percent of the tasks overran (a run above 5 percent is not "
-                                         "faithful and says so).", lower_bound=1.0)
     flags.DEFINE_integer("intra_op_threads", 1, "TensorFlow intra-op threads (1: each stage uses about one core).",
                          lower_bound=0)
     flags.DEFINE_integer("inter_op_threads", 0, "TensorFlow inter-op threads (0: TensorFlow's choice).",
@@ -68,19 +62,11 @@ def define_flags():
     flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_bool("show_schedule", True, "Print the first minibatches of every stage's program.")
+    plan_flags.define_plan_flags()  # what the planner is asked for, as `hetpipe plan` takes it
     # Several virtual workers (HetPipe §5, §8): given --cluster, HetPipeStrategy plans and launches.
     flags.DEFINE_string("cluster", None,
                         "Train several virtual workers under WSP on this cluster description (a preset such "
                         "as 'local', or a JSON file); without it, one virtual worker on --devices.")
-    flags.DEFINE_enum("policy", "ed", ["np", "ed", "hd", "auto"], "With --cluster: how devices are grouped into "
-                                                                   "virtual workers (§8.1).")
-    flags.DEFINE_integer("num_vws", None, "With --cluster: the number of virtual workers (default: the policy's).",
-                         lower_bound=1)
-    flags.DEFINE_integer("staleness_bound", 0, "With --cluster: D of Wave Synchronous Parallel (§5), in waves; "
-                         "s of --sync=ssp, in minibatches; --sync=bsp and asp take only 0.",
-                         lower_bound=0)
-    flags.DEFINE_enum("placement", None, ["default", "local"],
-                      "With --cluster: parameter placement on the servers (default: local for ED, else default).")
     flags.DEFINE_enum("launch", "processes", ["processes", "tf_config", "in_process"],
                       "With --cluster: processes (start a local cluster of ps and worker tasks), tf_config (join "
                       "TF_CONFIG's cluster, e.g. under `hetpipe launch`), in_process (threads).")
@@ -91,27 +77,11 @@ def define_flags():
     flags.DEFINE_integer("save_every_epochs", 1, "With --checkpoint_dir: save every this many epochs.", lower_bound=1)
     flags.DEFINE_bool("resume", False, "With --checkpoint_dir: continue from its newest checkpoint (under any plan) up "
                                        "to --epochs.")
-    flags.DEFINE_string("schedule", "hetpipe", "How each virtual worker pipelines its minibatches: a registered "
-                                               "schedule (hetpipe_tf.pipeline.schedule.combinations lists them).")
-    flags.DEFINE_string("sync", "wsp", "With --cluster: how the virtual workers synchronise, a registered scheme "
-                                       "(default: WSP, §5; also bsp, ssp, asp: per-minibatch clocks, §2.2; "
-                                       "pipe-sgd: all-reduce, no servers, Pipe-SGD).")
-    flags.DEFINE_integer("pipe_sgd_staleness", 1, "With --sync=pipe-sgd: the gradient staleness k (Pipe-SGD, "
-                         "Algorithm 1: minibatch t waits for the aggregate of t - (k + 1); 1 is the seed's optimum, "
-                         "0 is synchronous all-reduce SGD).", lower_bound=0)
-    flags.DEFINE_enum("compression", "none", ["none", "truncate16", "quant8"],
-                      "With --sync=pipe-sgd: what the all-reduce communicates (Pipe-SGD): float32 as it is, "
-                      "truncated to its 16 high bits, or 8-bit scalar quantisation.")
     flags.DEFINE_enum("on_worker_failure", "stop", ["stop", "continue"],
                       "With --cluster and --launch=processes or tf_config, when a virtual worker's process is lost "
                       "(killed, or no heartbeat for --timeout_s): stop (end the run with an error naming it) or "
                       "continue (go on without it; a new process takes its place at the epoch's end, from the "
                       "global weights; the pipelines then drain at every epoch's end).")
-    flags.DEFINE_bool("uneven_minibatches", False,
-                      "With --cluster: give each virtual worker a minibatch size proportional to its predicted "
-                      "throughput (within its memory) out of --batch_size times the number of workers, and weight "
-                      "the servers' pushes by it (beyond the paper; pays off where workers are unequal, as under "
-                      "--policy=np).")
     flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
     flags.register_validator("boundaries", _integers,
                              message="--boundaries must be integers (each stage's first layer call), e.g. 0,5,9")
@@ -129,6 +99,11 @@ def define_flags():
         ["resume", "checkpoint_dir"], lambda v: not v["resume"] or bool(v["checkpoint_dir"]),
         message="--resume needs the --checkpoint_dir to resume from")
     flags.register_multi_flags_validator(
+        ["cluster", "plan", "profile"],
+        lambda v: v["profile"] is None or v["cluster"] is not None or v["plan"] == "auto",
+        message="--profile is what the planner plans with: give --cluster (or --plan=auto for one virtual worker) "
+                "too, or drop --profile")
+    flags.register_multi_flags_validator(
         ["plan", "boundaries"], lambda v: v["plan"] != "auto" or v["boundaries"] is None,
         message="--plan=auto chooses the boundaries; drop --boundaries or --plan=auto")
     flags.register_multi_flags_validator(
@@ -144,11 +119,6 @@ def define_flags():
         ["cluster", "uneven_minibatches"], lambda v: v["cluster"] is not None or not v["uneven_minibatches"],
         message="--uneven_minibatches sizes the minibatches of several virtual workers: give --cluster too (e.g. "
                 "--cluster=local --policy=np), or drop --uneven_minibatches")
-    flags.register_multi_flags_validator(["schedule", "sync", "staleness_bound"], _registered_combination)
-    flags.register_multi_flags_validator(
-        ["sync", "pipe_sgd_staleness", "compression"],
-        lambda v: v["sync"] == "pipe-sgd" or (v["pipe_sgd_staleness"], v["compression"]) == (1, "none"),
-        message="--pipe_sgd_staleness and --compression are Pipe-SGD's: give --sync=pipe-sgd too, or drop them")
     flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
 
@@ -159,28 +129,6 @@ def _integers(values):
     except ValueError:
         return False
     return True
-
-
-def _registered_combination(values):
-    import hetpipe_tf.pipeline  # noqa: F401 - registers the schedules
-    import hetpipe_tf.sync  # noqa: F401 - registers the schemes
-    from hetpipe_tf.pipeline.schedule import check_combination
-
-    try:
-        check_combination(values["schedule"], values["sync"])[1].checked_bound(values["staleness_bound"])
-    except ValueError as exc:
-        raise flags.ValidationError(f"--schedule={values['schedule']} --sync={values['sync']} "
-                                    f"--staleness_bound={values['staleness_bound']}: {exc}") from None
-    return True
-
-
-def chosen_sync(values):
-    """The synchronisation scheme the flags name: --sync, with Pipe-SGD's k and compression."""
-    if values.sync != "pipe-sgd":
-        return values.sync
-    from hetpipe_tf.sync.pipe_sgd import PipeSGD
-
-    return PipeSGD(staleness=values.pipe_sgd_staleness, compression=values.compression)
 
 
 def _one_device_per_stage(values):

@@ -60,17 +60,19 @@ from dataclasses import dataclass, replace
 from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
 from hetpipe_tf.pipeline.instructions import Backward, Forward, Recompute, RecvActivation, RecvGradient
-from hetpipe_tf.pipeline.schedule import NO_SYNC, get_schedule, get_sync
+from hetpipe_tf.pipeline.schedule import NO_SYNC
 from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.planning.allocation import (POLICIES, AllocationError, allocate, candidate_allocations, compositions,
                                             describe, mixed_allocations, pack_workers)
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
 from hetpipe_tf.planning.partitioner import Partition, _result, least_slowest_stage
-from hetpipe_tf.planning.profile import coarsen, colocated
+from hetpipe_tf.planning.cluster import Cluster
+from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, coarsen, colocated
+from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
                                         proportional_sizes)
-from hetpipe_tf.sync.wsp import PLACEMENTS, WSP, WSP_SCHEME, ParameterServerModel
+from hetpipe_tf.sync.wsp import WSP, ParameterServerModel
 
 MAX_SEGMENTS = 48
 
@@ -480,8 +482,6 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
     could be neither the best nor chosen, so the plan is the one of simulating every Nm, its
     by_num_in_flight without them. With `floor` (auto): None if no Nm can predict more than `floor`
     minibatches/s, and the Nm whose bound cannot beat it are not simulated either."""
-    if placement not in PLACEMENTS:
-        raise PlanError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
     if placement == "local" and len({tuple(d.type.name for d in w) for w in workers}) > 1:
         raise PlanError("local placement keeps a stage's layers on its node's parameter server, which needs "
                         "every virtual worker to hold the same device types (ED)")
@@ -595,31 +595,19 @@ class _Settings:
                              self.num_in_flight, solved, notes, self.minibatch_sizes, floor)
 
 
-def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, staleness_bound=0, placement="default",
-         dilation=1.0, optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None,
-         analytic=None, schedule=HETPIPE, sync=WSP_SCHEME, minibatch_sizes=None, time_budget_s=None):
-    """Plans training `profile`'s model on `cluster`; see the module docstring.
+def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(), links: LinkModel | None = None,
+         optimizer_slots: int = 1, analytic: AnalyticAssumptions | None = None) -> "Plan":
+    """Plans training `profile`'s model on `cluster` as `request` asks; see the module docstring.
 
     Args:
       profile: a Profile (measured for emulated devices, analytic parts are added as needed).
       cluster: a Cluster.
-      policy: "np", "ed", "hd" or "auto".
-      vw_size: devices per virtual worker (default: the smallest node's device count).
-      num_in_flight: force Nm (checked against every worker's Max_m).
-      staleness_bound: D of WSP.
-      placement: "default" or "local".
-      dilation, optimizer_slots, links: passed to the CostModel.
-      method: "milp" (default) or "dp".
-      workers: explicit virtual workers (tuples of cluster devices) instead of a policy.
+      request: what the run asks for (:class:`hetpipe_tf.planning.request.PlanRequest`: the policy,
+        worker size, Nm or None, D, placement or None, schedule, sync, minibatch sizes, dilation);
+        the Plan holds what was decided for every field left to the planner.
+      links: the LinkModel of the cluster's transfers (default: the cluster description's links).
+      optimizer_slots: the optimizer's slots per weight (their memory is charged to every stage).
       analytic: AnalyticAssumptions for device types that are not measured.
-      schedule: the pipelining schedule, a registered name or object (its memory facts and
-        programs are what is charged and simulated).
-      sync: the synchronisation scheme between virtual workers when there are several.
-      minibatch_sizes: None (every worker trains the profile's batch size), "proportional" (a
-        global batch of the batch size times the number of workers, split by predicted throughput
-        within memory) or one size per worker (checked against memory): see step 5 above.
-      time_budget_s: `auto` only: stop trying allocations after this many seconds and return
-        the best found (the three policies' own allocations are always tried).
 
     A model with a layer called in several places (tied weights: an input embedding used again
     for the logits) is planned twice: with cuts that may separate its calls (each stage that
@@ -627,17 +615,13 @@ def plan(profile, cluster, policy="hd", vw_size=None, num_in_flight=None, stalen
     one stage (:func:`hetpipe_tf.planning.profile.colocated`); the faster plan is returned, and
     a note says which it is and what the other predicted.
     """
-    settings = dict(cluster=cluster, policy=policy, vw_size=vw_size, num_in_flight=num_in_flight,
-                    staleness_bound=staleness_bound, placement=placement, dilation=dilation,
-                    optimizer_slots=optimizer_slots, links=links, method=method, max_num_in_flight=max_num_in_flight,
-                    workers=workers, analytic=analytic, schedule=schedule, sync=sync,
-                    minibatch_sizes=minibatch_sizes, time_budget_s=time_budget_s)
+    costs = _Costs(links or LinkModel(), optimizer_slots, analytic)
     if not profile.shared_weights:
-        return _plan(profile, **settings)
+        return _plan(profile, cluster, request, costs)
     options = []
     for label, p in (("with replicas allowed", profile), ("with each kept on one stage", colocated(profile))):
         try:
-            options.append((label, _plan(p, **settings)))
+            options.append((label, _plan(p, cluster, request, costs)))
         except PlanError as e:
             options.append((label, e))
     planned = [(label, o) for label, o in options if isinstance(o, Plan)]
@@ -669,21 +653,25 @@ def _tied_placement(plan, layers):
     return ", ".join(parts)
 
 
-def _plan(profile, cluster, policy, vw_size, num_in_flight, staleness_bound, placement, dilation, optimizer_slots,
-          links, method, max_num_in_flight, workers, analytic, schedule, sync, minibatch_sizes, time_budget_s):
+@dataclass(frozen=True)
+class _Costs:
+    """What the cost model takes beside the request: the links, the optimizer's slots per weight
+    and the assumptions for device types that are not measured."""
+    links: LinkModel
+    optimizer_slots: int
+    analytic: AnalyticAssumptions | None
+
+
+def _plan(profile: Profile, cluster: Cluster, request: PlanRequest, costs: _Costs) -> "Plan":
     """:func:`plan` of one profile."""
-    schedule, sync = get_schedule(schedule), get_sync(sync)
-    if time_budget_s is not None and (not time_budget_s > 0 or policy.lower() != "auto" or workers is not None):
-        raise PlanError(f"time_budget_s bounds the search of policy 'auto' and is a number of seconds > 0; got "
-                        f"{time_budget_s!r} with policy {policy!r}" + (" and given workers" if workers else ""))
     notes = []
     if profile.num_segments > MAX_SEGMENTS:
         notes.append(f"{profile.num_segments} segments coarsened to {MAX_SEGMENTS} for the search "
                      f"(stages are cut only between merged segments)")
         profile = coarsen(profile, MAX_SEGMENTS)
-    links = links or LinkModel()
-    model = CostModel(profile, cluster, links=links, dilation=dilation, optimizer_slots=optimizer_slots,
-                      analytic=analytic)
+    dilation = request.planned_dilation
+    model = CostModel(profile, cluster, links=costs.links, dilation=dilation, optimizer_slots=costs.optimizer_slots,
+                      analytic=costs.analytic)
     for name, t in profile.times.items():
         notes.append(f"times for {name}: {t.source}")
     for dtype in {d.type for d in cluster.devices()}:
@@ -691,17 +679,18 @@ def _plan(profile, cluster, policy, vw_size, num_in_flight, staleness_bound, pla
             notes.append(model.times(dtype)[0].source)
     if cluster.emulated:
         notes.append(f"EMULATED devices: host times scaled by dilation {dilation:g} / speed")
-    notes.append(f"links: {links.source}")
-    settings = _Settings(profile, cluster, links, dilation, optimizer_slots, analytic, schedule, sync, placement,
-                         staleness_bound, num_in_flight, minibatch_sizes)
-    solved = _Solved(method, max_num_in_flight)
-    if workers is None and policy.lower() == "auto":
-        return _auto(settings, solved, notes, time_budget_s)
-    if workers is not None:
-        label, group = "given", tuple(tuple(w) for w in workers)
+    notes.append(f"links: {costs.links.source}")
+    settings = _Settings(profile, cluster, costs.links, dilation, costs.optimizer_slots, costs.analytic,
+                         request.schedule, request.sync, request.placement_of_policy, request.staleness_bound,
+                         request.num_in_flight, request.minibatch_sizes)
+    solved = _Solved(request.method, request.max_num_in_flight)
+    if request.workers is None and request.policy == "auto":
+        return _auto(settings, solved, notes, request.time_budget_s)
+    if request.workers is not None:
+        label, group = "given", request.workers
     else:
         try:
-            label, group = policy.lower(), allocate(cluster, policy, vw_size)
+            label, group = request.policy, allocate(cluster, request.policy, request.vw_size)
         except AllocationError as e:
             raise PlanError(str(e)) from e
     try:

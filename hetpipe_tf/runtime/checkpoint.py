@@ -45,35 +45,70 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hetpipe_tf.planning.planner import Plan
+
 #: The checkpoint format this module writes and reads.
 FORMAT = 2
 _PREFIX = "ckpt"
 _KEY = "{}/.ATTRIBUTES/VARIABLE_VALUE"
 
 
+@dataclass(frozen=True)
+class PlanCuts:
+    """What the optimizer state of a checkpoint belongs to: Nm, each worker's stage boundaries (first
+    layer call of each stage) and, when uneven, each worker's minibatch size. Saved as the dict
+    :meth:`to_dict` gives (the format every checkpoint has had)."""
+    num_in_flight: int
+    boundaries: tuple[tuple[int, ...], ...]
+    minibatch_sizes: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> "PlanCuts":
+        """A plan's Nm, every worker's boundaries and its uneven minibatch sizes (None if even)."""
+        return cls(plan.num_in_flight, tuple(plan.node_boundaries(w) for w in range(len(plan.workers))),
+                   tuple(plan.minibatch_sizes) or None)
+
+    @property
+    def shape(self) -> tuple[int, tuple[int, ...]]:
+        """Nm and each worker's number of stages."""
+        return self.num_in_flight, tuple(len(b) for b in self.boundaries)
+
+    def to_dict(self) -> dict:
+        cuts = {"num_in_flight": int(self.num_in_flight), "boundaries": [[int(b) for b in w] for w in self.boundaries]}
+        if self.minibatch_sizes:
+            cuts["minibatch_sizes"] = [int(b) for b in self.minibatch_sizes]
+        return cuts
+
+    @classmethod
+    def from_dict(cls, cuts: dict) -> "PlanCuts":
+        sizes = cuts.get("minibatch_sizes")
+        return cls(int(cuts["num_in_flight"]), tuple(tuple(int(b) for b in w) for w in cuts["boundaries"]),
+                   tuple(int(b) for b in sizes) if sizes else None)
+
+
+def reconcile_cuts(saved: PlanCuts | None, planned: PlanCuts) -> PlanCuts:
+    """The cuts a run trains at: under a plan of the same shape (Nm, each worker's number of stages)
+    as the checkpoint's `saved` cuts, those (resuming is exact, whichever cuts a profile measured anew
+    gives), with the saved minibatch sizes while the plan is still uneven (else even); under another
+    shape, or without a checkpoint, the `planned` ones (the state is then mapped per variable)."""
+    if saved is None or saved.shape != planned.shape:
+        return planned
+    sizes = (saved.minibatch_sizes or planned.minibatch_sizes) if planned.minibatch_sizes else None
+    return PlanCuts(saved.num_in_flight, saved.boundaries, sizes)
+
+
 @dataclass
 class RunState:
     """A run at an epoch's end. `weights`: the Keras model's variables' values in its order;
     `optimizers`: per worker, its :func:`stage_optimizer_state` (None: a fresh optimizer); `clocks`: each worker's
-    clock; `positions`: the minibatches each worker has consumed of its shard; `plan`: what
-    :func:`plan_signature` gives."""
+    clock; `positions`: the minibatches each worker has consumed of its shard; `plan`: the run's
+    :class:`PlanCuts`."""
     epoch: int
     weights: list
     optimizers: list
     clocks: list
     positions: list
-    plan: dict
-
-
-def plan_signature(num_in_flight, boundaries):
-    """What the optimizer state of a checkpoint belongs to: Nm and each worker's stage
-    boundaries (first layer call of each stage)."""
-    return {"num_in_flight": int(num_in_flight), "boundaries": [[int(b) for b in w] for w in boundaries]}
-
-
-def plan_shape(plan):
-    """Nm and each worker's number of stages of a :func:`plan_signature`."""
-    return plan["num_in_flight"], [len(b) for b in plan["boundaries"]]
+    plan: PlanCuts
 
 
 #: The Keras base optimizer's lists of every variable (its own, the model's), not of one kind of slot.
@@ -257,7 +292,7 @@ class Checkpoints:
         keys = [_flat_keys(worker) for worker in state.optimizers]
         optimizers = [np.asarray(_value(worker, key)) for worker, ks in zip(state.optimizers, keys) for key in ks]
         meta = {"format": FORMAT, "epoch": int(state.epoch), "clocks": [int(c) for c in state.clocks],
-                "positions": [int(p) for p in state.positions], "plan": state.plan,
+                "positions": [int(p) for p in state.positions], "plan": state.plan.to_dict(),
                 "weights": [[list(np.shape(w)), str(np.asarray(w).dtype)] for w in state.weights],
                 "optimizers": [None if worker is None else ks for worker, ks in zip(state.optimizers, keys)]}
         with tf.device("/device:CPU:0"):
@@ -298,7 +333,7 @@ class Checkpoints:
                     worker["slots"].setdefault(key[1], {})[key[2]] = value
             optimizers.append(worker)
         return RunState(epoch=meta["epoch"], weights=weights, optimizers=optimizers, clocks=meta["clocks"],
-                        positions=meta["positions"], plan=meta["plan"])
+                        positions=meta["positions"], plan=PlanCuts.from_dict(meta["plan"]))
 
     def restore_model(self, model):
         """Reads the newest checkpoint, puts its weights into `model` (checked to be the model

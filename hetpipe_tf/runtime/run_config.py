@@ -3,9 +3,10 @@
 A :class:`RunConfig` says how a run trains: Nm, the staleness bound, the schedule and the
 synchronisation scheme, where the global weights live, the optimizer and the compiled loss and
 metrics, the emulation's dilation, the timeouts, the minibatch sizes and what happens to a lost
-worker. It is built once from the user's arguments (``HetPipeStrategy``, ``VirtualWorker``,
-``hetpipe-train``), every check of those arguments is made when it is built (each error names
-the argument), and it is handed whole to the virtual workers, the runners and, pickled, to every
+worker. It is built once: a ``VirtualWorker`` from its arguments, a run of several (``HetPipeStrategy``,
+``hetpipe-train --cluster``) from its plan (:func:`hetpipe_tf.runtime.plan_assembly.resolved_config`:
+every field decided, Nm an integer); every check is made when it is built (each error names the
+argument), and it is handed whole to the virtual workers, the runners and, pickled, to every
 worker process. A :class:`WorkerSpec` says where one virtual worker runs.
 """
 import dataclasses
@@ -27,6 +28,21 @@ def _positive_int(name, value, allow_none=False):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an integer >= 1, got {value!r}")
     return value
+
+
+def checked_timeout(timeout_s: float) -> float:
+    """`timeout_s` as seconds, a ValueError unless > 0."""
+    if not float(timeout_s) > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def checked_on_worker_failure(on_worker_failure: str) -> str:
+    """`on_worker_failure`, a ValueError naming the choices unless it is one of ON_WORKER_FAILURE."""
+    if on_worker_failure not in ON_WORKER_FAILURE:
+        raise ValueError(f"unknown on_worker_failure {on_worker_failure!r}; allowed: "
+                         f"{', '.join(map(repr, ON_WORKER_FAILURE))}")
+    return on_worker_failure
 
 
 @dataclass(frozen=True)
@@ -87,14 +103,10 @@ class RunConfig:
             if not float(self.dilation) >= 1.0:
                 raise ValueError(f"dilation must be None (calibrated) or a number >= 1, got {self.dilation!r}")
             put("dilation", float(self.dilation))
-        if not float(self.timeout_s) > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        put("timeout_s", float(self.timeout_s))
+        put("timeout_s", checked_timeout(self.timeout_s))
         if self.minibatch_sizes is not None:
             put("minibatch_sizes", tuple(_positive_int("each of minibatch_sizes", int(b)) for b in self.minibatch_sizes))
-        if self.on_worker_failure not in ON_WORKER_FAILURE:
-            raise ValueError(f"unknown on_worker_failure {self.on_worker_failure!r}; allowed: "
-                             f"{', '.join(map(repr, ON_WORKER_FAILURE))}")
+        checked_on_worker_failure(self.on_worker_failure)
         if self.update_rule:
             check_worker_update(schedule, True, "global clipping and loss scaling")
 

@@ -18,6 +18,11 @@ def test_fit_trains_virtual_workers_like_keras_fit():
     history = model.fit(train, epochs=2, steps_per_epoch=12, validation_data=test, callbacks=[counter], verbose=0)
     assert strategy.plan.allocation == "FS FS" and len(strategy.runner.vws) == 2  # §8.1's ED
     assert strategy.runner.servers.placement == "local"
+    # What was asked stays apart from what was decided: Nm and the placement left to the planner,
+    # the run resolved with the plan's (an integer Nm, ED's local placement), which every worker trains.
+    assert strategy.request.num_in_flight is None and strategy.request.placement is None
+    assert strategy.run_config.num_in_flight == strategy.plan.num_in_flight == strategy.runner.num_in_flight >= 1
+    assert strategy.run_config.placement == strategy.plan.placement == "local"
     assert len(counter.epochs) == 2 and counter.batches == 24
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "images_per_s", "global_clock"):
         assert len(history.history[key]) == 2, key
@@ -132,11 +137,11 @@ def test_devices_emulated_from_a_given_profile_pace_to_its_times_and_no_stage_is
 def test_a_transformers_profile_is_taken_for_the_same_model_built_again():
     # A profile counts attention scores and embedding lookups (not in the graph's own FLOPs): the
     # check that a given profile is the model's must count them alike.
-    from hetpipe_tf.api.strategy import _checked_profile
+    from hetpipe_tf.runtime.plan_assembly import checked_profile
     from hetpipe_tf.cli.models import gpt
     from hetpipe_tf.runtime.profiler import model_profile
 
     profile = model_profile(gpt(11, 12), 32)
-    assert _checked_profile(profile, gpt(11, 12), 32) is profile
+    assert checked_profile(profile, gpt(11, 12), 32) is profile
     with pytest.raises(ValueError, match="give the profile of this model and batch size"):
-        _checked_profile(profile, gpt(11, 12, blocks=1), 32)
+        checked_profile(profile, gpt(11, 12, blocks=1), 32)

@@ -36,7 +36,7 @@ def test_fit_trains_the_digits_with_the_schedule_and_the_scheme_given(schedule, 
     before_loss, _ = model.evaluate(test, verbose=0)
     before = [v.numpy() for v in model.trainable_variables]
     history = model.fit(train, epochs=1, steps_per_epoch=16, validation_data=test, verbose=0)
-    assert strategy.plan.schedule.name == schedule and strategy.sync.name == sync
+    assert strategy.plan.schedule.name == schedule and strategy.request.sync.name == sync
     assert {vw.pipeline_schedule.name for vw in strategy.runner.vws} == {schedule}
     assert len(strategy.runner.vws) == 2 and np.isfinite(history.history["loss"][0])
     assert max(float(np.abs(v.numpy() - b).max()) for v, b in zip(model.trainable_variables, before)) > 1e-3

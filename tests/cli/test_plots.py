@@ -91,8 +91,9 @@ def paper_profile():
 def paper_plan(paper_profile):
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
 
-    return plan(paper_profile, load_cluster("paper"), policy="hd")
+    return plan(paper_profile, load_cluster("paper"), PlanRequest(policy="hd"))
 
 
 def test_plan_picture_has_a_row_of_panels_per_virtual_worker(tmp_path, paper_plan):
@@ -108,8 +109,9 @@ def test_plan_picture_has_a_row_of_panels_per_virtual_worker(tmp_path, paper_pla
 def test_plan_picture_gives_each_worker_its_own_minibatch_size_when_uneven(tmp_path, paper_profile):
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
 
-    uneven = plan(paper_profile, load_cluster("paper"), policy="np", minibatch_sizes="proportional")
+    uneven = plan(paper_profile, load_cluster("paper"), PlanRequest(policy="np", minibatch_sizes="proportional"))
     sizes = uneven.sizes
     assert len(set(sizes)) > 1  # NP's workers are unequal: so are their minibatches
     drawn = plots.plot_plan(uneven, tmp_path / "plan.png")

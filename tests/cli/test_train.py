@@ -168,5 +168,5 @@ def test_tasks_started_by_hand_as_on_other_hosts_run_a_process_per_virtual_worke
 def test_cluster_flags_refuse_single_worker_flags(tmp_path):
     run = hetpipe_train(tmp_path, "--cluster=local", "--devices=1,1")
     assert run.returncode != 0 and "--devices is for one virtual worker" in run.stderr
-    run = hetpipe_train(tmp_path, "--cluster=local", "--num_vws=3")
-    assert run.returncode != 0 and "--num_vws=3 must divide the cluster's 4 devices" in run.stderr
+    run = hetpipe_train(tmp_path, "--cluster=local", "--vw_size=3", "--model=mlp", "--launch=in_process")
+    assert run.returncode != 0 and "ED: 4 devices do not make virtual workers of 3" in run.stderr

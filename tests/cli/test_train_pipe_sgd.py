@@ -8,7 +8,7 @@ from tests.helpers.cli import CLUSTER_RUN, hetpipe_train
 
 def test_virtual_workers_train_with_pipe_sgd_and_its_compression(tmp_path):
     run = hetpipe_train(tmp_path, *CLUSTER_RUN, "--launch=in_process", "--sync=pipe-sgd", "--pipe_sgd_staleness=1",
-                        "--compression=quant8", "--num_vws=2")
+                        "--compression=quant8", "--vw_size=2")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
     assert [w["worker"] for w in summary["virtual_workers"]] == [0, 1] and summary["test_accuracy"] > 0.2

@@ -16,7 +16,7 @@ from hetpipe_tf.runtime.checkpoint import Checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One virtual worker of 4 emulated devices at Nm = 2, D = 0, momentum (optimizer state matters).
-RUN = ["--cluster=local", "--num_vws=1", "--model=mlp", "--num_in_flight=2", "--dilation=2", "--epochs=4",
+RUN = ["--cluster=local", "--vw_size=4", "--model=mlp", "--num_in_flight=2", "--dilation=2", "--epochs=4",
        "--steps_per_epoch=6", "--momentum=0.9", "--learning_rate=0.05", "--show_schedule=false"]
 
 

@@ -22,6 +22,7 @@ from hetpipe_tf.pipeline.taylorpipe import DEFAULT_VARIANCE_CONTROL, HetPipeTayl
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel
 from hetpipe_tf.planning.planner import plan
+from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.sync.wsp import WSP_SCHEME, ParameterServerModel
 from tests.helpers.schedule_runs import check_across_stages, check_stage, runs, simulate_schedule
 from tests.helpers.profiles import toy_profile
@@ -146,8 +147,9 @@ def test_the_planner_charges_the_seeds_replicas_for_taylorpipe_and_hetpipes_memo
 def test_the_planner_charges_each_compensation_an_updates_time(name, plain):
     # Nm = 2 on two stages: TaylorPipe's order is PipeDream's, HetPipe-Taylor's HetPipe's; only
     # the compensation before every update (an update's time each) makes them slower.
-    taylor, uncompensated = (plan(toy_profile(), load_cluster("local"), policy="ed", num_in_flight=2,
-                                  schedule=get_schedule(s)) for s in (name, plain))
+    taylor, uncompensated = (plan(toy_profile(), load_cluster("local"),
+                                  PlanRequest(policy="ed", num_in_flight=2, schedule=get_schedule(s)))
+                             for s in (name, plain))
     assert get_schedule(name).apply_like == {CompensateGradient}
     assert taylor.minibatches_per_s < uncompensated.minibatches_per_s
 

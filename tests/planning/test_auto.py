@@ -11,6 +11,8 @@ from hetpipe_tf.planning.allocation import (AllocationError, allocate, compositi
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.cost_model import CostModel, link_flows
 from hetpipe_tf.planning.planner import PlanError, pace_bounds, plan, predict
+from hetpipe_tf.planning.request import PlanRequest, PlanRequestError
+from hetpipe_tf.sync.wsp import WSP_SCHEME
 from tests.helpers.profiles import random_cluster, random_profile
 from tests.helpers.profiles import model_profile
 
@@ -22,11 +24,11 @@ def small():
 
 def test_auto_beats_or_equals_every_policy_and_shows_them_beside_its_choice():
     cluster, profile, few = small()
-    auto = plan(profile, cluster, policy="auto", **few)
+    auto = plan(profile, cluster, PlanRequest(policy="auto", **few))
     assert auto.policy.startswith("auto: ")
     beside = {a.policy: a for a in auto.alternatives}
     for policy in ("np", "ed", "hd"):
-        alone = plan(profile, cluster, policy=policy, **few)
+        alone = plan(profile, cluster, PlanRequest(policy=policy, placement="default", **few))  # as auto plans it
         assert auto.minibatches_per_s >= alone.minibatches_per_s - 1e-9
         if describe(allocate(cluster, policy)) != auto.allocation:  # the others are printed beside it
             assert beside[policy.upper()].images_per_s == pytest.approx(alone.images_per_s)
@@ -39,14 +41,15 @@ def test_auto_beats_or_equals_every_policy_and_shows_them_beside_its_choice():
 
 def test_a_time_budget_returns_the_best_so_far_and_says_what_it_left_out():
     cluster, profile, few = small()
-    quick = plan(profile, cluster, policy="auto", time_budget_s=1e-6, **few)
-    best_policy = max(plan(profile, cluster, policy=p, **few).minibatches_per_s for p in ("np", "ed", "hd"))
+    quick = plan(profile, cluster, PlanRequest(policy="auto", time_budget_s=1e-6, **few))
+    best_policy = max(plan(profile, cluster, PlanRequest(policy=p, **few)).minibatches_per_s
+                      for p in ("np", "ed", "hd"))
     assert quick.minibatches_per_s == pytest.approx(best_policy)  # the policies' own are always planned
     assert "not tried within the time budget" in quick.notes[-1]
-    with pytest.raises(PlanError, match="time_budget_s bounds the search of policy 'auto'.*got 5 with policy 'hd'"):
-        plan(profile, cluster, policy="hd", time_budget_s=5)
-    with pytest.raises(PlanError, match="time_budget_s .* got 0"):
-        plan(profile, cluster, policy="auto", time_budget_s=0)
+    with pytest.raises(PlanRequestError, match="time_budget_s bounds the search of policy 'auto'.*got 5 with policy 'hd'"):
+        PlanRequest(policy="hd", time_budget_s=5)
+    with pytest.raises(PlanRequestError, match="time_budget_s .* got 0"):
+        PlanRequest(policy="auto", time_budget_s=0)
 
 
 def test_mixes_take_the_most_workers_at_least_as_fast_as_each_rate():
@@ -98,7 +101,7 @@ def test_pace_bounds_are_above_every_prediction(seed):
 def test_an_allocation_that_cannot_beat_the_best_is_not_simulated(monkeypatch):
     cluster, profile, _ = small()
     settings = planner._Settings(profile, cluster, planner.LinkModel(), 1.0, 1, None, planner.HETPIPE,
-                                 planner.WSP_SCHEME, "default", 0, None, None)
+                                 WSP_SCHEME, "default", 0, None, None)
     group = allocate(cluster, "np")
     full = settings.plan(group, "np", planner._Solved("dp", 4), [])
     simulated = []
@@ -116,10 +119,11 @@ def test_auto_on_a_cluster_of_two_node_sizes_and_three_types():
     spec["nodes"] = [{"name": "a", "device_type": "V", "count": 2}, {"name": "b", "device_type": "R", "count": 4},
                      {"name": "c", "device_type": "Q", "count": 2}, {"name": "d", "device_type": "V", "count": 2}]
     cluster, profile, few = load_cluster(spec), model_profile(n=6), {"max_num_in_flight": 4}
-    auto = plan(profile, cluster, policy="auto", **few)
+    auto = plan(profile, cluster, PlanRequest(policy="auto", **few))
     with pytest.raises(PlanError, match="HD: no grouping of the nodes"):
-        plan(profile, cluster, policy="hd", **few)
-    best = max((plan(profile, cluster, policy=p, **few) for p in ("np", "ed")), key=lambda p: p.minibatches_per_s)
+        plan(profile, cluster, PlanRequest(policy="hd", **few))
+    best = max((plan(profile, cluster, PlanRequest(policy=p, **few)) for p in ("np", "ed")),
+               key=lambda p: p.minibatches_per_s)
     assert auto.minibatches_per_s >= best.minibatches_per_s - 1e-9
     used = [d for w in auto.workers for d in w.devices]
     assert len(used) == len(set(used)) and set(used) <= set(cluster.devices())

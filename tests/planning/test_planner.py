@@ -7,6 +7,7 @@ import pytest
 from hetpipe_tf.planning.allocation import AllocationError, allocate, describe
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.planner import PlanError, plan
+from hetpipe_tf.planning.request import PlanRequest, PlanRequestError
 from hetpipe_tf.planning.profile import SegmentTimes
 from tests.helpers.profiles import model_profile
 
@@ -16,7 +17,7 @@ from tests.helpers.profiles import model_profile
 def test_policies_give_table_3(policy, table3):
     cluster = load_cluster("paper")
     assert describe(allocate(cluster, policy)) == table3
-    p = plan(model_profile(), cluster, policy=policy)
+    p = plan(model_profile(), cluster, PlanRequest(policy=policy))
     assert p.allocation == table3
     d = p.to_dict()
     assert [sorted(w["device_types"]) for w in d["virtual_workers"]] == [sorted(w) for w in table3.split()]
@@ -29,7 +30,7 @@ def test_policies_give_table_3(policy, table3):
 
 
 def test_nm_is_the_smallest_max_m_and_within_two_percent_of_the_best():
-    p = plan(model_profile(activation=900 * 2 ** 20), load_cluster("paper"), policy="np")
+    p = plan(model_profile(activation=900 * 2 ** 20), load_cluster("paper"), PlanRequest(policy="np"))
     max_m = [w.max_num_in_flight for w in p.workers]
     assert max(p.by_num_in_flight) == min(max_m) < max(max_m)  # NP: the small G node bounds Nm (§8.3)
     best = max(p.by_num_in_flight.values())
@@ -39,12 +40,12 @@ def test_nm_is_the_smallest_max_m_and_within_two_percent_of_the_best():
 
 def test_forced_nm_beyond_max_m_says_what_fits():
     with pytest.raises(PlanError, match=r"Nm=16 does not fit: the workers admit at most .*so Nm <= \d+"):
-        plan(model_profile(activation=900 * 2 ** 20), load_cluster("paper"), policy="np", num_in_flight=16)
+        plan(model_profile(activation=900 * 2 ** 20), load_cluster("paper"), PlanRequest(policy="np", num_in_flight=16))
 
 
 def test_model_too_big_for_a_worker_names_the_stage():
     with pytest.raises(PlanError, match=r"cannot train synthetic: .* needs .* but holds"):
-        plan(model_profile(activation=40 * 2 ** 30), load_cluster("paper"), policy="np")
+        plan(model_profile(activation=40 * 2 ** 30), load_cluster("paper"), PlanRequest(policy="np"))
 
 
 def test_host_pass_seconds_are_each_stage_s_task_cost_plus_its_segments():
@@ -52,7 +53,7 @@ def test_host_pass_seconds_are_each_stage_s_task_cost_plus_its_segments():
     times = SegmentTimes(forward=tuple(0.001 * (i + 1) for i in range(n)), backward=tuple(0.002 * (i + 1) for i in range(n)),
                          forward_overhead=0.0003, backward_overhead=0.0005, source="test")
     p = plan(model_profile(activation=2 ** 20, weights=2 ** 20).with_times("host", times), load_cluster("local"),
-             policy="ed")
+             PlanRequest(policy="ed"))
     for w, worker in enumerate(p.workers):
         bounds = list(worker.partition.boundaries) + [n]
         assert p.host_pass_seconds(w) == tuple(
@@ -60,7 +61,7 @@ def test_host_pass_seconds_are_each_stage_s_task_cost_plus_its_segments():
             for lo, hi in zip(bounds, bounds[1:]))
         assert sum(f + b for f, b in p.host_pass_seconds(w)) == pytest.approx(
             len(bounds[1:]) * 0.0008 + sum(times.forward) + sum(times.backward))
-    analytic = plan(model_profile(), load_cluster("paper"), policy="ed")
+    analytic = plan(model_profile(), load_cluster("paper"), PlanRequest(policy="ed"))
     with pytest.raises(ValueError, match="has no times measured on this host"):
         analytic.host_pass_seconds(0)
 
@@ -68,24 +69,25 @@ def test_host_pass_seconds_are_each_stage_s_task_cost_plus_its_segments():
 @pytest.mark.slow
 def test_auto_is_at_least_as_good_as_every_policy():
     cluster, profile = load_cluster("paper"), model_profile()
-    auto = plan(profile, cluster, policy="auto")
+    auto = plan(profile, cluster, PlanRequest(policy="auto"))
     assert auto.policy.startswith("auto: ")
     for policy in ("np", "ed", "hd"):
-        assert auto.minibatches_per_s >= plan(profile, cluster, policy=policy).minibatches_per_s - 1e-9
+        assert auto.minibatches_per_s >= plan(profile, cluster, PlanRequest(policy=policy)).minibatches_per_s - 1e-9
 
 
 def test_local_placement_needs_equal_workers():
     cluster, profile = load_cluster("paper"), model_profile()
-    ed_local = plan(profile, cluster, policy="ed", placement="local")
-    ed_default = plan(profile, cluster, policy="ed", placement="default", num_in_flight=ed_local.num_in_flight)
+    ed_local = plan(profile, cluster, PlanRequest(policy="ed", placement="local"))
+    ed_default = plan(profile, cluster,
+                      PlanRequest(policy="ed", placement="default", num_in_flight=ed_local.num_in_flight))
     assert ed_local.minibatches_per_s >= ed_default.minibatches_per_s  # pushes stay inside nodes
     with pytest.raises(PlanError, match="local placement .* needs every virtual worker to hold the same"):
-        plan(profile, cluster, policy="np", placement="local")
+        plan(profile, cluster, PlanRequest(policy="np", placement="local"))
 
 
 def test_bad_policy():
-    with pytest.raises(PlanError, match="unknown allocation policy 'xx'; allowed: np, ed, hd or auto"):
-        plan(model_profile(), load_cluster("paper"), policy="xx")
+    with pytest.raises(PlanRequestError, match="unknown policy 'xx'; allowed: np, ed, hd, auto"):
+        PlanRequest(policy="xx")
     spec = json.loads(json.dumps(PRESETS["paper"]))
     spec["nodes"][0]["count"] = 3
     with pytest.raises(AllocationError, match="ED: node 'node-R' has 4 devices, which do not split equally over 3"):

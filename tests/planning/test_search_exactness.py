@@ -14,6 +14,7 @@ import pytest
 
 from hetpipe_tf.pipeline.simulator import simulate_workers
 from hetpipe_tf.planning import allocation, planner
+from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.planning.allocation import AllocationError, _by_node, _compute, _equal_shares, _spread, describe
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
 from hetpipe_tf.planning.partitioner import distinct_orders, fits
@@ -114,7 +115,8 @@ def reference_planner(monkeypatch):
 
 def plan_outcome(profile, cluster, policy, placement="default"):
     try:
-        p = planner.plan(profile, cluster, policy=policy, placement=placement, method="dp", max_num_in_flight=4)
+        p = planner.plan(profile, cluster,
+                         PlanRequest(policy=policy, placement=placement, method="dp", max_num_in_flight=4))
     except planner.PlanError as e:
         return str(e)
     return (p.allocation, p.num_in_flight, round(p.minibatches_per_s, 9),

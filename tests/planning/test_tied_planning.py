@@ -9,8 +9,10 @@ import json
 import pytest
 
 from hetpipe_tf.planning.cluster import PRESETS, load_cluster
-from hetpipe_tf.planning.planner import PlanError, _plan, plan
+from hetpipe_tf.planning.cost_model import LinkModel
+from hetpipe_tf.planning.planner import PlanError, _Costs, _plan, plan
 from hetpipe_tf.planning.profile import Profile, coarsen, colocated
+from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.profiler import model_profile as profile_of
 from hetpipe_tf.runtime.stage_rewrite import describe_model
 from tests.helpers.models import gpt2_causal_lm
@@ -61,7 +63,7 @@ def test_a_stage_counts_a_tied_layer_once_and_each_stage_that_calls_it_a_replica
 
 def test_the_planner_replicates_a_tied_layer_that_no_cut_keeps_together_and_says_so():
     profile = _tied(model_profile(), (0, 11), 200 * MIB)
-    chosen = plan(profile, _cluster(2), policy="ed", vw_size=2)
+    chosen = plan(profile, _cluster(2), PlanRequest(policy="ed", vw_size=2))
     stages = chosen.to_dict()["virtual_workers"][0]["stages"]
     assert [s["replicas"] for s in stages] == [["tied"], ["tied"]]
     # Each holds the replica's weights (with its versions and slots) and receives the other's gradient.
@@ -76,9 +78,10 @@ def test_the_planner_replicates_a_tied_layer_that_no_cut_keeps_together_and_says
 def test_the_planner_keeps_a_tied_layers_calls_on_one_stage_when_that_is_faster():
     # Two neighbouring calls of a large layer: a replica each would exchange 400 MiB a minibatch.
     profile = _tied(model_profile(), (5, 6), 400 * MIB)
-    chosen = plan(profile, _cluster(3), policy="ed", vw_size=3)
-    replicated = _plan(profile, **{**_settings(), "cluster": _cluster(3)})
-    kept = _plan(colocated(profile), **{**_settings(), "cluster": _cluster(3)})
+    request = PlanRequest(policy="ed", vw_size=3)
+    chosen = plan(profile, _cluster(3), request)
+    replicated = _plan(profile, _cluster(3), request, _Costs(LinkModel(), 1, None))
+    kept = _plan(colocated(profile), _cluster(3), request, _Costs(LinkModel(), 1, None))
     assert chosen.minibatches_per_s == max(replicated.minibatches_per_s, kept.minibatches_per_s)
     assert chosen.minibatches_per_s > 0
     stage = next(st for st in chosen.workers[0].partition.stages if st.segments[0] <= 5 < st.segments[1])
@@ -89,11 +92,4 @@ def test_the_planner_keeps_a_tied_layers_calls_on_one_stage_when_that_is_faster(
 def test_a_tied_model_that_fits_nowhere_gets_the_planners_error():
     profile = _tied(model_profile(), (0, 11), 200 * MIB)
     with pytest.raises(PlanError, match="does not fit devices"):
-        plan(profile, _cluster(2, memory="1500M"), policy="ed", vw_size=2)
-
-
-def _settings():
-    """plan()'s defaults for _plan, policy ED with one worker of every device."""
-    return dict(policy="ed", vw_size=3, num_in_flight=None, staleness_bound=0, placement="default", dilation=1.0,
-                optimizer_slots=1, links=None, method="milp", max_num_in_flight=16, workers=None, analytic=None,
-                schedule="hetpipe", sync="wsp", minibatch_sizes=None, time_budget_s=None)
+        plan(profile, _cluster(2, memory="1500M"), PlanRequest(policy="ed", vw_size=2))

@@ -60,6 +60,7 @@ def test_keras_hub_blocks_are_read_from_the_model_and_plans_cut_between_them():
 
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan
+    from hetpipe_tf.planning.request import PlanRequest
     from hetpipe_tf.runtime.profiler import model_profile, static_facts
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
@@ -76,7 +77,7 @@ def test_keras_hub_blocks_are_read_from_the_model_and_plans_cut_between_them():
     blocks = [i for i, s in enumerate(long.starts) if long.layer_names[s].startswith("transformer_layer")]
     assert all(long.activation_bytes[i] > 4 * short.activation_bytes[i] for i in blocks)  # the scores: L^2
     assert len(blocks) == 3 and all(long.kernels[i] == 1 for i in blocks)  # a block is one call: never cut inside
-    p = plan(long, load_cluster("paper"), policy="ed", optimizer_slots=2)
+    p = plan(long, load_cluster("paper"), PlanRequest(policy="ed"), optimizer_slots=2)
     for w in p.workers:
         for st in w.partition.stages:  # every stage holds its blocks' scores, and fits
             assert st.memory["activations"] >= sum(2 * attention[long.starts[i]].saved_bytes(32, 16, 4)

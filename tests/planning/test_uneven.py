@@ -5,6 +5,7 @@ import pytest
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel
 from hetpipe_tf.planning.planner import PlanError, plan, simulate_plan
+from hetpipe_tf.planning.request import PlanRequest, PlanRequestError
 from hetpipe_tf.planning.profile import Profile, SegmentTimes
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, memory_cap, proportional_sizes,
                                         push_weights)
@@ -73,8 +74,8 @@ def test_a_profile_at_another_batch_scales_activations_and_compute_but_not_overh
 
 
 def test_np_workers_of_speed_1_and_0_5_get_sizes_about_2_to_1_within_their_memory():
-    even = plan(_profile(), _cluster(), policy="np", num_in_flight=2)
-    p = plan(_profile(), _cluster(), policy="np", num_in_flight=2, minibatch_sizes="proportional")
+    even = plan(_profile(), _cluster(), PlanRequest(policy="np", num_in_flight=2))
+    p = plan(_profile(), _cluster(), PlanRequest(policy="np", num_in_flight=2, minibatch_sizes="proportional"))
     assert p.allocation == even.allocation == "FF SS"
     fast, slow = p.sizes
     assert fast + slow == 64 and abs(fast - 2 * slow) <= 2, p.sizes
@@ -92,25 +93,26 @@ def test_np_workers_of_speed_1_and_0_5_get_sizes_about_2_to_1_within_their_memor
 
 
 def test_a_worker_whose_memory_cannot_take_its_share_gets_what_fits_and_the_rest_goes_to_the_other():
-    p = plan(_profile(), _cluster(fast_memory="5M"), policy="np", num_in_flight=2, minibatch_sizes="proportional")
+    p = plan(_profile(), _cluster(fast_memory="5M"),
+             PlanRequest(policy="np", num_in_flight=2, minibatch_sizes="proportional"))
     fast, slow = p.sizes
     assert fast + slow == 64 and fast < 2 * slow - 2  # not 2:1: the fast worker is full
     assert all(st.memory_total <= st.capacity for st in _stages_at(p, 0, fast))
     assert any(st.memory_total > st.capacity for st in _stages_at(p, 0, fast + 1))
-    assert memory_cap(plan(_profile(), _cluster(fast_memory="5M"), policy="np", num_in_flight=2).workers[0]
+    assert memory_cap(plan(_profile(), _cluster(fast_memory="5M"), PlanRequest(policy="np", num_in_flight=2)).workers[0]
                       .partition, 32) == fast
 
 
 def test_sizes_that_do_not_fit_or_are_zero_get_a_clear_error():
     with pytest.raises(PlanError, match=r"virtual worker 0 \(FF\) was given minibatch size 600, but its stages' "
                                         r"memory holds at most \d+ samples .* give it at most \d+"):
-        plan(_profile(), _cluster(), policy="np", num_in_flight=2, minibatch_sizes=(600, 16))
+        plan(_profile(), _cluster(), PlanRequest(policy="np", num_in_flight=2, minibatch_sizes=(600, 16)))
     with pytest.raises(PlanError, match=r"virtual worker 1 \(SS\) was given minibatch size 0: every worker needs "
                                         r"an integer >= 1"):
-        plan(_profile(), _cluster(), policy="np", num_in_flight=2, minibatch_sizes=(48, 0))
+        plan(_profile(), _cluster(), PlanRequest(policy="np", num_in_flight=2, minibatch_sizes=(48, 0)))
     with pytest.raises(PlanError, match=r"3 minibatch sizes \[1, 2, 3\] for 2 virtual workers"):
-        plan(_profile(), _cluster(), policy="np", num_in_flight=2, minibatch_sizes=(1, 2, 3))
-    with pytest.raises(PlanError, match="unknown minibatch_sizes 'fast'; allowed"):
-        plan(_profile(), _cluster(), policy="np", num_in_flight=2, minibatch_sizes="fast")
-    given = plan(_profile(), _cluster(), policy="np", num_in_flight=2, minibatch_sizes=(40, 20))
+        plan(_profile(), _cluster(), PlanRequest(policy="np", num_in_flight=2, minibatch_sizes=(1, 2, 3)))
+    with pytest.raises(PlanRequestError, match="unknown minibatch_sizes 'fast'; allowed"):
+        PlanRequest(policy="np", num_in_flight=2, minibatch_sizes="fast")
+    given = plan(_profile(), _cluster(), PlanRequest(policy="np", num_in_flight=2, minibatch_sizes=(40, 20)))
     assert given.sizes == (40, 20)

@@ -1,16 +1,18 @@
 """Checkpoint and resume of a run of virtual workers (hetpipe_tf.runtime.checkpoint): a run
 stopped after some epochs and resumed by a new strategy and model ends with the weights of
 a run that was never stopped (issue 12, items 1 and 3)."""
+import json
 import os
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from hetpipe_tf.cli import models
 from hetpipe_tf.data import datasets
-from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState, for_workers
+from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, RunState, for_workers, reconcile_cuts
 from tests.helpers.checkpoints import stopped_and_resumed, two_workers
 
 
@@ -50,7 +52,7 @@ def test_one_worker_at_nm_2_resumed_ends_with_the_weights_of_an_uninterrupted_ru
 def _state(epoch, weights):
     return RunState(epoch=epoch, weights=weights, optimizers=[
         {"scalars": {"iteration": np.int64(epoch)}, "slots": {"d/kernel": {"momentum": np.ones(3, "float32")}}}],
-                    clocks=[epoch], positions=[4 * epoch], plan={"num_in_flight": 2, "boundaries": [[0]]})
+                    clocks=[epoch], positions=[4 * epoch], plan=PlanCuts(2, ((0,),)))
 
 
 def test_a_save_that_did_not_complete_leaves_the_previous_checkpoint_usable(tmp_path):
@@ -68,8 +70,9 @@ def test_a_save_that_did_not_complete_leaves_the_previous_checkpoint_usable(tmp_
 
 KILLED_SAVE = """
 import sys, numpy as np
-from hetpipe_tf.runtime.checkpoint import Checkpoints, RunState
-state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e], positions=[e], plan={})
+from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, RunState
+state = lambda e, w: RunState(epoch=e, weights=w, optimizers=[None], clocks=[e], positions=[e],
+                              plan=PlanCuts(1, ((0,),)))
 checkpoints = Checkpoints(sys.argv[1])
 checkpoints.save(state(1, [np.ones(3, "float32")]))
 print("saving", flush=True)
@@ -169,3 +172,57 @@ def test_resumed_by_another_number_of_workers_each_starts_from_the_saved_workers
     final = Checkpoints(directory).latest()
     assert final.epoch == 2 and final.positions == [8] * 4 and final.clocks == [6] * 4
     assert [int(w["scalars"]["iteration"]) for w in final.optimizers] == [8 + 4] * 4
+
+
+def _rewrite_plan_as_dict(directory, plan):
+    """The newest checkpoint in `directory` written again with `plan`, a literal dict of the format
+    that checkpoints held before their cuts were a PlanCuts ({"num_in_flight", "boundaries"})."""
+    path = tf.train.latest_checkpoint(directory)
+    reader = tf.train.load_checkpoint(path)
+    key = "{}/.ATTRIBUTES/VARIABLE_VALUE"
+    meta = json.loads(reader.get_tensor(key.format("meta")))
+    meta["plan"] = plan
+    names = reader.get_variable_to_shape_map()
+    def count(prefix):
+        return sum(1 for n in names if n.startswith(prefix + "/") and n.endswith("VARIABLE_VALUE"))
+
+    with tf.device("/device:CPU:0"):
+        checkpoint = tf.train.Checkpoint(
+            meta=tf.Variable(json.dumps(meta)),
+            weights=[tf.Variable(reader.get_tensor(key.format(f"weights/{i}"))) for i in range(count("weights"))],
+            optimizers=[tf.Variable(reader.get_tensor(key.format(f"optimizers/{i}")))
+                        for i in range(count("optimizers"))])
+    tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2, checkpoint_name="ckpt").save(
+        checkpoint_number=meta["epoch"])
+
+
+def test_a_checkpoint_whose_cuts_are_the_dict_format_resumes_at_its_saved_cuts(tmp_path):
+    # Gradients that depend on the data only: the run never stopped is the reference whatever the cuts.
+    _, model, data = two_workers(str(tmp_path / "whole"))
+    model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
+    expected = [v.numpy() for v in model.variables]
+    stopped, model, data = two_workers(str(tmp_path / "stopped"))
+    model.fit(data, epochs=1, steps_per_epoch=16, verbose=0)
+    other = 3 - stopped.cuts.boundaries[0][1]  # the model has 3 layer calls: the other cut of two stages
+    _rewrite_plan_as_dict(str(tmp_path / "stopped"), {"num_in_flight": 2, "boundaries": [[0, other], [0, other]]})
+    resumed, model, data = two_workers(str(tmp_path / "stopped"), resume=True)
+    model.fit(data, epochs=2, steps_per_epoch=16, verbose=0)
+    assert resumed.cuts == PlanCuts(2, ((0, other), (0, other)))  # the saved cuts, not the planner's
+    assert resumed.run_config.num_in_flight == 2 and resumed.runner.num_in_flight == 2
+    diff = max(float(np.max(np.abs(v.numpy() - e))) for v, e in zip(model.variables, expected))
+    assert diff <= 1e-6, diff
+
+
+def test_saved_cuts_are_kept_under_a_plan_of_their_shape_only():
+    planned = PlanCuts(2, ((0, 2), (0, 1)))
+    assert reconcile_cuts(None, planned) is planned
+    assert reconcile_cuts(PlanCuts(2, ((0, 1), (0, 2))), planned) == PlanCuts(2, ((0, 1), (0, 2)))
+    assert reconcile_cuts(PlanCuts(1, ((0, 1), (0, 2))), planned) is planned  # another Nm
+    assert reconcile_cuts(PlanCuts(2, ((0, 1, 2), (0, 2))), planned) is planned  # another number of stages
+    # Uneven minibatch sizes: the saved ones while the plan is uneven, none once it is even.
+    uneven = PlanCuts(2, ((0, 2), (0, 1)), (5, 3))
+    assert reconcile_cuts(PlanCuts(2, ((0, 1), (0, 1)), (6, 2)), uneven).minibatch_sizes == (6, 2)
+    assert reconcile_cuts(PlanCuts(2, ((0, 1), (0, 1))), uneven).minibatch_sizes == (5, 3)
+    assert reconcile_cuts(PlanCuts(2, ((0, 1), (0, 1)), (6, 2)), planned).minibatch_sizes is None
+    old = {"num_in_flight": 2, "boundaries": [[0, 1], [0, 2]], "minibatch_sizes": [6, 2]}
+    assert PlanCuts.from_dict(old) == PlanCuts(2, ((0, 1), (0, 2)), (6, 2)) and PlanCuts.from_dict(old).to_dict() == old

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hetpipe_tf.runtime.checkpoint import Checkpoints, plan_signature, stage_optimizer_state
+from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, stage_optimizer_state
 from hetpipe_tf.runtime.optimizers import SUPPORTED
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
@@ -104,7 +104,7 @@ def _uninterrupted(name, directory):
     directory = f"{directory}/{name}"
     runner = _runner(_model(), name, CUT)
     runner.fit(_data(), epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, checkpoints=Checkpoints(f"{directory}/whole"),
-               plan=plan_signature(1, [CUT]),
+               plan=PlanCuts(1, (tuple(CUT),)),
                callbacks=[_CopyAfterFirstEpoch(f"{directory}/whole", f"{directory}/stopped")])
     return _ended(runner)
 
@@ -120,7 +120,7 @@ def _resumed(name, directory, cut):
     runner = _runner(model, name, cut)
     runner.resume(state)
     history = runner.fit(_data(), epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, initial_epoch=state.epoch,
-                         positions=state.positions, checkpoints=checkpoints, plan=plan_signature(1, [cut]))
+                         positions=state.positions, checkpoints=checkpoints, plan=PlanCuts(1, (tuple(cut),)))
     assert len(history.history["loss"]) == EPOCHS - 1
     return _ended(runner)
 

@@ -143,9 +143,10 @@ def test_ssp_with_a_process_per_virtual_worker_applies_every_minibatch_once_and_
 def test_the_planner_gives_each_worker_its_own_pace_under_asp_and_the_slowest_one_under_bsp_and_ssp():
     from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.planning.planner import plan, simulate_plan
+    from hetpipe_tf.planning.request import PlanRequest
     from tests.helpers.profiles import model_profile
 
-    plans = {sync: plan(model_profile(), load_cluster("paper"), policy="np", num_in_flight=1, sync=sync)
+    plans = {sync: plan(model_profile(), load_cluster("paper"), PlanRequest(policy="np", num_in_flight=1, sync=sync))
              for sync in ("bsp", "ssp", "asp")}
     for sync in ("bsp", "ssp"):  # NP's workers differ (§8.1): every one at the slowest's pace
         assert len(set(plans[sync].per_worker)) == 1

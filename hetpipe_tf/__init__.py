@@ -98,6 +98,7 @@ _EXPORTS = {
     "DataParallelError": "hetpipe_tf.planning.data_parallel",
     "UnevenMinibatchError": "hetpipe_tf.planning.uneven",
     "PlanError": "hetpipe_tf.planning.planner",
+    "PlanRequestError": "hetpipe_tf.planning.request",
     "NonFiniteError": "hetpipe_tf.runtime.stage.verdicts",
     "UnsupportedModelError": "hetpipe_tf.runtime.stage_rewrite",
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",

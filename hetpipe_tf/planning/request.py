@@ -9,7 +9,9 @@ integer, the placement a name, the workers and their cuts) -> the run's resolved
 ``hetpipe plan`` prints is the plan that ``hetpipe-train`` with the same flags trains.
 """
 from dataclasses import dataclass
+from typing import Any
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.schedule import PipelineSchedule, SyncScheme, check_combination
 from hetpipe_tf.planning.allocation import POLICIES
 from hetpipe_tf.planning.cluster import Device
@@ -23,7 +25,7 @@ METHODS = ("milp", "dp")
 PROPORTIONAL = "proportional"
 
 
-class PlanRequestError(ValueError):
+class PlanRequestError(HetPipeUsageError, ValueError):
     """A request the planner cannot take: the message names the argument, what was given, what is
     allowed and the fix."""
 
@@ -83,7 +85,7 @@ class PlanRequest:
     time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
-        def put(name, value):
+        def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         policy = str(self.policy).lower()
@@ -121,7 +123,7 @@ class PlanRequest:
                                    + ": give policy='auto' and a budget > 0, or time_budget_s=None")
 
     @classmethod
-    def asked(cls, uneven_minibatches: bool | list[int] | tuple[int, ...] = False, **fields) -> "PlanRequest":
+    def asked(cls, uneven_minibatches: bool | list[int] | tuple[int, ...] = False, **fields: Any) -> "PlanRequest":
         """The request of ``HetPipeStrategy``'s arguments (and of the commands' flags, which name them
         alike): `uneven_minibatches` as the strategy takes it (:func:`requested_sizes`), the other
         fields by their names."""

@@ -322,6 +322,11 @@ class HetPipeStrategy:
         profile = assembly.workload_profile(model, batch_size, self.profile, training,
                                             lambda: first_batch(data, f"launch={self.launch!r}"),
                                             self._devices.profiling_device())
+        if any(t.cpu_quota is not None for t in self.cluster.device_types.values()):
+            from hetpipe_tf.distributed.node_speed import with_quota_speeds
+
+            profile = with_quota_speeds(profile, model, lambda: first_batch(data, f"launch={self.launch!r}"),
+                                        self.cluster, compiled["loss"])
         self.plan = assembly.assemble_plan(self.cluster, self.request, model.optimizer, profile)
         planned = PlanCuts.of_plan(self.plan)
         self.cuts = reconcile_cuts(saved_cuts, planned)

@@ -156,3 +156,18 @@ def quota_profile(profile: Profile, speeds: dict[str, QuotaSpeed]) -> Profile:
                                     f"group of {s.cpu_quota:g} cores")
         profile = profile.with_times(name, times)
     return profile
+
+
+def with_quota_speeds(profile: Profile, model: keras.Model, sample: Callable[[], tuple[Batch, Batch]],
+                      cluster: Cluster, loss: str | keras.losses.Loss) -> Profile:
+    """`profile` with every CPU-quota device type of `cluster` timed, as the planner needs them: as it
+    is where the cluster has none or the profile has their times already (one given, measured with
+    them); else with their speeds measured on `model`'s passes on the minibatch `sample()` gives, in
+    groups of their quotas (:func:`measure_quota_speeds`), each said in one line."""
+    missing = [t for t in cluster.device_types.values() if t.cpu_quota is not None and t.name not in profile.times]
+    if not missing:
+        return profile
+    speeds = measure_quota_speeds(model, sample(), cluster, loss=loss)
+    for speed in speeds.values():
+        print(f"hetpipe: {speed}", flush=True)
+    return quota_profile(profile, speeds)

@@ -64,7 +64,8 @@ setup(
     description="HetPipe for TensorFlow: pipelined model parallelism over "
                 "heterogeneous devices, with wave synchronous data parallelism",
     packages=find_packages(include=["hetpipe_tf", "hetpipe_tf.*"]),
-    package_data={"hetpipe_tf": ["ops/cc/**/*.cc", "ops/cc/**/*.h", "ops/" + BUILD_INFO, "data/*.npz"]},
+    # The build record is written by build_ext beside the library it describes, not copied.
+    package_data={"hetpipe_tf": ["ops/cc/**/*.cc", "ops/cc/**/*.h", "data/*.npz"]},
     ext_modules=[Extension(OPS_LIBRARY, sources=OPS_SOURCES, depends=OPS_HEADERS)],
     cmdclass={"build_ext": BuildTensorFlowOps},
     python_requires=">=3.10",

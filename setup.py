@@ -74,6 +74,8 @@ setup(
     install_requires=["tensorflow-datasets", "numpy", "scipy", "absl-py", "tensorboard"],
     extras_require={"cpu": ["tensorflow-cpu==2.21.0"],
                     "gpu": ["tensorflow[and-cuda]==2.21.0"],
-                    "plot": ["matplotlib>=3.7"]},
+                    "plot": ["matplotlib>=3.7"],
+                    # TensorFlow's KubernetesClusterResolver lists the pods through it.
+                    "kubernetes": ["kubernetes"]},
     entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.cli.train:run", "hetpipe=hetpipe_tf.cli.hetpipe:run"]},
 )

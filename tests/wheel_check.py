@@ -7,7 +7,8 @@ run from outside the checkout.
    not install a second copy of it into an isolated environment; ``--install=source`` checks the
    isolated build that ``pip install .[cpu]`` makes).
 2. The sdist and the wheel hold what they must: the sources and headers of the ops, the bundled
-   data, and in the wheel the library and its build record naming that TensorFlow; no tests.
+   data, and in the wheel the library and its build record naming that TensorFlow; no tests, and
+   in the sdist no library or build record of the checkout (MANIFEST.in).
 3. A fresh venv (no site packages) gets the wheel with its ``cpu`` extra (or, with
    ``--install=source``, ``pip install CHECKOUT[cpu]``, not editable). ``--no-compile``: pip then
    does not byte-compile all of TensorFlow at install time; the modules a run imports are
@@ -88,9 +89,9 @@ def check_sdist(sdist: str) -> None:
     lacking = missing(names, ("setup.py", "pyproject.toml", DATA) + OPS_SOURCES)
     if lacking:
         raise CheckFailed(f"the sdist {sdist} lacks {lacking}")
-    shipped = [n for n in names if n.endswith(".so") or "/tests/" in n]
+    shipped = [n for n in names if n.endswith((".so", BUILD_RECORD)) or "/tests/" in n]
     if shipped:
-        raise CheckFailed(f"the sdist {sdist} ships {shipped[:5]}: a built library or tests")
+        raise CheckFailed(f"the sdist {sdist} ships {shipped[:5]}: a built library, its record or tests")
 
 
 def check_wheel(wheel: str, built_for: str) -> list[str]:

@@ -31,6 +31,14 @@ test-all: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
+# The package as a user installs it (tests/wheel_check.py, run by CI): an sdist and a wheel from
+# `python -m build`, the wheel installed into a fresh venv, the main job run from outside the
+# checkout. ARGS="--install=source" installs `pip install .[cpu]` instead; ARGS="--remedy" also
+# checks the remedy that a mismatched TensorFlow gets.
+.PHONY: wheel-check
+wheel-check: $(STAMP)
+	$(BIN)/python tests/wheel_check.py $(ARGS)
+
 # The Horovod baseline's own venv, build/horovod-venv (benchmarks/horovod/README.md).
 .PHONY: horovod
 horovod:

@@ -64,7 +64,8 @@ setup(
     description="HetPipe for TensorFlow: pipelined model parallelism over "
                 "heterogeneous devices, with wave synchronous data parallelism",
     packages=find_packages(include=["hetpipe_tf", "hetpipe_tf.*"]),
-    package_data={"hetpipe_tf": ["ops/cc/**/*.cc", "ops/cc/**/*.h", "ops/" + BUILD_INFO, "data/*.npz"]},
+    # The build record is written by build_ext beside the library it describes, not copied.
+    package_data={"hetpipe_tf": ["ops/cc/**/*.cc", "ops/cc/**/*.h", "data/*.npz"]},
     ext_modules=[Extension(OPS_LIBRARY, sources=OPS_SOURCES, depends=OPS_HEADERS)],
     cmdclass={"build_ext": BuildTensorFlowOps},
     python_requires=">=3.10",
@@ -73,6 +74,8 @@ setup(
     install_requires=["tensorflow-datasets", "numpy", "scipy", "absl-py", "tensorboard"],
     extras_require={"cpu": ["tensorflow-cpu==2.21.0"],
                     "gpu": ["tensorflow[and-cuda]==2.21.0"],
-                    "plot": ["matplotlib>=3.7"]},
+                    "plot": ["matplotlib>=3.7"],
+                    # TensorFlow's KubernetesClusterResolver lists the pods through it.
+                    "kubernetes": ["kubernetes"]},
     entry_points={"console_scripts": ["hetpipe-train=hetpipe_tf.cli.train:run", "hetpipe=hetpipe_tf.cli.hetpipe:run"]},
 )

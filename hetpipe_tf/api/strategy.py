@@ -139,19 +139,25 @@ class HetPipeStrategy:
         in its worker's process before training; "profile", each stage's passes as the plan's profile
         times them (:meth:`hetpipe_tf.planning.planner.Plan.host_pass_seconds`), so that runs given one
         profile emulate the same devices whatever the load of the moment (the benchmarks' comparisons).
+      cluster_resolver: TensorFlow's ``TFConfigClusterResolver``, ``SlurmClusterResolver`` or
+        ``KubernetesClusterResolver`` giving the cluster's tasks; the run is then launch="tf_config"'s
+        on them, mapped to the description's nodes by :mod:`hetpipe_tf.distributed.resolvers`' rule.
     """
 
     def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
-                 on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured"):
+                 on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured",
+                 cluster_resolver=None):
         from hetpipe_tf.distributed.cluster_devices import LAUNCHES
+        from hetpipe_tf.distributed.resolvers import launch_for
         from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.planning.request import PlanRequest
         from hetpipe_tf.runtime.checkpoint import Checkpoints
         from hetpipe_tf.runtime.plan_assembly import loaded_profile
         from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout
 
+        launch = launch_for(launch, cluster_resolver)
         if launch not in LAUNCHES:
             raise ValueError(f"unknown launch {launch!r}; allowed: {', '.join(LAUNCHES)}")
         #: What the run asks the planner for (:class:`hetpipe_tf.planning.request.PlanRequest`).
@@ -169,6 +175,7 @@ class HetPipeStrategy:
                                      f"with launch='tf_config' (TF_CONFIG); launch={launch!r} serves emulated devices "
                                      f"and the host CPU only")
         self.launch = launch
+        self.cluster_resolver = cluster_resolver
         self.log_dir = log_dir
         self.emulate_links = self.cluster.emulate_links if emulate_links is None else bool(emulate_links)
         if self.emulate_links and launch != "processes":
@@ -373,6 +380,7 @@ class HetPipeStrategy:
             # process under on_worker_failure="continue", training goes on without it.
             self._cluster = join_cluster(self.cluster, self.launch, self.timeout_s, max(self.timeout_s, START_TIMEOUT_S),
                                          log_dir=self.log_dir, emulate_links=self.emulate_links,
+                                         resolver=self.cluster_resolver,
                                          on_lost=lambda lost: self.runner.task_lost(lost) if self.runner else None)
         if self._devices is None:
             self._devices = ClusterDevices(self.cluster, self.launch)

@@ -504,9 +504,11 @@ class TFConfigCluster(ChiefCluster):
 _chief = {}
 
 
-def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, emulate_links=False, on_lost=None):
+def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, emulate_links=False, on_lost=None,
+                 resolver=None):
     """Starts (launch "processes": a :class:`LocalCluster` here, with emulated links between its
-    nodes if `emulate_links`) or joins (launch "tf_config": :class:`TFConfigCluster`) the cluster of
+    nodes if `emulate_links`) or joins (launch "tf_config": :class:`TFConfigCluster`, of TF_CONFIG
+    or of TensorFlow's cluster `resolver`, :mod:`hetpipe_tf.distributed.resolvers`) the cluster of
     `description` (a :class:`hetpipe_tf.planning.cluster.Cluster`), once per process, and makes this
     process its chief; returns the cluster. A later call in the same process gets the same cluster
     if it has the same shape, else an error saying that the process is another cluster's chief.
@@ -534,8 +536,13 @@ def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, em
                                start_timeout=start_timeout, timeout_s=timeout_s,
                                cpu_quotas=description.node_quotas()).start().connect()
     else:
+        environ = None
+        if resolver is not None:
+            from hetpipe_tf.distributed.resolvers import chief_environ
+
+            environ = chief_environ(resolver, description)
         cluster = TFConfigCluster(num_ps=shape[0], num_workers=shape[0], timeout_s=timeout_s,
-                                  start_timeout=start_timeout).connect()
+                                  start_timeout=start_timeout, environ=environ).connect()
     cluster.on_lost(lambda lost: _chief["on_lost"] and _chief["on_lost"](lost))
     _chief.update(shape=shape, launch=launch, cluster=cluster, on_lost=on_lost)
     return cluster

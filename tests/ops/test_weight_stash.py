@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hetpipe_tf.ops import loader
 from hetpipe_tf.ops.weight_stash import StashStats, WeightStash
 
 
@@ -100,15 +99,3 @@ def test_stash_lives_on_its_device():
     stash = WeightStash(capacity=1, device="/device:CPU:0")
     stash.put(1, [tf.ones([2])])
     assert "CPU:0" in stash.get(1, [tf.float32])[0].device
-
-
-def test_missing_library_names_rebuild_command(tmp_path):
-    with pytest.raises(loader.OpsLibraryError, match="not built.*pip install --no-build-isolation -e"):
-        loader.library_path(str(tmp_path))
-
-
-def test_library_built_for_other_tensorflow_names_both_versions(tmp_path):
-    (tmp_path / "_hetpipe_ops_build.json").write_text('{"tensorflow_version": "2.15.1"}')
-    with pytest.raises(loader.OpsLibraryError,
-                       match=r"built against TensorFlow 2\.15\.1, but TensorFlow 2\.21\.0 is installed.*rebuild"):
-        loader.check_build(str(tmp_path), "2.21.0")

@@ -104,6 +104,7 @@ _EXPORTS = {
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",
     "ClusterStartError": "hetpipe_tf.distributed.starter",
     "ClusterConfigError": "hetpipe_tf.distributed.launch",
+    "ResolverError": "hetpipe_tf.distributed.resolvers",
     "TaskLostError": "hetpipe_tf.distributed.heartbeat",
     "WorkerProcessError": "hetpipe_tf.distributed.process_runner",
     "DatasetTransferError": "hetpipe_tf.distributed.dataset_transfer",

@@ -33,6 +33,8 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from hetpipe_tf.errors import HetPipeUsageError
+
 if TYPE_CHECKING:
     from tensorflow.python.distribute.cluster_resolver.cluster_resolver import ClusterResolver
 
@@ -44,7 +46,7 @@ RESOLVERS = ("tf_config", "slurm")
 JOBS = ("chief", "ps", "worker")
 
 
-class ResolverError(ValueError):
+class ResolverError(HetPipeUsageError, ValueError):
     """A cluster resolver's tasks do not fit the cluster description, or it cannot be made here."""
 
 

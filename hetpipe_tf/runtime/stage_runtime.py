@@ -61,7 +61,7 @@ from hetpipe_tf.pipeline.schedule import NO_SYNC, NO_WORKER_UPDATE
 from hetpipe_tf.runtime.compiled import CompiledCall, SplitPass, spec_of
 from hetpipe_tf.runtime.optimizers import stage_optimizer
 from hetpipe_tf.runtime.provenance import Provenance
-from hetpipe_tf.runtime.update_terms import ScaleState, clip_factor, squared_norm
+from hetpipe_tf.runtime.update_terms import ScaleState, clip_factor, clipped, squared_norm
 from hetpipe_tf.runtime.stage_rewrite import variable_bytes
 from hetpipe_tf.sync.parameter_server import synchronised_variables
 
@@ -714,7 +714,7 @@ class StageRuntime:
             if self.rule.loss_scaling is not None:
                 grads = [_scaled(g, lambda x: x / scale) for g in grads]
             if self.rule.global_clipnorm is not None:
-                grads = [_scaled(g, lambda x: x * clip) for g in grads]
+                grads = clipped(grads, clip)
             if self.rule.loss_scaling is not None and self.is_last and self.index > 0:
                 self.loss_scale.assign(after)
             if self.provenance is not None:

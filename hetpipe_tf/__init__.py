@@ -45,6 +45,7 @@ _EXPORTS = {
     "split_model": "hetpipe_tf.runtime.stage_rewrite",
     "describe_model": "hetpipe_tf.runtime.stage_rewrite",
     "StagedModel": "hetpipe_tf.runtime.stage_rewrite",
+    "trace_model": "hetpipe_tf.runtime.subclass_trace",
     "ModelGraph": "hetpipe_tf.planning.model_graph",
     "balanced_boundaries": "hetpipe_tf.planning.partitioner",
     # Uneven minibatches per virtual worker (beyond the paper)
@@ -89,6 +90,7 @@ _EXPORTS = {
     "SharedLayerError": "hetpipe_tf.planning.model_graph",
     "PartitionError": "hetpipe_tf.planning.model_graph",
     "UnsupportedModelError": "hetpipe_tf.runtime.stage_rewrite",
+    "UntraceableModelError": "hetpipe_tf.runtime.subclass_trace",
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",
     "OpsLibraryError": "hetpipe_tf.ops.loader",
     "DatasetNotFoundError": "hetpipe_tf.data.datasets",

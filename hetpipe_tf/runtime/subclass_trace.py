@@ -43,6 +43,10 @@ InputSpec = keras.KerasTensor | tf.TensorSpec | tuple | list | dict
 #: The trace of each model traced so far (:func:`trace_model`), found again by the stage rewrite.
 _TRACES: "weakref.WeakKeyDictionary[keras.Model, keras.Model]" = weakref.WeakKeyDictionary()
 
+#: Why ``add_loss`` in ``call`` is refused, and the fix.
+_ADD_LOSS = ("call adds a loss (add_loss): a traced graph's stages do not carry it; give the layers a regularizer, "
+             "or add the term to the loss given to compile")
+
 #: Attributes Keras itself sets on a layer while it runs.
 _KERAS_SET = frozenset({"built"})
 
@@ -98,10 +102,10 @@ def trace_model(model: keras.Model, input_spec: InputSpec | None = None,
             kwargs = {} if training is None else {"training": training}
             runs[training] = (inputs, model.call(inputs, **kwargs))
     _refuse_state(model, owners, attributes, losses)
+    _refuse_new_layers(model, runs[next(iter(runs))][1], before)
     graphs = {training: keras.Model(inputs, outputs, name=model.name) for training, (inputs, outputs) in runs.items()}
     graph = graphs[next(iter(graphs))]
     _refuse_training_branches(model, graphs)
-    _refuse_new_layers(model, graph, before)
     _refuse_unreached(model, graph)
     if sum(not isinstance(op, keras.layers.InputLayer) for op in graph.operations) == 1:
         warnings.warn(f"model '{model.name}' ({type(model).__name__}) traces into one layer call: it stays one stage; "
@@ -160,8 +164,7 @@ def _refuse_state(model: keras.Model, owners: list[keras.layers.Layer], attribut
         if len(owner._losses) != losses[id(owner)]:
             del owner._losses[losses[id(owner)]:]
             raise UntraceableModelError(_refusal(
-                model, owner, "add_loss", "call adds a loss (add_loss): a traced graph's stages do not carry it; "
-                "give the layers a regularizer, or add the term to the loss given to compile"))
+                model, owner, "add_loss", _ADD_LOSS))
 
 
 def _refuse_training_branches(model: keras.Model, graphs: dict[bool | None, keras.Model]) -> None:
@@ -172,14 +175,27 @@ def _refuse_training_branches(model: keras.Model, graphs: dict[bool | None, kera
             "in training and inference; give training to the layers (Dropout, BatchNormalization) instead"))
 
 
-def _refuse_new_layers(model: keras.Model, graph: keras.Model, before: set[int]) -> None:
-    made = [op for op in graph.operations if isinstance(op, keras.layers.Layer)
+def _refuse_new_layers(model: keras.Model, outputs: keras.KerasTensor | list | dict, before: set[int]) -> None:
+    made = [op for op in _operations(outputs) if isinstance(op, keras.layers.Layer)
             and not isinstance(op, keras.layers.InputLayer) and id(op) not in before]
     if made:
         layer = made[0]
         raise UntraceableModelError(_refusal(
             model, model, f"{type(layer).__name__}(", f"call makes layer '{layer.name}' ({type(layer).__name__}) each "
             f"time it runs: its weights would be new at every call; make it in __init__ and call it in call"))
+
+
+def _operations(outputs: keras.KerasTensor | list | dict) -> list[keras.Operation]:
+    """The operations whose calls made `outputs` (symbolic tensors), from the outputs back."""
+    seen, found, stack = set(), [], list(tree.flatten(outputs))
+    while stack:
+        history = stack.pop()._keras_history
+        node = history.operation._inbound_nodes[history.node_index]
+        if id(node) not in seen:
+            seen.add(id(node))
+            found.append(history.operation)
+            stack.extend(node.input_tensors)
+    return found
 
 
 def _refuse_unreached(model: keras.Model, graph: keras.Model) -> None:
@@ -307,6 +323,8 @@ def _why(error: Exception) -> str:
                 "sides with keras.ops.where or keras.ops.cond")
     if "KerasTensor" in text and ("TF API" in text or "TensorFlow" in text or "tf." in text):
         return "call runs a TensorFlow op that does not go through Keras; use the keras.ops equivalent"
-    if isinstance(error, AttributeError) and "add_metric" in text:
+    if "add_loss" in text:
+        return _ADD_LOSS
+    if "add_metric" in text:
         return "call adds a metric (add_metric); give the metric to compile instead"
     return "this part of call does not run on symbolic tensors; use layers and keras.ops only"

@@ -93,3 +93,132 @@ def test_loops_unroll_keras_ops_are_nodes_and_own_layers_stay_whole_unless_opene
     assert kinds == ["Conv2D", "Block", "Conv2D", "Add", "Block", "GlobalAveragePooling2D", "Dense"]
     staged = split_model(model, boundaries=(0, 3))  # inside block1: after its convolution
     assert staged.stages[0].trainable_variables[-1] is model.blocks[1].conv.bias
+
+
+# What cannot be traced ---------------------------------------------------------------------------
+
+class _Refused(keras.Model):
+    """A dense layer made in __init__; each subclass below does one thing a trace cannot hold."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4, name="dense")
+
+
+class _BranchOnValue(_Refused):
+    def call(self, x):
+        h = self.dense(x)
+        if keras.ops.sum(h) > 0:
+            h = -h
+        return h
+
+
+class _RawTensorFlow(_Refused):
+    def call(self, x):
+        import tensorflow as tf
+
+        return tf.nn.relu(self.dense(x))
+
+
+class _StateOnSelf(_Refused):
+    def call(self, x):
+        self.last = self.dense(x)
+        return self.last
+
+
+class _AddsLoss(_Refused):
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(keras.ops.mean(h))
+        return h
+
+
+class _AddsMetric(_Refused):
+    def call(self, x):
+        h = self.dense(x)
+        self.add_metric(keras.ops.mean(h), name="mean")
+        return h
+
+
+class _LayerInCall(_Refused):
+    def call(self, x):
+        return keras.layers.Dense(3)(self.dense(x))
+
+
+class _BranchOnTraining(_Refused):
+    def call(self, x, training=None):
+        h = self.dense(x)
+        if training:
+            h = h * 0.5
+        return h
+
+
+class _OwnWeights(_Refused):
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(4,), initializer="ones", name="scale")
+
+    def call(self, x):
+        return self.dense(x) * self.scale
+
+
+class _LayerOnAConstant(_Refused):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.positions = keras.layers.Embedding(6, 4, name="positions")
+
+    def call(self, x):
+        return self.dense(x) + self.positions(keras.ops.arange(6))
+
+
+class _OneBlock(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = subclassed.Block(3, name="only")
+
+    def call(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("cls,message", [
+    (_BranchOnValue, r"\(_BranchOnValue\) cannot be traced into stages: line \d+ of _BranchOnValue.call: "
+                     r"`if keras.ops.sum\(h\) > 0:`: call branches in Python on a tensor's value, .*keras.ops.where"),
+    (_RawTensorFlow, r"line \d+ of _RawTensorFlow.call: `return tf.nn.relu\(self.dense\(x\)\)`: call runs a "
+                     r"TensorFlow op that does not go through Keras; use the keras.ops equivalent"),
+    (_StateOnSelf, r"line \d+ of _StateOnSelf.call: `self.last = self.dense\(x\)`: call sets self.last: state kept "
+                   r"on the model between calls"),
+    (_AddsLoss, r"line \d+ of _AddsLoss.call: `self.add_loss\(keras.ops.mean\(h\)\)`: call adds a loss \(add_loss\)"),
+    (_AddsMetric, r"line \d+ of _AddsMetric.call: `self.add_metric\(keras.ops.mean\(h\), name=\"mean\"\)`: call adds "
+                  r"a metric \(add_metric\); give the metric to compile instead"),
+    (_LayerInCall, r"line \d+ of _LayerInCall.call: `return keras.layers.Dense\(3\)\(self.dense\(x\)\)`: call makes "
+                   r"layer '.*' \(Dense\) each time it runs.*make it in __init__"),
+    (_BranchOnTraining, r"line \d+ of _BranchOnTraining.call: `if training:`: call branches in Python on `training`"),
+    (_LayerOnAConstant, r"line \d+ of _LayerOnAConstant.call: `return self.dense\(x\) \+ self.positions\(keras.ops.arange"
+                        r"\(6\)\)`: the traced graph does not reach layer 'positions' \(Embedding\) and its weights: a "
+                        r"layer called on a constant"),
+    (_OwnWeights, r"_OwnWeights '.*' makes weights of its own \(.*scale\) and its call uses them outside any layer"),
+])
+def test_what_cannot_be_traced_is_refused_with_the_class_and_the_line(cls, message):
+    model = cls()
+    model.build((None, 6)) if cls is _OwnWeights else None
+    with pytest.raises(ValueError, match=message):
+        trace_model(model, input_spec=(6,))
+
+
+def test_a_model_that_traces_into_one_layer_call_stays_one_stage_with_a_warning():
+    model = _OneBlock()
+    with pytest.warns(UserWarning, match=r"'.*' \(_OneBlock\) traces into one layer call: it stays one stage; name "
+                                         r"its own Layer subclass in open_layers"):
+        trace_model(model, input_spec=(4, 4, 3))
+    assert [n.kind for n in describe_model(model).graph.nodes] == ["Block"]
+    with pytest.raises(ValueError, match=r"open_layers=\['block'\]: \['block'\] name no Layer subclass .* it has "
+                                         r"\['only'\]"):
+        trace_model(model, input_spec=(4, 4, 3), open_layers=["block"])
+    trace_model(model, input_spec=(4, 4, 3), open_layers=["only"])
+    assert [n.kind for n in describe_model(model).graph.nodes] == ["Conv2D", "Add"]
+
+
+def test_an_unbuilt_model_without_a_spec_is_refused_naming_what_to_give():
+    with pytest.raises(ValueError, match=r"is subclassed and not built, and no input spec was given: call it once "
+                                         r"on a batch, or call model.build\(input_shape\), or give "
+                                         r"trace_model\(model, input_spec=keras.Input\(shape, dtype=...\)\)"):
+        VirtualWorker(subclassed.ResidualMLP(), "cpu,cpu", optimizer="sgd", loss=LOSS, references=[(1.0, 1.0)] * 2)

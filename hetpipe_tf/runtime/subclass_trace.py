@@ -13,9 +13,9 @@ land in the user's model object. ``training`` is left to the run: each layer get
 A user's own ``Layer`` subclass called inside stays one node, unless its name is given in
 ``open_layers``: its ``call`` is then traced the same way.
 
-The inputs' spec, in this order: the ``input_spec`` argument of :func:`trace_model`; the built
-model's input shape (float inputs of the shape it was built with); under ``HetPipeStrategy``'s
-``fit``, the data's element spec. An unbuilt model with none of them is refused.
+The inputs' spec, in this order: the ``input_spec`` argument of :func:`trace_model`; under
+``HetPipeStrategy``'s ``fit``, the data's element spec (:func:`trace_for_data`); the shape the model
+was built with (float inputs). An unbuilt model with none of them is refused.
 
 Refused (:class:`UntraceableModelError`), each naming the model's class, the line of ``call`` and the
 fix: Python branching on a tensor's value or on ``training``; TensorFlow ops that do not go through
@@ -69,9 +69,11 @@ def traced(model: keras.Model) -> keras.Model:
     return _TRACES[model]
 
 
-def is_traced(model: keras.Model) -> bool:
-    """Whether :func:`trace_model` traced `model` already."""
-    return model in _TRACES
+def trace_for_data(model: keras.Model, element_spec: tuple) -> None:
+    """Traces `model`, if it is subclassed and not traced yet, on the inputs of data whose element
+    spec is `element_spec` ((inputs, labels), as ``fit`` takes them)."""
+    if is_subclassed(model) and model not in _TRACES:
+        trace_model(model, input_spec=element_spec[0])
 
 
 def trace_model(model: keras.Model, input_spec: InputSpec | None = None,

@@ -272,7 +272,8 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     """
     from hetpipe_tf.runtime.stage_rewrite import describe_model
 
-    graph = describe_model(model).graph
+    keras_graph = describe_model(model)  # a subclassed model's: its trace, with inputs and outputs
+    graph = keras_graph.graph
     base = model_profile(model, batch_size)
     optimizer = check_optimizer(optimizer)
     host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
@@ -284,7 +285,7 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     if path and os.path.exists(path):
         with open(path) as f:
             return Profile.from_json(f.read())
-    x, y = sample if sample is not None else _random_minibatch(model, batch_size)
+    x, y = sample if sample is not None else _random_minibatch(keras_graph.model, batch_size)
     n = base.num_segments
     rows = {Forward: [], Backward: []}
     for grouping in [tuple(range(n))] + _groupings(n):

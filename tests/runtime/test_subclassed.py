@@ -222,3 +222,12 @@ def test_an_unbuilt_model_without_a_spec_is_refused_naming_what_to_give():
                                          r"on a batch, or call model.build\(input_shape\), or give "
                                          r"trace_model\(model, input_spec=keras.Input\(shape, dtype=...\)\)"):
         VirtualWorker(subclassed.ResidualMLP(), "cpu,cpu", optimizer="sgd", loss=LOSS, references=[(1.0, 1.0)] * 2)
+
+
+def test_the_profiler_measures_a_traced_model_on_random_inputs_of_its_trace():
+    """(The strategy's test plans one from the profile measured on the data.)"""
+    from hetpipe_tf.runtime.profiler import measure_profile
+
+    profile = measure_profile(_built("residual_mlp"), 8, loss=LOSS, repeats=1, cache_dir=None)
+    assert profile.layer_names[:3] == ("inp", "hidden", "mix") and len(profile.layer_names) == 6
+    assert sum(profile.times["host"].forward) > 0

@@ -1,5 +1,9 @@
 """Subclassed Keras models (``class M(keras.Model)`` with a ``call`` of their own) as users write
 them, and their minibatches."""
+import functools
+import pathlib
+import runpy
+
 import keras
 import numpy as np
 from keras import ops
@@ -51,27 +55,15 @@ class LoopCNN(keras.Model):
         return self.head(self.pool(x))
 
 
-class TinyTransformer(keras.Model):
-    """Token and position embeddings, blocks of causal self-attention (the mask from keras.ops) and
-    an MLP, a head over the vocabulary."""
+def tiny_transformer() -> keras.Model:
+    """examples/subclassed_model.py's TinyLM (causal self-attention with the mask from keras.ops, a
+    loop over blocks), small."""
+    return example()["TinyLM"](vocabulary=GPT2_VOCABULARY, dim=16, blocks=2)
 
-    def __init__(self, vocabulary=GPT2_VOCABULARY, length=GPT2_LENGTH, dim=16, blocks=2, **kwargs):
-        super().__init__(**kwargs)
-        self.tokens = keras.layers.Embedding(vocabulary, dim, name="tokens")
-        self.positions = keras.layers.Embedding(length, dim, name="positions")
-        self.attention = [keras.layers.MultiHeadAttention(2, dim // 2, name=f"attention{i}") for i in range(blocks)]
-        self.norms = [keras.layers.LayerNormalization(name=f"norm{i}") for i in range(blocks)]
-        self.mlps = [keras.layers.Dense(dim, activation="gelu", name=f"mlp{i}") for i in range(blocks)]
-        self.head = keras.layers.Dense(vocabulary, name="head")
 
-    def call(self, ids):
-        length = ops.shape(ids)[1]
-        h = self.tokens(ids) + self.positions(ops.cumsum(ops.ones_like(ids), axis=1) - 1)
-        causal = ops.tril(ops.ones((length, length), dtype="bool"))
-        for attention, norm, mlp in zip(self.attention, self.norms, self.mlps):
-            h = h + attention(h, h, attention_mask=causal)
-            h = h + mlp(norm(h))
-        return self.head(h)
+@functools.cache
+def example() -> dict:
+    return runpy.run_path(str(pathlib.Path(__file__).parents[2] / "examples" / "subclassed_model.py"))
 
 
 class HubClassifier(keras.Model):

@@ -17,11 +17,11 @@ TOKENS = keras.Input((GPT2_LENGTH,), dtype="int32")
 HUB = {"token_ids": keras.Input((GPT2_LENGTH,), dtype="int32"),
        "padding_mask": keras.Input((GPT2_LENGTH,), dtype="int32")}
 
-#: name -> (model class, minibatches, input spec (None: the built model's), stages)
+#: name -> (the model's class or maker, minibatches, input spec (None: the built model's), stages)
 CASES = {
     "residual_mlp": (subclassed.ResidualMLP, subclassed.vector_batches, None, 2),
     "loop_cnn": (subclassed.LoopCNN, subclassed.image_batches, None, 3),
-    "transformer": (subclassed.TinyTransformer, subclassed.token_batches, TOKENS, 2),
+    "transformer": (subclassed.tiny_transformer, subclassed.token_batches, TOKENS, 2),
     "hub_backbone": (subclassed.HubClassifier, subclassed.hub_batches, HUB, 3),
 }
 

@@ -44,7 +44,8 @@ def dataset(n: int, batch: int, length: int, vocabulary: int) -> tf.data.Dataset
     `n` minibatches of `batch`."""
     start = np.random.default_rng(0).integers(0, vocabulary, size=(n * batch, 1))
     ids = (start + np.arange(length + 1)) % vocabulary
-    return tf.data.Dataset.from_tensor_slices((ids[:, :-1].astype("int32"), ids[:, 1:])).batch(batch, drop_remainder=True)
+    pairs = tf.data.Dataset.from_tensor_slices((ids[:, :-1].astype("int32"), ids[:, 1:]))
+    return pairs.batch(batch, drop_remainder=True)
 
 
 def main(stages: int = 2, epochs: int = 3, blocks: int = 2, length: int = 16, vocabulary: int = 64) -> list[float]:

@@ -192,9 +192,9 @@ class _OneBlock(keras.Model):
     (_LayerInCall, r"line \d+ of _LayerInCall.call: `return keras.layers.Dense\(3\)\(self.dense\(x\)\)`: call makes "
                    r"layer '.*' \(Dense\) each time it runs.*make it in __init__"),
     (_BranchOnTraining, r"line \d+ of _BranchOnTraining.call: `if training:`: call branches in Python on `training`"),
-    (_LayerOnAConstant, r"line \d+ of _LayerOnAConstant.call: `return self.dense\(x\) \+ self.positions\(keras.ops.arange"
-                        r"\(6\)\)`: the traced graph does not reach layer 'positions' \(Embedding\) and its weights: a "
-                        r"layer called on a constant"),
+    (_LayerOnAConstant, r"line \d+ of _LayerOnAConstant.call: `return self.dense\(x\) \+ "
+                        r"self.positions\(keras.ops.arange\(6\)\)`: the traced graph does not reach layer "
+                        r"'positions' \(Embedding\) and its weights: a layer called on a constant"),
     (_OwnWeights, r"_OwnWeights '.*' makes weights of its own \(.*scale\) and its call uses them outside any layer"),
 ])
 def test_what_cannot_be_traced_is_refused_with_the_class_and_the_line(cls, message):

@@ -91,6 +91,7 @@ _EXPORTS = {
     "PartitionError": "hetpipe_tf.planning.model_graph",
     "UnsupportedModelError": "hetpipe_tf.runtime.stage_rewrite",
     "UntraceableModelError": "hetpipe_tf.runtime.subclass_trace",
+    "UnsendableModelError": "hetpipe_tf.runtime.model_transport",
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",
     "OpsLibraryError": "hetpipe_tf.ops.loader",
     "DatasetNotFoundError": "hetpipe_tf.data.datasets",

@@ -97,24 +97,30 @@ def trace_model(model: keras.Model, input_spec: InputSpec | None = None,
     before = {id(layer) for layer in model._flatten_layers(include_self=False)}
     attributes = {id(o): _public_attributes(o) for o in owners}
     losses = {id(o): len(o._losses) for o in owners}
-    runs = {}
-    for training in (True, False) if _takes_training(model) else (None,):
-        inputs = _symbolic_inputs(model, input_spec)
-        with _opened(opened), _named_line(model, owners):
-            kwargs = {} if training is None else {"training": training}
-            runs[training] = (inputs, model.call(inputs, **kwargs))
+    runs = _runs(model, input_spec, opened, owners)
     _refuse_state(model, owners, attributes, losses)
-    _refuse_new_layers(model, runs[next(iter(runs))][1], before)
-    graphs = {training: keras.Model(inputs, outputs, name=model.name) for training, (inputs, outputs) in runs.items()}
-    graph = graphs[next(iter(graphs))]
+    _refuse_new_layers(model, runs[0][1], before)
+    graphs = [keras.Model(inputs, outputs, name=model.name) for inputs, outputs in runs]
     _refuse_training_branches(model, graphs)
-    _refuse_unreached(model, graph)
-    if sum(not isinstance(op, keras.layers.InputLayer) for op in graph.operations) == 1:
+    _refuse_unreached(model, graphs[0])
+    if sum(not isinstance(op, keras.layers.InputLayer) for op in graphs[0].operations) == 1:
         warnings.warn(f"model '{model.name}' ({type(model).__name__}) traces into one layer call: it stays one stage; "
                       f"name its own Layer subclass in open_layers to cut inside it", stacklevel=2)
     model.built = True
-    _TRACES[model] = graph
-    return graph
+    _TRACES[model] = graphs[0]
+    return graphs[0]
+
+
+def _runs(model: keras.Model, input_spec: InputSpec | None, opened: list[keras.layers.Layer],
+          owners: list[keras.layers.Layer]) -> list[tuple]:
+    """(inputs, outputs) of `model`'s call run on symbolic inputs: with training=True, then False
+    (a call that takes `training`), or once."""
+    runs = []
+    for kwargs in ({"training": True}, {"training": False}) if _takes_training(model) else ({},):
+        inputs = _symbolic_inputs(model, input_spec)
+        with _opened(opened), _named_line(model, owners):
+            runs.append((inputs, model.call(inputs, **kwargs)))
+    return runs
 
 
 def _takes_training(model: keras.Model) -> bool:
@@ -169,9 +175,10 @@ def _refuse_state(model: keras.Model, owners: list[keras.layers.Layer], attribut
                 model, owner, "add_loss", _ADD_LOSS))
 
 
-def _refuse_training_branches(model: keras.Model, graphs: dict[bool | None, keras.Model]) -> None:
-    calls = {t: [id(op) for op in g.operations] for t, g in graphs.items()}
-    if len(calls) > 1 and calls[True] != calls[False]:
+def _refuse_training_branches(model: keras.Model, graphs: list[keras.Model]) -> None:
+    """Refuses a call whose layer calls under training=True (graphs[0]) and False differ."""
+    calls = [[id(op) for op in g.operations] for g in graphs]
+    if any(c != calls[0] for c in calls[1:]):
         raise UntraceableModelError(_refusal(
             model, model, "if training", "call branches in Python on `training`: a traced graph runs the same layers "
             "in training and inference; give training to the layers (Dropout, BatchNormalization) instead"))

@@ -58,11 +58,12 @@ class LoopCNN(keras.Model):
 def tiny_transformer() -> keras.Model:
     """examples/subclassed_model.py's TinyLM (causal self-attention with the mask from keras.ops, a
     loop over blocks), small."""
-    return example()["TinyLM"](vocabulary=GPT2_VOCABULARY, dim=16, blocks=2)
+    return _example()["TinyLM"](vocabulary=GPT2_VOCABULARY, dim=16, blocks=2)
 
 
 @functools.cache
-def example() -> dict:
+def _example() -> dict:
+    """The names examples/subclassed_model.py defines (its flags defined once)."""
     return runpy.run_path(str(pathlib.Path(__file__).parents[2] / "examples" / "subclassed_model.py"))
 
 

@@ -177,7 +177,8 @@ def _refuse_state(model: keras.Model, owners: list[keras.layers.Layer], attribut
 
 def _refuse_training_branches(model: keras.Model, graphs: list[keras.Model]) -> None:
     """Refuses a call whose layer calls under training=True (graphs[0]) and False differ."""
-    calls = [[id(op) for op in g.operations] for g in graphs]
+    calls = [[id(op) if isinstance(op, keras.layers.Layer) else type(op).__name__  # keras.ops: new each run
+              for op in g.operations if not isinstance(op, keras.layers.InputLayer)] for g in graphs]
     if any(c != calls[0] for c in calls[1:]):
         raise UntraceableModelError(_refusal(
             model, model, "if training", "call branches in Python on `training`: a traced graph runs the same layers "

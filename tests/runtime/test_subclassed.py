@@ -231,3 +231,33 @@ def test_the_profiler_measures_a_traced_model_on_random_inputs_of_its_trace():
     profile = measure_profile(_built("residual_mlp"), 8, loss=LOSS, repeats=1, cache_dir=None)
     assert profile.layer_names[:3] == ("inp", "hidden", "mix") and len(profile.layer_names) == 6
     assert sum(profile.times["host"].forward) > 0
+
+
+class _WithDropout(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(16, name="dense")
+        self.drop = keras.layers.Dropout(0.5, name="drop")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x, training=None):
+        return self.out(self.drop(self.dense(x), training=training))
+
+
+def test_training_reaches_the_layers_as_keras_passes_it():
+    model = _WithDropout()
+    x = np.ones((4, 6), "float32")
+    model(x)
+    graph = trace_model(model)
+    np.testing.assert_allclose(graph(x, training=False), model(x, training=False), atol=1e-6)
+    assert float(np.max(np.abs(graph(x, training=True) - model(x, training=False)))) > 1e-3  # dropout ran
+
+
+def test_the_trained_weights_are_the_users_model_objects_and_save_weights_keeps_them(tmp_path):
+    model, _ = _pipeline("residual_mlp", 1)
+    assert _max_difference([model.inp.kernel.numpy()], [_built("residual_mlp").inp.kernel.numpy()]) > 0
+    model.save_weights(str(tmp_path / "trained.weights.h5"))
+    fresh = _built("residual_mlp")
+    fresh.load_weights(str(tmp_path / "trained.weights.h5"))
+    assert _max_difference(fresh.get_weights(), model.get_weights()) == 0
+    assert model.get_config() == {**fresh.get_config(), "name": model.name}  # untouched

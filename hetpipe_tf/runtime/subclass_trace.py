@@ -103,7 +103,8 @@ def trace_model(model: keras.Model, input_spec: InputSpec | None = None,
     graphs = [keras.Model(inputs, outputs, name=model.name) for inputs, outputs in runs]
     _refuse_training_branches(model, graphs)
     _refuse_unreached(model, graphs[0])
-    if sum(not isinstance(op, keras.layers.InputLayer) for op in graphs[0].operations) == 1:
+    calls = [op for op in graphs[0].operations if not isinstance(op, keras.layers.InputLayer)]
+    if len(calls) == 1 and _is_one_piece(calls[0]):
         warnings.warn(f"model '{model.name}' ({type(model).__name__}) traces into one layer call: it stays one stage; "
                       f"name its own Layer subclass in open_layers to cut inside it", stacklevel=2)
     model.built = True
@@ -140,10 +141,14 @@ def _layers_to_open(model: keras.Model, names: Sequence[str]) -> list[keras.laye
 
 
 def _is_own(layer: keras.layers.Layer) -> bool:
-    """Whether `layer`'s class is the user's, not one of Keras's or keras_hub's."""
-    module = type(layer).__module__
-    return not module.startswith(("keras.", "keras_hub.")) and (not isinstance(layer, keras.Model)
-                                                                 or is_subclassed(layer))
+    """Whether `layer`'s class is the user's (not one of Keras's or keras_hub's), with a call of its own."""
+    return not type(layer).__module__.startswith(("keras.", "keras_hub.")) and _is_one_piece(layer)
+
+
+def _is_one_piece(op: keras.Operation) -> bool:
+    """Whether the stage rewrite keeps `op` whole: all but a Sequential or functional model, which it
+    cuts inside."""
+    return not isinstance(op, keras.Model) or is_subclassed(op)
 
 
 def _refuse_own_weights(model: keras.Model, owners: list[keras.layers.Layer]) -> None:

@@ -1,5 +1,7 @@
 """Subclassed Keras models traced into layer graphs (hetpipe_tf.runtime.subclass_trace), cut into
 stages and trained as Keras trains the same object."""
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -215,6 +217,25 @@ def test_a_model_that_traces_into_one_layer_call_stays_one_stage_with_a_warning(
         trace_model(model, input_spec=(4, 4, 3), open_layers=["block"])
     trace_model(model, input_spec=(4, 4, 3), open_layers=["only"])
     assert [n.kind for n in describe_model(model).graph.nodes] == ["Conv2D", "Add"]
+
+
+class _BackboneOnly(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from tests.helpers.models import gpt2_backbone
+
+        self.backbone = gpt2_backbone()
+
+    def call(self, inputs):
+        return self.backbone(inputs)
+
+
+def test_a_model_calling_one_functional_model_is_cut_inside_it_without_a_warning():
+    model = _BackboneOnly()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace_model(model, input_spec=HUB)
+    assert split_model(model, num_stages=3).num_stages == 3
 
 
 def test_an_unbuilt_model_without_a_spec_is_refused_naming_what_to_give():

@@ -163,8 +163,9 @@ class KerasGraph:
 
 
 def describe_model(model):
-    """The :class:`KerasGraph` of a Sequential or functional Keras model, with the Sequential and
-    functional models used as layers inside it flattened into their layer calls."""
+    """The :class:`KerasGraph` of a Sequential or functional Keras model (a subclassed model's
+    trace), with the Sequential and functional models used as layers inside it flattened into their
+    layer calls."""
     fn, names = _layer_graph(model)
     depths = sorted(fn._nodes_by_depth, reverse=True)
     op_order = {id(op): i for i, op in enumerate(fn.operations)}
@@ -402,8 +403,9 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
     """Cuts a Keras model into stages.
 
     Args:
-      model: a Sequential or functional Keras model, built. Sequential and functional models used
-        as layers inside it are cut inside (:func:`describe_model`).
+      model: a Sequential or functional Keras model, built, or a subclassed one, cut as its trace
+        (:func:`hetpipe_tf.runtime.subclass_trace.trace_model`). Sequential and functional models
+        used as layers inside it are cut inside (:func:`describe_model`).
       boundaries: index of each stage's first layer call (topological order), starting at 0.
       num_stages: instead of `boundaries`, the number of stages; the cut then balances
         a static FLOP estimate (divided by `speeds`), exactly, over the cuts that keep every

@@ -105,3 +105,33 @@ def test_under_wsp_every_worker_clips_its_first_minibatch_by_keras_factor():
         for rt in vw.runtimes:
             assert sorted(rt.applied_terms) == list(range(1, STEPS + 1))
             np.testing.assert_allclose(float(rt.applied_terms[1][0]), want, rtol=1e-6)
+
+
+def test_a_keras_hub_gpt2_graph_clipped_across_three_stages_equals_keras():
+    """The GPT-2 backbone's token embedding (its ids repeat in a batch of 4 x 8 from 24) under an
+    untied head; the tolerance is ten times Keras's own sensitivity."""
+    from tests.helpers.data import gpt2_batches
+    from tests.helpers.models import gpt2_backbone_as_layer
+
+    def make(scale=1.0):
+        keras.utils.set_random_seed(8)
+        model = gpt2_backbone_as_layer()
+        for v in model.weights:
+            v.assign(v.numpy() * scale)
+        return model
+
+    data = gpt2_batches(STEPS)
+
+    def keras_trained(scale=1.0):
+        model = make(scale)
+        model.compile(optimizer=_optimizer(), loss=LOSS, jit_compile=False)
+        for x, y in data:
+            model.train_on_batch(x, y)
+        return [v.numpy() for v in model.weights]
+
+    want = keras_trained()
+    tolerance = 10 * _max_difference(want, keras_trained(1 + 1e-7))
+    model = make()
+    VirtualWorker(model, "cpu,cpu,cpu", num_in_flight=1, optimizer=_optimizer(), loss=LOSS, timeout_s=60,
+                  references=[(1.0, 1.0)] * 3).train(iter(data), STEPS)
+    assert _max_difference([v.numpy() for v in model.weights], want) < tolerance

@@ -46,6 +46,7 @@ _EXPORTS = {
     "split_model": "hetpipe_tf.runtime.stage_rewrite",
     "describe_model": "hetpipe_tf.runtime.stage_rewrite",
     "StagedModel": "hetpipe_tf.runtime.stage_rewrite",
+    "trace_model": "hetpipe_tf.runtime.subclass_trace",
     "ModelGraph": "hetpipe_tf.planning.model_graph",
     "balanced_boundaries": "hetpipe_tf.planning.partitioner",
     # Uneven minibatches per virtual worker (beyond the paper)
@@ -101,6 +102,8 @@ _EXPORTS = {
     "PlanRequestError": "hetpipe_tf.planning.request",
     "NonFiniteError": "hetpipe_tf.runtime.stage.verdicts",
     "UnsupportedModelError": "hetpipe_tf.runtime.stage_rewrite",
+    "UntraceableModelError": "hetpipe_tf.runtime.subclass_trace",
+    "UnsendableModelError": "hetpipe_tf.runtime.model_transport",
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",
     "ClusterStartError": "hetpipe_tf.distributed.starter",
     "ClusterConfigError": "hetpipe_tf.distributed.launch",

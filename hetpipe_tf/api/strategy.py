@@ -275,6 +275,9 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.worker_data import as_dataset, is_dataset
 
         data = as_dataset(x, y, batch_size, shuffle)
+        from hetpipe_tf.runtime.subclass_trace import trace_for_data
+
+        trace_for_data(model, data.element_spec)  # a subclassed model's call, traced on the data's inputs
         if validation_data is not None and not is_dataset(validation_data):
             validation_data = as_dataset(*validation_data, batch_size=batch_size, shuffle=False)
         resumed = self.checkpoints.restore_model(model) if self._resume and self.runner is None else None

@@ -46,6 +46,7 @@ from hetpipe_tf.planning.uneven import push_weights
 from hetpipe_tf.runtime.checkpoint import RunState, skip_consumed
 from hetpipe_tf.runtime.fit_loop import fit
 from hetpipe_tf.runtime.loss_head import LossHead
+from hetpipe_tf.runtime.model_transport import pack_model
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
@@ -150,6 +151,7 @@ class ProcessRunner:
 
     def __init__(self, model, cluster, workers, config, ps_devices, local_devices, home_nodes):
         config.check_picklable()  # before any process starts
+        self._model_text = pack_model(model)  # refuses a layer class a worker cannot rebuild, before any process starts
         check_for_workers(config.optimizer, len(workers))
         self.model = model
         self.cluster = cluster
@@ -230,7 +232,7 @@ class ProcessRunner:
         address = protocol.ServerAddress(self.servers.run, tuple(self.ps_devices),
                                          tuple(self.servers.clock.stages_per_worker),
                                          tuple(self.servers.variable_devices()))
-        model_json, weights = self.model.to_json(), self.model.get_weights() if weights is None else weights
+        model_json, weights = self._model_text, self.model.get_weights() if weights is None else weights
         workers = range(self.num_workers) if workers is None else workers
         if len(self.descriptions) != self.num_workers:
             self.descriptions = [None] * self.num_workers

@@ -70,13 +70,12 @@ class _Worker:
             self.conn.send(message)
 
     def build(self, job):
-        import keras
-
         from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
+        from hetpipe_tf.runtime.model_transport import unpack_model
         from hetpipe_tf.runtime.wsp_runner import WSPRunner
         from hetpipe_tf.sync.parameter_server import ParameterServers
 
-        model = keras.models.model_from_json(job.model_json)
+        model = unpack_model(job.model_json)
         model.set_weights(job.weights)
         address = job.servers
         servers = ParameterServers(model, address.devices, address.stages_per_worker, run=address.run,

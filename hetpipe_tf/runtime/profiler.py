@@ -265,7 +265,8 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     executor's costs stay measured on `device`. With `cache_dir`, a profile measured before
     for the same model graph, batch size, optimizer, host and stage device is read back instead.
     """
-    graph = describe_model(model).graph
+    keras_graph = describe_model(model)  # a subclassed model's: its trace, with inputs and outputs
+    graph = keras_graph.graph
     base = model_profile(model, batch_size)
     optimizer = check_optimizer(optimizer)
     host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
@@ -277,7 +278,7 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     if path and os.path.exists(path):
         with open(path) as f:
             return Profile.from_json(f.read())
-    x, y = sample if sample is not None else _random_minibatch(model, batch_size)
+    x, y = sample if sample is not None else _random_minibatch(keras_graph.model, batch_size)
     n = base.num_segments
     rows = {Forward: [], Backward: []}
     for grouping in [tuple(range(n))] + _groupings(n):

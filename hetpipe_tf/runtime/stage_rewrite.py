@@ -25,7 +25,9 @@ Handled:
   around its backbone, a backbone called as a layer, a ``keras.applications`` feature
   extractor, a model of models): they are flattened into their layer calls, which are
   the nested model's own layers, so the trained weights land in the nested model too.
-  A subclassed model or layer (a class with a ``call()`` of its own) is one node;
+  A subclassed model or layer (a class with a ``call()`` of its own) inside is one node;
+* a subclassed model (``class MyModel(keras.Model)``) itself: its ``call`` is traced into a
+  layer graph over its own layers (:mod:`hetpipe_tf.runtime.subclass_trace`);
 * a layer called in several stages (tied weights): each of those stages holds a
   replica, and :attr:`StagedModel.tied` says which stages hold which replica of which
   model variable (the runtime sums the replicas' gradients:
@@ -47,14 +49,16 @@ from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
+from hetpipe_tf.runtime.subclass_trace import is_subclassed, traced
 
 
 class UnsupportedModelError(HetPipeUsageError, TypeError):
-    """A model that has no layer graph to cut (for example a subclassed model)."""
+    """A model that has no layer graph to cut (a functional model not made from its inputs and outputs)."""
 
 
 def _top_graph(model):
-    """The functional graph of a Sequential or functional model (a Sequential's own)."""
+    """The functional graph of a Sequential or functional model (a Sequential's own), or of a
+    subclassed model its trace (:mod:`hetpipe_tf.runtime.subclass_trace`)."""
     if isinstance(model, keras.Sequential):
         fn = getattr(model, "_functional", None)
         if fn is None:
@@ -62,11 +66,12 @@ def _top_graph(model):
                 f"Sequential model '{model.name}' is not built: start it with keras.Input(shape) "
                 f"or call model.build(input_shape) before cutting it into stages")
         return fn
+    if is_subclassed(model):
+        return traced(model)
     if not hasattr(model, "_nodes_by_depth") or not getattr(model, "inputs", None):
         raise UnsupportedModelError(
-            f"model '{model.name}' ({type(model).__name__}) has no layer graph to cut: only "
-            f"Sequential and functional Keras models can be rewritten into stages (a subclassed "
-            f"model's call() is Python code; rebuild it with the functional API)")
+            f"model '{model.name}' ({type(model).__name__}) has no layer graph to cut: a functional model "
+            f"is cut once made from its inputs and outputs (keras.Model(inputs, outputs))")
     return model
 
 
@@ -159,8 +164,9 @@ class KerasGraph:
 
 
 def describe_model(model):
-    """The :class:`KerasGraph` of a Sequential or functional Keras model, with the Sequential and
-    functional models used as layers inside it flattened into their layer calls."""
+    """The :class:`KerasGraph` of a Sequential or functional Keras model (a subclassed model's
+    trace), with the Sequential and functional models used as layers inside it flattened into their
+    layer calls."""
     fn, names = _layer_graph(model)
     depths = sorted(fn._nodes_by_depth, reverse=True)
     op_order = {id(op): i for i, op in enumerate(fn.operations)}
@@ -398,8 +404,9 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
     """Cuts a Keras model into stages.
 
     Args:
-      model: a Sequential or functional Keras model, built. Sequential and functional models used
-        as layers inside it are cut inside (:func:`describe_model`).
+      model: a Sequential or functional Keras model, built, or a subclassed one, cut as its trace
+        (:func:`hetpipe_tf.runtime.subclass_trace.trace_model`). Sequential and functional models
+        used as layers inside it are cut inside (:func:`describe_model`).
       boundaries: index of each stage's first layer call (topological order), starting at 0.
       num_stages: instead of `boundaries`, the number of stages; the cut then balances
         a static FLOP estimate (divided by `speeds`), exactly, over the cuts that keep every

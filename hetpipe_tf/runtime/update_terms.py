@@ -5,7 +5,9 @@ computed for p (:class:`hetpipe_tf.pipeline.schedule.WorkerUpdate` orders the me
 
 * a clip by the **global norm** (``global_clipnorm``, Keras's ``clip_by_global_norm``): every
   gradient of p is scaled by min(1, clipnorm / ||g||), ||g|| the norm of all the stages'
-  gradients together (a tied weight counted once, with its replicas' summed gradient);
+  gradients together (a tied weight counted once, with its replicas' summed gradient), each
+  counted as Keras counts the gradient it would receive: an embedding's ``tf.IndexedSlices`` by
+  its rows as they are (a row per lookup, so ids a batch repeats count once per occurrence);
 * **dynamic loss scaling** (``keras.optimizers.LossScaleOptimizer``, which Keras's
   ``compile`` makes under ``mixed_float16``): the last stage multiplies p's loss by the scale S_p,
   every stage divides its gradient by S_p; p is applied on no stage if any stage's gradient is
@@ -51,10 +53,18 @@ class UpdateRule:
         return self.global_clipnorm is not None or self.loss_scaling is not None
 
 
-def squared_norm(grads, divisor):
-    """The squared norm of the unscaled `grads` (each divided by `divisor`) as one float32 scalar."""
-    sums = [tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32) / divisor)) for g in grads]
+def squared_norm(grads: list[tf.Tensor | tf.IndexedSlices], divisor: tf.Tensor | float) -> tf.Tensor:
+    """The squared norm of the unscaled `grads` (each divided by `divisor`) as one float32 scalar,
+    each gradient counted as Keras's ``clip_by_global_norm`` counts it: a ``tf.IndexedSlices`` (an
+    embedding's lookup) by its rows as they are, a row repeated as often as its id is in the batch;
+    a dense gradient (a tied embedding whose uses add up to one) by its values."""
+    sums = [tf.reduce_sum(tf.square(tf.cast(_rows(g), tf.float32) / divisor)) for g in grads]
     return tf.add_n(sums) if sums else tf.constant(0.0)
+
+
+def _rows(g: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
+    """The values whose squares Keras sums for gradient `g`: an IndexedSlices' rows, unsummed."""
+    return g.values if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
 
 
 def clip_factor(squared, clipnorm):
@@ -62,6 +72,13 @@ def clip_factor(squared, clipnorm):
     norm is not finite, as Keras's."""
     use_norm = tf.sqrt(squared)
     return clipnorm * tf.minimum(1.0 / use_norm, 1.0 / clipnorm) + (use_norm - use_norm)
+
+
+def clipped(grads: list[tf.Tensor | tf.IndexedSlices], factor: tf.Tensor) -> list[tf.Tensor]:
+    """`grads` multiplied by the global clip's `factor` as Keras's ``clip_by_global_norm`` multiplies
+    them: an IndexedSlices times a tensor is its dense sum times it, so the optimizer then updates an
+    embedding as a dense weight (every row's moments move), as it does under Keras's clip."""
+    return [g * factor for g in grads]
 
 
 class ScaleState:

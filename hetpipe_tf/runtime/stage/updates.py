@@ -14,7 +14,7 @@ from hetpipe_tf.pipeline.schedule import WorkerUpdate
 from hetpipe_tf.runtime.stage.verdicts import FINITE
 from hetpipe_tf.runtime.stage.weights import StageWeights, is_remote
 from hetpipe_tf.runtime.stage_rewrite import TiedVariable
-from hetpipe_tf.runtime.update_terms import ScaleState, UpdateRule, clip_factor, squared_norm
+from hetpipe_tf.runtime.update_terms import ScaleState, UpdateRule, clip_factor, clipped, squared_norm
 
 #: The weight elements from which a stage's update runs compiled by XLA (see docs/performance.md).
 _XLA_APPLY_ELEMENTS = 1 << 20
@@ -131,7 +131,7 @@ class StageUpdate:
         if self.rule.loss_scaling is not None:
             grads = [_scaled(g, lambda x: x / scale) for g in grads]
         if self.rule.global_clipnorm is not None:
-            grads = [_scaled(g, lambda x: x * clip) for g in grads]
+            grads = clipped(grads, clip)
         if self.rule.loss_scaling is not None and self.is_last and self.index > 0:
             self.loss_scale.assign(after)
         return grads

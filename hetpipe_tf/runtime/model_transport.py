@@ -16,13 +16,15 @@ import json
 
 import keras
 
+from hetpipe_tf.errors import HetPipeUsageError
+
 from hetpipe_tf.runtime.subclass_trace import is_subclassed, traced
 
 #: The format of a packed trace (anything else is a model's own JSON).
 _TRACE_FORMAT = "hetpipe-trace-1"
 
 
-class UnsendableModelError(ValueError):
+class UnsendableModelError(HetPipeUsageError, ValueError):
     """A model whose layers a worker process could not rebuild."""
 
 

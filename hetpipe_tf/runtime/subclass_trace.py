@@ -36,6 +36,8 @@ import tensorflow as tf
 from keras import tree
 from keras.src.models.functional import Functional
 
+from hetpipe_tf.errors import HetPipeUsageError
+
 #: What an inputs' spec may be: a ``keras.Input``, a ``tf.TensorSpec`` (with its batch dimension),
 #: a shape without the batch dimension (float inputs), or a dict, list or tuple of them.
 InputSpec = keras.KerasTensor | tf.TensorSpec | tuple | list | dict
@@ -51,7 +53,7 @@ _ADD_LOSS = ("call adds a loss (add_loss): a traced graph's stages do not carry 
 _KERAS_SET = frozenset({"built"})
 
 
-class UntraceableModelError(ValueError):
+class UntraceableModelError(HetPipeUsageError, ValueError):
     """A subclassed model whose ``call`` cannot be traced into a layer graph."""
 
 

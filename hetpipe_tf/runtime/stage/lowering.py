@@ -26,7 +26,7 @@ from hetpipe_tf.runtime.stage.verdicts import FINITE, checked_gradient, combined
 from hetpipe_tf.runtime.stage.weights import StageWeights
 
 #: A task's shape: (instruction type, minibatch offset from the first, fixed fields) per instruction.
-TaskShape = tuple[tuple[type, int, tuple], ...]
+TaskShape = tuple[tuple[type[Instruction], int, tuple[bool | float | int, ...]], ...]
 #: An input or output of a compiled task: (kind, minibatch offset).
 Key = tuple[str, int]
 

@@ -2,7 +2,7 @@
 
 Each segment (see :mod:`hetpipe_tf.planning.profile`) runs as a stage of its own, with the
 same stage code the executor runs, and its forward and backward times are measured
-alone (:func:`measure_stage_times`). A trivial stage gives
+alone (:func:`hetpipe_tf.runtime.stage.timing.measure_stage_times`). A trivial stage gives
 the fixed cost of a task, which is subtracted from every segment, so that a stage of
 several segments costs one task overhead plus its segments' compute. Emulated device
 types use these host times scaled by dilation / speed, as the emulation itself does, so

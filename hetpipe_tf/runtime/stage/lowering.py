@@ -26,7 +26,7 @@ from hetpipe_tf.runtime.stage.verdicts import FINITE, checked_gradient, combined
 from hetpipe_tf.runtime.stage.weights import StageWeights
 
 #: A task's shape: (instruction type, minibatch offset from the first, fixed fields) per instruction.
-TaskShape = tuple[tuple[type, int, tuple], ...]
+TaskShape = tuple[tuple[type[Instruction], int, tuple[bool | float | int, ...]], ...]
 #: An input or output of a compiled task: (kind, minibatch offset).
 Key = tuple[str, int]
 
@@ -67,11 +67,14 @@ class TaskTrace:
         self.outputs = {}
 
 
+def _passes(shape: TaskShape) -> tuple[set[int], set[int]]:
+    """The minibatch offsets of a task's forward passes (or recomputations) and backward passes."""
+    return ({o for t, o, _ in shape if t in (Forward, Recompute)}, {o for t, o, _ in shape if t is Backward})
+
+
 def _input_keys(shape: TaskShape, is_last: bool, update: StageUpdate, terms_at: set[int]) -> list[Key]:
     """The inputs a task of `shape` takes, in order."""
-    kinds = [(t, o) for t, o, _ in shape]
-    forwards = {o for t, o in kinds if t in (Forward, Recompute)}
-    backwards = {o for t, o in kinds if t is Backward}
+    forwards, backwards = _passes(shape)
     keys = []
     for t, o, _ in shape:
         if t is Forward:
@@ -99,12 +102,10 @@ class CompiledTask:
     def __init__(self, lowering: "TaskLowering", shape: TaskShape, accumulating: bool) -> None:
         self.shape = shape
         self.offsets = sorted({o for _, o, _ in shape})
-        kinds = [(t, o) for t, o, _ in shape]
-        forwards = {o for t, o in kinds if t in (Forward, Recompute)}
-        backwards = {o for t, o in kinds if t is Backward}
+        forwards, backwards = _passes(shape)
         # The first stage makes a minibatch's update terms where its backward pass and update run together.
         update = lowering.update
-        self.terms_at = {o for t, o in kinds if t is ApplyUpdate and o in backwards} if update.makes_terms else set()
+        self.terms_at = {o for t, o, _ in shape if t is ApplyUpdate and o in backwards} if update.makes_terms else set()
         self.inputs = _input_keys(shape, lowering.passes.is_last, update, self.terms_at)
         if accumulating:
             self.inputs.append(("acc", 0))

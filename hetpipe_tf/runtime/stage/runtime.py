@@ -32,6 +32,8 @@ from hetpipe_tf.runtime.update_terms import ScaleState, UpdateRule
 #: The instructions a stage runtime carries out on its device (:meth:`StageRuntime.run`).
 DEVICE_INSTRUCTIONS = frozenset({Forward, Recompute, Backward, CompensateGradient, ReleaseWeights, ApplyUpdate,
                                  AccumulateGradient, ApplyAccumulated, StashWeights})
+#: What :meth:`hetpipe_tf.runtime.provenance.Provenance.snapshot` gives: (used versions, used globals, live globals).
+ProvenanceSnapshot = tuple[dict[int, tuple[int, ...]], dict[int, frozenset], frozenset]
 #: How many verdicts a stage keeps unread at most. The first stage reads each before it reports
 #: the minibatch done; every stage reads them before a push, a snapshot and the end of a run.
 _UNCHECKED = 64
@@ -48,7 +50,7 @@ class StageState:
     optimizer: list[tf.Tensor]
     applied: tuple[int, ...] = ()
     sync: Nest = None
-    provenance: tuple | None = None
+    provenance: ProvenanceSnapshot | None = None
 
 
 class StageRuntime:

@@ -104,6 +104,9 @@ class Device:
 
 @dataclass(frozen=True)
 class Cluster:
+    """A cluster description (see the module docstring): its device types, its nodes (each holding
+    `count` devices of one type) and the links between and within nodes. Made by
+    :func:`load_cluster` from a preset's name, a JSON file or a dict, checked field by field."""
     name: str
     device_types: dict
     nodes: tuple

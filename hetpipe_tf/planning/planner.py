@@ -95,6 +95,12 @@ class WorkerPlan:
 
 @dataclass(frozen=True)
 class Plan:
+    """What the planner decided for a request (§7, §8.1): the virtual workers, each with its
+    devices, its stages' layer ranges and predicted times and memory (``workers``, one
+    :class:`WorkerPlan` each), Nm, the placement of the global weights, each worker's minibatch
+    size, and the predicted throughput (``minibatches_per_s``, ``images_per_s``, per worker and per
+    Nm tried). ``format()`` prints it as ``hetpipe plan`` does, ``to_dict()`` as JSON; ``notes``
+    say what was measured and what assumed. It is made by :func:`plan`, never by hand."""
     cluster: object
     profile: object
     policy: str

@@ -1,7 +1,7 @@
 """TaylorPipe (Jang, Yoo and Yook, Applied Sciences 2023): pipelined SGD with a master
 and local models per stage and the first-order Taylor compensation of the delayed gradient. A
 registration of the schedule seam: "taylorpipe", and "hetpipe-taylor", HetPipe's schedule with
-the same compensation, which works inside WSP (none of the seeds has it).
+the same compensation, which works inside WSP (TaylorPipe itself runs it without parameter servers).
 
 Pure Python. Algorithm 1, per stage n (computing node n) and minibatch t:
 
@@ -18,7 +18,7 @@ Pure Python. Algorithm 1, per stage n (computing node n) and minibatch t:
   2(N − n) + 1 minibatches before its first backward pass (seven replicas on the first of four
   nodes, three on the third), here min(Nm, 2(k − q) − 1) for stage q of k (0-based), at most Nm
   versions per stage. With k = 2, Nm = 2 the order is PipeDream's.
-* **λ** (the "variance control parameter"): 2.0 in every setting of the seed's Appendix A
+* **λ** (the "variance control parameter"): 2.0 in every setting of TaylorPipe's Appendix A
   (Tables A1–A3), the default here; λ = 0 is uncompensated pipelined SGD with weight stashing.
 
 **Inside WSP** ("hetpipe-taylor"): HetPipe's schedule (§4) with the compensation before every
@@ -50,7 +50,7 @@ def checked_variance_control(variance_control: float) -> float:
         value = math.nan
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"TaylorPipe's variance control parameter λ must be a finite number >= 0, got "
-                         f"{variance_control!r}; the seed uses {DEFAULT_VARIANCE_CONTROL:g}, and 0 turns the "
+                         f"{variance_control!r}; TaylorPipe uses {DEFAULT_VARIANCE_CONTROL:g}, and 0 turns the "
                          f"compensation off")
     return value
 

@@ -9,7 +9,7 @@ maximum execution time of the partitions") subject to every stage's memory:
   :class:`hetpipe_tf.planning.cost_model.CostModel` as a MILP (HiGHS, as §7 uses CPLEX), and
   :func:`partition_dp` solves the same problem exactly by dynamic programming, as a
   cross-check;
-* :func:`best_partition` finds the best of the devices' distinct orders (seed 004) by branch
+* :func:`best_partition` finds the best of the devices' distinct orders (the extended HetPipe's partitioner, which tries every device order) by branch
   and bound (:class:`_OrderSearch`), the MILP or the dynamic program then cutting that order;
   :func:`fits_some_order` says whether any of them fits.
 """
@@ -457,7 +457,7 @@ def _walk_orders(pools: dict[PoolKey, list[Device]], blocks: bool,
 
 
 class _OrderSearch:
-    """Branch and bound over the orders of one virtual worker's devices (seed 004, §7).
+    """Branch and bound over the orders of one virtual worker's devices (the extended HetPipe, §7).
 
     The orders are those of :func:`distinct_orders`: every order that differs in its (node,
     type) sequence, or, beyond MAX_ORDERS of them, every order of the worker's nodes with each
@@ -696,7 +696,7 @@ def fits_some_order(model: CostModel, devices: Sequence[Device], num_in_flight: 
 
 def best_partition(model: CostModel, devices: Sequence[Device], num_in_flight: int, method: str = "milp"
                    ) -> Partition:
-    """The best partition over the orders of the devices (seed 004; :class:`_OrderSearch`): the
+    """The best partition over the orders of the devices (as the extended HetPipe does; :class:`_OrderSearch`): the
     orders are searched by branch and bound on the dynamic program, and `method` ("milp", §7's
     MILP, or "dp") then cuts the best order, so that the MILP runs once, where it decides."""
     solve = {"milp": partition_milp, "dp": partition_dp}[method]

@@ -7,7 +7,7 @@ is computed here, on the device of the tensors given:
 * ``truncate16``: a float32 with its 16 low bits set to zero is a bfloat16 exactly (sign, 8
   exponent bits, the 7 high mantissa bits), so C(x) is that bfloat16 (2 bytes on the wire) and
   D(C(x)) its float32: |x - D(C(x))| <= 2^-7·|x| (the dropped bits are less than one unit of
-  the 7th mantissa bit). Truncation, not rounding, as the seed says.
+  the 7th mantissa bit). Truncation, not rounding, as Pipe-SGD says.
 * ``quant8``: one scale per tensor, s = max|x| / 127, and q = round(x / s) in -127..127 (int8,
   1 byte on the wire, four packed in an int32 word, since TensorFlow's collectives carry no
   int8); D(q) = s·q, so |x - D(C(x))| <= s / 2. An all-zero tensor has s = 0 and q = 0.

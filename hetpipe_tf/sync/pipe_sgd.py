@@ -1,17 +1,17 @@
 """Pipe-SGD (Li et al., NeurIPS 2018) behind the synchronisation seam: decentralised,
 pipelined all-reduce SGD with gradient staleness k, no parameter servers.
 
-Pure Python. Algorithm 1 of the seed, on each worker: iteration t = 1..T waits until the
+Pure Python. Pipe-SGD's Algorithm 1, on each worker: iteration t = 1..T waits until the
 aggregated gradient of iteration t - (k + 1) is ready (line 3), decompresses it (4), updates
 ``w[t] = w[t-1] - γ·g_sum[t-(k+1)]`` (5), then computes its own gradient at w[t] (6-8),
 compresses it (9) and hands it to its communication thread (10), which all-reduces
 ``g_sum[t] = Σ_workers g_local[t]`` (a sum, not a mean; aggregates of iterations -k..0 are
 zero). So the weights iteration t computes its gradient at hold exactly the aggregates of
-iterations 1..t-(k+1): with k = 0 it is synchronous all-reduce SGD, and k* = 1 (the seed's
+iterations 1..t-(k+1): with k = 0 it is synchronous all-reduce SGD, and k* = 1 (Pipe-SGD's
 optimum) lets iteration t compute while the aggregate of t - 1 is communicated.
 
 Here an iteration is a minibatch of a virtual worker, and the all-reduce runs per stage: stage
-s of every worker all-reduces with stage s of the others (a worker of one stage is the seed's
+s of every worker all-reduces with stage s of the others (a worker of one stage is Pipe-SGD's
 plain data parallelism; several stages are "pipelines inside, pipelined all-reduce across",
 which no seed has). As a :class:`hetpipe_tf.pipeline.schedule.SyncScheme`:
 
@@ -36,7 +36,7 @@ In one process the workers' stages meet on their own devices; with one process p
 worker they meet on the cluster's worker tasks
 (:meth:`hetpipe_tf.sync.allreduce.AllReduceGroup.member_device`).
 
-The seed's light compressions (:data:`COMPRESSIONS`; the TensorFlow side is
+Pipe-SGD's light compressions (:data:`COMPRESSIONS`; the TensorFlow side is
 :mod:`hetpipe_tf.sync.compression`) are applied to what is communicated, and its timing
 model (:func:`ring_allreduce_seconds`, :func:`iteration_seconds`) is what the simulator's
 :class:`AllReduceModel` charges. The collectives themselves (TensorFlow's
@@ -68,7 +68,7 @@ CONTRIBUTED = "contributed"
 
 @dataclass(frozen=True)
 class Compression:
-    """One of the seed's light compressions ("Compression": "floating-point truncation on 16-bit
+    """One of Pipe-SGD's light compressions ("Compression": "floating-point truncation on 16-bit
     LSBs, and scalar 8-bit quantization"), as communicated: `wire_bytes` per float32 element,
     whether the compressed values are summed as they travel (a ring all-reduce) or `gathered`
     and summed by each worker (8-bit values with one scale per worker cannot be summed in 8 bits),
@@ -104,7 +104,7 @@ def get_compression(name: str) -> Compression:
     return COMPRESSIONS[name]
 
 
-# The seed's timing model ------------------------------------------------------------------------
+# Pipe-SGD's timing model ------------------------------------------------------------------------
 def ring_allreduce_seconds(workers: int, nbytes: float, latency: float, byte_seconds: float,
                            reduce_byte_seconds: float = 0.0, sync_seconds: float = 0.0, segments: int = 1) -> float:
     """l_comm of a Ring-AllReduce of `nbytes` over p = `workers` (Pipe-SGD, "Finding the Optimal
@@ -251,7 +251,7 @@ class AllReduceBinding:
 
 
 class PipeSGD(SyncScheme):
-    """Pipe-SGD with staleness `staleness` (k >= 0; the seed's optimum and default 1) and a
+    """Pipe-SGD with staleness `staleness` (k >= 0; Pipe-SGD's optimum and default 1) and a
     `compression` of :data:`COMPRESSIONS` (default none). Registered as "pipe-sgd" with the
     defaults; ``PipeSGD(staleness=k, compression=c)`` is a scheme too (``HetPipeStrategy(sync=...)``)."""
 
@@ -264,7 +264,7 @@ class PipeSGD(SyncScheme):
 
     def __init__(self, staleness: int = 1, compression: str = "none") -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"Pipe-SGD's staleness k must be an integer >= 0, got {staleness!r}; the seed's "
+            raise ValueError(f"Pipe-SGD's staleness k must be an integer >= 0, got {staleness!r}; Pipe-SGD's "
                              f"optimum is k = 1 (0: synchronous all-reduce SGD)")
         self.staleness = staleness
         self.compression = get_compression(compression)

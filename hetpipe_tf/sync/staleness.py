@@ -12,7 +12,7 @@ waves of which workers they held (global). With Nm minibatches in flight
   s_global = (D + 1)(s_local + 1) + s_local - 1. Updates are pushed a wave at a time, so
   that means every wave holding any of those minibatches: waves 0 .. (p - Nm) // Nm - D - 1.
 
-Seed 001's example (D = 0, s_local = 3): minibatch 11 must hold the global updates of
+The HetPipe dissertation's example (D = 0, s_local = 3): minibatch 11 must hold the global updates of
 minibatches 1..4 (wave 0), minibatch 12 those of 1..8 (waves 0 and 1).
 
 The same rule with waves of g minibatches (a push per g; g = 1 under BSP, SSP and ASP,

@@ -9,8 +9,8 @@ Pure Python. Everything WSP adds between virtual workers is here, as a
   (:class:`MergePulled`). A last, partial wave is pushed too (no update is lost); pulls
   that no later minibatch needs are not made.
 * **what a forward pass waits for**: minibatch (c+2)·Nm, the first whose weight version
-  must hold the global updates of wave c, waits for that merge. For D = 0, Nm = 4 (seed
-  001): minibatch 8 waits for every worker's wave 0 while minibatches 5..7 of wave 1 are
+  must hold the global updates of wave c, waits for that merge. For D = 0, Nm = 4 (the HetPipe
+  dissertation's example): minibatch 8 waits for every worker's wave 0 while minibatches 5..7 of wave 1 are
   already in the pipeline.
 * **how the executor carries them out** (:meth:`WSP.handlers`): a push takes the wave's update
   on the stage and sends it to the parameter servers on the stage's lane (a thread of its own,

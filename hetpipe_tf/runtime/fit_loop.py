@@ -323,99 +323,126 @@ def run_fit(training: Training, options: FitOptions) -> keras.callbacks.History:
     """Runs Keras's fit protocol (the callbacks, History, progress bar, `epochs` from
     `initial_epoch` as Keras's: the optimizers' iterations count from ``initial_epoch *
     steps_per_epoch``) over `training`, which runs on a thread of its own; returns the History."""
-    model, epochs, initial_epoch, callbacks = training.model, options.epochs, options.initial_epoch, options.callbacks
-    steps_per_epoch, timeout_s = training.steps_per_epoch, training.timeout_s
-    optimizer = training.optimizer
-    if getattr(model, "optimizer", None) is None:
-        model.optimizer = optimizer  # callbacks read and set its learning rate
-    events = Events()
+    return KerasLoop(training, options).run()
 
-    def run():
+
+class KerasLoop:
+    """Keras's fit protocol on the caller's thread over a :class:`Training` on another (see the
+    module docstring): one :meth:`run`."""
+
+    def __init__(self, training: Training, options: FitOptions):
+        self.training, self.options = training, options
+        self.model = training.model
+        if getattr(self.model, "optimizer", None) is None:
+            self.model.optimizer = training.optimizer  # callbacks read and set its learning rate
+        self.events = Events()
+        self._follow = LearningRateFollower(self.model, training.optimizer, training.stage_optimizers)
+        # Only a callback's step hooks see or set the optimizer within an epoch: without one, it
+        # follows at the epochs' starts and ends alone (each step's following costs two host round trips).
+        self._each_step = _has_step_hooks(options.callbacks)
+        verbose = 1 if options.verbose == "auto" else options.verbose
+        self.callbacks = keras.callbacks.CallbackList(
+            options.callbacks, add_history=True, add_progbar=verbose != 0, model=self.model, verbose=verbose,
+            epochs=options.epochs, steps=training.steps_per_epoch)
+        self.completed = options.initial_epoch * training.steps_per_epoch  # the updates applied
+        self.stopped = False
+
+    def run(self) -> keras.callbacks.History:
+        """Trains every epoch, or until stopped; on any error or Ctrl-C it stops the training
+        before leaving."""
+        self.model.stop_training = False
+        self.callbacks.on_train_begin()
+        start_thread(self._train, "hetpipe-fit")
+        history_logs = {}
+        try:
+            t_epoch = min(self.events.get("started") for _ in range(self.training.workers))
+            for epoch in range(self.options.initial_epoch, self.options.epochs):
+                history_logs, t_epoch = self._epoch(epoch, t_epoch)
+                if self.stopped:
+                    break
+            self.events.wait_finished(self.training.timeout_s)
+        except BaseException:
+            # A callback failed, training failed, or the user interrupted: stop every stage and
+            # let the training threads end before leaving, but not for longer than ABORT_GRACE_S:
+            # a thread can be in a call to a lost task or in a server's wait until its timeout.
+            self.training.abort()
+            try:
+                self.events.wait_finished(min(self.training.timeout_s, ABORT_GRACE_S))
+            except BaseException:  # noqa: BLE001 - their errors follow from the abort
+                pass
+            raise
+        self.callbacks.on_train_end(history_logs)
+        return self.model.history
+
+    def _train(self):
         error = None
         try:
-            training.train(events)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, on the caller's thread
+            self.training.train(self.events)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             error = exc
-        events.finished(error)
+        self.events.finished(error)
 
-    follow = LearningRateFollower(model, optimizer, training.stage_optimizers)
-    # Only a callback's step hooks see or set the optimizer within an epoch: without one, it
-    # follows at the epochs' starts and ends alone (each step's following costs two host round trips).
-    each_step = _has_step_hooks(callbacks)
+    def _follow_optimizer(self, step_end=False):
+        if self._each_step or not step_end:
+            self._follow(self.completed)
 
-    def sync_optimizer(completed, step_end=False):
-        if each_step or not step_end:
-            follow(completed)
+    def _epoch(self, epoch, t_epoch):
+        """One epoch from `t_epoch` (when the last ended); returns its logs and when it ended."""
+        training, last = self.training, epoch + 1 == self.options.epochs
+        self.callbacks.on_epoch_begin(epoch)
+        self._follow_optimizer()
+        sums, count, t_done = self._steps(t_epoch)
+        self._follow_optimizer()  # validation and the epoch's callbacks see its iterations
+        logs = {k: v / max(count, 1) for k, v in sums.items()}
+        if t_done > t_epoch:
+            logs["images_per_s"] = count * training.batch_size / (t_done - t_epoch)
+        if not training.waits_between_epochs and (self.stopped or last):
+            # The run's last pushes land before its last logs are taken and the global
+            # weights go into the model (a minibatch is counted before its wave is pushed).
+            # Training that waits between epochs has drained before its epoch_end instead.
+            self.events.wait_finished(training.timeout_s)
+        logs.update(training.epoch_end(epoch, self.stopped, self.events))
+        self.callbacks.on_epoch_end(epoch, logs)
+        self._follow_optimizer()
+        if self.model.stop_training and not self.stopped:
+            self.stopped = True
+            training.request_stop()
+        training.after_epoch(epoch, self.stopped or last)
+        return logs, t_done
 
-    verbose = 1 if options.verbose == "auto" else options.verbose
-    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=model,
-                                       verbose=verbose, epochs=epochs, steps=steps_per_epoch)
-    model.stop_training = False
-    cbs.on_train_begin()
-    start_thread(run, "hetpipe-fit")
-    history_logs, stopped, completed = {}, False, initial_epoch * steps_per_epoch
-    try:
-        t_epoch = min(events.get("started") for _ in range(training.workers))
-        for epoch in range(initial_epoch, epochs):
-            cbs.on_epoch_begin(epoch)
-            sync_optimizer(completed)
-            sums, count, t_done = {}, 0, t_epoch
-            for step in range(steps_per_epoch):
-                cbs.on_train_batch_begin(step)
-                try:
-                    logs, t_done = events.get("done")
-                except Exception as exc:  # noqa: BLE001 - re-raised unless TerminateOnNaN takes it
-                    logs = _terminate_on_nan_logs(exc, callbacks)
-                    if logs is None:
-                        raise
-                    events.forgive(exc)
-                    stopped = True
-                # Logs None: a minibatch that a lost virtual worker will not train, a step without an update.
-                trained = logs is not None
-                completed += 1 if trained and not stopped else 0  # the optimizers' iterations count applied updates
-                for k, v in (logs or {}).items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += trained
-                cbs.on_train_batch_end(step, {k: v / max(count, 1) for k, v in sums.items()})
-                sync_optimizer(completed, step_end=True)
-                if model.stop_training or stopped:
-                    if not stopped:
-                        training.request_stop()
-                    stopped = True
-                    break
-            sync_optimizer(completed)  # validation and the epoch's callbacks see its iterations
-            epoch_logs = {k: v / max(count, 1) for k, v in sums.items()}
-            if t_done > t_epoch:
-                epoch_logs["images_per_s"] = count * training.batch_size / (t_done - t_epoch)
-            t_epoch = t_done
-            if not training.waits_between_epochs and (stopped or epoch + 1 == epochs):
-                # The run's last pushes land before its last logs are taken and the global
-                # weights go into the model (a minibatch is counted before its wave is pushed).
-                # Training that waits between epochs has drained before its epoch_end instead.
-                events.wait_finished(timeout_s)
-            epoch_logs.update(training.epoch_end(epoch, stopped, events))
-            cbs.on_epoch_end(epoch, epoch_logs)
-            sync_optimizer(completed)
-            history_logs = epoch_logs
-            if model.stop_training and not stopped:
-                stopped = True
-                training.request_stop()
-            training.after_epoch(epoch, stopped or epoch + 1 == epochs)
-            if stopped:
+    def _steps(self, t_epoch):
+        """An epoch's steps: the sums of their logs, the minibatches trained and when the last completed."""
+        sums, count, t_done = {}, 0, t_epoch
+        for step in range(self.training.steps_per_epoch):
+            self.callbacks.on_train_batch_begin(step)
+            logs, t_done = self._next_done(t_done)
+            # Logs None: a minibatch that a lost virtual worker will not train, a step without an update.
+            trained = logs is not None
+            self.completed += 1 if trained and not self.stopped else 0  # the optimizers' iterations
+            for k, v in (logs or {}).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            count += trained
+            self.callbacks.on_train_batch_end(step, {k: v / max(count, 1) for k, v in sums.items()})
+            self._follow_optimizer(step_end=True)
+            if self.model.stop_training or self.stopped:
+                if not self.stopped:
+                    self.training.request_stop()
+                self.stopped = True
                 break
-        events.wait_finished(timeout_s)
-    except BaseException:
-        # A callback failed, training failed, or the user interrupted: stop every stage and
-        # let the training threads end before leaving, but not for longer than ABORT_GRACE_S:
-        # a thread can be in a call to a lost task or in a server's wait until its timeout.
-        training.abort()
+        return sums, count, t_done
+
+    def _next_done(self, t_done):
+        """The next minibatch's (logs, completion time); a non-finite loss's logs when a
+        TerminateOnNaN callback takes them (training then stops), with `t_done` unchanged."""
         try:
-            events.wait_finished(min(timeout_s, ABORT_GRACE_S))
-        except BaseException:  # noqa: BLE001 - their errors follow from the abort
-            pass
-        raise
-    cbs.on_train_end(history_logs)
-    return model.history
+            return self.events.get("done")
+        except Exception as exc:  # noqa: BLE001 - re-raised unless TerminateOnNaN takes it
+            logs = _terminate_on_nan_logs(exc, self.options.callbacks)
+            if logs is None:
+                raise
+            self.events.forgive(exc)
+            self.stopped = True
+            return logs, t_done
 
 
 #: A callback's hooks that run at each step.

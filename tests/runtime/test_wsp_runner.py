@@ -182,10 +182,18 @@ def test_stats_and_trace_show_every_worker():
     keras.utils.set_random_seed(0)
     model = models.mlp()
     runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=2, d=0, loss=LOSS, dilation=None)  # calibrated
+    probes, probe = [], runner.group.probe
+    runner.group.probe = lambda d, *args: (probes.append(d), probe(d, *args))[1]
+    runner.train([random_batches(model, 4, seed=i) for i in range(2)], 4)
+    calibrated = runner.emulation_report().calibration
+    assert [d for d, _ in calibrated] == probes  # every worker probed at once, for one dilation
     runner.train([random_batches(model, 8, seed=i) for i in range(2)], 8, trace=True)
+    report = runner.emulation_report()  # the run's one dilation: no probe again
+    assert len(probes) == len(calibrated) and report.calibration == calibrated
+    assert report.dilation >= calibrated[-1][0]  # the first passing probe's, or steps above it
     stats = runner.stats()
     assert [s["worker"] for s in stats] == [0, 1]
-    assert all(s["clock"] == 4 and s["clock_distance"] == 0 for s in stats)
+    assert all(s["clock"] == 6 and s["clock_distance"] == 0 for s in stats)
     events = runner.trace.events()
     for cat in ("PushUpdate", "Push", "PullWeights", "MergePulled", "PullWait"):
         assert {e["pid"] for e in events if e.get("cat") == cat} == {0, 1}, cat

@@ -33,6 +33,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
+
+import tensorflow as tf
 
 from hetpipe_tf.distributed import protocol
 from hetpipe_tf.distributed.protocol import job_name
@@ -44,6 +47,7 @@ from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.runtime.checkpoint import RunState, skip_consumed
+from hetpipe_tf.runtime.fit_loop import Events
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage_runtime import NonFiniteError
@@ -306,14 +310,14 @@ class ProcessRunner:
         values = self.servers.values()
         return [values[v.path].numpy() if v.path in values else v.numpy() for v in self.model.weights]
 
-    def resume(self, state):
+    def resume(self, state: RunState) -> None:
         """Continues the run `state` (a :class:`hetpipe_tf.runtime.checkpoint.RunState`) holds: its
         clocks at the servers now, its optimizer state in the workers' stages once they are built
         (its weights are already in the Keras model, hence the servers and the workers' jobs)."""
         self.servers.advance_clocks(state.clocks)
         self._optimizer_states = state.optimizers
 
-    def run_state(self, epoch, positions, plan):
+    def run_state(self, epoch: int, positions: Sequence[int], plan: dict | None) -> RunState:
         """The run as a checkpoint holds it, between epochs (every worker drained): the global
         weights in the Keras model, each worker's stages' optimizer state asked of its process."""
         self.servers.write_to(self.model)
@@ -324,11 +328,11 @@ class ProcessRunner:
 
     # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.GlobalWeightsRunner) ------------
     @property
-    def trains_by_epoch(self):
+    def trains_by_epoch(self) -> bool:
         """A run that may go on without a lost worker trains epoch by epoch, to restart it between them."""
         return self.config.on_worker_failure == "continue"
 
-    def begin_fit(self, shards, positions):
+    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._shards = shards
         data = [dataset_to_bytes(s) for s in skip_consumed(shards, positions)]
         self._first_data = data
@@ -346,7 +350,7 @@ class ProcessRunner:
         if self._dilation is None:
             self._dilation = decide_dilation(self.config.dilation, self.emulated, self._probe)
 
-    def train_segment(self, steps, events, first, trace, epoch_ends):
+    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
         self._events = events
         self._report_started = first
         # The fit's first segment sends the data; the next ones go on where the last ended, but a
@@ -360,7 +364,7 @@ class ProcessRunner:
             c.send(protocol.Train(data[c.worker], steps, self._dilation, trace))
         self._collect(trace)
 
-    def drain(self):
+    def drain(self) -> None:
         """Every worker's process drains (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.drain`);
         under "continue", one whose process is gone meanwhile is lost here (:meth:`_lose`): its
         connection ended, or it gave no answer and its heartbeat gave it up within another timeout
@@ -393,27 +397,27 @@ class ProcessRunner:
                 self._finished.put(item)
         self._lose(c.worker)
 
-    def after_drain(self, positions):
+    def after_drain(self, positions: Sequence[int]) -> None:
         # On the caller's thread: a process's death signal follows the thread that started it.
         if self.lost.gone:
             self._restarted.update(self._restart_lost(positions))
 
-    def epoch_weights(self, events, stopped):
+    def epoch_weights(self, events: Events, stopped: bool) -> None:
         self.servers.write_to(self.model)
 
-    def evaluate(self, dataset):
+    def evaluate(self, dataset: tf.data.Dataset) -> dict:
         return self.loss_head.evaluate(self.model, dataset)
 
-    def epoch_logs(self):
+    def epoch_logs(self) -> dict:
         return {"global_clock": self.servers.clock.clocks()[1]}
 
-    def stage_optimizers(self):
+    def stage_optimizers(self) -> list["_LearningRate"]:
         return [self._learning_rate]
 
-    def request_stop(self):
+    def request_stop(self) -> None:
         self.broadcast(protocol.Stop())
 
-    def end_fit(self):
+    def end_fit(self) -> None:
         self.servers.write_to(self.model)
 
     def _collect(self, traced):
@@ -449,7 +453,7 @@ class ProcessRunner:
             except queue.Empty:
                 break
 
-    def abort(self, reason="the run was stopped"):
+    def abort(self, reason: str = "the run was stopped") -> None:
         """Stops every worker now; every pull of the run, waiting or later, fails at once
         (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.abort`)."""
         if not self.aborted:
@@ -462,7 +466,7 @@ class ProcessRunner:
         worker's process; `since` is a time.perf_counter() value of this host)."""
         return [st for c in self._live() for st in c.ask(self.config.timeout_s, protocol.GetStats(since)).stats]
 
-    def emulation_report(self):
+    def emulation_report(self) -> EmulationReport | None:
         """Every worker's emulation in the current (or last) run together, with the run's
         calibration (None if none is emulated)."""
         if not self._live():

@@ -13,7 +13,7 @@ The trained weights are written back into the Keras model at the end, so
 """
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import keras
 import tensorflow as tf
@@ -26,7 +26,7 @@ from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
 from hetpipe_tf.runtime.checkpoint import skip_consumed
-from hetpipe_tf.runtime.fit_loop import FitOptions, done_event, fit
+from hetpipe_tf.runtime.fit_loop import Events, FitOptions, done_event, fit
 from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
@@ -86,7 +86,8 @@ class VirtualWorker:
                                       references=references), config, sync)
 
     @classmethod
-    def from_config(cls, model: keras.Model, spec: WorkerSpec, config: RunConfig, sync: WorkerSync | AllReduceBinding | None = None) -> "VirtualWorker":
+    def from_config(cls, model: keras.Model, spec: WorkerSpec, config: RunConfig,
+                    sync: WorkerSync | AllReduceBinding | None = None) -> "VirtualWorker":
         """The virtual worker `spec` of a run configured by `config` (resolved: its Nm an integer);
         `sync`: its binding to the other workers, if any."""
         if config.num_in_flight is None:
@@ -142,10 +143,6 @@ class VirtualWorker:
     @property
     def pipeline_schedule(self):
         return self.config.schedule
-
-    @property
-    def timeout_s(self):
-        return self.config.timeout_s
 
     @property
     def num_stages(self):
@@ -270,7 +267,7 @@ class VirtualWorker:
         executor = PipelineExecutor(
             self.schedule(steps, snapshot_after=snapshot_after, synchronised=synchronised),
             self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
-            references=self.references, timeout_s=self.timeout_s, trace=recorder,
+            references=self.references, timeout_s=self.config.timeout_s, trace=recorder,
             on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot,
             sync_handlers=handlers,
             pid=self.sync.worker if self.sync else 0)
@@ -353,10 +350,10 @@ class VirtualWorker:
     # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
     num_workers = 1
 
-    def begin_fit(self, shards, positions):
+    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._fit_data = iter(skip_consumed(shards, positions)[0])
 
-    def train_segment(self, steps, events, first, trace, epoch_ends):
+    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
 
         def started(executor):
             self._executor = executor
@@ -366,23 +363,23 @@ class VirtualWorker:
         self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events), snapshot_after=epoch_ends,
                    on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=started)
 
-    def epoch_weights(self, events, stopped):
+    def epoch_weights(self, events: Events, stopped: bool) -> None:
         if not stopped:
             for rt, state in zip(self.runtimes, events.get("snapshot")):
                 rt.write_back(state)
 
-    def stage_optimizers(self):
+    def stage_optimizers(self) -> list[keras.optimizers.Optimizer]:
         return [rt.optimizer for rt in self.runtimes or []]
 
-    def request_stop(self):
+    def request_stop(self) -> None:
         if self._executor is not None:
             self._executor.request_stop()
 
-    def abort(self):
+    def abort(self) -> None:
         if self._executor is not None:
             self._executor.abort()
 
-    def evaluate(self, dataset):
+    def evaluate(self, dataset: tf.data.Dataset) -> dict:
         """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
         return self.loss_head.evaluate(self.model, dataset)
 

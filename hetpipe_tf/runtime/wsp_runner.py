@@ -227,7 +227,8 @@ class BoundWorkers:
                 rt.load_model_weights()
 
     def optimizer_states(self) -> list[dict]:
-        """Per worker, its optimizer state per model variable (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
+        """Per worker, its optimizer state per model variable
+        (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
         return [stage_optimizer_state(vw.runtimes, vw.model) for vw in self.vws]
 
     def set_optimizer_states(self, states: Sequence[dict | None]) -> None:

@@ -55,12 +55,13 @@ def _batches(np, model, n, batch, seed=0):
     return [(rng.normal(size=shape).astype("float32"), rng.integers(0, 10, size=batch)) for _ in range(n)]
 
 
-def _measure(vw, data):
-    """One measured run; the figures of one round."""
+def _measure(vw, data, dilation=None):
+    """One measured run (at `dilation`, else the worker's own); the figures of one round."""
     from hetpipe_tf.pipeline.simulator import simulate
+    from hetpipe_tf.runtime.virtual_worker import Dilation
 
     n = len(data)
-    report = vw.train(iter(data), n)
+    report = vw.train(iter(data), n, dilation=Dilation(dilation) if dilation else None)
     per_mb = [s.busy_s / n for s in report.stages]
 
     def duration(stage, ins):
@@ -92,7 +93,7 @@ def _rounds(case, k, vws, data, rounds, dilation=None):
     runs = {nm: [] for nm in vws}
     for r in range(rounds):
         for nm, vw in vws.items():
-            runs[nm].append(_measure(vw, data))
+            runs[nm].append(_measure(vw, data, dilation))
     rows = []
     for nm, rs in runs.items():
         med = {key: statistics.median(r[key] for r in rs)
@@ -147,8 +148,6 @@ def main():
                                          extra_steps=0)
     for d, overrun in tried:
         _emit(case="emulated_k4", calibrating_dilation=d, overrun_fraction=round(overrun, 4))
-    for vw in emu.values():
-        vw.dilation = dilation
     emulated = _rounds("emulated_k4", 4, emu, emu_data, args.rounds, dilation)
 
     keras.utils.set_random_seed(0)

@@ -93,7 +93,7 @@ def main():
     for vw in probes.values():
         vw.prepare(*data[0])
         vw.calibrate_dilation(data[0])
-    dilation = max(vw.dilation for vw in probes.values())
+    dilation = max(vw.dilation.value for vw in probes.values())
     workers = {r: _worker(r, args, dilation=dilation, references=_pairs(probes[r].references)) for r in RECIPES}
     rows = {r: [] for r in RECIPES}
     for _ in range(args.rounds):

@@ -188,15 +188,12 @@ def child(config):
 
         devices = PIPELINE_DEVICES if config["kind"] == "pipeline" else SGD_DEVICE
         k = devices.count(",") + 1
-        vw = VirtualWorker(model, devices, num_in_flight=k, schedule=config["schedule"], dilation=config["dilation"] or 1.0,
+        vw = VirtualWorker(model, devices, num_in_flight=k, schedule=config["schedule"], dilation=config["dilation"],
                            optimizer=optimizer(), loss=loss, metrics=["accuracy"])
         if config["dilation"] is None:
-            from hetpipe_tf.pipeline.emulation import calibrate_dilation
-
             first = next(iter(train))
             vw.prepare(*first)
-            vw.dilation, vw.calibration = calibrate_dilation(lambda d: vw.probe_emulation(first, d),
-                                                             candidates=DILATIONS)
+            vw.calibrate_dilation(first, candidates=DILATIONS)
         vw.fit(train, epochs=config["epochs"], validation_data=test, callbacks=[Clock()], verbose=0)
         report = vw.emulation_report()
         row.update(processes=1, devices=devices, num_in_flight=k)

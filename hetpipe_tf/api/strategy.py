@@ -294,11 +294,13 @@ class HetPipeStrategy:
             initial_epoch, positions = resumed.epoch, resumed.positions
             runner.resume(resumed)
             self._resume = False
+        from hetpipe_tf.runtime.fit_loop import FitOptions, fit
+
         try:
-            return runner.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-                              verbose=verbose, validation_data=validation_data, trace_path=trace_path,
-                              initial_epoch=initial_epoch, checkpoints=self.checkpoints, positions=positions,
-                              plan=self.cuts)
+            return fit(runner, data, FitOptions(
+                epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
+                validation_data=validation_data, trace_path=trace_path, initial_epoch=initial_epoch,
+                checkpoints=self.checkpoints, positions=positions, plan=self.cuts))
         except Exception as exc:
             from hetpipe_tf.distributed.heartbeat import TaskLostError
 

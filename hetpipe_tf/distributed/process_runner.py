@@ -26,12 +26,16 @@ run ends with an error naming it. With ``"continue"`` the run goes on without it
 back at the epoch's end (:mod:`hetpipe_tf.distributed.lost_workers`); such a run trains epoch by
 epoch, as a checkpointing one does (:class:`hetpipe_tf.runtime.checkpoint.EpochSegments`).
 """
+import dataclasses
 import json
 import multiprocessing.connection
 import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
+
+import tensorflow as tf
 
 from hetpipe_tf.distributed import protocol
 from hetpipe_tf.distributed.protocol import job_name
@@ -39,19 +43,18 @@ from hetpipe_tf.distributed.dataset_transfer import dataset_to_bytes
 from hetpipe_tf.distributed.heartbeat import call_with_deadline
 from hetpipe_tf.distributed.lost_workers import LostWorkers
 from hetpipe_tf.distributed.starter import ClusterStartError
-from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
+from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.trace import TraceRecorder
-from hetpipe_tf.planning.uneven import push_weights
-from hetpipe_tf.runtime.checkpoint import RunState, skip_consumed
-from hetpipe_tf.runtime.fit_loop import fit
+from hetpipe_tf.runtime.checkpoint import PlanCuts, RunState, skip_consumed
+from hetpipe_tf.runtime.fit_loop import Events
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.model_transport import pack_model
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
-from hetpipe_tf.runtime.wsp_runner import stage_layer_servers
-from hetpipe_tf.sync.parameter_server import ParameterServers
+from hetpipe_tf.runtime.virtual_worker import decide_dilation
+from hetpipe_tf.runtime.wsp_runner import server_layout
 
 
 class WorkerProcessError(PipelineError):
@@ -160,8 +163,7 @@ class ProcessRunner:
         self.home_nodes = list(home_nodes)
         self.local_devices = list(local_devices)
         self.ps_devices = list(ps_devices)
-        self.dilation = config.dilation  # calibrated at the first fit when None
-        self.calibration = ()
+        self._dilation = None  # the run's, decided at the first fit (calibrated when the config gives none)
         # Under "continue" a worker waits twice as long for the others (pulls, its pipeline's
         # watchdog) as the heartbeats take to give up a stopped one, which is then retired first.
         self._worker_config = config.replace(
@@ -170,13 +172,8 @@ class ProcessRunner:
         staged = split_model(model, boundaries=self.workers[0].boundaries, num_stages=stages[0])
         self.loss_head = LossHead(config.loss, staged.keras_graph.model.output_names,
                                   loss_weights=config.loss_weights, metrics=config.metrics)
-        layer_devices = None
-        if config.placement == "local":
-            layer_devices = stage_layer_servers(staged, self.workers[0].stage_servers)
-        weights = push_weights(config.minibatch_sizes) if config.minibatch_sizes else None
-        self._new_servers = lambda: ParameterServers(model, self.ps_devices, stages, config.placement, layer_devices,
-                                                     push_weights=weights)
-        self.servers = self._new_servers()
+        self.layout = server_layout(staged, self.workers[0], config, ps_devices, stages)
+        self.servers = self.layout.servers(model)
         self.lost = LostWorkers(cluster, self.servers.clock, config.timeout_s)
         self.aborted = None  # why the last run was aborted, if it was
         self.trace = None
@@ -229,9 +226,7 @@ class ProcessRunner:
         """Sends the process of each of `workers` (default: all) its :class:`protocol.Job` (the
         model with `weights`, default the Keras model's; its place in the plan; its data; the run's
         servers) and waits until it is built."""
-        address = protocol.ServerAddress(self.servers.run, tuple(self.ps_devices),
-                                         tuple(self.servers.clock.stages_per_worker),
-                                         tuple(self.servers.variable_devices()))
+        layout = self.servers.layout()
         model_json, weights = self._model_text, self.model.get_weights() if weights is None else weights
         workers = range(self.num_workers) if workers is None else workers
         if len(self.descriptions) != self.num_workers:
@@ -240,21 +235,16 @@ class ProcessRunner:
             # One after another: each measures its stages' solo times (the emulation's references,
             # hetpipe_tf.pipeline.emulation) while no other worker computes, as in one process.
             ready = self._conns[w].ask(self.config.timeout_s, protocol.Job(
-                w, self.workers[w], self._worker_config, model_json, weights, address, shards[w]))
+                w, self.workers[w], self._worker_config, model_json, weights, layout, shards[w]))
             self.batch_size, self.descriptions[w] = ready.batch_size, ready.description
 
-    def calibrate_dilation(self):
-        """One dilation for every worker, by probe runs of all of them at once, each in its own
-        process (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`): the dilation is
-        calibrated for the multi-process runtime that then runs."""
-        def probe(dilation):
-            order = protocol.Probe(dilation, self.num_workers)
-            for c in self._live():
-                c.send(order)
-            return EmulationReport.combine(c.answer(self.config.timeout_s, order).report for c in self._live())
-
-        self.dilation, self.calibration = calibrate_dilation(probe)
-        return self.dilation
+    def _probe(self, dilation):
+        """One calibration probe of every worker at once at `dilation`, each in its own process (the
+        dilation is calibrated for the multi-process runtime that then runs); their report."""
+        order = protocol.Probe(dilation, self.num_workers)
+        for c in self._live():
+            c.send(order)
+        return EmulationReport.combine(c.answer(self.config.timeout_s, order).report for c in self._live())
 
     # Training --------------------------------------------------------------------------
     def _on_training(self, worker, message):
@@ -322,14 +312,14 @@ class ProcessRunner:
         values = self.servers.values()
         return [values[v.path].numpy() if v.path in values else v.numpy() for v in self.model.weights]
 
-    def resume(self, state):
+    def resume(self, state: RunState) -> None:
         """Continues the run `state` (a :class:`hetpipe_tf.runtime.checkpoint.RunState`) holds: its
         clocks at the servers now, its optimizer state in the workers' stages once they are built
         (its weights are already in the Keras model, hence the servers and the workers' jobs)."""
         self.servers.advance_clocks(state.clocks)
         self._optimizer_states = state.optimizers
 
-    def run_state(self, epoch, positions, plan):
+    def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState:
         """The run as a checkpoint holds it, between epochs (every worker drained): the global
         weights in the Keras model, each worker's stages' optimizer state asked of its process."""
         self.servers.write_to(self.model)
@@ -338,23 +328,13 @@ class ProcessRunner:
         return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables], optimizers=optimizers,
                         clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
 
-    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
-            trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
-        """Trains like ``keras.Model.fit`` (:func:`hetpipe_tf.runtime.fit_loop.fit`, also for
-        `initial_epoch`, `checkpoints`, `positions` and `plan`): each worker's process takes its
-        shard of `x`; at every epoch's end the global weights go into the Keras model for
-        validation and callbacks."""
-        return fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
-                   validation_data=validation_data, trace_path=trace_path, initial_epoch=initial_epoch,
-                   checkpoints=checkpoints, positions=positions, plan=plan)
-
-    # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
+    # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.GlobalWeightsRunner) ------------
     @property
-    def trains_by_epoch(self):
+    def trains_by_epoch(self) -> bool:
         """A run that may go on without a lost worker trains epoch by epoch, to restart it between them."""
         return self.config.on_worker_failure == "continue"
 
-    def begin_fit(self, shards, positions):
+    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._shards = shards
         data = [dataset_to_bytes(s) for s in skip_consumed(shards, positions)]
         self._first_data = data
@@ -362,17 +342,17 @@ class ProcessRunner:
             self._conns = self._start_processes(range(self.num_workers))
             self._send_jobs(data)
         elif self.aborted:  # its servers take no more pulls: a new run, from the Keras model's weights
-            self.servers, self.aborted = self._new_servers(), None
+            self.servers, self.aborted = self.layout.servers(self.model), None
             self.lost.clock = self.servers.clock
             self._send_jobs(data)
         if self._optimizer_states is not None:
             for c, states in zip(self._conns, self._optimizer_states):
                 c.ask(self.config.timeout_s, protocol.SetOptimizerState(states))
             self._optimizer_states = None
-        if self.emulated and self.dilation is None:
-            self.calibrate_dilation()
+        if self._dilation is None:
+            self._dilation = decide_dilation(self.config.dilation, self.emulated, self._probe)
 
-    def train_segment(self, steps, events, first, trace, epoch_ends):
+    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
         self._events = events
         self._report_started = first
         # The fit's first segment sends the data; the next ones go on where the last ended, but a
@@ -383,11 +363,11 @@ class ProcessRunner:
         for w in sorted(self.lost.gone):  # one that could not restart trains none of its minibatches
             self._skip(w, steps)
         for c in self._live():
-            c.send(protocol.Train(data[c.worker], steps, self.dilation, self.calibration, trace))
+            c.send(protocol.Train(data[c.worker], steps, self._dilation, trace))
         self._collect(trace)
 
-    def drain(self):
-        """Every worker's process drains (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.drain`);
+    def drain(self) -> None:
+        """Every worker's process drains (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.drain`);
         under "continue", one whose process is gone meanwhile is lost here (:meth:`_lose`): its
         connection ended, or it gave no answer and its heartbeat gave it up within another timeout
         (a stopped process's heartbeat stops with it, and is given up a little after a drain's
@@ -419,27 +399,27 @@ class ProcessRunner:
                 self._finished.put(item)
         self._lose(c.worker)
 
-    def after_drain(self, positions):
+    def after_drain(self, positions: Sequence[int]) -> None:
         # On the caller's thread: a process's death signal follows the thread that started it.
         if self.lost.gone:
             self._restarted.update(self._restart_lost(positions))
 
-    def epoch_weights(self, events, stopped):
+    def epoch_weights(self, events: Events, stopped: bool) -> None:
         self.servers.write_to(self.model)
 
-    def evaluate(self, dataset):
+    def evaluate(self, dataset: tf.data.Dataset) -> dict:
         return self.loss_head.evaluate(self.model, dataset)
 
-    def epoch_logs(self):
+    def epoch_logs(self) -> dict:
         return {"global_clock": self.servers.clock.clocks()[1]}
 
-    def stage_optimizers(self):
+    def stage_optimizers(self) -> list["_LearningRate"]:
         return [self._learning_rate]
 
-    def request_stop(self):
+    def request_stop(self) -> None:
         self.broadcast(protocol.Stop())
 
-    def end_fit(self):
+    def end_fit(self) -> None:
         self.servers.write_to(self.model)
 
     def _collect(self, traced):
@@ -475,24 +455,27 @@ class ProcessRunner:
             except queue.Empty:
                 break
 
-    def abort(self, reason="the run was stopped"):
+    def abort(self, reason: str = "the run was stopped") -> None:
         """Stops every worker now; every pull of the run, waiting or later, fails at once
-        (:meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.abort`)."""
+        (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.abort`)."""
         if not self.aborted:
             self.aborted = reason
             self.servers.abort(reason)
         self.broadcast(protocol.Abort())
 
     def stats(self, since=None):
-        """Per worker, as :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.stats` (asked of each
+        """Per worker, as :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stats` (asked of each
         worker's process; `since` is a time.perf_counter() value of this host)."""
         return [st for c in self._live() for st in c.ask(self.config.timeout_s, protocol.GetStats(since)).stats]
 
-    def emulation_report(self):
-        """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
+    def emulation_report(self) -> EmulationReport | None:
+        """Every worker's emulation in the current (or last) run together, with the run's
+        calibration (None if none is emulated)."""
         if not self._live():
             return None
-        return EmulationReport.combine(c.ask(self.config.timeout_s, protocol.GetReport()).report for c in self._live())
+        report = EmulationReport.combine(c.ask(self.config.timeout_s, protocol.GetReport()).report
+                                         for c in self._live())
+        return report and dataclasses.replace(report, calibration=self._dilation.probes if self._dilation else ())
 
 
 class _LearningRate:

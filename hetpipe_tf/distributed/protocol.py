@@ -8,6 +8,12 @@ or :class:`Failed`. The connection is ``multiprocessing.connection`` authenticat
 cluster's key; messages are pickled, so every value here pickles.
 """
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a worker's process imports TensorFlow only once it has started its heartbeat
+    from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+    from hetpipe_tf.runtime.virtual_worker import Dilation
+    from hetpipe_tf.sync.parameter_server import ServerLayout
 
 
 def job_name(worker):
@@ -60,7 +66,7 @@ class OptimizerStateSet:
 
 @dataclass(frozen=True)
 class Stats:
-    """The worker's :meth:`hetpipe_tf.runtime.wsp_runner.WSPRunner.stats`."""
+    """The worker's :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stats`."""
     stats: list
 
 
@@ -120,27 +126,18 @@ TRAINING_MESSAGES = (Started, Done, Finished, Failed)
 
 # The chief's orders ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ServerAddress:
-    """How a worker's process attaches to the run's parameter servers
-    (:class:`hetpipe_tf.sync.parameter_server.ParameterServers` given ``variable_devices``)."""
-    run: str
-    devices: tuple
-    stages_per_worker: tuple
-    variable_devices: tuple
-
-
-@dataclass(frozen=True)
 class Job:
     """Build virtual worker `worker`: `spec` (a :class:`hetpipe_tf.runtime.run_config.WorkerSpec`,
     its devices named as its process names them) of the run configured by `config` (a
     :class:`hetpipe_tf.runtime.run_config.RunConfig`), the model (its JSON and weights), the
-    servers to attach to and its shard of the data (:mod:`hetpipe_tf.distributed.dataset_transfer`)."""
+    servers to attach to (:meth:`hetpipe_tf.sync.parameter_server.ParameterServers.layout`) and its
+    shard of the data (:mod:`hetpipe_tf.distributed.dataset_transfer`)."""
     worker: int
-    spec: object
-    config: object
+    spec: "WorkerSpec"
+    config: "RunConfig"
     model_json: str
     weights: list = field(repr=False)
-    servers: ServerAddress
+    servers: "ServerLayout"
     data: tuple = field(repr=False)
     answer = Ready
 
@@ -155,12 +152,11 @@ class Probe:
 
 @dataclass(frozen=True)
 class Train:
-    """Train `steps` minibatches of `data` (None: where the last train ended) at `dilation`; answered
-    by the training messages, not by an answer."""
+    """Train `steps` minibatches of `data` (None: where the last train ended) at the run's
+    `dilation`; answered by the training messages, not by an answer."""
     data: tuple
     steps: int
-    dilation: float
-    calibration: tuple
+    dilation: "Dilation"
     trace: bool
     answer = None
 

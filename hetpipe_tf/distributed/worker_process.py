@@ -9,11 +9,12 @@ virtual worker's home node, by the chief itself or by that node's worker task
 process joins TensorFlow's cluster as a client of its own (job ``vwW``, the only client
 its cluster spec names: two clients naming each other hang TensorFlow 2.21's connect):
 the parameter-server tasks, whose global weights and WSP clock it attaches to by name
-(:class:`hetpipe_tf.sync.parameter_server.ParameterServers` given ``variable_devices``), and
+(the :class:`hetpipe_tf.sync.parameter_server.ServerLayout` its job carries), and
 the worker tasks of other nodes, which run the stages it places there (their tensors
 cross nodes through TensorFlow's runtime). The stages on its own node run on its own
-devices (one logical CPU per emulated device). It trains with a
-:class:`hetpipe_tf.runtime.wsp_runner.WSPRunner` of this one worker, so its pipeline,
+devices (one logical CPU per emulated device). It trains with
+:class:`hetpipe_tf.runtime.wsp_runner.BoundWorkers` of this one worker, at the run's dilation
+that each training order carries, so its pipeline,
 pushes and pulls are exactly those of the in-process runtime, and it reads its shard
 of the data itself (:mod:`hetpipe_tf.distributed.dataset_transfer`).
 
@@ -72,16 +73,13 @@ class _Worker:
     def build(self, job):
         from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
         from hetpipe_tf.runtime.model_transport import unpack_model
-        from hetpipe_tf.runtime.wsp_runner import WSPRunner
-        from hetpipe_tf.sync.parameter_server import ParameterServers
+        from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+        from hetpipe_tf.runtime.wsp_runner import BoundWorkers
 
         model = unpack_model(job.model_json)
         model.set_weights(job.weights)
-        address = job.servers
-        servers = ParameterServers(model, address.devices, address.stages_per_worker, run=address.run,
-                                   variable_devices=address.variable_devices)
-        self.runner = WSPRunner(model, [job.spec], job.config, address.devices, servers=servers,
-                                worker_ids=[job.worker])
+        self.runner = BoundWorkers([VirtualWorker.from_config(model, job.spec, job.config)], job.config,
+                                   job.servers.servers(model), worker_ids=[job.worker])
         self.first = next(iter(dataset_from_bytes(*job.data)))
         vw = self.runner.vws[0]
         return protocol.Ready(vw.prepare(*self.first), vw.describe())
@@ -89,13 +87,12 @@ class _Worker:
     def train(self, order):
         from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
 
-        self.runner.set_dilation(order.dilation, order.calibration)
         if order.data is not None:
             self.data = iter(dataset_from_bytes(*order.data))
 
         def run():
             try:
-                self.runner.train([self.data], order.steps, trace=order.trace,
+                self.runner.train([self.data], order.steps, order.dilation, trace=order.trace,
                                   on_minibatch_done=lambda w, p, logs: self.send(protocol.Done(
                                       {k: float(v) for k, v in logs.items()}, time.perf_counter())),
                                   on_started=lambda t: self.send(protocol.Started(t)))
@@ -107,9 +104,8 @@ class _Worker:
         threading.Thread(target=run, name="hetpipe-train", daemon=True).start()
 
     def set_learning_rate(self, order):
-        for vw in self.runner.vws:
-            for rt in vw.runtimes or []:
-                rt.optimizer.learning_rate = order.value
+        for optimizer in self.runner.stage_optimizers():
+            optimizer.learning_rate = order.value
 
     def serve(self, order):
         """Carries out one order of the chief; sends its answer, if it has one."""

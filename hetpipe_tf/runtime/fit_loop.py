@@ -1,13 +1,14 @@
 """The one ``fit`` of every runner, Keras's, driven by pipelines that train in other threads.
 
-:func:`fit` is written once for the three runners (:class:`Runner`): one virtual worker
-(:class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker`), several in this process
-(:class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`) and several in processes of their own
-(:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`): each worker's shard of the data,
-the epochs (run across without draining, or trained one by one when checkpoints are saved or a
-lost worker may restart, :class:`hetpipe_tf.runtime.checkpoint.EpochSegments`), the weights each
+:func:`fit` (a runner, the data, the :class:`FitOptions`) is written once for the three runners:
+one virtual worker (:class:`hetpipe_tf.runtime.virtual_worker.VirtualWorker`, a :class:`Runner`),
+several in this process (:class:`hetpipe_tf.runtime.wsp_runner.WSPRunner`) and several in
+processes of their own (:class:`hetpipe_tf.distributed.process_runner.ProcessRunner`), both
+:class:`GlobalWeightsRunner` s: each worker's shard of the data, the epochs (run across without
+draining, or, for a runner with global weights, trained one by one when checkpoints are saved or
+a lost worker may restart, :class:`hetpipe_tf.runtime.checkpoint.EpochSegments`), the weights each
 epoch ended with in the Keras model, validation, the callbacks, the trace and the emulation's
-warning.
+warning (:class:`RunnerTraining`).
 
 Training threads (one per virtual worker) put events on an :class:`Events` queue:
 ``started``, ``done`` (a minibatch's update is in: its logs and when it completed; logs None
@@ -27,14 +28,19 @@ import queue
 import sys
 import threading
 import time
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import keras
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops as _variable_ops
 
-from hetpipe_tf.runtime.checkpoint import EpochSegments
+from hetpipe_tf.pipeline.emulation import EmulationReport
+from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.runtime.checkpoint import Checkpoints, EpochSegments, PlanCuts, RunState
 from hetpipe_tf.runtime.optimizers import check_optimizer, inner_optimizer
+from hetpipe_tf.runtime.run_config import RunConfig
 from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.worker_data import epoch_steps, mean_batch_size, worker_shards
 
@@ -100,41 +106,50 @@ class Events:
             raise self.errors[0]
 
 
-class Runner(Protocol):
-    """What :func:`fit` trains: `num_workers` virtual workers of a run configured by `config`,
-    whose global weights end in `model`."""
-    model: keras.Model
-    config: object
-    num_workers: int
-    trace: object  # the TraceRecorder of the last training, or None
+@dataclass(frozen=True)
+class FitOptions:
+    """What a fit is asked, as ``keras.Model.fit``'s arguments of the same names, and for a run
+    with global weights: `checkpoints` (:class:`hetpipe_tf.runtime.checkpoint.Checkpoints`: it
+    trains epoch by epoch, draining at each epoch's end, and saves there when due), `plan` (the
+    run's cuts, a :class:`hetpipe_tf.runtime.checkpoint.PlanCuts`, saved with them) and `positions`
+    (the minibatches each worker's shard has already given, skipped). `steps_per_epoch` None: the data's length; `trace_path`: where the
+    trace of every worker is written."""
+    epochs: int = 1
+    steps_per_epoch: int | None = None
+    callbacks: Sequence[keras.callbacks.Callback] | None = None
+    verbose: int | str = "auto"
+    validation_data: tf.data.Dataset | None = None
+    trace_path: str | None = None
+    initial_epoch: int = 0
+    checkpoints: Checkpoints | None = None
+    positions: Sequence[int] | None = None
+    plan: PlanCuts | None = None
 
-    def begin_fit(self, shards, positions) -> None:
+
+class Runner(Protocol):
+    """What :func:`fit` trains, every runner: `num_workers` virtual workers of a run configured by
+    `config`, whose weights end in `model`."""
+    model: keras.Model
+    config: RunConfig
+    num_workers: int
+    trace: TraceRecorder | None  # of the last training
+
+    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         """Before training: `shards`, each worker's endless stream of minibatches, of which a
         resumed run has consumed `positions`."""
 
-    def train_segment(self, steps, events, first, trace, epoch_ends) -> None:
+    def train_segment(self, steps: int, events: "Events", first: bool, trace: bool,
+                      epoch_ends: Sequence[int]) -> None:
         """Trains `steps` minibatches of every worker, each where it ended (the fit's `first`: at its
         position) and returns. Reports to `events` ("started" per worker when `first`, "done" per
         minibatch with (logs, completion time)); a runner that can records every stage's state
         right after each minibatch of `epoch_ends` ("snapshot")."""
 
-    def drain(self) -> None:
-        """After a train, every stage takes the global weights (the run goes on from there)."""
-
-    def after_drain(self, positions) -> None:
-        """The workers drained between epochs, at `positions` in their shards."""
-
-    def epoch_weights(self, events, stopped) -> None:
+    def epoch_weights(self, events: "Events", stopped: bool) -> None:
         """Puts the weights the epoch ended with into the Keras model (for validation and callbacks)."""
 
-    def evaluate(self, dataset) -> dict:
+    def evaluate(self, dataset: tf.data.Dataset) -> dict:
         """Loss and metrics of the Keras model on `dataset`."""
-
-    def epoch_logs(self) -> dict:
-        """The runner's own logs of an epoch."""
-
-    def run_state(self, epoch, positions, plan):
-        """The run as a checkpoint holds it (:class:`hetpipe_tf.runtime.checkpoint.RunState`)."""
 
     def stage_optimizers(self) -> list:
         """The stages' optimizer copies (whose learning rate follows the user's optimizer)."""
@@ -145,72 +160,150 @@ class Runner(Protocol):
     def abort(self) -> None:
         """Stop every worker now."""
 
-    def emulation_report(self):
+    def emulation_report(self) -> EmulationReport | None:
         """The emulation's figures of the training (None without emulated devices)."""
+
+
+@runtime_checkable
+class GlobalWeightsRunner(Runner, Protocol):
+    """What a runner of virtual workers synchronised through parameter servers (global weights,
+    HetPipe §5) adds: it drains between epochs, saves checkpoints, and may train epoch by epoch."""
+    trains_by_epoch: bool  # every fit trains epoch by epoch, draining between them (a lost worker may restart)
+
+    def drain(self) -> None:
+        """After a train, every stage takes the global weights (the run goes on from there)."""
+
+    def after_drain(self, positions: Sequence[int]) -> None:
+        """The workers drained between epochs, at `positions` in their shards."""
+
+    def epoch_logs(self) -> dict:
+        """The runner's own logs of an epoch (the global clock)."""
+
+    def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState:
+        """The run as a checkpoint holds it."""
 
     def end_fit(self) -> None:
         """After training: the global weights in the Keras model."""
 
-    @property
-    def trains_by_epoch(self) -> bool:
-        """Whether every fit trains epoch by epoch, draining between them (a lost worker may restart)."""
 
-
-def fit(runner, x, *, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
-        trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
-    """Trains `runner` (a :class:`Runner`) like ``keras.Model.fit``; returns the History.
+def fit(runner: Runner, x: tf.data.Dataset, options: FitOptions) -> keras.callbacks.History:
+    """Trains `runner` on `x` like ``keras.Model.fit`` asked `options`; returns the History.
 
     Each worker takes its shard of `x` (:func:`hetpipe_tf.runtime.worker_data.worker_shards`); an
     epoch is `steps_per_epoch` minibatches of all workers together, and at its end the weights it
-    ended with are in the Keras model for validation and callbacks. With `checkpoints`
-    (:class:`hetpipe_tf.runtime.checkpoint.Checkpoints`) it trains epoch by epoch, draining at
-    each epoch's end, and saves there when due (`plan`: the plan signature saved with it;
-    `positions`: the minibatches each worker's shard has already given, skipped; `initial_epoch`:
-    the epoch a resumed run starts at). `trace_path` writes the trace of every worker."""
-    steps_per_epoch = steps_per_epoch or epoch_steps(x)
-    k = runner.num_workers
-    sizes = runner.config.minibatch_sizes
-    positions = positions or [0] * k
-    runner.begin_fit(worker_shards(x, k, sizes), positions)
-    segments = None if checkpoints is None and not runner.trains_by_epoch else EpochSegments(
-        checkpoints, steps_per_epoch, k, initial_epoch, epochs, positions)
-    traced = trace_path is not None
+    ended with are in the Keras model for validation and callbacks."""
+    training = RunnerTraining(runner, x, options)
+    history = run_fit(training, options)
+    if training.global_weights:
+        runner.end_fit()
+    if options.trace_path and runner.trace:
+        runner.trace.write(options.trace_path)
+    warn_if_not_faithful(runner.emulation_report())
+    return history
 
-    def train(events):
-        if segments is None:  # across the epochs without draining
-            epoch_ends = [(e - initial_epoch) * steps_per_epoch // k for e in range(initial_epoch + 1, epochs + 1)]
-            runner.train_segment(-(-(epochs - initial_epoch) * steps_per_epoch // k), events, True, traced,
-                                 epoch_ends)
+
+class Training(Protocol):
+    """What :func:`run_fit` drives: training on a thread of its own, reporting to an
+    :class:`Events` queue, and what each epoch's end asks of it."""
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer  # the user's: model.optimizer unless the model has one
+    workers: int  # how many "started" events the training reports
+    steps_per_epoch: int
+    batch_size: float  # the mean minibatch size, for the throughput
+    timeout_s: float
+    waits_between_epochs: bool  # the training waits for after_epoch between epochs (it drains there)
+
+    def train(self, events: Events) -> None:
+        """Trains for the whole fit, reporting to `events`; started after on_train_begin."""
+
+    def epoch_end(self, epoch: int, stopped: bool, events: Events) -> dict:
+        """Puts the weights the epoch ended with into the Keras model (validation and callbacks see
+        them); returns extra epoch logs."""
+
+    def after_epoch(self, epoch: int, stopped: bool) -> None:
+        """An epoch's callbacks have run (`stopped`: training ends there)."""
+
+    def stage_optimizers(self) -> list:
+        """The stages' copies of the optimizer, which follow it (:class:`LearningRateFollower`)."""
+
+    def request_stop(self) -> None:
+        """The training admits no more minibatches."""
+
+    def abort(self) -> None:
+        """The training stops now."""
+
+
+class RunnerTraining:
+    """A runner's training as :func:`run_fit` drives it (a :class:`Training`): the whole fit
+    without draining, or, for a runner with global weights that checkpoints or may restart a lost
+    worker, epoch by epoch (:class:`hetpipe_tf.runtime.checkpoint.EpochSegments`)."""
+
+    def __init__(self, runner: Runner, x: tf.data.Dataset, options: FitOptions):
+        self.runner, self.options = runner, options
+        self.global_weights = isinstance(runner, GlobalWeightsRunner)
+        if options.checkpoints is not None and not self.global_weights:
+            raise ValueError(f"checkpoints={options.checkpoints!r}: a {type(runner).__name__} has no global weights "
+                             f"to save; HetPipeStrategy(checkpoint_dir=...) saves a run's checkpoints")
+        self.model = runner.model
+        self.optimizer = check_optimizer(runner.config.optimizer)
+        self.workers = runner.num_workers
+        self.steps_per_epoch = options.steps_per_epoch or epoch_steps(x)
+        self.batch_size = mean_batch_size(x, runner.config.minibatch_sizes)
+        self.timeout_s = runner.config.timeout_s
+        positions = options.positions or [0] * self.workers
+        runner.begin_fit(worker_shards(x, self.workers, runner.config.minibatch_sizes), positions)
+        by_epoch = self.global_weights and (options.checkpoints is not None or runner.trains_by_epoch)
+        self.segments = EpochSegments(options.checkpoints, self.steps_per_epoch, self.workers, options.initial_epoch,
+                                      options.epochs, positions) if by_epoch else None
+        self.waits_between_epochs = by_epoch
+
+    @property
+    def traced(self) -> bool:
+        return self.options.trace_path is not None
+
+    def train(self, events: Events) -> None:
+        if self.segments is None:  # across the epochs without draining
+            first, epochs, steps = self.options.initial_epoch, self.options.epochs, self.steps_per_epoch
+            epoch_ends = [(e - first) * steps // self.workers for e in range(first + 1, epochs + 1)]
+            self.runner.train_segment(-(-(epochs - first) * steps // self.workers), events, True, self.traced,
+                                      epoch_ends)
             return
+        self.segments.train(events, lambda steps, first: self._train_epoch(events, steps, first))
 
-        def train_epoch(steps, first):  # each worker goes on in its data where the last epoch ended
-            runner.train_segment(steps, events, first, traced, ())
-            runner.drain()
+    def _train_epoch(self, events, steps, first):
+        """Each worker goes on in its data where the last epoch ended, then drains."""
+        self.runner.train_segment(steps, events, first, self.traced, ())
+        self.runner.drain()
 
-        segments.train(events, train_epoch)
-
-    def epoch_end(epoch, stopped, events):
-        if segments is not None:
-            segments.epoch_end(epoch, stopped, events, lambda e, p: runner.run_state(e, p, plan), runner.after_drain)
+    def epoch_end(self, epoch: int, stopped: bool, events: Events) -> dict:
+        runner = self.runner
+        if self.segments is not None:
+            self.segments.epoch_end(epoch, stopped, events, lambda e, p: runner.run_state(e, p, self.options.plan),
+                                    runner.after_drain)
         runner.epoch_weights(events, stopped)
-        logs = {f"val_{key}": v for key, v in runner.evaluate(validation_data).items()} if validation_data else {}
-        logs.update(runner.epoch_logs())
+        validation = self.options.validation_data
+        logs = {f"val_{key}": v for key, v in runner.evaluate(validation).items()} if validation else {}
+        if self.global_weights:
+            logs.update(runner.epoch_logs())
         report = runner.emulation_report()
         if report is not None:
             logs["emulated_overrun_fraction"] = report.overrun_fraction
         return logs
 
-    history = run_fit(
-        runner.model, train=train, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-        verbose=verbose, batch_size=mean_batch_size(x, sizes), epoch_end=epoch_end, workers=k,
-        optimizer=check_optimizer(runner.config.optimizer), stage_optimizers=runner.stage_optimizers,
-        request_stop=runner.request_stop, abort=lambda: (segments and segments.release(), runner.abort()),
-        timeout_s=runner.config.timeout_s, initial_epoch=initial_epoch, after_epoch=segments and segments.after_epoch)
-    runner.end_fit()
-    if trace_path and runner.trace:
-        runner.trace.write(trace_path)
-    warn_if_not_faithful(runner.emulation_report())
-    return history
+    def after_epoch(self, epoch: int, stopped: bool) -> None:
+        if self.segments is not None:
+            self.segments.after_epoch(epoch, stopped)
+
+    def stage_optimizers(self) -> list:
+        return self.runner.stage_optimizers()
+
+    def request_stop(self) -> None:
+        self.runner.request_stop()
+
+    def abort(self) -> None:
+        if self.segments is not None:
+            self.segments.release()
+        self.runner.abort()
 
 
 def done_event(events):
@@ -226,119 +319,130 @@ def warn_if_not_faithful(report):
         print(line, file=sys.stderr, flush=True)
 
 
-def run_fit(model, *, train, epochs, steps_per_epoch, callbacks, verbose, batch_size, epoch_end,
-            optimizer, stage_optimizers, request_stop, abort, timeout_s, workers=1, initial_epoch=0,
-            after_epoch=None):
-    """Runs Keras's fit protocol over training that runs in another thread; returns the History.
+def run_fit(training: Training, options: FitOptions) -> keras.callbacks.History:
+    """Runs Keras's fit protocol (the callbacks, History, progress bar, `epochs` from
+    `initial_epoch` as Keras's: the optimizers' iterations count from ``initial_epoch *
+    steps_per_epoch``) over `training`, which runs on a thread of its own; returns the History."""
+    return KerasLoop(training, options).run()
 
-    Args:
-      train: train(events) trains for the whole fit, reporting to `events` (an
-        :class:`Events`); it runs on a thread of its own, started after on_train_begin.
-      epoch_end: epoch_end(epoch, stopped, events) -> extra epoch logs; it puts the weights
-        the epoch ended with into the Keras model (validation and callbacks see them).
-      optimizer: the user's optimizer: ``model.optimizer`` (what callbacks read and set)
-        unless the model has one.
-      stage_optimizers: () -> the stages' copies of the optimizer, which follow it
-        (:class:`LearningRateFollower`).
-      request_stop: asks the training to stop admitting minibatches.
-      abort: stops the training now.
-      workers: how many `started` events the training reports.
-      initial_epoch: the epoch to start at, as Keras's (`epochs` is the index of the last one
-        plus 1; the optimizers' iterations count from ``initial_epoch * steps_per_epoch``).
-      after_epoch: after_epoch(epoch, stopped) once an epoch's callbacks have run (`stopped`:
-        training ends there), for training that waits for them between epochs.
-    """
-    if getattr(model, "optimizer", None) is None:
-        model.optimizer = optimizer  # callbacks read and set its learning rate
-    events = Events()
 
-    def run():
+class KerasLoop:
+    """Keras's fit protocol on the caller's thread over a :class:`Training` on another (see the
+    module docstring): one :meth:`run`."""
+
+    def __init__(self, training: Training, options: FitOptions):
+        self.training, self.options = training, options
+        self.model = training.model
+        if getattr(self.model, "optimizer", None) is None:
+            self.model.optimizer = training.optimizer  # callbacks read and set its learning rate
+        self.events = Events()
+        self._follow = LearningRateFollower(self.model, training.optimizer, training.stage_optimizers)
+        # Only a callback's step hooks see or set the optimizer within an epoch: without one, it
+        # follows at the epochs' starts and ends alone (each step's following costs two host round trips).
+        self._each_step = _has_step_hooks(options.callbacks)
+        verbose = 1 if options.verbose == "auto" else options.verbose
+        self.callbacks = keras.callbacks.CallbackList(
+            options.callbacks, add_history=True, add_progbar=verbose != 0, model=self.model, verbose=verbose,
+            epochs=options.epochs, steps=training.steps_per_epoch)
+        self.completed = options.initial_epoch * training.steps_per_epoch  # the updates applied
+        self.stopped = False
+
+    def run(self) -> keras.callbacks.History:
+        """Trains every epoch, or until stopped; on any error or Ctrl-C it stops the training
+        before leaving."""
+        self.model.stop_training = False
+        self.callbacks.on_train_begin()
+        start_thread(self._train, "hetpipe-fit")
+        history_logs = {}
+        try:
+            t_epoch = min(self.events.get("started") for _ in range(self.training.workers))
+            for epoch in range(self.options.initial_epoch, self.options.epochs):
+                history_logs, t_epoch = self._epoch(epoch, t_epoch)
+                if self.stopped:
+                    break
+            self.events.wait_finished(self.training.timeout_s)
+        except BaseException:
+            # A callback failed, training failed, or the user interrupted: stop every stage and
+            # let the training threads end before leaving, but not for longer than ABORT_GRACE_S:
+            # a thread can be in a call to a lost task or in a server's wait until its timeout.
+            self.training.abort()
+            try:
+                self.events.wait_finished(min(self.training.timeout_s, ABORT_GRACE_S))
+            except BaseException:  # noqa: BLE001 - their errors follow from the abort
+                pass
+            raise
+        self.callbacks.on_train_end(history_logs)
+        return self.model.history
+
+    def _train(self):
         error = None
         try:
-            train(events)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, on the caller's thread
+            self.training.train(self.events)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             error = exc
-        events.finished(error)
+        self.events.finished(error)
 
-    follow = LearningRateFollower(model, optimizer, stage_optimizers)
-    # Only a callback's step hooks see or set the optimizer within an epoch: without one, it
-    # follows at the epochs' starts and ends alone (each step's following costs two host round trips).
-    each_step = _has_step_hooks(callbacks)
+    def _follow_optimizer(self, step_end=False):
+        if self._each_step or not step_end:
+            self._follow(self.completed)
 
-    def sync_optimizer(completed, step_end=False):
-        if each_step or not step_end:
-            follow(completed)
+    def _epoch(self, epoch, t_epoch):
+        """One epoch from `t_epoch` (when the last ended); returns its logs and when it ended."""
+        training, last = self.training, epoch + 1 == self.options.epochs
+        self.callbacks.on_epoch_begin(epoch)
+        self._follow_optimizer()
+        sums, count, t_done = self._steps(t_epoch)
+        self._follow_optimizer()  # validation and the epoch's callbacks see its iterations
+        logs = {k: v / max(count, 1) for k, v in sums.items()}
+        if t_done > t_epoch:
+            logs["images_per_s"] = count * training.batch_size / (t_done - t_epoch)
+        if not training.waits_between_epochs and (self.stopped or last):
+            # The run's last pushes land before its last logs are taken and the global
+            # weights go into the model (a minibatch is counted before its wave is pushed).
+            # Training that waits between epochs has drained before its epoch_end instead.
+            self.events.wait_finished(training.timeout_s)
+        logs.update(training.epoch_end(epoch, self.stopped, self.events))
+        self.callbacks.on_epoch_end(epoch, logs)
+        self._follow_optimizer()
+        if self.model.stop_training and not self.stopped:
+            self.stopped = True
+            training.request_stop()
+        training.after_epoch(epoch, self.stopped or last)
+        return logs, t_done
 
-    verbose = 1 if verbose == "auto" else verbose
-    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=model,
-                                       verbose=verbose, epochs=epochs, steps=steps_per_epoch)
-    model.stop_training = False
-    cbs.on_train_begin()
-    start_thread(run, "hetpipe-fit")
-    history_logs, stopped, completed = {}, False, initial_epoch * steps_per_epoch
-    try:
-        t_epoch = min(events.get("started") for _ in range(workers))
-        for epoch in range(initial_epoch, epochs):
-            cbs.on_epoch_begin(epoch)
-            sync_optimizer(completed)
-            sums, count, t_done = {}, 0, t_epoch
-            for step in range(steps_per_epoch):
-                cbs.on_train_batch_begin(step)
-                try:
-                    logs, t_done = events.get("done")
-                except Exception as exc:  # noqa: BLE001 - re-raised unless TerminateOnNaN takes it
-                    logs = _terminate_on_nan_logs(exc, callbacks)
-                    if logs is None:
-                        raise
-                    events.forgive(exc)
-                    stopped = True
-                # Logs None: a minibatch that a lost virtual worker will not train, a step without an update.
-                trained = logs is not None
-                completed += 1 if trained and not stopped else 0  # the optimizers' iterations count applied updates
-                for k, v in (logs or {}).items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += trained
-                cbs.on_train_batch_end(step, {k: v / max(count, 1) for k, v in sums.items()})
-                sync_optimizer(completed, step_end=True)
-                if model.stop_training or stopped:
-                    if not stopped:
-                        request_stop()
-                    stopped = True
-                    break
-            sync_optimizer(completed)  # validation and the epoch's callbacks see its iterations
-            epoch_logs = {k: v / max(count, 1) for k, v in sums.items()}
-            if t_done > t_epoch:
-                epoch_logs["images_per_s"] = count * batch_size / (t_done - t_epoch)
-            t_epoch = t_done
-            if after_epoch is None and (stopped or epoch + 1 == epochs):
-                # The run's last pushes land before its last logs are taken and the global
-                # weights go into the model (a minibatch is counted before its wave is pushed).
-                # Training that waits for after_epoch has drained before its epoch_end instead.
-                events.wait_finished(timeout_s)
-            epoch_logs.update(epoch_end(epoch, stopped, events))
-            cbs.on_epoch_end(epoch, epoch_logs)
-            sync_optimizer(completed)
-            history_logs = epoch_logs
-            if model.stop_training and not stopped:
-                stopped = True
-                request_stop()
-            if after_epoch:
-                after_epoch(epoch, stopped or epoch + 1 == epochs)
-            if stopped:
+    def _steps(self, t_epoch):
+        """An epoch's steps: the sums of their logs, the minibatches trained and when the last completed."""
+        sums, count, t_done = {}, 0, t_epoch
+        for step in range(self.training.steps_per_epoch):
+            self.callbacks.on_train_batch_begin(step)
+            logs, t_done = self._next_done(t_done)
+            # Logs None: a minibatch that a lost virtual worker will not train, a step without an update.
+            trained = logs is not None
+            self.completed += 1 if trained and not self.stopped else 0  # the optimizers' iterations
+            for k, v in (logs or {}).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            count += trained
+            self.callbacks.on_train_batch_end(step, {k: v / max(count, 1) for k, v in sums.items()})
+            self._follow_optimizer(step_end=True)
+            if self.model.stop_training or self.stopped:
+                if not self.stopped:
+                    self.training.request_stop()
+                self.stopped = True
                 break
-        events.wait_finished(timeout_s)
-    except BaseException:
-        # A callback failed, training failed, or the user interrupted: stop every stage and
-        # let the training threads end before leaving, but not for longer than ABORT_GRACE_S:
-        # a thread can be in a call to a lost task or in a server's wait until its timeout.
-        abort()
+        return sums, count, t_done
+
+    def _next_done(self, t_done):
+        """The next minibatch's (logs, completion time); a non-finite loss's logs when a
+        TerminateOnNaN callback takes them (training then stops), with `t_done` unchanged."""
         try:
-            events.wait_finished(min(timeout_s, ABORT_GRACE_S))
-        except BaseException:  # noqa: BLE001 - their errors follow from the abort
-            pass
-        raise
-    cbs.on_train_end(history_logs)
-    return model.history
+            return self.events.get("done")
+        except Exception as exc:  # noqa: BLE001 - re-raised unless TerminateOnNaN takes it
+            logs = _terminate_on_nan_logs(exc, self.options.callbacks)
+            if logs is None:
+                raise
+            self.events.forgive(exc)
+            self.stopped = True
+            return logs, t_done
 
 
 #: A callback's hooks that run at each step.

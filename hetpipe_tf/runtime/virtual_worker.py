@@ -13,7 +13,9 @@ The trained weights are written back into the Keras model at the end, so
 """
 import dataclasses
 import time
+from collections.abc import Callable, Iterable, Sequence
 
+import keras
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
@@ -24,13 +26,15 @@ from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.planning.devices import parse_devices
 from hetpipe_tf.runtime.checkpoint import skip_consumed
-from hetpipe_tf.runtime.fit_loop import done_event, fit
+from hetpipe_tf.runtime.fit_loop import Events, FitOptions, done_event, fit
 from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage import StageRuntime
 from hetpipe_tf.runtime.stage.timing import measure_stage_times
+from hetpipe_tf.sync.pipe_sgd import AllReduceBinding
+from hetpipe_tf.sync.wsp import WorkerSync
 
 
 class VirtualWorker:
@@ -46,8 +50,8 @@ class VirtualWorker:
         the devices' speeds).
       optimizer, loss, metrics, loss_weights: as for Keras ``compile``.
       dilation: multiplies every emulated device's slowdown (see :mod:`hetpipe_tf.pipeline.emulation`);
-        None (default): chosen by probe runs before training, so that the emulation stays
-        faithful (:meth:`calibrate_dilation`).
+        None (default): chosen by probe runs before the first training, so that the emulation
+        stays faithful (:meth:`calibrate_dilation`); the worker then keeps it.
       timeout_s: the longest the pipeline may go without progress before it fails.
       record_provenance: record which local updates each minibatch's weight version held.
       single_threaded_stages: run each stage's kernels on its own thread only (one core per
@@ -73,6 +77,8 @@ class VirtualWorker:
                  loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
                  record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None,
                  schedule="hetpipe", references=None):
+        # Nm defaults to the number of stages, one per device (§4): resolved here, once.
+        num_in_flight = len(parse_devices(devices)) if num_in_flight is None else num_in_flight
         config = RunConfig(num_in_flight=num_in_flight, schedule=schedule, optimizer=optimizer, loss=loss,
                            metrics=metrics, loss_weights=loss_weights, dilation=dilation, timeout_s=timeout_s,
                            record_provenance=record_provenance, single_threaded_stages=single_threaded_stages)
@@ -80,9 +86,13 @@ class VirtualWorker:
                                       references=references), config, sync)
 
     @classmethod
-    def from_config(cls, model, spec, config, sync=None) -> "VirtualWorker":
-        """The virtual worker `spec` (a :class:`WorkerSpec`) of a run configured by `config` (a
-        :class:`RunConfig`); `sync`: its binding to the other workers, if any."""
+    def from_config(cls, model: keras.Model, spec: WorkerSpec, config: RunConfig,
+                    sync: WorkerSync | AllReduceBinding | None = None) -> "VirtualWorker":
+        """The virtual worker `spec` of a run configured by `config` (resolved: its Nm an integer);
+        `sync`: its binding to the other workers, if any."""
+        if config.num_in_flight is None:
+            raise ValueError("a run's RunConfig gives num_in_flight (Nm) as an integer, got None: the plan "
+                             "decides it (VirtualWorker(num_in_flight=None) takes the number of stages)")
         vw = cls.__new__(cls)
         vw._setup(model, spec, config, sync)
         return vw
@@ -99,8 +109,7 @@ class VirtualWorker:
             raise ValueError(f"single_threaded_stages needs every stage on one device, got "
                              f"{list(self.device_names)}: TensorFlow's single-threaded executor "
                              f"cannot move tensors between devices")
-        #: The run's configuration, with this worker's Nm (its number of stages unless given).
-        self.config = config if config.num_in_flight is not None else config.replace(num_in_flight=k)
+        self.config = config
         self.sync = sync
         self.slowdown = spec.slowdown
         self.staged = split_model(model, boundaries=spec.boundaries, num_stages=k, devices=self.device_names,
@@ -113,8 +122,8 @@ class VirtualWorker:
         self.worker_update = worker_update_of(self.config, self.ties, k)
         self.loss_head = LossHead(config.loss, self.staged.keras_graph.model.output_names,
                                   loss_weights=config.loss_weights, metrics=config.metrics)
-        self.dilation = config.dilation  # calibrated before training when None
-        self.calibration = ()  # (dilation, overrun fraction) of each probe, when calibrated
+        # This worker's own run's dilation, decided once (given, or calibrated at the first train).
+        self._dilation = None if config.dilation is None else Dilation(config.dilation)
         self.runtimes = None
         self.references = None if spec.references is None else _given_references(spec.references, k)
         self.report = None
@@ -136,10 +145,6 @@ class VirtualWorker:
         return self.config.schedule
 
     @property
-    def timeout_s(self):
-        return self.config.timeout_s
-
-    @property
     def num_stages(self):
         return self.staged.num_stages
 
@@ -147,10 +152,18 @@ class VirtualWorker:
     def emulated(self):
         return any(d.emulated for d in self.device_specs)
 
+    @property
+    def dilation(self) -> "Dilation | None":
+        """This worker's own dilation, once decided (given, or calibrated); a runner of several
+        workers decides theirs (their train's `dilation`)."""
+        return self._dilation
+
     def emulation_report(self):
-        """How faithful the time emulation was in the current (or last) run (None without emulated devices)."""
+        """How faithful the time emulation was in the current (or last) run (None without emulated
+        devices), with this worker's own calibration when it was calibrated."""
         report = EmulationReport.combine(p.report() for p in self._pacers if p is not None)
-        return report and dataclasses.replace(report, calibration=self.calibration)
+        probes = self._dilation.probes if self._dilation is not None else ()
+        return report and dataclasses.replace(report, calibration=probes)
 
     def task_seconds(self, stage, kind):
         """The time a task of instruction type `kind` (Forward, Backward) takes on `stage` in the
@@ -171,7 +184,7 @@ class VirtualWorker:
         for s, spec in zip(self.staged.stages, self.device_specs):
             lines.append(f"  {spec}: " + self.staged.describe().splitlines()[s.index])
         if self.emulated:
-            dilation = "calibrated before training" if self.dilation is None else f"{self.dilation:g}"
+            dilation = "calibrated before training" if self.config.dilation is None else f"{self.config.dilation:g}"
             lines.append(f"  EMULATED devices (dilation {dilation}): task times are padded, "
                          f"memory is accounted; see hetpipe_tf.pipeline.emulation")
         return "\n".join(lines)
@@ -218,16 +231,20 @@ class VirtualWorker:
 
     # Training --------------------------------------------------------------------------
     def train(self, data, steps, trace=False, on_minibatch_done=None, snapshot_after=(),
-              on_snapshot=None, executor_hook=None):
+              on_snapshot=None, executor_hook=None, dilation: "Dilation | None" = None):
         """Trains on `steps` minibatches from `data` (a tf.data.Dataset or an iterator
         of (inputs, labels)); returns the :class:`ExecutionReport`. Weights are written back into
-        the Keras model at the end. `trace` is True or a TraceRecorder to add to."""
+        the Keras model at the end. `trace` is True or a TraceRecorder to add to. `dilation`: the
+        run's, when a runner of several workers decided it; None: this worker's own (calibrated
+        before its first training when not given)."""
         iterator = iter(data)
         first = next(iterator)
         batch_size = self.prepare(*first)
-        if self.emulated and self.dilation is None:
-            self.calibrate_dilation(first)
-        self.report = self._run(_chain(first, iterator), steps, trace=trace,
+        if dilation is None:
+            if self._dilation is None:
+                self.calibrate_dilation(first)
+            dilation = self._dilation
+        self.report = self._run(_chain(first, iterator), steps, dilation, trace=trace,
                                 on_minibatch_done=on_minibatch_done, snapshot_after=snapshot_after,
                                 on_snapshot=on_snapshot, executor_hook=executor_hook)
         self.report.batch_size = batch_size
@@ -236,20 +253,21 @@ class VirtualWorker:
                 rt.write_back()
         return self.report
 
-    def _run(self, iterator, steps, trace=False, on_minibatch_done=None, snapshot_after=(),
+    def _run(self, iterator, steps, dilation, trace=False, on_minibatch_done=None, snapshot_after=(),
              on_snapshot=None, executor_hook=None, synchronised=True, dry=False):
-        self._pacers = [Pacer(d.speed, self.dilation, slowdown=self.slowdown) if d.emulated else None
+        self._pacers = [Pacer(d.speed, dilation.value, slowdown=self.slowdown) if d.emulated else None
                         for d in self.device_specs]
         recorder = None
         if trace:
-            recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(metadata=self.trace_metadata())
+            recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(
+                metadata=self.trace_metadata(dilation))
             self._name_trace(recorder)
         sync = self.sync if synchronised else None
         handlers = None if sync is None else sync.scheme.dry_handlers() if dry else sync.scheme.handlers(sync)
         executor = PipelineExecutor(
             self.schedule(steps, snapshot_after=snapshot_after, synchronised=synchronised),
             self.runtimes, iterator, self.staged.split_inputs, pacers=self._pacers,
-            references=self.references, timeout_s=self.timeout_s, trace=recorder,
+            references=self.references, timeout_s=self.config.timeout_s, trace=recorder,
             on_minibatch_done=on_minibatch_done, on_snapshot=on_snapshot,
             sync_handlers=handlers,
             pid=self.sync.worker if self.sync else 0)
@@ -270,35 +288,40 @@ class VirtualWorker:
         tasks over `workers` such workers running together."""
         return max(3 * self.num_in_flight, -(-120 // (2 * self.num_stages * workers)))
 
-    def probe_emulation(self, minibatch, dilation, steps=None):
+    def probe_emulation(self, minibatch, dilation: float, steps=None):
         """Runs the pipeline on copies of `minibatch` at `dilation` and keeps nothing of it
         (every stage's state is restored); returns the run's EmulationReport. A synchronised
         worker runs its scheme's dry handlers (the same work on the stages, no server)."""
         steps = steps or self.probe_minibatches()
         states = [rt.snapshot() for rt in self.runtimes]
-        given, self.dilation = self.dilation, dilation
         try:
             dry = self.sync is not None and self.sync.scheme.dry_handlers() is not None
-            report = self._run(iter([minibatch] * steps), steps, synchronised=dry, dry=dry)
+            report = self._run(iter([minibatch] * steps), steps, Dilation(dilation), synchronised=dry, dry=dry)
         finally:
-            self.dilation = given
             for rt, state in zip(self.runtimes, states):
                 rt.restore(state)
         return report.emulation
 
-    def calibrate_dilation(self, minibatch):
-        """Chooses the dilation by probe runs (:func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`):
-        two steps above the smallest at which fewer than 2.5 % of the tasks overran their target."""
-        self.dilation, self.calibration = calibrate_dilation(lambda d: self.probe_emulation(minibatch, d))
-        return self.dilation
+    def calibrate_dilation(self, minibatch, **calibration) -> "Dilation":
+        """Decides this worker's own dilation, when none was given, by probe runs on copies of
+        `minibatch` (:func:`decide_dilation`; `calibration`: the arguments of
+        :func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`, such as its candidates)."""
+        if self._dilation is not None:
+            raise ValueError(f"this virtual worker's dilation is decided ({self._dilation.value:g}): a worker "
+                             f"calibrates once, before its first training; give VirtualWorker(dilation=None) to "
+                             f"calibrate")
+        self._dilation = decide_dilation(None, self.emulated, lambda d: self.probe_emulation(minibatch, d),
+                                         **calibration)
+        return self._dilation
 
-    def trace_metadata(self):
-        """What a trace of this worker says about it (devices, Nm, and the emulation's rule when emulated)."""
+    def trace_metadata(self, dilation: "Dilation | None") -> dict:
+        """What a trace of this worker says about it (devices, Nm, and the emulation's rule at
+        `dilation` when emulated)."""
         meta = {"hetpipe_tf": "virtual worker", "num_in_flight": self.num_in_flight,
                 "devices": [str(d) for d in self.device_specs]}
         if self.emulated:
             meta["emulation"] = (f"EMULATED devices: task times padded to max(actual, "
-                                 f"{self.dilation:g} / speed * reference); memory accounted")
+                                 f"{dilation.value:g} / speed * reference); memory accounted")
         return meta
 
     def _name_trace(self, recorder):
@@ -312,7 +335,7 @@ class VirtualWorker:
                 recorder.name_thread(pid, 200 + s, f"stage {s}: pushes to the parameter servers")
 
     def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto",
-            validation_data=None, trace_path=None):
+            validation_data=None, trace_path=None) -> keras.callbacks.History:
         """Trains like ``keras.Model.fit``: callbacks, History, progress bar, validation
         (:func:`hetpipe_tf.runtime.fit_loop.fit`).
 
@@ -321,17 +344,16 @@ class VirtualWorker:
         consistent state is written into the Keras model before validation and
         ``on_epoch_end`` (so ModelCheckpoint and friends see it).
         """
-        return fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
-                   validation_data=validation_data, trace_path=trace_path)
+        return fit(self, x, FitOptions(epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+                                       verbose=verbose, validation_data=validation_data, trace_path=trace_path))
 
     # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
     num_workers = 1
-    trains_by_epoch = False
 
-    def begin_fit(self, shards, positions):
+    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._fit_data = iter(skip_consumed(shards, positions)[0])
 
-    def train_segment(self, steps, events, first, trace, epoch_ends):
+    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
 
         def started(executor):
             self._executor = executor
@@ -341,40 +363,47 @@ class VirtualWorker:
         self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events), snapshot_after=epoch_ends,
                    on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=started)
 
-    def drain(self):
-        pass
-
-    def after_drain(self, positions):
-        pass
-
-    def epoch_weights(self, events, stopped):
+    def epoch_weights(self, events: Events, stopped: bool) -> None:
         if not stopped:
             for rt, state in zip(self.runtimes, events.get("snapshot")):
                 rt.write_back(state)
 
-    def epoch_logs(self):
-        return {}
-
-    def run_state(self, epoch, positions, plan):
-        raise NotImplementedError("a VirtualWorker alone saves no checkpoints (HetPipeStrategy(checkpoint_dir=...) does)")
-
-    def stage_optimizers(self):
+    def stage_optimizers(self) -> list[keras.optimizers.Optimizer]:
         return [rt.optimizer for rt in self.runtimes or []]
 
-    def request_stop(self):
+    def request_stop(self) -> None:
         if self._executor is not None:
             self._executor.request_stop()
 
-    def abort(self):
+    def abort(self) -> None:
         if self._executor is not None:
             self._executor.abort()
 
-    def end_fit(self):
-        pass
-
-    def evaluate(self, dataset):
+    def evaluate(self, dataset: tf.data.Dataset) -> dict:
         """Loss and metrics of the Keras model's current weights on `dataset`, in inference mode."""
         return self.loss_head.evaluate(self.model, dataset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dilation:
+    """A run's dilation of its emulated devices (:mod:`hetpipe_tf.pipeline.emulation`), decided once
+    before it trains: `value`, given or chosen by calibration probes (`probes`: each probe's
+    (dilation, overrun fraction))."""
+    value: float
+    probes: tuple[tuple[float, float], ...] = ()
+
+
+def decide_dilation(given: float | None, emulated: bool, probe: Callable[[float], EmulationReport],
+                    **calibration) -> Dilation:
+    """A run's one dilation: `given`, or, when None and a device is emulated, the one that probe
+    runs choose (probe(dilation) -> the probe's EmulationReport;
+    :func:`hetpipe_tf.pipeline.emulation.calibrate_dilation` with `calibration`: two steps above the
+    smallest at which fewer than 2.5 % of the tasks overran their target). Without an emulated
+    device nothing is paced and the value is the given one, or 1."""
+    if given is not None or not emulated:
+        return Dilation(1.0 if given is None else float(given))
+    value, tried = calibrate_dilation(probe, **calibration)
+    return Dilation(value, tuple((float(d), float(f)) for d, f in tried))
 
 
 def worker_update_of(config, ties, num_stages):

@@ -7,124 +7,99 @@ weights, waiting until every worker has pushed wave c - D; the workers run concu
 each on its own devices (which may be remote tasks of TensorFlow's distributed runtime),
 and the global weights end in the Keras model.
 
+:class:`BoundWorkers` are virtual workers bound to a run's servers, given: all of a run's
+workers, or those a worker's process drives (:mod:`hetpipe_tf.distributed.worker_process`).
+:class:`WSPRunner` is a run in this process that owns its servers: it builds them from the
+run's :class:`hetpipe_tf.sync.parameter_server.ServerLayout` (:func:`server_layout`), builds new
+ones after an aborted run, decides the run's one dilation and is what ``fit`` trains.
+
 With uneven minibatches (``minibatch_sizes``, beyond the paper; :mod:`hetpipe_tf.planning.uneven`)
 worker i trains b_i samples per minibatch (:func:`hetpipe_tf.runtime.worker_data.worker_shards`)
 and the servers weight its pushes by n · b_i / B, so that with D = 0 and Nm = 1 the global
 step is SGD's on the concatenated batch of the round
 (:mod:`hetpipe_tf.sync.parameter_server`).
 """
+import dataclasses
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from hetpipe_tf.pipeline.emulation import EmulationReport, calibrate_dilation
+import keras
+import tensorflow as tf
+
+from hetpipe_tf.pipeline.emulation import EmulationReport
+from hetpipe_tf.pipeline.executor import ExecutionReport
 from hetpipe_tf.pipeline.simulator import wait_and_idle
 from hetpipe_tf.pipeline.trace import TraceRecorder
-from hetpipe_tf.runtime.checkpoint import RunState, set_stage_optimizer_state, skip_consumed, stage_optimizer_state
 from hetpipe_tf.planning.uneven import push_weights
-from hetpipe_tf.runtime.fit_loop import done_event, fit, start_thread
+from hetpipe_tf.runtime.checkpoint import (PlanCuts, RunState, set_stage_optimizer_state, skip_consumed,
+                                           stage_optimizer_state)
+from hetpipe_tf.runtime.fit_loop import Events, done_event, start_thread
 from hetpipe_tf.runtime.optimizers import check_for_workers
-from hetpipe_tf.runtime.virtual_worker import VirtualWorker
-from hetpipe_tf.sync.parameter_server import ParameterServers, layer_of
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+from hetpipe_tf.runtime.stage_rewrite import StagedModel
+from hetpipe_tf.runtime.virtual_worker import Dilation, VirtualWorker, decide_dilation
+from hetpipe_tf.sync.parameter_server import ParameterServers, ServerLayout, layer_of
+
+#: A minibatch: (inputs, labels).
+Minibatch = tuple
 
 
-class WSPRunner:
-    """Virtual workers synchronised through parameter servers under staleness bound D.
+class BoundWorkers:
+    """Virtual workers of a run bound to its parameter servers under staleness bound D.
 
     Args:
-      model: a built Keras model (every worker cuts it into its own stages).
-      workers: a :class:`WorkerSpec` per virtual worker.
+      vws: the :class:`VirtualWorker` s, made from the run's `config` (their `sync` is set here).
       config: the run's :class:`RunConfig`: Nm (the same for every worker, §4), the staleness bound
-        and the scheme (WSP's D, §5; BSP, SSP, ASP), the schedule, the placement of the global
-        weights (``local`` puts every layer on the server of the node that trains it in worker 0:
-        `stage_servers` of its stage, §8.1), the optimizer, loss and metrics, the dilation (None:
-        one for every worker, calibrated by probe runs of every worker at once, as they share the
-        host), the timeouts and the minibatch sizes (uneven: ``fit`` splits the data so, and the
-        servers this runner creates weight the pushes by :func:`hetpipe_tf.planning.uneven.push_weights`;
-        ``train`` takes the data as given).
-      ps_devices: the parameter-server devices.
-      servers: parameter servers another process created (:class:`ParameterServers` given
-        ``variable_devices``), when this runner drives some of a run's workers only; None: this
-        runner creates them for `model`.
-      worker_ids: the run's index of each worker in `workers` (default 0, 1, ...): a process
-        that drives worker 3 of a run gives [3].
+        and the scheme (WSP's D, §5; BSP, SSP, ASP), the timeouts and the minibatch sizes (one per
+        worker of the run; ``train`` takes the data as given).
+      servers: the run's :class:`ParameterServers` (of this process, or attached to another's).
+      worker_ids: the run's index of each worker in `vws` (default 0, 1, ...): a process that
+        drives worker 3 of a run gives [3].
     """
 
-    def __init__(self, model, workers, config, ps_devices, servers=None, worker_ids=None):
-        self.model = model
+    def __init__(self, vws: Sequence[VirtualWorker], config: RunConfig, servers: ParameterServers,
+                 worker_ids: Sequence[int] | None = None):
+        self.vws = list(vws)
         self.config = config
-        self.vws = [VirtualWorker.from_config(model, w, config) for w in workers]
         self.worker_ids = tuple(worker_ids) if worker_ids is not None else tuple(range(len(self.vws)))
         if len(self.worker_ids) != len(self.vws):
             raise ValueError(f"{len(self.vws)} workers but {len(self.worker_ids)} worker ids")
-        # The sizes are the run's, one per virtual worker of the run (a process's runner trains some).
-        run_workers = len(self.vws) if servers is None else max(self.worker_ids) + 1
-        sizes = config.minibatch_sizes
-        if sizes is not None and (len(sizes) != run_workers if servers is None else len(sizes) < run_workers):
+        sizes, run_workers = config.minibatch_sizes, max(self.worker_ids) + 1
+        if sizes is not None and len(sizes) < run_workers:
             raise ValueError(f"{len(sizes)} minibatch sizes {list(sizes)} for {run_workers} virtual workers: "
-                             f"give one per worker, or None for the data's batch size")
-        self._new_servers = None
-        if servers is None:  # this runner trains every worker of the run
-            check_for_workers(config.optimizer, len(self.vws))
-            layer_devices = None
-            if config.placement == "local":
-                if not workers[0].stage_servers or len(workers[0].stage_servers) != self.vws[0].num_stages:
-                    raise ValueError("local placement needs worker 0's stage_servers, one per stage")
-                layer_devices = stage_layer_servers(self.vws[0].staged, workers[0].stage_servers)
-            weights = push_weights(config.minibatch_sizes) if config.minibatch_sizes else None
-            self._new_servers = lambda: ParameterServers(model, ps_devices, [vw.num_stages for vw in self.vws],
-                                                         config.placement, layer_devices, push_weights=weights)
-            servers = self._new_servers()
-        self._bind(servers)
-        self.aborted = None  # why the last run was aborted, if it was
+                             f"give one per worker of the run, or None for the data's batch size")
+        self.bind(servers)
         self.trace = None
-        self.reports = None
         self._executors = {}
         self._completions = {}  # worker -> when each of its updates completed (perf_counter)
         self._started = None
         self._optimizer_states = None  # to give the stages once they are built (a resumed run)
-        self.batch_sizes = None  # each worker's, once train() has built it
+        self.batch_sizes = None  # each worker's, once built
 
-    def _bind(self, servers):
+    def bind(self, servers: ParameterServers) -> None:
+        """Binds every worker to `servers` (a run's, not aborted)."""
         self.servers = servers
+        self.aborted = None  # why the run was aborted, if it was
         for w, vw in zip(self.worker_ids, self.vws):
             vw.sync = self.config.sync.bind(w, servers, self.config.staleness_bound, self.config.timeout_s)
 
-    def _renew_after_abort(self):
-        """An aborted run's servers take no more pulls (:meth:`abort`): the next run gets new ones,
-        and every worker starts from the Keras model's weights (those of the last completed epoch)."""
-        if self._new_servers is None:
-            raise RuntimeError(f"this run was aborted ({self.aborted}) and its parameter servers belong to "
-                               f"another process: that process starts a new run")
-        self._bind(self._new_servers())
-        for vw in self.vws:
-            for rt in vw.runtimes or ():
-                rt.load_model_weights()
-        self.aborted = None
-
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         return len(self.vws)
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         return any(vw.emulated for vw in self.vws)
 
-    @property
-    def descriptions(self):
-        """Each worker's description (its stages and devices)."""
-        return [vw.describe() for vw in self.vws]
-
-    @property
-    def num_in_flight(self):
-        return self.vws[0].num_in_flight
-
-    def train(self, data, steps, trace=False, on_minibatch_done=None, on_started=None):
-        """Trains every worker on `minibatches` minibatches of its own data (a list, one
-        iterable per worker); returns their ExecutionReports. on_minibatch_done(worker, p, logs);
-        on_started(time) once the workers are built and the emulation calibrated."""
+    def build(self, data: Sequence[Iterable[Minibatch]]) -> tuple[list[Minibatch], list[Iterator[Minibatch]]]:
+        """Builds every worker for the first minibatch of its data (`data`: one iterable per worker)
+        and gives a resumed run's optimizer state to the stages; returns each worker's first
+        minibatch and the rest of its data."""
         if len(data) != self.num_workers:
             raise ValueError(f"{self.num_workers} workers but data for {len(data)}")
         if self.aborted:
-            self._renew_after_abort()
+            raise RuntimeError(f"this run was aborted ({self.aborted}) and its parameter servers belong to another "
+                               f"process: that process starts a new run")
         iterators = [iter(d) for d in data]
         firsts = [next(it) for it in iterators]
         # Build and trace one worker at a time.
@@ -132,12 +107,25 @@ class WSPRunner:
         if self._optimizer_states is not None:
             self.set_optimizer_states(self._optimizer_states)
             self._optimizer_states = None
-        if any(vw.emulated and vw.dilation is None for vw in self.vws):
-            self.calibrate_dilation(firsts)
+        return firsts, iterators
+
+    def train(self, data: Sequence[Iterable[Minibatch]], steps: int, dilation: Dilation, trace: bool = False,
+              on_minibatch_done: Callable | None = None,
+              on_started: Callable[[float], None] | None = None) -> list[ExecutionReport]:
+        """Trains every worker on `steps` minibatches of its own data (one iterable per worker) at the
+        run's `dilation`; returns their ExecutionReports. on_minibatch_done(worker, p, logs);
+        on_started(time) once the workers are built."""
+        firsts, rest = self.build(data)
+        return self.run(firsts, rest, steps, dilation, trace, on_minibatch_done, on_started)
+
+    def run(self, firsts: Sequence[Minibatch], rest: Sequence[Iterator[Minibatch]], steps: int, dilation: Dilation,
+            trace: bool = False, on_minibatch_done: Callable | None = None,
+            on_started: Callable[[float], None] | None = None) -> list[ExecutionReport]:
+        """Trains the built workers (:meth:`build`) on `steps` minibatches, each from its first one on."""
         if trace:
             metadata = {"hetpipe_tf": f"{self.num_workers} virtual workers, {self.config.sync.name.upper()} "
                                       f"D={self.config.staleness_bound}"}
-            emulation = self.vws[0].trace_metadata().get("emulation")
+            emulation = self.vws[0].trace_metadata(dilation).get("emulation")
             self.trace = TraceRecorder(metadata=dict(metadata, emulation=emulation) if emulation else metadata)
         else:
             self.trace = None
@@ -152,7 +140,7 @@ class WSPRunner:
         def run(i):
             def chain():
                 yield firsts[i]
-                yield from iterators[i]
+                yield from rest[i]
 
             def done(p, logs):
                 self._completions[i].append(time.perf_counter())
@@ -161,7 +149,8 @@ class WSPRunner:
 
             try:
                 reports[i] = self.vws[i].train(chain(), steps, trace=self.trace or False, on_minibatch_done=done,
-                                               executor_hook=lambda ex: self._executors.__setitem__(i, ex))
+                                               executor_hook=lambda ex: self._executors.__setitem__(i, ex),
+                                               dilation=dilation)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
                 self.abort(f"virtual worker {self.worker_ids[i]} failed: {type(exc).__name__}")
@@ -173,17 +162,16 @@ class WSPRunner:
         if errors:
             raise errors[0]
         self.finish()
-        self.reports = reports
         return reports
 
-    def images_per_s(self):
+    def images_per_s(self) -> float:
         """Images per second of the current (or last) run, every worker together: the samples of
         the updates completed so far over the time since the run started."""
         ends = [t for times in self._completions.values() for t in times]
         images = sum(len(self._completions[i]) * b for i, b in enumerate(self.batch_sizes or ()))
         return images / (max(ends) - self._started) if ends else 0.0
 
-    def abort(self, reason="the run was stopped"):
+    def abort(self, reason: str = "the run was stopped") -> None:
         """Stops every worker now, and ends the run at the servers: every pull, waiting or later,
         of any worker of the run (in any process) fails at once, naming `reason`."""
         if not self.aborted:
@@ -192,30 +180,22 @@ class WSPRunner:
         for ex in list(self._executors.values()):
             ex.abort()
 
-    def request_stop(self):
+    def request_stop(self) -> None:
         """Asks every worker to admit no more minibatches (those in flight complete)."""
         for ex in list(self._executors.values()):
             ex.request_stop()
 
-    def emulation_report(self):
+    def emulation_report(self) -> EmulationReport | None:
         """Every worker's emulation in the current (or last) run together (None if none is emulated)."""
         return EmulationReport.combine(vw.emulation_report() for vw in self.vws)
 
-    def calibrate_dilation(self, minibatches):
-        """Chooses one dilation for every worker: probe runs of all workers at once (each on
-        copies of its minibatch in `minibatches`, nothing kept), as in
-        :meth:`VirtualWorker.calibrate_dilation`. The probes do the workers' side of the
-        synchronisation but not the servers' (their waits and sums), which share the host's
-        cores in the real run: the calibration's steps of margin cover them."""
-        dilation, tried = calibrate_dilation(lambda d: self.probe(d, minibatches))
-        self.set_dilation(dilation, tried)
-        return dilation
-
-    def probe(self, dilation, minibatches, workers=None):
+    def probe(self, dilation: float, minibatches: Sequence[Minibatch], workers: int | None = None) -> EmulationReport:
         """One probe run of every worker at once at `dilation` (each on copies of its minibatch
         in `minibatches`, nothing kept); their EmulationReport together. `workers`: how many
-        workers of the run probe at the same time, here and in other processes (default: this
-        runner's), which sets the probe's length."""
+        workers of the run probe at the same time, here and in other processes (default: these),
+        which sets the probe's length. The probes do the workers' side of the synchronisation
+        but not the servers' (their waits and sums), which share the host's cores in the real
+        run: the calibration's steps of margin cover them."""
         reports, errors = [None] * self.num_workers, []
         n = self.vws[0].probe_minibatches(workers or self.num_workers)
 
@@ -231,92 +211,41 @@ class WSPRunner:
             raise errors[0]
         return EmulationReport.combine(reports)
 
-    def set_dilation(self, dilation, calibration=()):
-        """Every worker's emulated devices run at `dilation` (`calibration`: the probes' (dilation,
-        overrun fraction), when calibrated)."""
-        for vw in self.vws:
-            vw.dilation, vw.calibration = dilation, tuple(calibration)
-
-    def finish(self):
+    def finish(self) -> None:
         """Puts the global weights and state into the Keras model, and worker 0's state that the
         servers do not keep (random seeds)."""
         for rt in self.vws[0].runtimes:
             for v, value in zip(rt.stage.non_trainable_variables, rt.non_trainable):
                 if v.path not in self.servers.variables:
                     v.assign(value.value)
-        self.servers.write_to(self.model)
+        self.servers.write_to(self.vws[0].model)
 
-    def drain(self):
-        """After a train() (every update pushed, the global weights in the Keras model): every
+    def drain(self) -> None:
+        """After a train (every update pushed, the global weights in the Keras model): every
         stage takes the global weights, as a run after an aborted one does."""
         for vw in self.vws:
             for rt in vw.runtimes or ():
                 rt.load_model_weights()
 
-    def run_state(self, epoch, positions, plan):
-        """The run as a checkpoint holds it, between epochs (after :meth:`drain`)."""
-        return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables],
-                        optimizers=self.optimizer_states(),
-                        clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
+    def optimizer_states(self) -> list[dict]:
+        """Per worker, its optimizer state per model variable
+        (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
+        return [stage_optimizer_state(vw.runtimes, vw.model) for vw in self.vws]
 
-    def resume(self, state):
-        """Continues the run `state` holds: its clocks at the servers now, its optimizer state in
-        the stages once built (its weights are already in the Keras model and the servers)."""
-        self.servers.advance_clocks(state.clocks)
-        self.set_optimizer_states(state.optimizers)
-
-    def optimizer_states(self):
-        """Per worker, its optimizer state per model variable (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
-        return [stage_optimizer_state(vw.runtimes, self.model) for vw in self.vws]
-
-    def set_optimizer_states(self, states):
+    def set_optimizer_states(self, states: Sequence[dict | None]) -> None:
         """Gives every worker's stages their optimizer variables' values (`states` as
         :meth:`optimizer_states` gives them): now if they are built, else once they are."""
         if all(vw.runtimes is not None for vw in self.vws):
             for vw, values in zip(self.vws, states):
-                set_stage_optimizer_state(vw.runtimes, values, self.model)
+                set_stage_optimizer_state(vw.runtimes, values, vw.model)
         else:
             self._optimizer_states = states
 
-    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto", validation_data=None,
-            trace_path=None, initial_epoch=0, checkpoints=None, positions=None, plan=None):
-        """Trains like ``keras.Model.fit`` (:func:`hetpipe_tf.runtime.fit_loop.fit`). Each worker takes
-        its shard of `x`; an epoch is `steps_per_epoch` minibatches of all workers together; at every
-        epoch's end the global weights go into the Keras model for validation and callbacks."""
-        return fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
-                   validation_data=validation_data, trace_path=trace_path, initial_epoch=initial_epoch,
-                   checkpoints=checkpoints, positions=positions, plan=plan)
-
-    # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
-    trains_by_epoch = False
-
-    def begin_fit(self, shards, positions):
-        self._fit_data = [iter(s) for s in skip_consumed(shards, positions)]
-
-    def train_segment(self, steps, events, first, trace, epoch_ends):
-        k = self.num_workers
-        self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events),
-                   on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
-
-    def after_drain(self, positions):
-        pass
-
-    def epoch_weights(self, events, stopped):
-        self.finish()
-
-    def evaluate(self, dataset):
-        return self.vws[0].evaluate(dataset)
-
-    def epoch_logs(self):
-        return {"global_clock": self.servers.clock.clocks()[1]}
-
-    def stage_optimizers(self):
+    def stage_optimizers(self) -> list[keras.optimizers.Optimizer]:
+        """Every stage's copy of the optimizer."""
         return [rt.optimizer for vw in self.vws for rt in vw.runtimes or []]
 
-    def end_fit(self):
-        pass
-
-    def provenance(self, stage=0):
+    def provenance(self, stage: int = 0) -> dict:
         """{(worker, minibatch): (local updates, global (worker, wave) pushes)} that `stage`'s
         weight versions held, for :func:`hetpipe_tf.sync.staleness.check`."""
         out = {}
@@ -326,7 +255,7 @@ class WSPRunner:
                 out[(w, p)] = (local, record.used_globals.get(p, frozenset()))
         return out
 
-    def stats(self, since=None):
+    def stats(self, since: float | None = None) -> list[dict]:
         """Per worker: its clock and distance to the slowest worker's, and, over the pulls and
         updates after `since` (a time.perf_counter() value; None: the whole run), its first
         stage's average wait for pulled weights, the part of it that stage ran nothing (§8.4),
@@ -349,7 +278,181 @@ class WSPRunner:
         return out
 
 
-def stage_layer_servers(staged, stage_servers):
+class WSPRunner:
+    """Every virtual worker of a run, in this process, synchronised through parameter servers it
+    owns (:class:`BoundWorkers` bound to them).
+
+    Args:
+      model: a built Keras model (every worker cuts it into its own stages).
+      workers: a :class:`WorkerSpec` per virtual worker.
+      config: the run's :class:`RunConfig` (resolved: Nm an integer), as for :class:`BoundWorkers`,
+        and the placement of the global weights (``local`` puts every layer on the server of the
+        node that trains it in worker 0: `stage_servers` of its stage, §8.1), the optimizer, loss
+        and metrics, the dilation (None: one for every worker, calibrated by probe runs of every
+        worker at once before the first training, as they share the host) and the minibatch sizes
+        (uneven: ``fit`` splits the data so, and the servers weight the pushes by
+        :func:`hetpipe_tf.planning.uneven.push_weights`).
+      ps_devices: the parameter-server devices.
+    """
+
+    def __init__(self, model: keras.Model, workers: Sequence[WorkerSpec], config: RunConfig,
+                 ps_devices: Sequence[str]):
+        check_for_workers(config.optimizer, len(workers))
+        sizes = config.minibatch_sizes
+        if sizes is not None and len(sizes) != len(workers):
+            raise ValueError(f"{len(sizes)} minibatch sizes {list(sizes)} for {len(workers)} virtual workers: "
+                             f"give one per worker, or None for the data's batch size")
+        vws = [VirtualWorker.from_config(model, w, config) for w in workers]
+        self.model = model
+        self.config = config
+        self.layout = server_layout(vws[0].staged, workers[0], config, ps_devices, [vw.num_stages for vw in vws])
+        self.group = BoundWorkers(vws, config, self.layout.servers(model))
+        self._dilation = None  # the run's, decided before its first training
+        self._fit_data = None
+
+    # The bound workers' ------------------------------------------------------------------
+    @property
+    def vws(self) -> list[VirtualWorker]:
+        return self.group.vws
+
+    @property
+    def servers(self) -> ParameterServers:
+        """The run's parameter servers (new ones after an aborted run)."""
+        return self.group.servers
+
+    @property
+    def aborted(self) -> str | None:
+        """Why the last run was aborted, if it was."""
+        return self.group.aborted
+
+    @property
+    def trace(self) -> TraceRecorder | None:
+        """The trace of the last training, when traced."""
+        return self.group.trace
+
+    @property
+    def batch_sizes(self) -> list[int] | None:
+        """Each worker's minibatch size, once built."""
+        return self.group.batch_sizes
+
+    @property
+    def num_workers(self) -> int:
+        return self.group.num_workers
+
+    @property
+    def emulated(self) -> bool:
+        return self.group.emulated
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.config.num_in_flight
+
+    def provenance(self, stage: int = 0) -> dict:
+        """As :meth:`BoundWorkers.provenance`."""
+        return self.group.provenance(stage)
+
+    def stats(self, since: float | None = None) -> list[dict]:
+        """As :meth:`BoundWorkers.stats`."""
+        return self.group.stats(since)
+
+    def images_per_s(self) -> float:
+        """As :meth:`BoundWorkers.images_per_s`."""
+        return self.group.images_per_s()
+
+    def abort(self, reason: str = "the run was stopped") -> None:
+        """As :meth:`BoundWorkers.abort`: the next training gets new servers."""
+        self.group.abort(reason)
+
+    def request_stop(self) -> None:
+        self.group.request_stop()
+
+    def stage_optimizers(self) -> list[keras.optimizers.Optimizer]:
+        return self.group.stage_optimizers()
+
+    def drain(self) -> None:
+        self.group.drain()
+
+    # The run's own -----------------------------------------------------------------------
+    def train(self, data: Sequence[Iterable[Minibatch]], steps: int, trace: bool = False,
+              on_minibatch_done: Callable | None = None,
+              on_started: Callable[[float], None] | None = None) -> list[ExecutionReport]:
+        """Trains every worker on `steps` minibatches of its own data (a list, one iterable per
+        worker); returns their ExecutionReports. on_minibatch_done(worker, p, logs); on_started(time)
+        once the workers are built and the run's dilation decided. After an aborted run its
+        servers take no more pulls: this run gets new ones, and every worker starts from the
+        Keras model's weights (those of the last completed epoch)."""
+        if self.aborted:
+            self.group.bind(self.layout.servers(self.model))
+            self.group.drain()
+        firsts, rest = self.group.build(data)
+        if self._dilation is None:
+            self._dilation = decide_dilation(self.config.dilation, self.emulated,
+                                             lambda d: self.group.probe(d, firsts))
+        return self.group.run(firsts, rest, steps, self._dilation, trace, on_minibatch_done, on_started)
+
+    def emulation_report(self) -> EmulationReport | None:
+        """Every worker's emulation in the current (or last) run together, with the run's
+        calibration (None if none is emulated)."""
+        report = self.group.emulation_report()
+        probes = self._dilation.probes if self._dilation is not None else ()
+        return report and dataclasses.replace(report, calibration=probes)
+
+    def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState:
+        """The run as a checkpoint holds it, between epochs (after :meth:`drain`)."""
+        return RunState(epoch=epoch, weights=[v.numpy() for v in self.model.variables],
+                        optimizers=self.group.optimizer_states(),
+                        clocks=list(self.servers.clock.clocks()[0]), positions=list(positions), plan=plan)
+
+    def resume(self, state: RunState) -> None:
+        """Continues the run `state` holds: its clocks at the servers now, its optimizer state in
+        the stages once built (its weights are already in the Keras model and the servers)."""
+        self.servers.advance_clocks(state.clocks)
+        self.group.set_optimizer_states(state.optimizers)
+
+    # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.GlobalWeightsRunner) ----------
+    trains_by_epoch = False
+
+    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
+        self._fit_data = [iter(s) for s in skip_consumed(shards, positions)]
+
+    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
+        k = self.num_workers
+        self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events),
+                   on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
+
+    def after_drain(self, positions: Sequence[int]) -> None:
+        pass
+
+    def epoch_weights(self, events: Events, stopped: bool) -> None:
+        self.group.finish()
+
+    def evaluate(self, dataset: tf.data.Dataset) -> dict:
+        return self.vws[0].evaluate(dataset)
+
+    def epoch_logs(self) -> dict:
+        return {"global_clock": self.servers.clock.clocks()[1]}
+
+    def end_fit(self) -> None:
+        pass
+
+
+def server_layout(staged: StagedModel, worker0: WorkerSpec, config: RunConfig, ps_devices: Sequence[str],
+                  stages_per_worker: Sequence[int]) -> ServerLayout:
+    """Where a run's global weights live: on `ps_devices`, placed as `config` says (``local``: each
+    layer on the server of the node of worker 0's stage that holds it, `worker0.stage_servers`,
+    §8.1; `staged`: worker 0's stages), each worker's pushes weighted by its share of the samples
+    under uneven minibatch sizes (:func:`hetpipe_tf.planning.uneven.push_weights`)."""
+    layer_devices = None
+    if config.placement == "local":
+        if not worker0.stage_servers or len(worker0.stage_servers) != staged.num_stages:
+            raise ValueError(f"local placement needs worker 0's stage_servers, one per stage ({staged.num_stages}), "
+                             f"got {worker0.stage_servers!r}")
+        layer_devices = stage_layer_servers(staged, worker0.stage_servers)
+    weights = tuple(push_weights(config.minibatch_sizes)) if config.minibatch_sizes else None
+    return ServerLayout(tuple(ps_devices), tuple(stages_per_worker), config.placement, layer_devices, weights)
+
+
+def stage_layer_servers(staged: StagedModel, stage_servers: Sequence[str]) -> dict[str, str]:
     """{layer name: the server of the stage that holds it}, for ``local`` placement (§8.1): each
     stage's layers on the server of its node."""
     return {layer_of(v.path): server for server, stage in zip(stage_servers, staged.stages)

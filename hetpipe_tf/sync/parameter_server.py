@@ -33,7 +33,10 @@ runs in the servers' graph executor, which holds no thread while it waits.
 import functools
 import itertools
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
+import keras
 import tensorflow as tf
 
 from hetpipe_tf.ops.first_calls import FirstCallLocked
@@ -42,6 +45,28 @@ from hetpipe_tf.sync.allreduce import group_of
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 _runs = itertools.count()
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """Where a run's global weights live: what :class:`ParameterServers` is built from, the one
+    place they are built (:meth:`servers`). The parameter-server `devices`, each virtual worker's
+    number of stages, the `placement` ("default": layers round-robin; "local": `layer_devices`,
+    {layer name: server device}, §8.1) and each worker's push weight (None: every weight 1). A
+    layout with `run` and `variable_devices` attaches to the servers another process created for
+    that run (:meth:`ParameterServers.layout` gives it; a worker's process receives it)."""
+    devices: tuple[str, ...]
+    stages_per_worker: tuple[int, ...]
+    placement: str = "default"
+    layer_devices: Mapping[str, str] | None = None
+    push_weights: tuple[float, ...] | None = None
+    run: str | None = None
+    variable_devices: tuple[str, ...] | None = None
+
+    def servers(self, model: keras.Model) -> "ParameterServers":
+        """The run's servers of `model`'s weights: new ones, or, with `variable_devices`, those of `run`."""
+        return ParameterServers(model, self.devices, self.stages_per_worker, self.placement, self.layer_devices,
+                                run=self.run, variable_devices=self.variable_devices, push_weights=self.push_weights)
 
 
 class ParameterServers:
@@ -192,6 +217,11 @@ class ParameterServers:
         """Each global variable's server, in the model's order: what another process needs to
         attach (see the `variable_devices` argument)."""
         return list(self.device_of.values())
+
+    def layout(self) -> ServerLayout:
+        """What another process attaches to these servers with (its own copy of the model given)."""
+        return ServerLayout(self.devices, tuple(self.clock.stages_per_worker), run=self.run,
+                            variable_devices=tuple(self.variable_devices()))
 
     def values(self):
         """The global weights, by variable path."""

@@ -113,3 +113,46 @@ def test_emulated_links_change_the_timing_not_the_training(tmp_path):
     assert linked["clocks"] == alone["clocks"]
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+CALIBRATE = """
+import json
+import numpy as np, keras, tensorflow as tf
+from hetpipe_tf import HetPipeStrategy
+
+strategy = HetPipeStrategy(cluster="local", policy="ed", num_in_flight=2, staleness_bound=0, launch="processes",
+                           timeout_s=120)  # dilation None: calibrated
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 16)).astype("float32")
+y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    reports = []
+    for _ in range(2):
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        report = strategy.runner.emulation_report()
+        reports.append({"dilation": report.dilation, "calibration": [list(c) for c in report.calibration],
+                        "paced_tasks": report.tasks})
+print("RESULT " + json.dumps({"reports": reports, "workers": strategy.runner.num_workers}))
+"""
+
+
+@pytest.mark.slow
+def test_the_chief_calibrates_one_dilation_in_every_workers_process_once():
+    """launch='processes' with dilation None (about 90 s): the chief probes every virtual worker's
+    process at once before the first fit, and each process trains at that one dilation in both
+    fits; the second fit probes no more."""
+    proc = subprocess.run([sys.executable, "-c", CALIBRATE], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    first, second = result["reports"]
+    assert result["workers"] == 2 and first["calibration"], result
+    assert second["calibration"] == first["calibration"]  # no probe again
+    # The run's one dilation, the first passing probe's or above, in both fits.
+    assert first["dilation"] == second["dilation"] >= first["calibration"][-1][0]
+    assert first["paced_tasks"] > 0 and second["paced_tasks"] > 0

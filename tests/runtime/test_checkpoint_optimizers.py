@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, stage_optimizer_state
+from hetpipe_tf.runtime.fit_loop import FitOptions, fit
 from hetpipe_tf.runtime.optimizers import SUPPORTED
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
@@ -103,9 +104,9 @@ def _uninterrupted(name, directory):
     then holds its checkpoint after the first epoch."""
     directory = f"{directory}/{name}"
     runner = _runner(_model(), name, CUT)
-    runner.fit(_data(), epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, checkpoints=Checkpoints(f"{directory}/whole"),
-               plan=PlanCuts(1, (tuple(CUT),)),
-               callbacks=[_CopyAfterFirstEpoch(f"{directory}/whole", f"{directory}/stopped")])
+    fit(runner, _data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0,
+                                    checkpoints=Checkpoints(f"{directory}/whole"), plan=PlanCuts(1, (tuple(CUT),)),
+                                    callbacks=[_CopyAfterFirstEpoch(f"{directory}/whole", f"{directory}/stopped")]))
     return _ended(runner)
 
 
@@ -119,8 +120,9 @@ def _resumed(name, directory, cut):
     assert state.epoch == 1 and state.positions == [STEPS]
     runner = _runner(model, name, cut)
     runner.resume(state)
-    history = runner.fit(_data(), epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, initial_epoch=state.epoch,
-                         positions=state.positions, checkpoints=checkpoints, plan=PlanCuts(1, (tuple(cut),)))
+    history = fit(runner, _data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0,
+                                              initial_epoch=state.epoch, positions=state.positions,
+                                              checkpoints=checkpoints, plan=PlanCuts(1, (tuple(cut),))))
     assert len(history.history["loss"]) == EPOCHS - 1
     return _ended(runner)
 

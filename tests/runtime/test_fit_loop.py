@@ -5,13 +5,35 @@ import time
 import keras
 import pytest
 
-from hetpipe_tf.runtime.fit_loop import Events, run_fit
+from hetpipe_tf.runtime.fit_loop import Events, FitOptions, run_fit
 
 
 def _model():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return model
+
+
+class _Training:
+    """Training of one worker, 3 steps per epoch of 4 samples, that `train` reports
+    (a hetpipe_tf.runtime.fit_loop.Training)."""
+    workers, steps_per_epoch, batch_size, timeout_s, waits_between_epochs = 1, 3, 4, 10.0, False
+
+    def __init__(self, model, train, epoch_end=lambda *_: {}, stage_optimizers=()):
+        self.model, self.optimizer = model, model.optimizer
+        self.train, self.epoch_end, self._stage_optimizers = train, epoch_end, list(stage_optimizers)
+
+    def stage_optimizers(self):
+        return self._stage_optimizers
+
+    def after_epoch(self, epoch, stopped):
+        pass
+
+    def request_stop(self):
+        pass
+
+    def abort(self):
+        pass
 
 
 def test_wait_finished_keeps_the_events_it_passes():
@@ -40,9 +62,7 @@ def test_the_last_epoch_ends_after_training_has_finished():
         return {}
 
     model = _model()
-    run_fit(model, train=train, epochs=2, steps_per_epoch=3, callbacks=None, verbose=0, batch_size=4,
-            epoch_end=epoch_end, optimizer=model.optimizer, stage_optimizers=lambda: [],
-            request_stop=lambda: None, abort=lambda: None, timeout_s=10.0)
+    run_fit(_Training(model, train, epoch_end), FitOptions(epochs=2, verbose=0))
     assert seen[-1] == (1, True)
 
 
@@ -53,9 +73,7 @@ def _fit_counting(callbacks, copy):
             events.put("done", ({"loss": 1.0}, time.perf_counter()))
 
     model = _model()
-    run_fit(model, train=train, epochs=2, steps_per_epoch=3, callbacks=callbacks, verbose=0, batch_size=4,
-            epoch_end=lambda *_: {}, optimizer=model.optimizer, stage_optimizers=lambda: [copy],
-            request_stop=lambda: None, abort=lambda: None, timeout_s=10.0)
+    run_fit(_Training(model, train, stage_optimizers=[copy]), FitOptions(epochs=2, callbacks=callbacks, verbose=0))
     return model
 
 

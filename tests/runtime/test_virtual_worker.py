@@ -7,7 +7,10 @@ import tensorflow as tf
 
 from hetpipe_tf.api.callbacks import PipelineTensorBoard
 from hetpipe_tf.pipeline.instructions import Backward, Forward
-from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+from hetpipe_tf.runtime.checkpoint import Checkpoints
+from hetpipe_tf.runtime.fit_loop import FitOptions, fit
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+from hetpipe_tf.runtime.virtual_worker import Dilation, VirtualWorker
 from tests.helpers import models
 from tests.helpers.models import LOSS
 from tests.helpers.references import stale_sgd_reference
@@ -154,3 +157,28 @@ def test_learning_rate_callbacks_reach_every_stage():
     vw.fit(_dataset(4), epochs=3, callbacks=[schedule], verbose=0)
     assert model.optimizer is vw.optimizer
     assert [float(rt.optimizer.learning_rate) for rt in vw.runtimes] == pytest.approx([0.1 / 3] * 3)
+
+
+def test_nm_is_resolved_where_the_worker_is_made_and_a_run_config_gives_it():
+    model = models.mlp()
+    vw = VirtualWorker(model, "cpu,cpu", loss=LOSS)
+    assert vw.num_in_flight == vw.config.num_in_flight == 2  # Nm = the number of stages
+    with pytest.raises(ValueError, match=r"RunConfig gives num_in_flight \(Nm\) as an integer, got None"):
+        VirtualWorker.from_config(model, WorkerSpec("cpu,cpu"), RunConfig(loss=LOSS))
+
+
+def test_a_worker_decides_its_dilation_once():
+    model = models.mlp()
+    given = VirtualWorker(model, "1,1", dilation=2, loss=LOSS)
+    assert given.dilation == Dilation(2.0)
+    minibatch = next(iter(_dataset(1)))
+    with pytest.raises(ValueError, match=r"dilation is decided \(2\): a worker calibrates once"):
+        given.calibrate_dilation(minibatch)
+    real = VirtualWorker(model, "cpu,cpu", loss=LOSS)  # nothing paced: no probe, the value unused
+    assert real.dilation is None and real.calibrate_dilation(minibatch) == Dilation(1.0)
+
+
+def test_checkpoints_are_refused_without_global_weights(tmp_path):
+    vw = VirtualWorker(models.mlp(), "cpu,cpu", loss=LOSS)
+    with pytest.raises(ValueError, match="a VirtualWorker has no global weights to save"):
+        fit(vw, _dataset(2), FitOptions(checkpoints=Checkpoints(str(tmp_path)), verbose=0))

@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
-from hetpipe_tf.runtime.wsp_runner import WSPRunner
+from hetpipe_tf.runtime.virtual_worker import Dilation, VirtualWorker
+from hetpipe_tf.runtime.wsp_runner import BoundWorkers
 from hetpipe_tf.sync import staleness
 from tests.helpers import models
 from tests.helpers.data import random_batches
@@ -159,11 +160,12 @@ def test_a_worker_that_ends_its_run_early_no_longer_holds_the_others_back():
     servers = wsp_runner(model, ("1,1", "1,1"), nm=2, d=0, loss=mean_output).servers
     config = RunConfig(num_in_flight=2, staleness_bound=0, optimizer=keras.optimizers.SGD(0.05), loss=mean_output,
                        timeout_s=60, dilation=1)
-    workers = [WSPRunner(model, [WorkerSpec("1,1", (f"/device:CPU:{2 * w}", f"/device:CPU:{2 * w + 1}"))], config,
-                         ["/device:CPU:0"], servers=servers, worker_ids=[w]) for w in (0, 1)]
-    short = threading.Thread(target=lambda: workers[1].train([data[1][:9]], 9))
+    workers = [BoundWorkers([VirtualWorker.from_config(
+        model, WorkerSpec("1,1", (f"/device:CPU:{2 * w}", f"/device:CPU:{2 * w + 1}")), config)], config, servers,
+        worker_ids=[w]) for w in (0, 1)]
+    short = threading.Thread(target=lambda: workers[1].train([data[1][:9]], 9, Dilation(1.0)))
     short.start()
-    [report] = workers[0].train([data[0]], 16)
+    [report] = workers[0].train([data[0]], 16, Dilation(1.0))
     short.join()
     assert report.steps == 16  # all of them, none ended by the pull's 60 s timeout
     assert servers.clock.clocks() == ((8, 5), 5)  # worker 1 pushed its partial wave 4; both retired now
@@ -180,10 +182,18 @@ def test_stats_and_trace_show_every_worker():
     keras.utils.set_random_seed(0)
     model = models.mlp()
     runner = wsp_runner(model, ("1,1", "0.5,0.5"), nm=2, d=0, loss=LOSS, dilation=None)  # calibrated
+    probes, probe = [], runner.group.probe
+    runner.group.probe = lambda d, *args: (probes.append(d), probe(d, *args))[1]
+    runner.train([random_batches(model, 4, seed=i) for i in range(2)], 4)
+    calibrated = runner.emulation_report().calibration
+    assert [d for d, _ in calibrated] == probes  # every worker probed at once, for one dilation
     runner.train([random_batches(model, 8, seed=i) for i in range(2)], 8, trace=True)
+    report = runner.emulation_report()  # the run's one dilation: no probe again
+    assert len(probes) == len(calibrated) and report.calibration == calibrated
+    assert report.dilation >= calibrated[-1][0]  # the first passing probe's, or steps above it
     stats = runner.stats()
     assert [s["worker"] for s in stats] == [0, 1]
-    assert all(s["clock"] == 4 and s["clock_distance"] == 0 for s in stats)
+    assert all(s["clock"] == 6 and s["clock_distance"] == 0 for s in stats)
     events = runner.trace.events()
     for cat in ("PushUpdate", "Push", "PullWeights", "MergePulled", "PullWait"):
         assert {e["pid"] for e in events if e.get("cat") == cat} == {0, 1}, cat

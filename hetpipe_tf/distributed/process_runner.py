@@ -184,7 +184,7 @@ class ProcessRunner:
         self._report_started = True
         self._optimizer_states = None  # a resumed run's, to give the workers' stages once built
         self._finished = queue.Queue()
-        self._segment = {"steps": 0, "done": {}, "started": set()}  # the current train's
+        self._segment = {"steps": [0] * self.num_workers, "done": {}, "started": set()}  # the current train's
         self._shards = None  # each worker's whole shard (repeated), to restart one
         self._restarted = {}  # the shards of workers restarted at the last epoch's end
         self._learning_rate = _LearningRate(self, float(check_optimizer(config.optimizer).learning_rate))
@@ -286,7 +286,7 @@ class ProcessRunner:
     def _lose(self, worker):
         """Goes on without `worker`, whose process is gone (:meth:`LostWorkers.lose`); the
         minibatches it had still to train in this epoch count as steps without an update."""
-        missing = self._segment["steps"] - self._segment["done"].get(worker, 0)
+        missing = self._segment["steps"][worker] - self._segment["done"].get(worker, 0)
         self.lost.lose(worker, job_name(worker), missing, self.num_workers)
         self._skip(worker, missing)
 
@@ -352,18 +352,19 @@ class ProcessRunner:
         if self._dilation is None:
             self._dilation = decide_dilation(self.config.dilation, self.emulated, self._probe)
 
-    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
+    def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
+                      epoch_ends: Sequence[int]) -> None:
         self._events = events
         self._report_started = first
         # The fit's first segment sends the data; the next ones go on where the last ended, but a
         # restarted worker's process gets its shard from where the epoch ended.
         data = self._first_data if first else [self._restarted.pop(w, None) for w in range(self.num_workers)]
-        self._segment = {"steps": steps, "done": {}, "started": set()}
+        self._segment = {"steps": list(steps), "done": {}, "started": set()}
         self.servers.rejoin(w for w in range(self.num_workers) if w not in self.lost.gone)
         for w in sorted(self.lost.gone):  # one that could not restart trains none of its minibatches
-            self._skip(w, steps)
+            self._skip(w, steps[w])
         for c in self._live():
-            c.send(protocol.Train(data[c.worker], steps, self._dilation, trace))
+            c.send(protocol.Train(data[c.worker], steps[c.worker], self._dilation, trace))
         self._collect(trace)
 
     def drain(self) -> None:

@@ -231,7 +231,7 @@ def for_workers(state, workers, steps_per_epoch):
                           for p, slots in saved[0]["slots"].items()}}
     return RunState(epoch=state.epoch, weights=state.weights, optimizers=[mean] * workers,
                     clocks=[min(state.clocks)] * workers,
-                    positions=[epoch_share(state.epoch, steps_per_epoch, workers)] * workers, plan=state.plan)
+                    positions=epoch_shares(state.epoch, steps_per_epoch, workers), plan=state.plan)
 
 
 def _mean(values):
@@ -246,10 +246,13 @@ def skip_consumed(shards, positions):
     return [s.skip(int(p)) if p else s for s, p in zip(shards, positions)]
 
 
-def epoch_share(epoch, steps_per_epoch, workers):
-    """The minibatches each worker has consumed after `epoch` epochs of `steps_per_epoch`
-    minibatches of all workers together (each worker trains the same number)."""
-    return -(-epoch * steps_per_epoch // workers)
+def epoch_shares(epoch: int, steps_per_epoch: int, workers: int) -> list[int]:
+    """The minibatches each worker has consumed after `epoch` epochs of `steps_per_epoch` minibatches
+    of all workers together: the run's minibatches are dealt to the workers in turn (minibatch i to
+    worker i modulo `workers`), so that every epoch trains exactly `steps_per_epoch` of them, and a
+    worker's share of an epoch differs from another's by one at most."""
+    consumed = epoch * steps_per_epoch
+    return [-(-(consumed - w) // workers) for w in range(workers)]
 
 
 def _flat_keys(worker):
@@ -370,6 +373,11 @@ class EpochSegments:
     """
 
     def __init__(self, checkpoints, steps_per_epoch, workers, initial_epoch, epochs, positions):
+        if steps_per_epoch < workers:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch} is fewer than the {workers} virtual workers: a run "
+                             f"that drains at every epoch's end (checkpoint_dir, or on_worker_failure='continue') "
+                             f"gives every worker at least one minibatch of each epoch; give steps_per_epoch >= "
+                             f"{workers}")
         self.checkpoints = checkpoints
         self.steps_per_epoch = steps_per_epoch
         self.workers = workers
@@ -379,13 +387,15 @@ class EpochSegments:
         self._gate = queue.Queue()
 
     def train(self, events, train_epoch):
-        """On the training thread: train_epoch(steps, first) trains `steps` minibatches of every
-        worker and drains (`first`: the fit's first epoch)."""
+        """On the training thread: train_epoch(steps, first) trains each worker's share of the epoch
+        (`steps`, one count per worker: :func:`epoch_shares`) and drains (`first`: the fit's first
+        epoch)."""
         for epoch in range(self.initial_epoch, self.epochs):
-            steps = (epoch_share(epoch + 1, self.steps_per_epoch, self.workers)
-                     - epoch_share(epoch, self.steps_per_epoch, self.workers))
+            before = epoch_shares(epoch, self.steps_per_epoch, self.workers)
+            after = epoch_shares(epoch + 1, self.steps_per_epoch, self.workers)
+            steps = [a - b for a, b in zip(after, before)]
             train_epoch(steps, epoch == self.initial_epoch)
-            self.positions = [p + steps for p in self.positions]
+            self.positions = [p + n for p, n in zip(self.positions, steps)]
             events.put("segment", epoch)
             if self._gate.get():
                 return

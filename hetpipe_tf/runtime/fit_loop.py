@@ -138,9 +138,9 @@ class Runner(Protocol):
         """Before training: `shards`, each worker's endless stream of minibatches, of which a
         resumed run has consumed `positions`."""
 
-    def train_segment(self, steps: int, events: "Events", first: bool, trace: bool,
+    def train_segment(self, steps: Sequence[int], events: "Events", first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
-        """Trains `steps` minibatches of every worker, each where it ended (the fit's `first`: at its
+        """Trains `steps[w]` minibatches of each worker w, each where it ended (the fit's `first`: at its
         position) and returns. Reports to `events` ("started" per worker when `first`, "done" per
         minibatch with (logs, completion time)); a runner that can records every stage's state
         right after each minibatch of `epoch_ends` ("snapshot")."""
@@ -265,8 +265,8 @@ class RunnerTraining:
         if self.segments is None:  # across the epochs without draining
             first, epochs, steps = self.options.initial_epoch, self.options.epochs, self.steps_per_epoch
             epoch_ends = [(e - first) * steps // self.workers for e in range(first + 1, epochs + 1)]
-            self.runner.train_segment(-(-(epochs - first) * steps // self.workers), events, True, self.traced,
-                                      epoch_ends)
+            self.runner.train_segment([-(-(epochs - first) * steps // self.workers)] * self.workers, events, True,
+                                      self.traced, epoch_ends)
             return
         self.segments.train(events, lambda steps, first: self._train_epoch(events, steps, first))
 

@@ -353,14 +353,15 @@ class VirtualWorker:
     def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._fit_data = iter(skip_consumed(shards, positions)[0])
 
-    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
+    def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
+                      epoch_ends: Sequence[int]) -> None:
 
         def started(executor):
             self._executor = executor
             if first:
                 events.put("started", time.perf_counter())
 
-        self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events), snapshot_after=epoch_ends,
+        self.train(self._fit_data, steps[0], trace=trace, on_minibatch_done=done_event(events), snapshot_after=epoch_ends,
                    on_snapshot=lambda p, states: events.put("snapshot", states), executor_hook=started)
 
     def epoch_weights(self, events: Events, stopped: bool) -> None:

@@ -118,10 +118,12 @@ class BoundWorkers:
         firsts, rest = self.build(data)
         return self.run(firsts, rest, steps, dilation, trace, on_minibatch_done, on_started)
 
-    def run(self, firsts: Sequence[Minibatch], rest: Sequence[Iterator[Minibatch]], steps: int, dilation: Dilation,
-            trace: bool = False, on_minibatch_done: Callable | None = None,
+    def run(self, firsts: Sequence[Minibatch], rest: Sequence[Iterator[Minibatch]], steps: int | Sequence[int],
+            dilation: Dilation, trace: bool = False, on_minibatch_done: Callable | None = None,
             on_started: Callable[[float], None] | None = None) -> list[ExecutionReport]:
-        """Trains the built workers (:meth:`build`) on `steps` minibatches, each from its first one on."""
+        """Trains the built workers (:meth:`build`) on `steps` minibatches (each worker's, or as many
+        for every worker), each from its first one on."""
+        counts = [steps] * self.num_workers if isinstance(steps, int) else list(steps)
         if trace:
             metadata = {"hetpipe_tf": f"{self.num_workers} virtual workers, {self.config.sync.name.upper()} "
                                       f"D={self.config.staleness_bound}"}
@@ -148,7 +150,7 @@ class BoundWorkers:
                     on_minibatch_done(i, p, logs)
 
             try:
-                reports[i] = self.vws[i].train(chain(), steps, trace=self.trace or False, on_minibatch_done=done,
+                reports[i] = self.vws[i].train(chain(), counts[i], trace=self.trace or False, on_minibatch_done=done,
                                                executor_hook=lambda ex: self._executors.__setitem__(i, ex),
                                                dilation=dilation)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -373,11 +375,11 @@ class WSPRunner:
         self.group.drain()
 
     # The run's own -----------------------------------------------------------------------
-    def train(self, data: Sequence[Iterable[Minibatch]], steps: int, trace: bool = False,
+    def train(self, data: Sequence[Iterable[Minibatch]], steps: int | Sequence[int], trace: bool = False,
               on_minibatch_done: Callable | None = None,
               on_started: Callable[[float], None] | None = None) -> list[ExecutionReport]:
         """Trains every worker on `steps` minibatches of its own data (a list, one iterable per
-        worker); returns their ExecutionReports. on_minibatch_done(worker, p, logs); on_started(time)
+        worker; `steps` one count per worker, or one for all); returns their ExecutionReports. on_minibatch_done(worker, p, logs); on_started(time)
         once the workers are built and the run's dilation decided. After an aborted run its
         servers take no more pulls: this run gets new ones, and every worker starts from the
         Keras model's weights (those of the last completed epoch)."""
@@ -415,7 +417,8 @@ class WSPRunner:
     def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._fit_data = [iter(s) for s in skip_consumed(shards, positions)]
 
-    def train_segment(self, steps: int, events: Events, first: bool, trace: bool, epoch_ends: Sequence[int]) -> None:
+    def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
+                      epoch_ends: Sequence[int]) -> None:
         k = self.num_workers
         self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events),
                    on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)

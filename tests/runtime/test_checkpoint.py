@@ -12,7 +12,7 @@ import tensorflow as tf
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from hetpipe_tf.cli import models
 from hetpipe_tf.data import datasets
-from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, RunState, for_workers, reconcile_cuts
+from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, RunState, epoch_shares, for_workers, reconcile_cuts
 from tests.helpers.checkpoints import stopped_and_resumed, two_workers
 
 
@@ -226,3 +226,23 @@ def test_saved_cuts_are_kept_under_a_plan_of_their_shape_only():
     assert reconcile_cuts(PlanCuts(2, ((0, 1), (0, 1)), (6, 2)), planned).minibatch_sizes is None
     old = {"num_in_flight": 2, "boundaries": [[0, 1], [0, 2]], "minibatch_sizes": [6, 2]}
     assert PlanCuts.from_dict(old) == PlanCuts(2, ((0, 1), (0, 2)), (6, 2)) and PlanCuts.from_dict(old).to_dict() == old
+
+
+def test_each_epoch_deals_its_minibatches_to_the_workers_in_turn():
+    for steps, workers in [(3, 2), (44, 3), (8, 4), (5, 5)]:
+        for epoch in range(5):
+            shares, nxt = epoch_shares(epoch, steps, workers), epoch_shares(epoch + 1, steps, workers)
+            assert sum(shares) == epoch * steps and sum(nxt) - sum(shares) == steps
+            assert max(nxt) - min(nxt) <= 1 and all(b >= a for a, b in zip(shares, nxt))
+
+
+def test_an_epoch_of_steps_no_multiple_of_the_workers_resumes_exactly(tmp_path):
+    """3 minibatches an epoch over 2 workers: 2 and 1 in the first epoch, 1 and 2 in the second.
+    Resumed after the first, the run ends as the one never stopped (it waited forever for a
+    minibatch no worker trained when each worker took ceil(3 / 2) every epoch)."""
+    diff, _, _ = stopped_and_resumed(two_workers, tmp_path, epochs=3, stop_at=1, steps_per_epoch=3)
+    assert diff <= 1e-6
+    assert Checkpoints(str(tmp_path / "stopped")).latest().positions == [5, 4]
+    _, model, data = two_workers(str(tmp_path / "few"))
+    with pytest.raises(ValueError, match="steps_per_epoch=1 is fewer than the 2 virtual workers"):
+        model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)

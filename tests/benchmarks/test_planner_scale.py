@@ -29,5 +29,5 @@ def test_a_cell_runs_in_a_child_and_reports_its_time_memory_and_plan(tmp_path):
     assert 0 < row["plan_s"] <= row["wall_s"] and 20 < row["peak_rss_MiB"] < 1024
     assert row["predicted_images_per_s"] > 0
     stopped = planner_scale.run_cell(str(path), "16", "nope", timeout_s=120, memory_gib=4, optimizer_slots=1)
-    assert stopped["stopped"].startswith("error: ") and "unknown allocation policy 'nope'" in stopped["stopped"]
+    assert stopped["stopped"].startswith("error: ") and "unknown policy 'nope'" in stopped["stopped"]
     assert json.dumps(stopped)

@@ -27,7 +27,7 @@ Why not netem: ``tc qdisc add dev eth0 root netem delay 5ms rate 20mbit`` would 
 whole rule in one qdisc, but netem is an optional part of the kernel (CONFIG_NET_SCH_NETEM)
 that kernels built for VMs and CI machines often leave out (this project's test machine has
 none), while tbf is nearly always built in. So tbf limits the rate, and the delay is a relay
-process (:func:`_relay`, this file run as a script) that reads every frame a node sends
+process (:mod:`hetpipe_tf.distributed.frame_relay`, run as a script) that reads every frame a node sends
 from ``w<i>`` and writes it to ``p<i>`` ``latency_s`` later; frames to the node skip it.
 
 A process killed with its links up leaves them behind (the relay ends with it); later
@@ -35,21 +35,17 @@ instances pick other names and subnets, and ``ip netns del`` of the namespaces a
 ``ip link del <prefix>br`` remove them.
 """
 import contextlib
-import ctypes
 import fcntl
 import ipaddress
 import json
 import os
 import re
-import select
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import time
-from collections import deque
 
+from hetpipe_tf.distributed import frame_relay
 from hetpipe_tf.errors import HetPipeRunError
 
 _LOCK_PATH = "/run/hetpipe-netlinks.lock"
@@ -58,13 +54,6 @@ _SLOTS = 56 * 256  # the subnets 10.200.0.0/24 ... 10.255.255.0/24, one per inst
 _MAX_NODES = 253   # 10.a.b.2 ... 10.a.b.254
 _MAX_NAME = 15     # the kernel's limit on an interface's name
 
-# AF_PACKET options (linux/if_packet.h), which the socket module does not name.
-_SOL_PACKET = 263
-_PACKET_VNET_HDR = 15          # each frame comes with a virtio_net_hdr, see _relay
-_PACKET_IGNORE_OUTGOING = 23
-_ETH_P_ALL = 0x0003
-_SO_RCVBUFFORCE = 33           # SO_RCVBUF above net.core.rmem_max (needs CAP_NET_ADMIN)
-_PR_SET_TIMERSLACK = 29        # linux/prctl.h
 
 
 class NetLinksError(HetPipeRunError, RuntimeError):
@@ -205,7 +194,7 @@ class EmulatedLinks:
                       "u32", "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", f"w{i}"])
         pairs = [name for i in range(self.num_nodes) for name in (f"w{i}", f"p{i}")]
         self._relay = subprocess.Popen(
-            ["ip", "netns", "exec", wire, sys.executable, "-I", "-S", os.path.abspath(__file__),
+            ["ip", "netns", "exec", wire, sys.executable, "-I", "-S", frame_relay.__file__,
              repr(self.latency_s), *pairs],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if self._relay.stdout.readline().strip() != "ready":
@@ -256,64 +245,3 @@ class EmulatedLinks:
     def command(self, node, argv):
         """The argv that runs ``argv`` in node's namespace (for subprocess)."""
         return ["ip", "netns", "exec", self.namespace(node), *argv]
-
-
-def _relay(latency_s, pairs):
-    """The delay of every link, run in the wire namespace by :meth:`EmulatedLinks.start`:
-    each frame that arrives on ``w<i>`` (sent by node i) leaves on ``p<i>`` (to the bridge)
-    ``latency_s`` later. The delay is the same for every frame, so frames wait in one queue
-    in arrival order, which is also the order they are due in. Ends when its stdin closes,
-    so that it never outlives the process that started it.
-
-    The sockets carry a virtio_net_hdr before each frame, as they got it: GSO frames (up
-    to 64 KB of TCP segments) and frames whose checksum is still to be filled in pass
-    unchanged, which a plain packet socket would refuse or leave with bad checksums.
-    """
-    queue = deque()  # (when due, socket it leaves on, virtio_net_hdr and frame)
-    out = {}
-    for wire, port in pairs:
-        rx = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
-        rx.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)
-        rx.setsockopt(_SOL_PACKET, _PACKET_IGNORE_OUTGOING, 1)  # frames mirred to the node
-        rx.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
-        rx.bind((wire, _ETH_P_ALL))
-        rx.setblocking(False)
-        tx = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)  # protocol 0: sends only
-        tx.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)
-        tx.bind((port, 0))
-        out[rx] = tx
-    buffer = memoryview(bytearray(1 << 17))
-    # Frames must leave on time even when training keeps every CPU busy: a real-time
-    # priority wakes the relay as soon as a frame is due (without it, round trips grew by
-    # up to 10 ms on a busy machine), and a timer slack of 1 us instead of 50 us keeps even
-    # a 0.5 ms latency within a few percent.
-    ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(1000))
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-    except PermissionError:  # e.g. a container without CAP_SYS_NICE: less exact under load
-        pass
-    print("ready", flush=True)
-    while True:
-        now = time.monotonic()
-        while queue and queue[0][0] <= now:
-            _, tx, frame = queue.popleft()
-            try:
-                tx.send(frame)
-            except OSError:  # the bridge's backlog is full: the frame is lost, as on a real link
-                pass
-        timeout = queue[0][0] - now if queue else None
-        readable, _, _ = select.select([sys.stdin, *out], [], [], timeout)
-        due = time.monotonic() + latency_s
-        for rx in readable:
-            if rx is sys.stdin:
-                return
-            while True:
-                try:
-                    size = rx.recv_into(buffer)
-                except BlockingIOError:
-                    break
-                queue.append((due, out[rx], buffer[:size].tobytes()))
-
-
-if __name__ == "__main__":
-    _relay(float(sys.argv[1]), list(zip(sys.argv[2::2], sys.argv[3::2])))

@@ -20,6 +20,7 @@ from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel
 from hetpipe_tf.planning.planner import plan
 from hetpipe_tf.planning.profile import Profile
+from hetpipe_tf.planning.request import PlanRequest
 
 #: How far a measured speed may be from its quota share here: CI's machines are shared (other jobs
 #: take cores while a group runs), and the kernel grants a group its quota per CPU in slices, so
@@ -93,7 +94,7 @@ def test_a_plan_of_the_preset_takes_the_measured_speeds(measured):
     cluster = load_cluster("paper_quota")
     with pytest.raises(ValueError, match="device type 'V' runs at a CPU quota of 0.3 cores: its speed is measured, "
                                          r"not assumed, and the profile has times for \['host'\] only"):
-        plan(profile, cluster, policy="np")
+        plan(profile, cluster, PlanRequest(policy="np"))
     planned = quota_profile(profile, speeds)
     model_costs = CostModel(planned, cluster)
     host = profile.times["host"]
@@ -101,7 +102,7 @@ def test_a_plan_of_the_preset_takes_the_measured_speeds(measured):
         times, factor = model_costs.times(cluster.device_types[name])
         assert factor == 1.0 and times.pass_seconds(0, profile.num_segments) == pytest.approx(
             tuple(t / s.speed for t in host.pass_seconds(0, profile.num_segments)))
-    result = plan(planned, cluster, policy="np")
+    result = plan(planned, cluster, PlanRequest(policy="np"))
     assert ["".join(w.device_types) for w in result.workers] == ["VV", "RR", "GG", "QQ"]
     # each node's virtual worker is as slow as its devices measured: its slowest stage's time
     slowest = dict(zip(("V", "R", "G", "Q"), (w.partition.bottleneck for w in result.workers)))

@@ -241,7 +241,10 @@ def _prefix(values: Iterable[float]) -> list[float]:
     return out
 
 
-def _result(model: CostModel, devices: Sequence[Device], boundaries: Sequence[int], num_in_flight: int) -> Partition:
+def partition_of(model: CostModel, devices: Sequence[Device], boundaries: Sequence[int],
+                 num_in_flight: int) -> Partition:
+    """The :class:`Partition` of `devices` cut at `boundaries` with `num_in_flight`, its stages as
+    `model` predicts them."""
     return Partition(devices=tuple(devices), boundaries=tuple(boundaries),
                      stages=tuple(model.stages(boundaries, devices, num_in_flight)),
                      num_in_flight=num_in_flight)
@@ -301,7 +304,7 @@ def partition_dp(model: CostModel, devices: Sequence[Device], num_in_flight: int
     best, bounds = _minmax_dp(co.n, co.k, value)
     if bounds is None or best == math.inf:
         raise _infeasible(model, devices, num_in_flight, co)
-    return _result(model, devices, bounds, num_in_flight)
+    return partition_of(model, devices, bounds, num_in_flight)
 
 
 def partition_milp(model: CostModel, devices: Sequence[Device], num_in_flight: int,
@@ -319,7 +322,7 @@ def partition_milp(model: CostModel, devices: Sequence[Device], num_in_flight: i
     if k == 1:
         if co.memory(0, 0, n) > co.cap[0]:
             raise _infeasible(model, devices, num_in_flight, co)
-        return _result(model, devices, (0,), num_in_flight)
+        return partition_of(model, devices, (0,), num_in_flight)
     cuts = range(1, n)
     nvar = len(cuts) * (k - 1) + 1  # y, then T
 
@@ -358,7 +361,7 @@ def partition_milp(model: CostModel, devices: Sequence[Device], num_in_flight: i
     if x is None:
         raise _infeasible(model, devices, num_in_flight, co)
     bounds_out = [0] + [next(c for c in cuts if x[y(c, q)] > 0.5) for q in range(k - 1)]
-    return _result(model, devices, tuple(bounds_out), num_in_flight)
+    return partition_of(model, devices, tuple(bounds_out), num_in_flight)
 
 
 def fits(model: CostModel, devices: Sequence[Device], num_in_flight: int) -> bool:

@@ -66,7 +66,7 @@ from hetpipe_tf.planning.allocation import (POLICIES, AllocationError, allocate,
                                             describe, mixed_allocations, pack_workers)
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
-from hetpipe_tf.planning.partitioner import Partition, _result, least_slowest_stage
+from hetpipe_tf.planning.partitioner import Partition, least_slowest_stage, partition_of
 from hetpipe_tf.planning.cluster import Cluster
 from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, coarsen, colocated
 from hetpipe_tf.planning.request import PlanRequest
@@ -272,7 +272,7 @@ class _Solved:
                 order = [by_role[_role(d, found.devices)].pop(0) for d in found.devices]
             else:
                 order = found.devices
-            out.append(_result(model, order, found.boundaries, nm))
+            out.append(partition_of(model, order, found.boundaries, nm))
         return out
 
     def _solve(self, model, devices, nm):
@@ -285,7 +285,7 @@ class _Solved:
         key = (shape, shared, model.sync.name)
         if (key, nm) not in self._seen:
             last = self._last.get(key)
-            reused = last and _result(model, last.devices, last.boundaries, nm)
+            reused = last and partition_of(model, last.devices, last.boundaries, nm)
             if reused and last.num_in_flight < nm and all(s.memory_total <= s.capacity for s in reused.stages):
                 self._seen[(key, nm)] = reused
             else:

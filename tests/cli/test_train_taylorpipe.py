@@ -12,7 +12,7 @@ def test_one_virtual_worker_trains_with_taylorpipe(tmp_path):
                         "--devices=1@64M,0.5@64M", "--num_in_flight=3", "--dilation=2", "--show_schedule=true")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "taylorpipe schedule: 2 stages" in run.stdout
-    assert "CompensateGradient(1, variance_control=2)" in run.stdout  # λ = 2, the seed's, before each update
+    assert "CompensateGradient(1, variance_control=2)" in run.stdout  # λ = 2, TaylorPipe's, before each update
     summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
     assert summary["num_in_flight"] == 3 and 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["emulation"]["emulated"] is True

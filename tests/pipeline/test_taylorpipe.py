@@ -121,7 +121,7 @@ def test_the_instruction_prints_like_a_call_and_lambda_is_the_seeds_unless_given
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "two", None])
 def test_a_lambda_that_is_not_a_finite_number_at_least_0_is_refused_saying_what_is_allowed(bad):
     for cls in (TaylorPipeSchedule, HetPipeTaylorSchedule):
-        with pytest.raises(ValueError, match=r"finite number >= 0, got .*seed uses 2"):
+        with pytest.raises(ValueError, match=r"finite number >= 0, got .*TaylorPipe uses 2"):
             cls(variance_control=bad)
 
 

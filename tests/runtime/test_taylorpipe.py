@@ -69,7 +69,7 @@ def _train(schedule, batches, devices="cpu,cpu", nm=2):
 
 def test_lambda_0_equals_uncompensated_pipelined_sgd_and_lambda_2_does_not():
     # k = 2, Nm = 2: TaylorPipe's order and versions are PipeDream's (weight stashing), so with
-    # λ = 0 the final weights are PipeDream's; with the seed's λ = 2 they differ.
+    # λ = 0 the final weights are PipeDream's; with TaylorPipe's λ = 2 they differ.
     batches = random_batches(models.mlp(), 8, seed=1)
     plain = _train("pipedream", batches)
     for got, want in zip(_train(TaylorPipeSchedule(variance_control=0.0), batches), plain):

@@ -132,7 +132,7 @@ def test_the_planners_model_charges_each_links_share_of_the_compressed_bytes():
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: PipeSGD(staleness=-1), r"staleness k must be an integer >= 0, got -1; the seed's optimum is k = 1"),
+    (lambda: PipeSGD(staleness=-1), r"staleness k must be an integer >= 0, got -1; Pipe-SGD's optimum is k = 1"),
     (lambda: PipeSGD(staleness=1.5), r"staleness k must be an integer >= 0, got 1.5"),
     (lambda: PipeSGD(compression="zip"), r"unknown compression 'zip'; Pipe-SGD's are: none, truncate16, quant8"),
     (lambda: check_combination("gpipe", "pipe-sgd"),

@@ -14,15 +14,9 @@ from hetpipe_tf.distributed import cgroups
 from hetpipe_tf.distributed.cgroups import CgroupError, CpuGroups, find_cpu_controller, group_names
 from hetpipe_tf.distributed.launch import LocalCluster
 from tests.helpers.processes import wait_for, wait_until_gone
+from tests.helpers.quota import needs_cgroups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _controller_or_skip():
-    try:
-        return find_cpu_controller()
-    except CgroupError as e:
-        pytest.skip(f"cgroups cannot be written here: {e}")
 
 
 def _read(group, name):
@@ -41,8 +35,9 @@ def _ready_task(index):
     return ("vw", index, 0 if index == 0 else 1, "tests.distributed.ready_task", [])
 
 
+@needs_cgroups
 def test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end():
-    controller = _controller_or_skip()
+    controller = find_cpu_controller()
     cluster = LocalCluster(num_ps=2, worker_cpus=[1, 1], cpu_quotas=[0.3, None])
     try:
         cluster.start_tasks([_ready_task(0), _ready_task(1)])
@@ -68,8 +63,9 @@ time.sleep(600)
 """
 
 
+@needs_cgroups
 def test_a_killed_chiefs_groups_are_removed_by_its_reaper():
-    controller = _controller_or_skip()
+    controller = find_cpu_controller()
     chief = subprocess.Popen([sys.executable, "-c", CHIEF], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         path, task = chief.stdout.readline().split()
@@ -82,8 +78,9 @@ def test_a_killed_chiefs_groups_are_removed_by_its_reaper():
     assert not group_names(controller, chief.pid)
 
 
+@needs_cgroups
 def test_groups_of_owners_no_longer_alive_are_reaped():
-    controller = _controller_or_skip()
+    controller = find_cpu_controller()
     dead = subprocess.Popen(["true"])
     dead.wait()
     groups = CpuGroups(owner=dead.pid)
@@ -93,8 +90,9 @@ def test_groups_of_owners_no_longer_alive_are_reaped():
     assert not os.path.exists(group.path)
 
 
+@needs_cgroups
 def test_a_process_held_in_a_group_goes_back_where_it_was():
-    controller = _controller_or_skip()
+    controller = find_cpu_controller()
     groups = CpuGroups()
     try:
         group = groups.create("held", 0.5)
@@ -126,9 +124,10 @@ def test_a_directory_that_is_no_cgroup_hierarchy_is_refused(tmp_path):
     assert sorted(os.listdir(tmp_path / "cpu")) == ["cpu.cfs_quota_us"]
 
 
+@needs_cgroups
 def test_a_user_other_than_root_is_refused_naming_it():
     """Not root: this package's process, its uid set to 65534, cannot make a group in the real hierarchy."""
-    _controller_or_skip()
+    find_cpu_controller()
     code = ("import os\nfrom hetpipe_tf.distributed.cgroups import CpuGroups, CgroupError\nos.setuid(65534)\n"
             "try:\n    CpuGroups()\nexcept CgroupError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -136,8 +135,9 @@ def test_a_user_other_than_root_is_refused_naming_it():
         out.stdout + out.stderr
 
 
+@needs_cgroups
 def test_quotas_below_the_kernels_least_or_over_the_machine_are_refused():
-    _controller_or_skip()
+    find_cpu_controller()
     groups = CpuGroups()
     with pytest.raises(CgroupError, match="quota of 0.05 cores for 'tiny' is below the kernel's least quota "
                                           r"\(1000 us per period of 10000 us, 0.1 cores\)"):
@@ -159,11 +159,12 @@ def test_quota_nodes_are_refused_in_process():
 
 
 @pytest.mark.slow
+@needs_cgroups
 def test_a_started_clusters_worker_task_runs_in_its_nodes_group_and_its_ps_task_outside():
     """LocalCluster.start(): the TensorFlow server of a quota node's worker task starts in its group
     (the same path as start_tasks, which test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end
     covers without TensorFlow), the ps tasks and a node without a quota outside; stop() removes the group."""
-    controller = _controller_or_skip()
+    controller = find_cpu_controller()
     cluster = LocalCluster(num_ps=2, worker_cpus=[1, 1], cpu_quotas=[0.5, None])
     try:
         cluster.start()

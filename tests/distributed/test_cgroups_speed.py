@@ -10,17 +10,15 @@ import os
 import subprocess
 import sys
 
-import keras
-import numpy as np
 import pytest
 
-from hetpipe_tf.distributed.cgroups import CgroupError, find_cpu_controller
 from hetpipe_tf.distributed.node_speed import QuotaSpeed, quota_profile
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.cost_model import CostModel
 from hetpipe_tf.planning.planner import plan
 from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.planning.request import PlanRequest
+from tests.helpers.quota import needs_cgroups
 
 #: How far a measured speed may be from its quota share here: CI's machines are shared (other jobs
 #: take cores while a group runs), and the kernel grants a group its quota per CPU in slices, so
@@ -38,7 +36,7 @@ from hetpipe_tf.distributed.cgroups import group_names, find_cpu_controller
 from hetpipe_tf.distributed.node_speed import measure_quota_speeds
 from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.runtime.profiler import measure_profile
-from tests.distributed.test_cgroups_speed import mlp, minibatch
+from tests.helpers.quota import mlp, minibatch
 model = mlp()
 speeds = measure_quota_speeds(model, minibatch(), load_cluster("paper_quota"))
 profile = measure_profile(model, 128, sample=minibatch(), cache_dir=None, repeats=2)
@@ -47,26 +45,8 @@ print(json.dumps({"speeds": [dataclasses.asdict(s) for s in speeds.values()], "p
 """
 
 
-def mlp():
-    inputs = keras.Input((128,))
-    h = inputs
-    for _ in range(4):
-        h = keras.layers.Dense(512, activation="relu")(h)
-    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(h))
-
-
-def minibatch():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(128, 128)).astype("float32"), rng.integers(0, 10, 128)
-
-
 def _run(code):
-    """The JSON that `code`, run by a Python of its own, prints last; skipped where cgroups cannot be
-    written."""
-    try:
-        find_cpu_controller()
-    except CgroupError as e:
-        pytest.skip(f"cgroups cannot be written here: {e}")
+    """The JSON that `code`, run by a Python of its own, prints last."""
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
@@ -79,6 +59,7 @@ def measured():
     return Profile.from_json(result["profile"]), {s["device_type"]: QuotaSpeed(**s) for s in result["speeds"]}
 
 
+@needs_cgroups
 def test_each_quota_types_measured_speed_is_its_quota_share(measured):
     _, speeds = measured
     assert sorted(speeds) == ["G", "Q", "R", "V"]
@@ -89,6 +70,7 @@ def test_each_quota_types_measured_speed_is_its_quota_share(measured):
     assert speeds["V"].speed > speeds["R"].speed > speeds["G"].speed > speeds["Q"].speed
 
 
+@needs_cgroups
 def test_a_plan_of_the_preset_takes_the_measured_speeds(measured):
     profile, speeds = measured
     cluster = load_cluster("paper_quota")
@@ -142,6 +124,7 @@ print(json.dumps({"free": free, "group": sum(t for t, _ in grouped) / len(groupe
 
 
 @pytest.mark.slow
+@needs_cgroups
 def test_a_quota_nodes_worker_task_computes_at_its_quota():
     """A LocalCluster's quota node (0.3 cores) runs a computation placed on its worker task (one
     intra-op thread) at its quota share of the speed of a worker task without a quota (the share

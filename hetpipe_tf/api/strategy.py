@@ -318,6 +318,7 @@ class HetPipeStrategy:
     def _runner(self, model, data, saved_cuts=None):
         """The runner of `model` on `data`'s batch size: planned (:mod:`hetpipe_tf.runtime.plan_assembly`),
         at a resumed checkpoint's `saved_cuts` when its plan has the same shape."""
+        from hetpipe_tf.distributed.node_speed import with_quota_speeds
         from hetpipe_tf.runtime import plan_assembly as assembly
         from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts
         from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch
@@ -334,11 +335,8 @@ class HetPipeStrategy:
         profile = assembly.workload_profile(model, batch_size, self.profile, training,
                                             lambda: first_batch(data, f"launch={self.launch!r}"),
                                             self._devices.profiling_device())
-        if any(t.cpu_quota is not None for t in self.cluster.device_types.values()):
-            from hetpipe_tf.distributed.node_speed import with_quota_speeds
-
-            profile = with_quota_speeds(profile, model, lambda: first_batch(data, f"launch={self.launch!r}"),
-                                        self.cluster, compiled["loss"])
+        profile = with_quota_speeds(profile, model, lambda: first_batch(data, f"launch={self.launch!r}"),
+                                    self.cluster, compiled["loss"])
         self.plan = assembly.assemble_plan(self.cluster, self.request, model.optimizer, profile)
         planned = PlanCuts.of_plan(self.plan)
         self.cuts = reconcile_cuts(saved_cuts, planned)

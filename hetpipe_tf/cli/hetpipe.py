@@ -89,16 +89,13 @@ def _model_profile(cluster, optimizer):
 
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         profile = assembly.workload_profile(model, FLAGS.batch_size, None, assembly.Training(optimizer, loss))
-        if any(t.cpu_quota is not None for t in cluster.device_types.values()):
-            import numpy as np
+        import numpy as np
 
-            from hetpipe_tf.distributed.node_speed import with_quota_speeds
+        from hetpipe_tf.distributed.node_speed import with_quota_speeds
 
-            rng = np.random.default_rng(0)
-            sample = (rng.random((FLAGS.batch_size, *shape), dtype="float32"),
-                      rng.integers(0, classes, FLAGS.batch_size))
-            profile = with_quota_speeds(profile, model, lambda: sample, cluster, loss)
-        return profile
+        rng = np.random.default_rng(0)
+        return with_quota_speeds(profile, model, lambda: (rng.random((FLAGS.batch_size, *shape), dtype="float32"),
+                                                          rng.integers(0, classes, FLAGS.batch_size)), cluster, loss)
     length = FLAGS.sequence_length or hetpipe_flags.TRANSFORMERS.get(FLAGS.model, {}).get("max_sequence_length")
     return model_profile(model, FLAGS.batch_size, sequence_length=length)
 

@@ -21,8 +21,8 @@ Where the tasks run (``launch``):
 
 * ``"processes"`` (default): a :class:`hetpipe_tf.distributed.launch.LocalCluster` on this machine,
   one worker task per node of the cluster description (its devices are the task's
-  logical devices) and one parameter-server task per node (§8.1); this process is the
-  chief. Emulated devices and the host CPU only.
+  logical devices, or its GPUs of this machine: :mod:`hetpipe_tf.distributed.gpus`) and one
+  parameter-server task per node (§8.1); this process is the chief.
 * ``"tf_config"``: the cluster in ``TF_CONFIG`` (jobs ``ps`` and ``worker``, one of
   each per node in the description's node order, this process the ``chief``), started
   by ``hetpipe launch`` or on each host by hand (:class:`hetpipe_tf.distributed.launch.TFConfigCluster`).
@@ -168,12 +168,16 @@ class HetPipeStrategy:
         self.on_worker_failure = checked_on_worker_failure(on_worker_failure)
         self.cluster = load_cluster(cluster)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
-        if real and launch != "tf_config":
+        if real and launch == "in_process":
             from hetpipe_tf.distributed.launch import ClusterConfigError
 
-            raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: run on those machines "
-                                     f"with launch='tf_config' (TF_CONFIG); launch={launch!r} serves emulated devices "
-                                     f"and the host CPU only")
+            raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: launch='in_process' "
+                                     f"serves emulated devices and the host CPU only; run GPUs of this machine with "
+                                     f"launch='processes', those of several machines with launch='tf_config'")
+        if real and launch == "processes":
+            from hetpipe_tf.distributed.gpus import gpu_layout
+
+            gpu_layout(self.cluster)  # its nodes' GPUs checked against this machine's, before anything starts
         self.launch = launch
         self.cluster_resolver = cluster_resolver
         self.log_dir = log_dir

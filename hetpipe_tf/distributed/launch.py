@@ -25,9 +25,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CgroupError, CpuGroup, CpuGroups, reap_orphans
+from hetpipe_tf.distributed.gpus import NO_GPU, GPULayout, gpu_layout, hide_gpus_here
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
                                             free_port, spawn, starter_file, wait_ready)
@@ -35,6 +37,7 @@ from hetpipe_tf.errors import HetPipeUsageError
 
 if TYPE_CHECKING:
     from hetpipe_tf.distributed.netlinks import EmulatedLinks
+    from hetpipe_tf.planning.cluster import Cluster
 
 
 def use_parallel_remote_ops():
@@ -58,6 +61,17 @@ def ps_device(task):
 def worker_device(task, kind, index):
     """The TensorFlow device `kind`:`index` ("CPU" or "GPU") of worker task `task` (one per node)."""
     return f"/job:worker/task:{task}/device:{kind}:{index}"
+
+
+@dataclass(frozen=True)
+class TaskCommand:
+    """How a task of a :class:`LocalCluster` is started: ``python -m module args`` with `env` added
+    to this process's environment (its GPUs: :mod:`hetpipe_tf.distributed.gpus`)."""
+    job: str
+    index: int
+    module: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class ChiefCluster(abc.ABC):
@@ -149,13 +163,22 @@ class LocalCluster(ChiefCluster):
         waits for its end; a reaper killed too leaves them to the next quota cluster's start,
         which removes the groups of owners no longer alive.
       cgroup_root: where the cgroup filesystems are mounted.
+      gpus: the :class:`hetpipe_tf.distributed.gpus.GPULayout` of the nodes (one per worker task):
+        worker task i sees node i's GPUs only (``CUDA_VISIBLE_DEVICES``, each with its memory
+        limit), the ps tasks and the processes started at a node (:meth:`start_tasks`) none.
+        None: every task sees what this process sees.
     """
 
     def __init__(self, num_ps: int, worker_cpus: Sequence[int], host: str | dict[str, list[str]] = "127.0.0.1",
                  log_dir: str | None = None, start_timeout: float = 120.0, timeout_s: float = 300.0,
                  task_starters: bool = False, links: "EmulatedLinks | None" = None,
-                 cpu_quotas: Sequence[float | None] | None = None, cgroup_root: str = CGROUP_ROOT) -> None:
+                 cpu_quotas: Sequence[float | None] | None = None, cgroup_root: str = CGROUP_ROOT,
+                 gpus: GPULayout | None = None) -> None:
         self.worker_cpus = list(worker_cpus)
+        if gpus is not None and len(gpus.nodes) != len(self.worker_cpus):
+            raise ValueError(f"the GPU layout has {len(gpus.nodes)} nodes for {len(self.worker_cpus)} worker tasks; "
+                             f"give one per worker task (node)")
+        self.gpus = gpus
         self.links = links
         self.cpu_quotas = self._checked_quotas(cpu_quotas)
         self.cgroups = None  # CpuGroups, made with the first task of a node that has a quota
@@ -247,15 +270,31 @@ class LocalCluster(ChiefCluster):
     def task_log(self, job, index):
         return os.path.join(self.log_dir, f"{job}-{index}.log")
 
-    def start(self) -> "LocalCluster":
-        """Starts every ps and worker task (each worker task in its node's CPU-quota group, if it
-        has one) and waits until each says it is ready."""
+    def task_commands(self) -> list[TaskCommand]:
+        """How every ps and worker task is started, ps tasks first: its server's flags, and its GPUs
+        (none for a ps task; its node's for a worker task, with their memory limits)."""
+        commands = []
         for job, cpus in [("ps", [1] * len(self.spec["ps"])), ("worker", self.worker_cpus)]:
             for i, n in enumerate(cpus):
-                self._spawn(job, i, "hetpipe_tf.distributed.server",
-                            [f"--cluster_spec={json.dumps(self.spec)}", f"--job_name={job}", f"--task_index={i}",
-                             f"--logical_cpus={n}", f"--task_log_dir={self.log_dir}"], keyed=self.task_starters,
-                            group=self.cpu_group(i) if job == "worker" else None)
+                args = [f"--cluster_spec={json.dumps(self.spec)}", f"--job_name={job}", f"--task_index={i}",
+                        f"--logical_cpus={n}", f"--task_log_dir={self.log_dir}"]
+                env: dict[str, str] = {}
+                if self.gpus is not None:
+                    env = self.gpus.worker_env(i) if job == "worker" else dict(NO_GPU)
+                    args += self.gpus.worker_args(i) if job == "worker" else []
+                commands.append(TaskCommand(job, i, "hetpipe_tf.distributed.server", args, env))
+        return commands
+
+    def added_task_env(self) -> dict[str, str]:
+        """The GPUs of a process started at a node (:meth:`start_tasks`): none, with a GPU layout."""
+        return {} if self.gpus is None else dict(NO_GPU)
+
+    def start(self) -> "LocalCluster":
+        """Starts every ps and worker task (each worker task in its node's CPU-quota group, if it
+        has one, and with its node's GPUs) and waits until each says it is ready."""
+        for command in self.task_commands():
+            self._spawn(command.job, command.index, command.module, command.args, keyed=self.task_starters,
+                        group=self.cpu_group(command.index) if command.job == "worker" else None, env=command.env)
         for job, i in list(self._procs):
             self._wait_ready(job, i)
         return self
@@ -269,22 +308,24 @@ class LocalCluster(ChiefCluster):
         for job, index, node, module, args in tasks:
             address = self.free_address(self.node_host(node))
             self._addresses[(job, index)] = address
-            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True, group=self.cpu_group(node))
+            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True, group=self.cpu_group(node),
+                        env=self.added_task_env())
         for job, index, *_ in tasks:
             self._wait_ready(job, index)
             if self.monitor is not None:
                 self.monitor.add(self._watched(job, index))
 
-    def _spawn(self, job: str, index: int, module: str, args: list[str], keyed: bool, group: CpuGroup | None) -> None:
+    def _spawn(self, job: str, index: int, module: str, args: list[str], keyed: bool, group: CpuGroup | None,
+               env: dict[str, str]) -> None:
         """Starts a task; `keyed`: with the cluster's key (a worker task then runs its starter);
-        `group`: the CpuGroup it runs in, or None."""
+        `group`: the CpuGroup it runs in, or None; `env`: added to its environment."""
         host = self.address(job, index).rsplit(":", 1)[0]
         wrap = None if group is None else group.command
         if host in self._node_hosts:  # in its node's network namespace (`ip netns exec` execs it: same pid)
             in_namespace = functools.partial(self.links.command, self._node_hosts.index(host))
             wrap = in_namespace if group is None else (lambda cmd: in_namespace(group.command(cmd)))
         self._procs[(job, index)] = spawn(module, args, self.task_log(job, index),
-                                          env={AUTHKEY_ENV: self.authkey.hex()} if keyed else None,
+                                          env=dict(env, **({AUTHKEY_ENV: self.authkey.hex()} if keyed else {})),
                                           chief_timeout_s=self.timeout_s, wrap=wrap)
 
     def _wait_ready(self, job, i):
@@ -500,6 +541,15 @@ class TFConfigCluster(ChiefCluster):
         return reported_lost(self._environ, wait_s) or (self.monitor.lost if self.monitor else None)
 
 
+def local_gpus(description: "Cluster") -> GPULayout:
+    """The GPUs of `description`'s nodes on this machine (:func:`hetpipe_tf.distributed.gpus.gpu_layout`),
+    said on stderr when some node has GPUs."""
+    layout = gpu_layout(description)
+    if layout.has_gpus:
+        print(layout.describe(), file=sys.stderr, flush=True)
+    return layout
+
+
 #: This process as a cluster's chief: TensorFlow connects a process to one cluster only.
 _chief = {}
 
@@ -532,9 +582,15 @@ def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, em
             links = EmulatedLinks(shape[0], 8 * description.inter_node_bandwidth,
                                   description.inter_node_latency).start()
             atexit.register(links.stop)  # after the tasks, which end with this process
+        gpus = local_gpus(description)
         cluster = LocalCluster(num_ps=shape[0], worker_cpus=shape[1], log_dir=log_dir, links=links,
                                start_timeout=start_timeout, timeout_s=timeout_s,
-                               cpu_quotas=description.node_quotas()).start().connect()
+                               cpu_quotas=description.node_quotas(), gpus=gpus).start()
+        if gpus.has_gpus and not hide_gpus_here():
+            print("hetpipe: this process's TensorFlow started before the cluster did, so it keeps this machine's "
+                  "GPUs visible (an op it runs there takes memory on a node's GPU); start the strategy's scope "
+                  "before running TensorFlow", file=sys.stderr, flush=True)
+        cluster.connect()
     else:
         environ = None
         if resolver is not None:
@@ -582,8 +638,8 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
     chief's HETPIPE_LOST_TASK_FILE (its error then names the task); a chief still running
     10 s later is ended. With `emulate_links` (None: the description's ``links.emulate``)
     each node's tasks run in a network namespace of their own, joined by emulated links
-    (:mod:`hetpipe_tf.distributed.netlinks`), and `host` is not used. Returns the command's
-    exit status.
+    (:mod:`hetpipe_tf.distributed.netlinks`), and `host` is not used. A node of GPUs gets them as
+    under launch="processes" (:mod:`hetpipe_tf.distributed.gpus`). Returns the command's exit status.
     """
     from hetpipe_tf.distributed.netlinks import EmulatedLinks
     from hetpipe_tf.planning.cluster import load_cluster
@@ -603,7 +659,7 @@ def _launch(description, command, links, log_dir, host, start_timeout, timeout_s
     nodes = description.nodes
     local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
                          start_timeout=start_timeout, timeout_s=timeout_s, task_starters=True, links=links,
-                         cpu_quotas=description.node_quotas())
+                         cpu_quotas=description.node_quotas(), gpus=local_gpus(description))
     local.start()
     lost_file = os.path.join(local.log_dir, "lost-task.json")
     lost_at = []

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from absl import app, flags
 
@@ -29,12 +30,33 @@ flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
 flags.DEFINE_integer("task_index", 0, "This task's index in its job.")
 flags.DEFINE_integer("logical_cpus", 1, "Logical CPU devices of this task (one per emulated device).")
 flags.DEFINE_integer("intra_op_threads", 1, "TensorFlow intra-op threads.")
+flags.DEFINE_list("gpu_memory_mb", [], "Per GPU this task sees (CUDA_VISIBLE_DEVICES), its memory limit in MiB; the "
+                  "task's GPUs grow their memory as needed up to it (hetpipe_tf.distributed.gpus). Empty: "
+                  "TensorFlow's defaults.")
 flags.DEFINE_integer("parent_pid", 0, "End when this process ends (default: the parent).")
 flags.DEFINE_integer("heartbeat_port", 0, "The port of this task's heartbeats (0: a free one; the ready line says).")
 flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbeat for this long (0: never).")
 flags.DEFINE_string("task_log_dir", None, "Where the logs of the processes this task starts go (default: a temporary "
                     "directory).")
 FLAGS = flags.FLAGS
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+
+def server_config(logical_cpus: int, intra_op_threads: int, gpu_memory_mb: list[int]) -> "tf.compat.v1.ConfigProto":
+    """The config the task's server builds its devices from (not from tf.config's logical
+    devices): `logical_cpus` CPU devices, and, per GPU it sees, memory that grows as needed up to
+    `gpu_memory_mb[i]` MiB (none given: TensorFlow's defaults)."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus}, intra_op_parallelism_threads=intra_op_threads,
+                                      inter_op_parallelism_threads=max(2, logical_cpus + 1))
+    if gpu_memory_mb:
+        config.gpu_options.allow_growth = True
+        for limit in gpu_memory_mb:
+            config.gpu_options.experimental.virtual_devices.add(memory_limit_mb=[float(limit)])
+    return config
 
 
 def main(argv):
@@ -46,10 +68,7 @@ def main(argv):
     from hetpipe_tf.ops.loader import load_ops
 
     load_ops()
-    # The server builds its own devices from this config (not from tf.config's logical devices).
-    config = tf.compat.v1.ConfigProto(device_count={"CPU": FLAGS.logical_cpus},
-                                      intra_op_parallelism_threads=FLAGS.intra_op_threads,
-                                      inter_op_parallelism_threads=max(2, FLAGS.logical_cpus + 1))
+    config = server_config(FLAGS.logical_cpus, FLAGS.intra_op_threads, [int(m) for m in FLAGS.gpu_memory_mb])
     spec = json.loads(FLAGS.cluster_spec)
     name = f"{FLAGS.job_name}:{FLAGS.task_index}"
 

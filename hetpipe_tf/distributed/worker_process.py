@@ -154,6 +154,9 @@ def intra_op_threads(cores, processes_on_host):
 def main(argv):
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # No GPU, before TensorFlow starts CUDA: the GPUs of this host are its nodes' worker tasks'
+    # (hetpipe_tf.distributed.gpus), whichever process started this one.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     end_with_parent(FLAGS.parent_pid or os.getppid())
     name = f"{job_name(FLAGS.worker)} (virtual worker {FLAGS.worker})"
 

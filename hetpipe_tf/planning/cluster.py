@@ -25,7 +25,9 @@ runs its tasks in a CPU-quota group of n x Q cores (:mod:`hetpipe_tf.distributed
 and its speed is measured in such a group, not assumed
 (:mod:`hetpipe_tf.distributed.node_speed`). Other types are real accelerators, described
 by their peak FP32 TFLOP/s and memory bandwidth (used for analytic profiles of hardware
-that is not here).
+that is not here). A node of such a type may name GPUs of this machine, one index per device
+(``"gpus": [0, 1]``): launch="processes" then runs it on them
+(:mod:`hetpipe_tf.distributed.gpus`, which also says which GPUs a node that names none takes).
 
 Presets: ``paper`` (Table 1's four nodes of four GPUs each), ``local`` (this
 machine's emulated devices), ``local_cpu`` (this machine's CPU as four devices) and
@@ -85,9 +87,13 @@ class DeviceType:
 
 @dataclass(frozen=True)
 class Node:
+    """A node: `count` devices of one type. `gpus`: for a node of a real accelerator type, the
+    indices of this machine's GPUs it is (``"gpus": [0, 1]``; see :mod:`hetpipe_tf.distributed.gpus`
+    for how they map to a task's devices, and which a node that names none takes), or None."""
     name: str
     device_type: str
     count: int
+    gpus: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,40 @@ def _flag(spec, key, where):
     return value
 
 
+def _node_gpus(spec: dict, device_type: DeviceType, at: str) -> tuple[int, ...] | None:
+    """The GPU indices node `spec` names (its ``gpus``), checked: distinct integers >= 0, one per
+    device, on a node of a real accelerator type; None when it names none."""
+    gpus = spec.get("gpus")
+    if gpus is None:
+        return None
+    if device_type.on_host:
+        kind = "emulated" if device_type.emulated else "the host CPU"
+        raise ClusterError(f"{at}: gpus {gpus!r} names GPUs, but its device type '{device_type.name}' is {kind}, "
+                           f"served by this host's CPU; GPU indices are for a node of a real accelerator type "
+                           f"(peak_tflops): remove gpus or change the type")
+    if (not isinstance(gpus, list) or not gpus
+            or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus)):
+        raise ClusterError(f"{at}: gpus is a list of GPU indices of this machine (integers >= 0), got {gpus!r}")
+    if len(set(gpus)) != len(gpus):
+        raise ClusterError(f"{at}: gpus {gpus} names a GPU more than once")
+    if len(gpus) != spec["count"]:
+        more = "more" if len(gpus) > spec["count"] else "fewer"
+        raise ClusterError(f"{at}: gpus {gpus} names {len(gpus)} GPUs, {more} than its count of {spec['count']} "
+                           f"devices; give one index per device")
+    return tuple(gpus)
+
+
+def _check_gpus_once(nodes: list[Node], where: str) -> None:
+    """A ClusterError when a GPU index is named by two nodes."""
+    owner: dict[int, str] = {}
+    for node in nodes:
+        for g in node.gpus or ():
+            if g in owner:
+                raise ClusterError(f"{where}: GPU {g} is in two nodes, '{owner[g]}' and '{node.name}'; a GPU "
+                                   f"belongs to one node")
+            owner[g] = node.name
+
+
 def from_dict(spec: dict, where: str = "cluster") -> Cluster:
     """A validated :class:`Cluster` from its JSON-like description."""
     if not isinstance(spec, dict):
@@ -216,9 +256,11 @@ def from_dict(spec: dict, where: str = "cluster") -> Cluster:
                                f"known: {sorted(types)}")
         if not isinstance(n["count"], int) or n["count"] <= 0:
             raise ClusterError(f"{at} ('{name}'): count must be a positive integer, got {n['count']!r}")
-        nodes.append(Node(name, n["device_type"], n["count"]))
+        nodes.append(Node(name, n["device_type"], n["count"],
+                          _node_gpus(n, types[n["device_type"]], f"{at} ('{name}')")))
     if not nodes:
         raise ClusterError(f"{where}: no nodes")
+    _check_gpus_once(nodes, where)
     links = spec["links"]
     bw = {}
     for key in ("intra_node_GBps", "inter_node_GBps"):

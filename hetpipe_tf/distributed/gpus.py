@@ -115,8 +115,8 @@ def _listing(fake: str | None, visible: str | None) -> tuple[PhysicalGPU, ...]:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    done = subprocess.run([sys.executable, "-m", "hetpipe_tf.distributed.gpus"], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "hetpipe_tf.distributed.gpus"], check=False, capture_output=True,
+                          text=True, env=env, timeout=300)
     if done.returncode != 0:
         raise ClusterError(f"listing this machine's GPUs with TensorFlow failed (exit {done.returncode}):\n"
                            f"{done.stderr[-2000:]}")
@@ -161,8 +161,8 @@ class GPULayout:
 
     def describe(self) -> str:
         """Which node has which GPUs, as lines (the pinned environment and the limits noted)."""
-        lines = [f"hetpipe: CUDA_VISIBLE_DEVICES={self.pinned} was set (a scheduler pinned these GPUs): the "
-                 f"cluster's GPU indices are positions in it"] if self.pinned is not None else []
+        lines = [(f"hetpipe: CUDA_VISIBLE_DEVICES={self.pinned} was set (a scheduler pinned these GPUs): the "
+                  f"cluster's GPU indices are positions in it")] if self.pinned is not None else []
         for gpus in self.nodes:
             if gpus is not None:
                 names = ", ".join(f"{i} -> GPU:{j} ({self.gpus[i].name}, at most "
@@ -245,7 +245,9 @@ def _list_with_tensorflow() -> list[dict[str, object]]:
     """The GPUs of this process's TensorFlow, as :func:`gpus_from_json` reads them (run in a child
     process by :func:`physical_gpus`: listing their memory starts TensorFlow on every GPU)."""
     import tensorflow as tf
-    from tensorflow.python.client import device_lib  # the memory TensorFlow can allocate on each GPU
+    from tensorflow.python.client import (
+        device_lib,  # the memory TensorFlow can allocate on each GPU
+    )
 
     physical = tf.config.list_physical_devices("GPU")
     for gpu in physical:

@@ -28,11 +28,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CgroupError, CpuGroup, CpuGroups, reap_orphans
+from hetpipe_tf.distributed.cgroups import (
+    CGROUP_ROOT,
+    CgroupError,
+    CpuGroup,
+    CpuGroups,
+    reap_orphans,
+)
 from hetpipe_tf.distributed.gpus import NO_GPU, GPULayout, gpu_layout, hide_gpus_here
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
-from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, authkey_from,
-                                            free_port, spawn, starter_file, wait_ready)
+from hetpipe_tf.distributed.starter import (
+    AUTHKEY_ENV,
+    ClusterStartError,
+    StarterClient,
+    authkey_from,
+    free_port,
+    spawn,
+    starter_file,
+    wait_ready,
+)
 from hetpipe_tf.errors import HetPipeUsageError
 
 if TYPE_CHECKING:

@@ -196,3 +196,26 @@ def test_hetpipe_train_with_a_gpu_cluster_file_takes_the_strategys_path(fake_gpu
     assert run.returncode == 2, run.stderr[-3000:]
     assert "hetpipe-train: error: cluster 'workstation': node 'node-V' names GPU 7, which this machine does not have" \
            in run.stderr
+
+
+def test_started_tasks_run_with_their_gpus_and_the_server_takes_its_memory_limits(fake_gpus, tmp_path):
+    """The tasks as processes: each one's environment as the kernel holds it, and the worker task's
+    server started with its GPUs' limits (TensorFlow finds none of them here: CPU only)."""
+    spec = mixed(v_gpus=(3, 2))
+    spec["nodes"] = spec["nodes"][:1]
+    cluster = load_cluster(spec)
+    local = LocalCluster(num_ps=1, worker_cpus=[2], log_dir=str(tmp_path), gpus=gpu_layout(cluster)).start()
+    try:
+        def environ(job):
+            with open(f"/proc/{local.pid(job, 0)}/environ", "rb") as f:
+                pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+            return {k.decode(): v.decode() for k, v in pairs}
+
+        assert environ("worker")["CUDA_VISIBLE_DEVICES"] == "3,2"
+        assert environ("ps")["CUDA_VISIBLE_DEVICES"] == ""
+        assert environ("worker")[FAKE_GPUS_ENV] == str(fake_gpus)  # the tasks read the same listing
+        with open(f"/proc/{local.pid('worker', 0)}/cmdline", "rb") as f:
+            assert b"--gpu_memory_mb=8192,8192" in f.read().split(b"\0")
+        assert local.exit_status("worker", 0) is None  # ready, and still serving
+    finally:
+        local.stop()

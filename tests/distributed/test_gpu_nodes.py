@@ -219,3 +219,20 @@ def test_started_tasks_run_with_their_gpus_and_the_server_takes_its_memory_limit
         assert local.exit_status("worker", 0) is None  # ready, and still serving
     finally:
         local.stop()
+
+
+def test_the_mixed_gpus_examples_cluster_maps_onto_a_machine_of_those_gpus(tmp_path, monkeypatch):
+    """examples/mixed_gpus is not run here (it needs the GPUs); its cluster file is checked against a
+    fake listing of the machine it describes, and its script compiles."""
+    import py_compile
+
+    listing = [dict(g, index=i) for i, g in enumerate(LISTING[2:] + LISTING[:2])]  # TITAN Vs first
+    (tmp_path / "gpus.json").write_text(json.dumps(listing))
+    monkeypatch.setenv(FAKE_GPUS_ENV, str(tmp_path / "gpus.json"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mixed_gpus")
+    cluster = load_cluster(os.path.join(example, "cluster.json"))
+    layout = gpu_layout(cluster)
+    assert [n.visible for n in layout.nodes] == ["0,1", "2,3"]
+    assert [layout.gpus[n.indices[0]].name for n in layout.nodes] == ["NVIDIA TITAN V", "NVIDIA GeForce RTX 2060"]
+    py_compile.compile(os.path.join(example, "train.py"), cfile=str(tmp_path / "train.pyc"), doraise=True)

@@ -9,7 +9,9 @@ A cluster description's devices (:mod:`hetpipe_tf.planning.cluster`) run, by lau
   GPUs) and its parameter server on its ps task; a virtual worker's own process (on its home node,
   the node of its first stage) holds the home node's emulated and host-CPU devices itself
   (:func:`hetpipe_tf.distributed.protocol.local_device`), and reaches the others on their
-  node's worker task.
+  node's worker task. A node of GPUs is device i = its worker task's ``GPU:i``: under
+  ``processes`` the task sees only its node's GPUs, in the node's order
+  (:mod:`hetpipe_tf.distributed.gpus`), whichever indices of this machine they are.
 
 A CPU-quota node (:mod:`hetpipe_tf.distributed.cgroups`) runs at its quota only in processes of its
 own group: ``processes`` puts them there (``hetpipe launch`` too, for ``tf_config``), and

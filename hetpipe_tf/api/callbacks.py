@@ -11,6 +11,10 @@ class PipelineTensorBoard(keras.callbacks.Callback):
 
     Runs with emulated devices also get a text summary saying so, and the emulation's
     overrun fraction as a scalar.
+
+    Args:
+        log_dir: the directory TensorBoard's event files are written to.
+        virtual_worker: the VirtualWorker whose fit this callback is given to.
     """
 
     def __init__(self, log_dir, virtual_worker):

@@ -127,8 +127,17 @@ def calibrate_dilation(probe: Callable[[float], EmulationReport], candidates: Se
 class Pacer:
     """Pads tasks of one emulated device to max(actual, dilation / speed * reference).
 
-    `slowdown`, if given, maps a minibatch id to a factor >= 1 by which the device is
-    slower for that minibatch's tasks: a transient straggler, as on a shared cluster.
+    Args:
+        speed: the device's speed relative to the host running one task alone (> 0).
+        dilation: the factor (>= 1) by which every emulated time is stretched, so that the host
+            can keep up with all the devices it emulates at once.
+        clock: the time source, in seconds.
+        sleep: how to wait, in seconds.
+        slowdown: if given, maps a minibatch id to a factor >= 1 by which the device is slower
+            for that minibatch's tasks: a transient straggler, as on a shared cluster.
+
+    Raises:
+        ValueError: `speed` is not > 0 or `dilation` is < 1.
     """
 
     def __init__(self, speed: float, dilation: float = 1.0, clock: Callable[[], float] = time.perf_counter,

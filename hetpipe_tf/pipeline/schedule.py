@@ -94,7 +94,15 @@ class StageProgram:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage programs for `steps` minibatches with `num_in_flight` (Nm) in flight."""
+    """Per-stage programs for `steps` minibatches with `num_in_flight` (Nm) in flight.
+
+    Args:
+        name: the name of the schedule that made it.
+        num_stages: k, the number of stages.
+        steps: how many minibatches the programs train.
+        num_in_flight: Nm, the number of minibatches in the pipeline at once.
+        programs: one program per stage, in stage order.
+    """
     name: str
     num_stages: int
     steps: int

@@ -144,7 +144,20 @@ def wait_and_idle(waits: Collection[tuple[float, float]], busy: Collection[tuple
 
 def simulate(schedule: Schedule, duration: Callable[[int, Instruction], float],
              transfer: Callable[[int, int, Instruction], float] | None = None) -> SimulationResult:
-    """Runs one virtual worker's `schedule` in simulated time (stages are ints)."""
+    """Runs one virtual worker's `schedule` in simulated time (stages are ints).
+
+    Args:
+        schedule: the worker's :class:`hetpipe_tf.pipeline.schedule.Schedule`.
+        duration: duration(stage, instruction) -> seconds.
+        transfer: transfer(src_stage, dst_stage, instruction) -> seconds for a key to reach
+            another stage (default 0).
+
+    Returns:
+        Each stage's task order, busy time and spans, and when the run ended.
+
+    Raises:
+        ScheduleDeadlock: the programs can never all finish.
+    """
     moved: Transfer | None = None
     if transfer is not None:
         def moved(a: Agent, b: Agent, ins: Instruction) -> float:

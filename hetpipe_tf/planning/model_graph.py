@@ -90,7 +90,15 @@ class StageIO:
 
 @dataclass(frozen=True)
 class ModelGraph:
-    """Layer calls in topological order and the tensors between them."""
+    """Layer calls in topological order and the tensors between them.
+
+    Args:
+        name: the model's name.
+        nodes: the layer calls, in topological order.
+        tensors: the tensors between them (a node names its inputs and outputs by index here).
+        inputs: the indices of the model's input tensors, in the model's order.
+        outputs: the indices of the model's output tensors, in the model's order.
+    """
     name: str
     nodes: tuple[LayerNode, ...]
     tensors: tuple[TensorInfo, ...]

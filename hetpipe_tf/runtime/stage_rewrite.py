@@ -308,7 +308,16 @@ def _tied_variables(stages):
 
 @dataclass(frozen=True)
 class StagedModel:
-    """A Keras model cut into stages; ``tied``: the variables several stages hold a replica of."""
+    """A Keras model cut into stages, as :func:`split_model` makes it.
+
+    Args:
+        model: the Keras model that was cut.
+        keras_graph: its layer graph (a subclassed model's: its trace), as :func:`describe_model`
+            gives it.
+        boundaries: the index of each stage's first layer call (topological order), from 0.
+        stages: the stage sub-models, in order.
+        tied: the variables several stages hold a replica of.
+    """
     model: keras.Model
     keras_graph: KerasGraph
     boundaries: tuple

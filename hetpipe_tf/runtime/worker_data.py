@@ -74,9 +74,21 @@ def first_batch(data, where):
 
 
 def worker_shards(data, workers, sizes=None):
-    """Each worker's endless stream of minibatches of `data` (a batched tf.data.Dataset of
-    (inputs, labels)): the even split for `sizes` None (or all the dataset's batch size), else
-    worker i's b_i = sizes[i] samples of every round of Σ sizes samples."""
+    """Each worker's endless stream of minibatches of `data`.
+
+    Args:
+        data: a batched tf.data.Dataset of (inputs, labels).
+        workers: the number of virtual workers.
+        sizes: each worker's minibatch size b_i; None (or all the dataset's batch size): the even
+            split, each worker a shard of the batches; else worker i takes sizes[i] samples of
+            every round of Σ sizes samples.
+
+    Returns:
+        One endless dataset per worker.
+
+    Raises:
+        ValueError: `sizes` does not give one size per worker.
+    """
     if sizes is not None and len(sizes) != workers:
         raise ValueError(f"{len(sizes)} minibatch sizes {list(sizes)} for {workers} virtual workers: give one "
                          f"per worker")

@@ -106,7 +106,18 @@ class Device:
 class Cluster:
     """A cluster description (see the module docstring): its device types, its nodes (each holding
     `count` devices of one type) and the links between and within nodes. Made by
-    :func:`load_cluster` from a preset's name, a JSON file or a dict, checked field by field."""
+    :func:`load_cluster` from a preset's name, a JSON file or a dict, checked field by field.
+
+    Args:
+        name: the cluster's name.
+        device_types: the device types by name (a DeviceType each: speed or peak FLOP/s, memory).
+        nodes: the nodes, in order (a Node each: its name, device type and count of devices).
+        intra_node_bandwidth: bytes/s of a link between two devices of one node.
+        inter_node_bandwidth: bytes/s of a link between two nodes.
+        inter_node_latency: seconds, one way, of a link between two nodes.
+        emulate_links: emulate the inter-node links on this machine
+            (:mod:`hetpipe_tf.distributed.netlinks`).
+    """
     name: str
     device_types: dict
     nodes: tuple

@@ -83,7 +83,13 @@ class PlanError(HetPipeUsageError, ValueError):
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """One virtual worker: its devices in stage order, its partition and Max_m."""
+    """One virtual worker of a :class:`Plan`.
+
+    Attributes:
+        devices: its devices, in stage order.
+        partition: its stages' layer ranges with their predicted times and memory.
+        max_num_in_flight: Max_m, the largest Nm its devices' memory holds.
+    """
     devices: tuple
     partition: object  # Partition
     max_num_in_flight: int
@@ -100,7 +106,27 @@ class Plan:
     :class:`WorkerPlan` each), Nm, the placement of the global weights, each worker's minibatch
     size, and the predicted throughput (``minibatches_per_s``, ``images_per_s``, per worker and per
     Nm tried). ``format()`` prints it as ``hetpipe plan`` does, ``to_dict()`` as JSON; ``notes``
-    say what was measured and what assumed. It is made by :func:`plan`, never by hand."""
+    say what was measured and what assumed. It is made by :func:`plan`, never by hand.
+
+    Attributes:
+        cluster: the :class:`hetpipe_tf.planning.cluster.Cluster` planned for.
+        profile: the model's :class:`hetpipe_tf.planning.profile.Profile` it used.
+        policy: the allocation policy that grouped the devices ("np", "ed" or "hd").
+        placement: where the global weights are ("default" or "local").
+        staleness_bound: D of WSP (§5), in waves.
+        num_in_flight: Nm, the minibatches in each virtual worker's pipeline.
+        workers: one :class:`WorkerPlan` per virtual worker.
+        minibatches_per_s: the predicted throughput of the whole cluster.
+        per_worker: the predicted minibatches/s of each worker.
+        by_num_in_flight: Nm -> the predicted minibatches/s, for every Nm tried.
+        notes: what was measured and what assumed.
+        analytic: the AnalyticAssumptions of an analytic profile (None for a measured one).
+        schedule: the pipelining schedule planned for.
+        sync: the synchronisation scheme between the virtual workers.
+        minibatch_sizes: each worker's minibatch size when uneven; () when all train the
+            profile's batch size.
+        alternatives: policy "auto": the other allocations it tried, beside the one it chose.
+    """
     cluster: object
     profile: object
     policy: str

@@ -65,7 +65,32 @@ class SegmentTimes:
 @dataclass(frozen=True)
 class Profile:
     """A model's segments at a batch size (§7): their bytes, FLOPs and traffic, and their times
-    on each device type measured or predicted."""
+    on each device type measured or predicted (see the module docstring).
+
+    Args:
+        model: the model's name.
+        batch_size: the minibatch size the figures are for.
+        starts: the first layer call of each segment.
+        weight_bytes: each segment's trainable weights, in bytes.
+        state_bytes: each segment's non-trainable state, in bytes.
+        activation_bytes: the activations one minibatch keeps alive in each segment until its
+            backward pass, in bytes.
+        cut_bytes: the bytes into segment i from segment i - 1 (0 for the first).
+        forward_flops: each segment's forward FLOPs.
+        backward_flops: each segment's backward FLOPs.
+        traffic_bytes: the bytes each segment's forward pass reads and writes.
+        kernels: the layer calls of each segment.
+        layer_names: the name of every layer call, in order.
+        times: device type (or ``"host"``) -> its :class:`SegmentTimes`.
+        apply_base: seconds of an update, independent of its size.
+        apply_per_byte: seconds of an update per byte of weights.
+        apply_shared_per_byte: the same when a stashed version still shares the weights' buffer.
+        instruction_seconds: what one non-compute instruction costs the executor.
+        pacing_overshoot_seconds: how late, on average, the host goes on after its emulated
+            device ended a task.
+        shared_weights: each layer called in several segments (tied weights): its name, those
+            segments and its weight bytes.
+    """
     model: str
     batch_size: int
     starts: tuple[int, ...]  # first layer call of each segment

@@ -214,7 +214,11 @@ class HetPipeStrategy:
     def scope(self):
         """Models compiled inside train with this strategy (their ``fit`` is replaced). Under
         launch 'processes' or 'tf_config' this process joins the cluster on entry, and a
-        ``tf.data`` dataset made before then cannot run: make datasets inside."""
+        ``tf.data`` dataset made before then cannot run: make datasets inside.
+
+        Yields:
+            The strategy itself, for ``with strategy.scope() as s``.
+        """
         import keras
 
         self._connect()

@@ -43,6 +43,7 @@ class ClusterStartError(HetPipeRunError, RuntimeError):
 
 
 def free_port(host="127.0.0.1"):
+    """A TCP port free on `host` now (the system's choice)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

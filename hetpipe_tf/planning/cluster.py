@@ -52,6 +52,18 @@ def _bytes(text, where):
 
 @dataclass(frozen=True)
 class DeviceType:
+    """One device type of a cluster description (see the module docstring).
+
+    Args:
+        name: the name nodes give as their ``device_type``.
+        label: what it is called in plans and logs.
+        memory: the bytes one device holds.
+        peak_tflops: a real accelerator's peak FP32 TFLOP/s.
+        memory_bandwidth: a real accelerator's memory bandwidth, in bytes/s.
+        emulated_speed: an emulated device's speed, relative to this host running a task alone.
+        host_cpu: this host's CPU as it is.
+        cpu_quota: host CPU devices at a quota: the cores of one device.
+    """
     name: str
     label: str
     memory: int  # bytes
@@ -85,6 +97,13 @@ class DeviceType:
 
 @dataclass(frozen=True)
 class Node:
+    """One node of a cluster description: `count` devices of the type named `device_type`.
+
+    Args:
+        name: the node's name.
+        device_type: the name of its devices' type.
+        count: how many devices it holds.
+    """
     name: str
     device_type: str
     count: int

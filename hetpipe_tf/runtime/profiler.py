@@ -44,6 +44,7 @@ CACHE_VERSION = 3
 
 
 def host_name():
+    """This host's CPU model (or its processor or machine name), which a cached profile's key names."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -41,6 +41,7 @@ def mean_batch_size(dataset, sizes=None):
 
 
 def is_dataset(x):
+    """Whether `x` is a ``tf.data.Dataset``."""
     return isinstance(x, tf.data.Dataset)
 
 

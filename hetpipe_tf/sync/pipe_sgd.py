@@ -13,7 +13,7 @@ optimum) lets iteration t compute while the aggregate of t - 1 is communicated.
 Here an iteration is a minibatch of a virtual worker, and the all-reduce runs per stage: stage
 s of every worker all-reduces with stage s of the others (a worker of one stage is Pipe-SGD's
 plain data parallelism; several stages are "pipelines inside, pipelined all-reduce across",
-which no seed has). As a :class:`hetpipe_tf.pipeline.schedule.SyncScheme`:
+which neither Pipe-SGD nor HetPipe describes). As a :class:`hetpipe_tf.pipeline.schedule.SyncScheme`:
 
 * **after update p** (:class:`ContributeUpdate`): the stage takes its local update
   u_p = w_local - w (``-γ·g_local[p]`` under SGD: what the stage's optimizer made of the

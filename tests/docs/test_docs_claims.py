@@ -159,3 +159,16 @@ def test_a_shared_layer_is_said_to_be_replicated_not_refused(page):
     text = " ".join((ROOT / "docs" / page).read_text().split())
     assert "shared weights) is refused" not in text and "a layer shared by two stages;" not in text
     assert "state of its own" in text
+
+
+#: Words no user can decode: the project's source documents called seeds, and issue numbers.
+_JARGON = re.compile(r"\bseeds? ?0\d\d\b|\bseed's\b|\bno seed\b|\bthe seeds?\b(?! of| for| \d| [a-z]+=)|"
+                     r"\bissue ?#?\d+|\bthe issue's\b", re.IGNORECASE)
+
+
+def test_no_page_or_source_speaks_of_seeds_or_issue_numbers():
+    files = [*PAGES, *sorted((ROOT / "hetpipe_tf").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.py")),
+             *sorted((ROOT / "examples").rglob("*.md"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in files
+             for number, line in enumerate(path.read_text().splitlines(), 1) if _JARGON.search(line)]
+    assert found == []

@@ -57,7 +57,17 @@ def rebuild_command(directory: str) -> str:
 
 
 def library_path(directory: str | None = None) -> str:
-    """The path of the built op library; OpsLibraryError if there is none."""
+    """The path of the built op library.
+
+    Args:
+        directory: where the library is looked for (None: the package's ops directory).
+
+    Returns:
+        The path of the library found there.
+
+    Raises:
+        OpsLibraryError: there is none (the message says how to build it).
+    """
     directory = directory or _ops_directory()
     found = sorted(glob.glob(os.path.join(directory, _LIBRARY_GLOB)))
     if not found:

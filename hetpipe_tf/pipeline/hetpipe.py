@@ -63,6 +63,9 @@ class HetPipeSchedule(PipelineSchedule):
           snapshot_after: minibatch ids after whose update every stage records its state.
           sync: the synchronisation scheme between virtual workers (default: none).
           worker_update: the update terms the stages share (see the module docstring).
+
+        Returns:
+          The per-stage programs.
         """
         k, n, nm, inputs = check_run(num_stages, steps, num_in_flight, input_stages)
         snapshots = frozenset(snapshot_after)

@@ -66,6 +66,7 @@ class TaylorCompensation:
     worker_update = False
 
     def before_update(self, minibatch: int) -> tuple[Instruction, ...]:
+        """The compensation of `minibatch`'s gradient, before its update."""
         return (CompensateGradient(minibatch, variance_control=self.variance_control),)
 
 

@@ -46,6 +46,7 @@ class DeviceSpec:
 
     @property
     def emulated(self) -> bool:
+        """Whether the device is emulated on the host CPU."""
         return self.kind == "emulated"
 
     def __str__(self) -> str:

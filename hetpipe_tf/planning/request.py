@@ -132,7 +132,15 @@ class PlanRequest:
     def asked(cls, uneven_minibatches: bool | list[int] | tuple[int, ...] = False, **fields: Any) -> "PlanRequest":
         """The request of ``HetPipeStrategy``'s arguments (and of the commands' flags, which name them
         alike): `uneven_minibatches` as the strategy takes it (:func:`requested_sizes`), the other
-        fields by their names."""
+        fields by their names.
+
+        Args:
+            uneven_minibatches: True, False or one minibatch size per virtual worker.
+            **fields: the other fields of the request, by name.
+
+        Returns:
+            The request, checked.
+        """
         return cls(minibatch_sizes=requested_sizes(uneven_minibatches), **fields)
 
     @property
@@ -149,8 +157,18 @@ class PlanRequest:
 
 
 def requested_sizes(uneven_minibatches: bool | list[int] | tuple[int, ...]) -> str | tuple[int, ...] | None:
-    """The ``minibatch_sizes`` of a request from an ``uneven_minibatches`` argument: True ->
-    "proportional", a list -> those sizes, False -> None (every worker the batch size)."""
+    """The ``minibatch_sizes`` of a request from an ``uneven_minibatches`` argument.
+
+    Args:
+        uneven_minibatches: True, False or a list of minibatch sizes (one per virtual worker).
+
+    Returns:
+        "proportional" for True, the sizes for a list, None (every worker the batch size) for
+        False.
+
+    Raises:
+        PlanRequestError: `uneven_minibatches` is none of those.
+    """
     if isinstance(uneven_minibatches, bool):
         return PROPORTIONAL if uneven_minibatches else None
     if isinstance(uneven_minibatches, (list, tuple)):

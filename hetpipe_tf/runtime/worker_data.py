@@ -62,8 +62,20 @@ def as_dataset(x, y=None, batch_size=None, shuffle=True):
 
 
 def first_batch(data, where):
-    """The first minibatch of `data`; a clear error for a dataset made before this process joined
-    its cluster (`where` names it: its ops are placed on devices the process no longer has)."""
+    """The first minibatch of `data`.
+
+    Args:
+        data: the dataset.
+        where: the cluster this process joined, for the message.
+
+    Returns:
+        Its first element.
+
+    Raises:
+        ValueError: the dataset was made before this process joined its cluster (its ops are
+            placed on devices the process no longer has).
+        InvalidArgumentError: TensorFlow's, for any other reason the dataset cannot give it.
+    """
     try:
         return next(iter(data))
     except tf.errors.InvalidArgumentError as e:

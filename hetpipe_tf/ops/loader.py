@@ -49,7 +49,11 @@ def _ops_directory() -> str:
 
 def rebuild_command(directory: str) -> str:
     """The command that rebuilds the op library of the package whose ops are in `directory`:
-    the checkout's when ``setup.py`` is beside the package, else a reinstall from source."""
+    the checkout's when ``setup.py`` is beside the package, else a reinstall from source.
+
+    Returns:
+        The command, as a shell line.
+    """
     root = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
     if os.path.isfile(os.path.join(root, "setup.py")):
         return CHECKOUT_REBUILD.format(root=root)

@@ -51,6 +51,7 @@ class Bounds:
 
     @property
     def s_local(self) -> int:
+        """The local staleness, Nm - 1 minibatches (§4)."""
         return self.num_in_flight - 1
 
     @property
@@ -86,6 +87,10 @@ def check(records: Records, num_in_flight: int, staleness_bound: int, num_worker
 
     Returns:
       The number of (worker, minibatch) records checked.
+
+    Raises:
+      StalenessViolation: a minibatch's weights missed updates its bound requires.
+      ValueError: `sync` is not a scheme with clocks and waves (wsp, ssp, bsp, asp).
     """
     scheme = get_sync(sync)
     if not isinstance(scheme, WSP):

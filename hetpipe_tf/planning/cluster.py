@@ -75,6 +75,7 @@ class DeviceType:
 
     @property
     def emulated(self):
+        """Whether the type is emulated on this host."""
         return self.emulated_speed is not None
 
     @property
@@ -118,6 +119,7 @@ class Device:
 
     @property
     def name(self):
+        """``node:index``, the device's name in plans."""
         return f"{self.node}:{self.index}"
 
 
@@ -147,6 +149,7 @@ class Cluster:
 
     @property
     def emulated(self):
+        """Whether any device type of the cluster is emulated."""
         return any(t.emulated for t in self.device_types.values())
 
     @property
@@ -172,7 +175,11 @@ class Cluster:
 
     def node_quotas(self) -> tuple[float | None, ...]:
         """Per node, the cores of its CPU-quota group (its devices' quota times their count), or
-        None for a node without a quota."""
+        None for a node without a quota.
+
+        Returns:
+            The cores per node.
+        """
         quotas = []
         for n in self.nodes:
             quota = self.device_types[n.device_type].cpu_quota
@@ -180,6 +187,7 @@ class Cluster:
         return tuple(quotas)
 
     def describe(self):
+        """One line: every node's devices."""
         parts = [f"{n.count}x {self.device_types[n.device_type].label} ({n.device_type}) on {n.name}"
                  for n in self.nodes]
         return f"cluster '{self.name}': " + ", ".join(parts)
@@ -349,7 +357,14 @@ def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
 
 def with_device_types(name_or_path, types):
     """The cluster (a preset's name or a file) with only the nodes of the device types named in
-    `types` (e.g. ``"VR"``), as the paper's Table 4 runs on 1, 2, 3 or 4 of its node types."""
+    `types` (e.g. ``"VR"``), as the paper's Table 4 runs on 1, 2, 3 or 4 of its node types.
+
+    Returns:
+        The smaller cluster.
+
+    Raises:
+        ClusterError: it has no nodes of those types.
+    """
     cluster = load_cluster(name_or_path)
     nodes = tuple(n for n in cluster.nodes if n.device_type in types)
     if not nodes:
@@ -363,7 +378,14 @@ def with_device_types(name_or_path, types):
 
 def from_device_specs(specs, name="devices"):
     """A cluster of emulated devices given as DeviceSpecs (``--devices``): one node per distinct
-    (speed, memory), joined by host-memory links. Real devices have no specs to plan with."""
+    (speed, memory), joined by host-memory links. Real devices have no specs to plan with.
+
+    Returns:
+        The cluster.
+
+    Raises:
+        ClusterError: a spec is not emulated.
+    """
     types, nodes = {}, {}
     for spec in specs:
         if not spec.emulated:

@@ -172,3 +172,13 @@ def test_no_page_or_source_speaks_of_seeds_or_issue_numbers():
     found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in files
              for number, line in enumerate(path.read_text().splitlines(), 1) if _JARGON.search(line)]
     assert found == []
+
+
+def test_every_error_the_pages_name_is_exported_or_a_builtin():
+    import builtins
+
+    named = _mentions(r"`([A-Z][A-Za-z]+(?:Error|Aborted|Deadlock|Violation))`")
+    assert {"TaskLostError", "PlanError"} <= set(named)
+    unknown = {name: where for name, where in named.items()
+               if name not in hetpipe_tf._EXPORTS and not hasattr(builtins, name)}
+    assert unknown == {}, f"errors the pages name that hetpipe_tf does not export: {unknown}"

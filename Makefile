@@ -21,10 +21,12 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/hetpipe-train $(ARGS)
 
-# CI's subset: every test but the multi-process ones marked slow (see README).
+# CI's subset: every test but the multi-process ones marked slow (see README), after the import
+# contracts, the type checker and the docstring linter (ruff.toml).
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
+	$(BIN)/ruff check --no-cache
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 
 test-all: $(STAMP)

@@ -11,6 +11,10 @@ class PipelineTensorBoard(keras.callbacks.Callback):
 
     Runs with emulated devices also get a text summary saying so, and the emulation's
     overrun fraction as a scalar.
+
+    Args:
+        log_dir: the directory TensorBoard's event files are written to.
+        virtual_worker: the VirtualWorker whose fit this callback is given to.
     """
 
     def __init__(self, log_dir, virtual_worker):
@@ -21,12 +25,14 @@ class PipelineTensorBoard(keras.callbacks.Callback):
         self._last = None
 
     def on_train_begin(self, logs=None):
+        """Opens the event file; an emulated run's text summary says so."""
         self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.vw.emulated:
             with self._writer.as_default():
                 tf.summary.text("emulation", self.vw.describe(), step=0)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Writes the epoch's logs and every stage's busy fraction since the last epoch."""
         now, busy = time.perf_counter(), self.vw.busy_seconds()
         with self._writer.as_default():
             for key, value in (logs or {}).items():
@@ -39,10 +45,12 @@ class PipelineTensorBoard(keras.callbacks.Callback):
         self._last = (now, busy)
 
     def on_train_batch_end(self, batch, logs=None):
+        """Starts the busy fractions' clock at the first minibatch."""
         if self._last is None:
             self._last = (time.perf_counter(), self.vw.busy_seconds())
 
     def on_train_end(self, logs=None):
+        """Closes the event file."""
         self._writer.close()
 
 
@@ -70,6 +78,7 @@ class WSPTensorBoard(keras.callbacks.Callback):
         return getattr(self.strategy, "runner", None) or self.strategy
 
     def on_train_begin(self, logs=None):
+        """Opens the event file and writes the plan, and whether the devices are emulated, as text."""
         self._writer = tf.summary.create_file_writer(self.log_dir)
         self._since = time.perf_counter()
         describe = getattr(self.strategy, "describe", None)
@@ -80,6 +89,7 @@ class WSPTensorBoard(keras.callbacks.Callback):
                 tf.summary.text("emulation", "EMULATED devices: " + "; ".join(self._runner().descriptions), step=0)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Writes the epoch's logs and every virtual worker's clock, wait, idle time and images/s."""
         runner = self._runner()
         stats = runner.stats(since=self._since)
         self._since = time.perf_counter()
@@ -96,4 +106,5 @@ class WSPTensorBoard(keras.callbacks.Callback):
         self._writer.flush()
 
     def on_train_end(self, logs=None):
+        """Closes the event file."""
         self._writer.close()

@@ -218,7 +218,11 @@ class HetPipeStrategy:
     def scope(self):
         """Models compiled inside train with this strategy (their ``fit`` is replaced). Under
         launch 'processes' or 'tf_config' this process joins the cluster on entry, and a
-        ``tf.data`` dataset made before then cannot run: make datasets inside."""
+        ``tf.data`` dataset made before then cannot run: make datasets inside.
+
+        Yields:
+            The strategy itself, for ``with strategy.scope() as s``.
+        """
         import keras
 
         self._connect()
@@ -242,7 +246,11 @@ class HetPipeStrategy:
         """Keeps loss, loss_weights and metrics as given: the workers' loss heads give them
         Keras's meaning (:mod:`hetpipe_tf.runtime.loss_head`). Without sample weights (which fit
         refuses) a weighted metric is its unweighted self: a list of `weighted_metrics` (keras_hub's
-        tasks compile with one) joins a list of `metrics`."""
+        tasks compile with one) joins a list of `metrics`.
+
+        Raises:
+            ValueError: `weighted_metrics` is not a list, or `metrics` is not a list to join.
+        """
         kept = {k: arguments.get(k) for k in ("loss", "metrics", "loss_weights")}
         weighted = arguments.get("weighted_metrics")
         if weighted:
@@ -258,9 +266,22 @@ class HetPipeStrategy:
     def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_data=None, shuffle=True, steps_per_epoch=None, initial_epoch=0, trace_path=None,
             **unsupported):
-        """``keras.Model.fit`` on the virtual workers; returns the History. `trace_path` writes
-        every worker's pipeline, pushes, pulls and waits as a Chrome/Perfetto trace. A resumed
-        run starts at the checkpoint's epoch (`initial_epoch`, if given, must be it)."""
+        """``keras.Model.fit`` on the virtual workers. `trace_path` writes every worker's pipeline,
+        pushes, pulls and waits as a Chrome/Perfetto trace. A resumed run starts at the
+        checkpoint's epoch (`initial_epoch`, if given, must be it). The other arguments are
+        ``keras.Model.fit``'s.
+
+        Returns:
+            The Keras ``History`` of the fit.
+
+        Raises:
+            ValueError: an argument ``keras.Model.fit`` has but the strategy does not take
+                (``sample_weight``, ``class_weight``, ...), a model not compiled in
+                :meth:`scope`, a ``BackupAndRestore`` callback, or an `initial_epoch` other than
+                the resumed checkpoint's.
+            TaskLostError: the fit failed and a task of the cluster was found lost (dead,
+                stopped or unreachable); the failure is its cause.
+        """
         if unsupported:
             weights = sorted(set(unsupported) & {"sample_weight", "class_weight"})
             why = (f" ({' and '.join(weights)}: every sample weighs the same, as in Keras without them)"
@@ -321,7 +342,11 @@ class HetPipeStrategy:
     # Planning and launching --------------------------------------------------------------
     def _runner(self, model, data, saved_cuts=None):
         """The runner of `model` on `data`'s batch size: planned (:mod:`hetpipe_tf.runtime.plan_assembly`),
-        at a resumed checkpoint's `saved_cuts` when its plan has the same shape."""
+        at a resumed checkpoint's `saved_cuts` when its plan has the same shape.
+
+        Returns:
+            The runner, the same one while the model and the batch size stay.
+        """
         from hetpipe_tf.distributed.node_speed import with_quota_speeds
         from hetpipe_tf.runtime import plan_assembly as assembly
         from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts
@@ -365,7 +390,15 @@ class HetPipeStrategy:
 
     def _worker_spec(self, w):
         """Worker w's WorkerSpec and how many of its devices its own process holds
-        (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts."""
+        (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts.
+
+        Returns:
+            The WorkerSpec and the count of its devices.
+
+        Raises:
+            ValueError: ``emulation_references="profile"`` with a resumed checkpoint's cuts other
+                than the plan's.
+        """
         boundaries = self.cuts.boundaries[w]
         references = None
         if self.emulation_references == "profile":

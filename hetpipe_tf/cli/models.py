@@ -40,7 +40,18 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     Built from Keras layers rather than keras_hub's: it needs no optional package, and every
     block is several layer calls (layer norms, causal attention, the two Dense of the MLP, the
     residual adds) between which stages may be cut, where keras_hub's TransformerDecoder is
-    one subclassed layer that no cut enters."""
+    one subclassed layer that no cut enters.
+
+    Args:
+        sequence_length: the tokens of one sequence.
+        vocabulary_size: the distinct tokens.
+        width: the residual stream's width.
+        heads: the attention heads of every block.
+        blocks: the transformer blocks.
+
+    Returns:
+        The Keras model, named ``"gpt"``.
+    """
     import keras
     try:
         from keras import ops
@@ -68,8 +79,22 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
 
 
 def build_model(name, input_shape, num_classes):
-    """A Keras model `name` for inputs of `input_shape` and `num_classes` classes: images, or
-    token sequences of (length,) for a model of SEQUENCE_MODELS, whose classes are the tokens."""
+    """A Keras model of `hetpipe-train`'s zoo, with random weights.
+
+    Args:
+        name: the model: one of MODELS (``"cnn"``, ``"mlp"``, ``"gpt"``, or a Keras application).
+        input_shape: the shape of one input: (H, W, C) for images, (length,) for the token
+            sequences of a model of SEQUENCE_MODELS.
+        num_classes: the classes (for a model of SEQUENCE_MODELS, the tokens).
+
+    Returns:
+        The Keras model, named `name`.
+
+    Raises:
+        ModelInputError: the model cannot take inputs of `input_shape` (images for a sequence
+            model or the other way round, or images too small for a Keras application).
+        ValueError: `name` is not a known model.
+    """
     import keras
 
     if (name in SEQUENCE_MODELS) != (len(input_shape) == 1):

@@ -95,6 +95,13 @@ def plot_trace(trace_path, output_path):
 
     Returns what was drawn: {"rows": row names top to bottom, "kinds": {kind: spans},
     "spans": number of spans, "duration_s": end of the last span, "emulated": bool}.
+
+    Returns:
+        What was drawn, as above.
+
+    Raises:
+        TraceFileError: the file cannot be read, is not a trace, or holds no spans.
+        PlottingUnavailableError: matplotlib is not installed.
     """
     events, meta = read_trace(trace_path)
     processes, threads, order, bars = {}, {}, {}, {}
@@ -167,6 +174,12 @@ def plot_plan(plan, output_path):
     worker, "over_capacity": [(worker, stage)] whose predicted memory exceeds capacity,
     "titles": each worker's panel title}. With uneven minibatches each worker's title gives its
     own minibatch size, and its images/s count that size.
+
+    Returns:
+        What was drawn, as above.
+
+    Raises:
+        PlottingUnavailableError: matplotlib is not installed.
     """
     d = plan.to_dict()
     workers = d["virtual_workers"]
@@ -201,8 +214,11 @@ def plot_plan(plan, output_path):
 
 
 def _time_panel(ax, worker, uneven, legend):
-    """Stacked bars of each stage's predicted forward, backward, receive and apply time; returns
-    the panel's title."""
+    """Stacked bars of each stage's predicted forward, backward, receive and apply time.
+
+    Returns:
+        The panel's title.
+    """
     stages = worker["stages"]
     left = [0.0] * len(stages)
     for part, colour in PLAN_TIMES.items():
@@ -228,8 +244,11 @@ def _time_panel(ax, worker, uneven, legend):
 
 
 def _memory_panel(ax, worker, unit, scale, legend):
-    """Stacked bars of each stage's predicted memory by kind, in a box of the device's capacity;
-    returns the stages over capacity (their numbers are red)."""
+    """Stacked bars of each stage's predicted memory by kind, in a box of the device's capacity.
+
+    Returns:
+        The stages over capacity (their numbers are red).
+    """
     stages = worker["stages"]
     kinds = [k for k in stages[0]["memory_bytes"] if k != "total"]
     left = [0.0] * len(stages)

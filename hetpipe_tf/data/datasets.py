@@ -109,6 +109,13 @@ def dataset_info(name, data_dir=None):
     set must already be prepared there. Raises DatasetNotFoundError otherwise
     (nothing is downloaded), and DatasetOptionError if the data set is not an
     (image, class label) one.
+
+    Returns:
+        Its ImageDatasetInfo.
+
+    Raises:
+        DatasetNotFoundError: it is unknown or not prepared there.
+        DatasetOptionError: it is not an (image, class label) data set.
     """
     return _info(_prepared_builder(name, data_dir))
 
@@ -141,7 +148,11 @@ def _token_keys(builder):
 
 def holds_token_sequences(name, data_dir=None):
     """Whether the data set ``name`` (found as ``dataset_info`` finds it) holds token sequences
-    rather than images."""
+    rather than images.
+
+    Returns:
+        True for token sequences, False for images.
+    """
     try:
         _token_keys(_prepared_builder(name, data_dir))
     except DatasetOptionError:
@@ -151,7 +162,14 @@ def holds_token_sequences(name, data_dir=None):
 
 def token_sequences_info(name, data_dir=None):
     """Describes the data set of token sequences ``name``, found as ``dataset_info`` finds it;
-    DatasetOptionError if it does not hold token sequences."""
+    DatasetOptionError if it does not hold token sequences.
+
+    Returns:
+        Its TokenSequencesInfo.
+
+    Raises:
+        DatasetOptionError: it does not hold token sequences.
+    """
     builder = _prepared_builder(name, data_dir)
     tokens, _ = _token_keys(builder)
     feature, splits = builder.info.features[tokens], builder.info.splits
@@ -173,7 +191,11 @@ def _checked_split_and_batch(info, split, batch_size):
 
 def _batched(ds, size, batch_size, shuffle, seed, repeat, prepare):
     """`ds` shuffled (with `seed`, anew each iteration), each example `prepare`d, batched without
-    the last partial batch, repeated, prefetching."""
+    the last partial batch, repeated, prefetching.
+
+    Returns:
+        The dataset.
+    """
     if shuffle:
         ds = ds.shuffle(min(size, SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
     ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
@@ -207,6 +229,11 @@ def load_image_classification(name, split, batch_size, data_dir=None, image_size
     since pipelined training needs fixed batch shapes. ``shuffle`` shuffles
     files and examples with ``seed``, anew each iteration; ``repeat`` repeats
     the data set forever. Data sets are found as ``dataset_info`` finds them.
+
+    Raises:
+        DatasetNotFoundError: the data set is unknown or not prepared in ``data_dir``.
+        DatasetOptionError: it is not an image-classification data set, or the split, batch size,
+            image size or channels cannot be given.
     """
     builder = _prepared_builder(name, data_dir)
     info = _info(builder)

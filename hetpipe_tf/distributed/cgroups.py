@@ -75,7 +75,14 @@ def _v2_has_cpu(path: str) -> bool:
 
 def find_cpu_controller(root: str = CGROUP_ROOT) -> CpuController:
     """The ``cpu`` controller under `root` (v1 first), checked writable: a group made there gets the
-    controller's files. CgroupError names what is missing otherwise."""
+    controller's files. CgroupError names what is missing otherwise.
+
+    Returns:
+        The CpuController.
+
+    Raises:
+        CgroupError: there is no cgroup filesystem or ``cpu`` controller there, or it is not writable.
+    """
     if not os.path.isdir(root):
         raise CgroupError(f"no cgroup filesystem at {root} (the directory does not exist): CPU-quota nodes need "
                           f"Linux cgroups with the cpu controller mounted there, or give the root where they are")
@@ -137,6 +144,7 @@ class CpuGroup:
 
     @property
     def quota_us(self) -> int:
+        """The group's CPU time per period, in microseconds (its cores times the period)."""
         return round(self.cores * self.period_us)
 
     def add(self, pid: int) -> None:
@@ -144,12 +152,17 @@ class CpuGroup:
         _write(self.controller.procs(self.path), str(pid))
 
     def pids(self) -> tuple[int, ...]:
+        """The processes in the group."""
         with open(self.controller.procs(self.path)) as f:
             return tuple(int(line) for line in f.read().split())
 
     def command(self, cmd: list[str]) -> list[str]:
         """`cmd` run in the group from its first instruction: a shell writes its own pid into the
-        group, then execs `cmd` (the same pid)."""
+        group, then execs `cmd` (the same pid).
+
+        Returns:
+            The command line to run.
+        """
         return ["sh", "-c", f'echo $$ > "{self.controller.procs(self.path)}" && exec "$@"', "sh", *cmd]
 
     @contextlib.contextmanager
@@ -277,7 +290,11 @@ class CpuGroups:
 
     def start_reaper(self) -> subprocess.Popen:
         """Starts a process, in a session of its own (a kill of the owner's process group spares it),
-        that waits for the owner to end and then removes the owner's groups."""
+        that waits for the owner to end and then removes the owner's groups.
+
+        Returns:
+            The reaper's process.
+        """
         return subprocess.Popen([sys.executable, "-m", "hetpipe_tf.distributed.cgroups", str(self.owner),
                                  self.controller.path, str(self.controller.version)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

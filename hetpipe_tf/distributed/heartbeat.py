@@ -74,6 +74,7 @@ class HeartbeatResponder:
         self.on_lost_task = on_lost_task
 
     def start(self):
+        """Answers the monitors' heartbeats from a daemon thread; returns self."""
         threading.Thread(target=self._accept, name="hetpipe-heartbeat", daemon=True).start()
         return self
 
@@ -161,6 +162,7 @@ class HeartbeatMonitor:
             _close(conn)
 
     def start(self):
+        """Connects to every watched task's heartbeat port and starts watching them."""
         for task in self.tasks:
             self._connect(task)
         return self
@@ -201,7 +203,11 @@ class HeartbeatMonitor:
 
     def _ended_how(self, task, wait_s=1.0):
         """How a task this machine started ended ("killed by signal 9"), waiting up to `wait_s`
-        for it: its sockets close a moment before its exit can be seen. None if unknown."""
+        for it: its sockets close a moment before its exit can be seen. None if unknown.
+
+        Returns:
+            How it ended, or None.
+        """
         if self.exit_status is None:
             return None
         return poll(lambda: self.exit_status(task.job, task.index), wait_s, 0.05)
@@ -227,6 +233,7 @@ class HeartbeatMonitor:
                 pass
 
     def stop(self):
+        """Stops watching and closes the connections."""
         self._stopped.set()
         with self._lock:
             conns = list(self._conns.values())
@@ -244,7 +251,11 @@ def _close(conn):
 
 def poll(get, wait_s, interval_s):
     """`get()`, called every `interval_s` until it returns something true or `wait_s` passed;
-    its last value."""
+    its last value.
+
+    Returns:
+        The last value `get()` returned.
+    """
     deadline = time.monotonic() + wait_s
     while True:
         value = get()
@@ -257,7 +268,15 @@ def call_with_deadline(fn, timeout_s, what):
     """`fn()`'s value (or its exception), or a TimeoutError naming `what` once `timeout_s`
     passed: for calls with no deadline of their own (connecting, accepting, reading a
     connection), which would otherwise wait forever on a stopped peer. `fn` goes on in a
-    daemon thread."""
+    daemon thread.
+
+    Returns:
+        `fn()`'s value.
+
+    Raises:
+        TimeoutError: `timeout_s` passed first.
+        Exception: whatever `fn()` raised.
+    """
     result = queue.Queue()
 
     def call():

@@ -462,6 +462,17 @@ class TFConfigCluster(ChiefCluster):
     their node (:class:`hetpipe_tf.distributed.starter.TaskStarter`), which needs the
     cluster's key in ``HETPIPE_AUTHKEY`` here as in every task; the chief watches their
     heartbeats, and ``hetpipe launch`` the ps and worker tasks' (:func:`reported_lost`).
+
+    Args:
+        num_ps: the number of ``ps`` tasks the cluster must have.
+        num_workers: the number of ``worker`` tasks the cluster must have.
+        timeout_s: how long, in seconds, a call to a task may take before it counts as lost.
+        start_timeout: how long, in seconds, a started task may take to answer.
+        environ: where ``TF_CONFIG`` and ``HETPIPE_AUTHKEY`` are read (None: ``os.environ``).
+
+    Raises:
+        ClusterConfigError: ``TF_CONFIG`` is missing, malformed, has other tasks than asked, does
+            not name this process its chief, or ``HETPIPE_AUTHKEY`` is not set.
     """
 
     def __init__(self, num_ps, num_workers, timeout_s=300.0, start_timeout=120.0, environ=None):

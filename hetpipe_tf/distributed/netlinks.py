@@ -62,7 +62,14 @@ class NetLinksError(HetPipeRunError, RuntimeError):
 
 def _run(argv):
     """Runs an ``ip`` or ``tc`` command and returns its output; raises NetLinksError with the
-    command and its stderr if it fails."""
+    command and its stderr if it fails.
+
+    Returns:
+        Its output.
+
+    Raises:
+        NetLinksError: the command failed.
+    """
     done = subprocess.run(argv, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise NetLinksError(f"`{shlex.join(argv)}` failed (exit {done.returncode}): {done.stderr.strip()}")
@@ -76,7 +83,14 @@ def _subnet(slot):
 def _free_slot():
     """The first slot that no instance here holds: no namespace or interface is named like
     its names (``hp<slot>`` and a letter; a crashed run may have left some) and no route
-    overlaps its subnet. Call it under the host-wide lock, and claim the slot under it."""
+    overlaps its subnet. Call it under the host-wide lock, and claim the slot under it.
+
+    Returns:
+        The slot.
+
+    Raises:
+        NetLinksError: every slot is taken.
+    """
     names = [ns["name"] for ns in json.loads(_run(["ip", "-j", "netns", "list"]) or "[]")]
     names += [link["ifname"] for link in json.loads(_run(["ip", "-j", "link", "show"]))]
     routes = [ipaddress.ip_network(route["dst"], strict=False)
@@ -136,7 +150,14 @@ class EmulatedLinks:
 
     def start(self):
         """Creates the namespaces and links, and returns self once traffic can flow. Raises
-        NetLinksError (having removed what it made) if they cannot be made here."""
+        NetLinksError (having removed what it made) if they cannot be made here.
+
+        Returns:
+            Self.
+
+        Raises:
+            NetLinksError: the links cannot be made here (what was made is removed).
+        """
         if os.geteuid() != 0:
             raise NetLinksError("emulated links need root (network namespaces and tc need "
                                 "CAP_NET_ADMIN and CAP_SYS_ADMIN): run as root, or run without "

@@ -67,10 +67,12 @@ class QuotaSpeed:
 
     @property
     def speed(self) -> float:
+        """The type's speed relative to this host running a pass alone: free time over group time."""
         return self.free_seconds / self.group_seconds
 
     @property
     def share(self) -> float:
+        """The quota's share of the cores a pass takes unconstrained."""
         return self.cpu_quota / self.free_cores
 
     def __str__(self) -> str:
@@ -82,7 +84,11 @@ class QuotaSpeed:
 def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y: Batch) -> Callable[[], None]:
     """A call that runs `model`'s forward and backward pass on minibatch (x, y) and returns once
     they are computed. Nothing is applied; the passes update the model's non-trainable state
-    (BatchNormalization's moving statistics) as a training step does."""
+    (BatchNormalization's moving statistics) as a training step does.
+
+    Returns:
+        The call.
+    """
     loss_fn = keras.losses.get(loss)
     variables = model.trainable_variables
 
@@ -98,7 +104,11 @@ def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y:
 
 def _timed(run: Callable[[], None], seconds: float) -> tuple[float, float]:
     """(wall seconds per call, this process's CPU seconds per wall second) of calling `run` for at
-    least `seconds` (and at least twice)."""
+    least `seconds` (and at least twice).
+
+    Returns:
+        The pair.
+    """
     calls, wall0, cpu0 = 0, time.perf_counter(), time.process_time()
     while calls < 2 or time.perf_counter() - wall0 < seconds:
         run()
@@ -113,7 +123,23 @@ def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluste
     """Every quota device type of `cluster`: its :class:`QuotaSpeed` on `model`'s passes on `sample`,
     a minibatch (x, y). `free_seconds`: the length of each unconstrained run; a run in a group
     spans :data:`GROUP_PERIODS` periods of its quota, or five unconstrained runs if longer. The
-    model's non-trainable state is restored afterwards."""
+    model's non-trainable state is restored afterwards.
+
+    Args:
+        model: the Keras model whose passes are timed.
+        sample: a minibatch (x, y).
+        cluster: the cluster description whose CPU-quota device types are measured.
+        loss: the loss the passes compute.
+        cgroup_root: where the cgroup filesystem is mounted.
+        free_seconds: the length of each unconstrained run.
+
+    Returns:
+        Each quota type's QuotaSpeed, by type name.
+
+    Raises:
+        ValueError: the cluster has no CPU-quota device types.
+        CgroupError: the groups cannot be made here.
+    """
     types = [t for t in cluster.device_types.values() if t.cpu_quota is not None]
     if not types:
         raise ValueError(f"cluster '{cluster.name}' has no CPU-quota device types (\"host_cpu\": true with a "
@@ -141,7 +167,18 @@ def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluste
 
 def quota_profile(profile: Profile, speeds: dict[str, QuotaSpeed]) -> Profile:
     """`profile` with the times of every type of `speeds`: the host's (measured on this host, key
-    ``"host"``) divided by its measured speed."""
+    ``"host"``) divided by its measured speed.
+
+    Args:
+        profile: a profile with times measured on this host (key ``"host"``).
+        speeds: the QuotaSpeeds of :func:`measure_quota_speeds`, by type name.
+
+    Returns:
+        The profile with a time per quota type.
+
+    Raises:
+        ValueError: the profile has no times measured on this host.
+    """
     if "host" not in profile.times:
         raise ValueError(f"the profile of {profile.model} has no times measured on this host (it has "
                          f"{sorted(profile.times) or 'none'}); measure one with "
@@ -163,7 +200,11 @@ def with_quota_speeds(profile: Profile, model: keras.Model, sample: Callable[[],
     """`profile` with every CPU-quota device type of `cluster` timed, as the planner needs them: as it
     is where the cluster has none or the profile has their times already (one given, measured with
     them); else with their speeds measured on `model`'s passes on the minibatch `sample()` gives, in
-    groups of their quotas (:func:`measure_quota_speeds`), each said in one line."""
+    groups of their quotas (:func:`measure_quota_speeds`), each said in one line.
+
+    Returns:
+        The profile, timed for every quota type of `cluster`.
+    """
     missing = [t for t in cluster.device_types.values() if t.cpu_quota is not None and t.name not in profile.times]
     if not missing:
         return profile

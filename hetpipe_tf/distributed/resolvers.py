@@ -81,7 +81,14 @@ class ResolvedCluster:
 
 def _spec_of(resolver: ClusterResolver) -> dict[str, list[str]]:
     """The resolver's cluster as {job: [address, ...]}: a job given sparsely ({index: address})
-    must number its tasks 0..n-1."""
+    must number its tasks 0..n-1.
+
+    Returns:
+        The cluster spec.
+
+    Raises:
+        ResolverError: a sparse job does not number its tasks 0..n-1.
+    """
     spec = {}
     for job, tasks in resolver.cluster_spec().as_dict().items():
         if isinstance(tasks, dict):
@@ -95,7 +102,19 @@ def _spec_of(resolver: ClusterResolver) -> dict[str, list[str]]:
 
 def resolve(resolver: ClusterResolver, description: Cluster) -> ResolvedCluster:
     """Maps `resolver`'s tasks to `description`'s nodes by the rule of the module docstring;
-    ResolverError naming what the resolver gave and what the description needs."""
+    ResolverError naming what the resolver gave and what the description needs.
+
+    Args:
+        resolver: a TensorFlow ClusterResolver.
+        description: the cluster description whose nodes its tasks serve.
+
+    Returns:
+        The ResolvedCluster: the TensorFlow cluster spec and this process's task.
+
+    Raises:
+        ResolverError: the resolver's tasks do not map onto the description's nodes (one chief, a
+            ps and a worker task per node), or its jobs are numbered sparsely.
+    """
     spec = _spec_of(resolver)
     nodes = tuple(n.name for n in description.nodes)
     want = {"chief": 1, "ps": len(nodes), "worker": len(nodes)}
@@ -118,7 +137,15 @@ def chief_environ(resolver: ClusterResolver, description: Cluster,
                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """`environ` (default: this process's) with the TF_CONFIG of the chief of `resolver`'s cluster,
     for :class:`hetpipe_tf.distributed.launch.TFConfigCluster`; ResolverError if the resolver names
-    this process another task."""
+    this process another task.
+
+    Returns:
+        The environment.
+
+    Raises:
+        ResolverError: the resolver's tasks do not fit the description, or it names this process
+            another task.
+    """
     resolved = resolve(resolver, description)
     if resolved.task_type != "chief":
         raise ResolverError(f"{type(resolver).__name__} names this process task {resolved.task_type}:"
@@ -130,7 +157,14 @@ def chief_environ(resolver: ClusterResolver, description: Cluster,
 
 def launch_for(launch: str, resolver: ClusterResolver | None) -> str:
     """The launch of a strategy given `resolver` (None: `launch` as asked): a resolver's tasks run
-    where it says, started elsewhere, as under "tf_config"; "in_process" has no tasks to resolve."""
+    where it says, started elsewhere, as under "tf_config"; "in_process" has no tasks to resolve.
+
+    Returns:
+        The launch.
+
+    Raises:
+        ResolverError: a resolver is given with launch "in_process".
+    """
     if resolver is None:
         return launch
     if launch == "in_process":
@@ -156,7 +190,14 @@ def make_resolver(name: str, description: Cluster, port_base: int = 8888,
     pod); "slurm", ``SlurmClusterResolver`` with the jobs of the rule (a chief, then one ps and
     one worker task per node) over the step's tasks, ports from `port_base`, and its GPU split
     turned off (a node's worker task sees its node's GPUs, not an even share of Slurm's).
-    ``KubernetesClusterResolver`` needs its pods' labels and is made by the caller."""
+    ``KubernetesClusterResolver`` needs its pods' labels and is made by the caller.
+
+    Returns:
+        The resolver.
+
+    Raises:
+        ResolverError: `name` is unknown, or "slurm" runs outside a Slurm step.
+    """
     import tensorflow as tf
 
     environ = os.environ if environ is None else environ
@@ -177,7 +218,14 @@ def task_command(resolved: ResolvedCluster, description: Cluster,
     """What this task runs and the environment it adds: a ps task its server on its CPU, with no GPU
     visible (its weights live on its CPU, :func:`hetpipe_tf.distributed.launch.ps_device`); a worker
     task its server, with a logical CPU per emulated or host-CPU device of its node (GPUs are found
-    as they are); the chief `chief_command`. Every one gets TF_CONFIG naming its task."""
+    as they are); the chief `chief_command`. Every one gets TF_CONFIG naming its task.
+
+    Returns:
+        The command and the environment it adds.
+
+    Raises:
+        ResolverError: this process is the chief and no `chief_command` is given.
+    """
     env = {"TF_CONFIG": resolved.tf_config()}
     if resolved.task_type == "chief":
         if not chief_command:

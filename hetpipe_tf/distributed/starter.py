@@ -43,6 +43,7 @@ class ClusterStartError(HetPipeRunError, RuntimeError):
 
 
 def free_port(host="127.0.0.1"):
+    """A TCP port free on `host` now (the system's choice)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -50,7 +51,14 @@ def free_port(host="127.0.0.1"):
 
 def authkey_from(environ=None):
     """The cluster's key from HETPIPE_AUTHKEY (bytes), or None if it is not set. A value that
-    is not hex is a ValueError naming the variable."""
+    is not hex is a ValueError naming the variable.
+
+    Returns:
+        The key, or None.
+
+    Raises:
+        ValueError: the value is not hex.
+    """
     text = (environ if environ is not None else os.environ).get(AUTHKEY_ENV)
     if not text:
         return None
@@ -64,7 +72,11 @@ def authkey_from(environ=None):
 def spawn(module, args, log_path, env=None, parent_pid=None, chief_timeout_s=0.0, wrap=None):
     """Starts ``python -m module args`` with its output in `log_path`; it ends with process
     `parent_pid` (default: this one) and when its chief is silent for `chief_timeout_s`.
-    `wrap(cmd)` may prefix the command (e.g. to run it in a network namespace)."""
+    `wrap(cmd)` may prefix the command (e.g. to run it in a network namespace).
+
+    Returns:
+        The started process.
+    """
     cmd = [sys.executable, "-m", module, *args, f"--parent_pid={parent_pid or os.getpid()}",
            f"--chief_timeout_s={chief_timeout_s}"]
     if wrap is not None:
@@ -76,7 +88,14 @@ def spawn(module, args, log_path, env=None, parent_pid=None, chief_timeout_s=0.0
 
 def wait_ready(proc, log_path, name, timeout_s):
     """The heartbeat address in task `name`'s ready line, once it printed it; ClusterStartError
-    with its log's tail if it exits first or is not ready within `timeout_s`."""
+    with its log's tail if it exits first or is not ready within `timeout_s`.
+
+    Returns:
+        The heartbeat address.
+
+    Raises:
+        ClusterStartError: the task exited first or was not ready in time.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         with open(log_path) as f:
@@ -94,7 +113,11 @@ def wait_ready(proc, log_path, name, timeout_s):
 
 def starter_file(address):
     """Where the worker task at TensorFlow address `address` writes its starter's address, on
-    its own host."""
+    its own host.
+
+    Returns:
+        The path.
+    """
     return f"/tmp/hetpipe_starter_{address.replace(':', '_')}"
 
 
@@ -115,7 +138,11 @@ class TaskStarter:
 
     def start(self, task_address):
         """Serves requests from now on, and writes this starter's address to the task's
-        :func:`starter_file`."""
+        :func:`starter_file`.
+
+        Returns:
+            Self.
+        """
         path = starter_file(task_address)
         with open(path + ".tmp", "w") as f:
             f.write(self.address)
@@ -192,6 +219,14 @@ class StarterClient:
                                         self.timeout_s, f"connecting to the task starter at {address}")
 
     def request(self, timeout_s, *request):
+        """Sends `request` to the starter.
+
+        Returns:
+            The starter's answer.
+
+        Raises:
+            TimeoutError: no answer within `timeout_s`.
+        """
         def ask():
             self._conn.send(request)
             return self._conn.recv()
@@ -200,7 +235,14 @@ class StarterClient:
 
     def start(self, job, index, module, args, chief_timeout_s, start_timeout_s):
         """Starts ``python -m module args`` as task (job, index) on the starter's host; returns
-        (TensorFlow address, heartbeat address, pid) or raises ClusterStartError."""
+        (TensorFlow address, heartbeat address, pid) or raises ClusterStartError.
+
+        Returns:
+            The task's TensorFlow address, heartbeat address and pid.
+
+        Raises:
+            ClusterStartError: the task did not start.
+        """
         answer = self.request(start_timeout_s + self.timeout_s, "start", job, index, module, list(args),
                               chief_timeout_s, start_timeout_s)
         if answer[0] != "started":
@@ -212,4 +254,5 @@ class StarterClient:
         self.request(self.timeout_s, "end", job, index)
 
     def close(self):
+        """Closes the connection to the starter."""
         self._conn.close()

@@ -49,7 +49,11 @@ def _ops_directory() -> str:
 
 def rebuild_command(directory: str) -> str:
     """The command that rebuilds the op library of the package whose ops are in `directory`:
-    the checkout's when ``setup.py`` is beside the package, else a reinstall from source."""
+    the checkout's when ``setup.py`` is beside the package, else a reinstall from source.
+
+    Returns:
+        The command, as a shell line.
+    """
     root = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
     if os.path.isfile(os.path.join(root, "setup.py")):
         return CHECKOUT_REBUILD.format(root=root)
@@ -57,7 +61,17 @@ def rebuild_command(directory: str) -> str:
 
 
 def library_path(directory: str | None = None) -> str:
-    """The path of the built op library; OpsLibraryError if there is none."""
+    """The path of the built op library.
+
+    Args:
+        directory: where the library is looked for (None: the package's ops directory).
+
+    Returns:
+        The path of the library found there.
+
+    Raises:
+        OpsLibraryError: there is none (the message says how to build it).
+    """
     directory = directory or _ops_directory()
     found = sorted(glob.glob(os.path.join(directory, _LIBRARY_GLOB)))
     if not found:

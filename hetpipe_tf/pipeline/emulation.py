@@ -70,13 +70,16 @@ class EmulationReport:
 
     @property
     def overrun_fraction(self) -> float:
+        """The share of the paced tasks that took longer than their target."""
         return self.overran / self.tasks if self.tasks else 0.0
 
     @property
     def faithful(self) -> bool:
+        """Whether the overrun fraction is under the 5 % limit."""
         return self.overrun_fraction < FAITHFUL_OVERRUN
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready keys (the ones every emulated run's output carries)."""
         out: dict[str, Any] = {"emulated": True, "dilation": self.dilation, "paced_tasks": self.tasks,
                "overran_tasks": self.overran, "overrun_fraction": round(self.overrun_fraction, 4),
                "emulation_faithful": self.faithful}
@@ -95,6 +98,7 @@ class EmulationReport:
 
     @staticmethod
     def combine(reports: Iterable["EmulationReport | None"]) -> "EmulationReport | None":
+        """One report of several devices' (None where none was emulated)."""
         given = [r for r in reports if r is not None]
         if not given:
             return None
@@ -114,7 +118,11 @@ def calibrate_dilation(probe: Callable[[float], EmulationReport], candidates: Se
     device timeline), so a run overruns more than its probe did (docs/performance.md).
 
     `probe(dilation)` runs the real pipeline briefly at that dilation, keeps nothing of it, and
-    returns its EmulationReport. Returns (dilation, ((dilation, overrun fraction), ...))."""
+    returns its EmulationReport. Returns (dilation, ((dilation, overrun fraction), ...)).
+
+    Returns:
+        The dilation and every probe's (dilation, overrun fraction).
+    """
     tried: list[tuple[float, float]] = []
     for i, dilation in enumerate(candidates):
         report = probe(dilation)
@@ -127,8 +135,17 @@ def calibrate_dilation(probe: Callable[[float], EmulationReport], candidates: Se
 class Pacer:
     """Pads tasks of one emulated device to max(actual, dilation / speed * reference).
 
-    `slowdown`, if given, maps a minibatch id to a factor >= 1 by which the device is
-    slower for that minibatch's tasks: a transient straggler, as on a shared cluster.
+    Args:
+        speed: the device's speed relative to the host running one task alone (> 0).
+        dilation: the factor (>= 1) by which every emulated time is stretched, so that the host
+            can keep up with all the devices it emulates at once.
+        clock: the time source, in seconds.
+        sleep: how to wait, in seconds.
+        slowdown: if given, maps a minibatch id to a factor >= 1 by which the device is slower
+            for that minibatch's tasks: a transient straggler, as on a shared cluster.
+
+    Raises:
+        ValueError: `speed` is not > 0 or `dilation` is < 1.
     """
 
     def __init__(self, speed: float, dilation: float = 1.0, clock: Callable[[], float] = time.perf_counter,
@@ -159,7 +176,11 @@ class Pacer:
         """Puts a task on the device's timeline without waiting: it ran on the host from `started`
         for `actual` seconds (default: until now), and occupies the device from max(`started`, the
         end of the device's previous task) for its target. Counts it as overrun when the host took
-        longer than the target. Returns (begin, end) on the device (clock times)."""
+        longer than the target. Returns (begin, end) on the device (clock times).
+
+        Returns:
+            The task's (begin, end) on the device.
+        """
         took = self._clock() - started if actual is None else actual
         return self._place(started, took, self.target(reference, minibatch))
 
@@ -178,7 +199,11 @@ class Pacer:
     def pace(self, started: float, reference: float, minibatch: int | None = None) -> tuple[float, float]:
         """A task whose result its runner reads at once: occupies the device as :meth:`occupy`
         does and waits for its end. Returns (actual, target) of the task: `actual`, the host's
-        time, is the one its overrun was counted by."""
+        time, is the one its overrun was counted by.
+
+        Returns:
+            The task's (actual, target) seconds.
+        """
         actual = self._clock() - started
         target = self.target(reference, minibatch)
         self._place(started, actual, target)
@@ -188,7 +213,11 @@ class Pacer:
     def _place(self, started: float, actual: float, target: float) -> tuple[float, float]:
         """Counts a task that ran on the host for `actual` seconds from `started` (an overrun when
         that is over its `target`) and puts it on the device's timeline: from max(`started`, the
-        end of the device's previous task) for `target`. Returns (begin, end) on the device."""
+        end of the device's previous task) for `target`. Returns (begin, end) on the device.
+
+        Returns:
+            The task's (begin, end) on the device.
+        """
         with self._lock:
             self.tasks += 1
             if actual > target:
@@ -198,6 +227,7 @@ class Pacer:
             return begin, self.free_at
 
     def report(self) -> EmulationReport:
+        """The device's report so far: its tasks and how many overran."""
         with self._lock:
             return EmulationReport(self.dilation, self.tasks, self.overran)
 
@@ -223,6 +253,7 @@ class HostCpu:
         return sum(ticks) - idle, sum(ticks)
 
     def start(self) -> "HostCpu":
+        """Starts counting from now; returns self."""
         self._start = self._read()
         return self
 
@@ -246,9 +277,15 @@ class MemoryAccount:
 
     @property
     def used(self) -> int:
+        """The bytes held now."""
         return sum(self._held.values())
 
     def allocate(self, category: str, nbytes: int) -> None:
+        """Holds `nbytes` more under `category` (weights, a stashed version, activations, ...).
+
+        Raises:
+            DeviceOutOfMemoryError: the device would hold more than its capacity.
+        """
         with self._lock:
             used = self.used + nbytes
             if self.capacity is not None and used > self.capacity:
@@ -262,10 +299,12 @@ class MemoryAccount:
             self.peak = max(self.peak, used)
 
     def free(self, category: str, nbytes: int) -> None:
+        """Releases `nbytes` of `category`."""
         with self._lock:
             self._held[category] = self._held.get(category, 0) - nbytes
 
     def held(self) -> dict[str, int]:
+        """The bytes held now, by category."""
         with self._lock:
             return dict(self._held)
 

@@ -63,6 +63,9 @@ class HetPipeSchedule(PipelineSchedule):
           snapshot_after: minibatch ids after whose update every stage records its state.
           sync: the synchronisation scheme between virtual workers (default: none).
           worker_update: the update terms the stages share (see the module docstring).
+
+        Returns:
+          The per-stage programs.
         """
         k, n, nm, inputs = check_run(num_stages, steps, num_in_flight, input_stages)
         snapshots = frozenset(snapshot_after)
@@ -127,7 +130,19 @@ HETPIPE = register_schedule(HetPipeSchedule())
 
 def hetpipe_schedule(num_stages: int, steps: int, num_in_flight: int, input_stages: Sequence[int] = (0,),
                      snapshot_after: Collection[int] = (), sync: str | SyncScheme | None = None) -> Schedule:
-    """HetPipe's :class:`Schedule` (see :meth:`HetPipeSchedule.programs`); `sync` is a
-    :class:`hetpipe_tf.pipeline.schedule.SyncScheme`, its registered name, or None."""
+    """HetPipe's :class:`Schedule` (see :meth:`HetPipeSchedule.programs`).
+
+    Args:
+        num_stages: k, the number of stages.
+        steps: how many minibatches the run trains.
+        num_in_flight: Nm, the number of minibatches in the pipeline (s_local + 1).
+        input_stages: the stages that consume model inputs (stage 0 loads them).
+        snapshot_after: minibatch ids after whose update every stage records its state.
+        sync: the synchronisation scheme between virtual workers: a
+            :class:`hetpipe_tf.pipeline.schedule.SyncScheme`, its registered name, or None (none).
+
+    Returns:
+        The per-stage programs.
+    """
     return HETPIPE.programs(num_stages, steps, num_in_flight, input_stages=input_stages,
                             snapshot_after=snapshot_after, sync=get_sync(sync))

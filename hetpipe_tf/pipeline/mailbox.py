@@ -37,6 +37,11 @@ class Mailbox:
         self.cond = threading.Condition()
 
     def put(self, key: Hashable, value: Any = None) -> None:
+        """Delivers `value` under `key` and wakes the waiters; a key is delivered once.
+
+        Raises:
+            DuplicateMessageError: `key` was delivered already (it would be applied twice).
+        """
         with self.cond:
             if key in self._items:
                 raise DuplicateMessageError(f"{self.owner} received {key} twice")
@@ -65,6 +70,7 @@ class Mailbox:
         return latest
 
     def wake(self) -> None:
+        """Wakes every waiter to look again (after an abort, say)."""
         with self.cond:
             self.cond.notify_all()
 
@@ -76,6 +82,9 @@ class Mailbox:
         Raises:
           PipelineAborted: if the pipeline is aborted meanwhile.
           TimeoutError: after `timeout` seconds, with `describe()` in the message.
+
+        Returns:
+          The value `choose()` returned.
         """
         deadline: float | None = None
         with self.cond:

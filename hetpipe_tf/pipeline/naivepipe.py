@@ -1,8 +1,8 @@
 """NaivePipe (TaylorPipe's term, its §2 and Tables 2-3): pipelined SGD without weight stashing.
 A registration of the schedule seam: "naivepipe".
 
-Pure Python. The order is PipeDream's 1F1B (:mod:`hetpipe_tf.pipeline.pipedream`), as seed
-003 runs all its pipelines, but a stage keeps no weight versions: a minibatch's forward pass
+Pure Python. The order is PipeDream's 1F1B (:mod:`hetpipe_tf.pipeline.pipedream`), as the
+TaylorPipe paper runs all its pipelines, but a stage keeps no weight versions: a minibatch's forward pass
 uses the stage's live weights, and its backward pass uses the live weights as they are then,
 whatever updates the stage applied in between (TaylorPipe's weight inconsistency). TensorFlow
 differentiates a pass at the weights it ran with, so a stage other than the last keeps the

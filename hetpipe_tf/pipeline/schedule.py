@@ -82,6 +82,7 @@ class StageProgram:
     streams: tuple[TaskStream, ...]
 
     def format(self, max_minibatches: int = 6) -> str:
+        """The program as text, each stream's first `max_minibatches` minibatches."""
         merge = ("FIFO merge of the streams below (§4 rule 3: first ready, first run; "
                  "ties to the older minibatch)" if len(self.streams) > 1 else "in order")
         lines = [f"stage {self.stage}: prologue {list(self.prologue)}; then {merge}"]
@@ -94,7 +95,15 @@ class StageProgram:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage programs for `steps` minibatches with `num_in_flight` (Nm) in flight."""
+    """Per-stage programs for `steps` minibatches with `num_in_flight` (Nm) in flight.
+
+    Args:
+        name: the name of the schedule that made it.
+        num_stages: k, the number of stages.
+        steps: how many minibatches the programs train.
+        num_in_flight: Nm, the number of minibatches in the pipeline at once.
+        programs: one program per stage, in stage order.
+    """
     name: str
     num_stages: int
     steps: int
@@ -102,6 +111,7 @@ class Schedule:
     programs: tuple[StageProgram, ...]
 
     def format(self, max_minibatches: int = 6) -> str:
+        """The schedule as text: a head line, then each stage's program (:meth:`StageProgram.format`)."""
         head = (f"{self.name} schedule: {self.num_stages} stages, {self.steps} "
                 f"minibatches, Nm={self.num_in_flight}")
         return "\n".join([head] + [p.format(max_minibatches) for p in self.programs])
@@ -152,7 +162,14 @@ class SyncScheme:
 
     def checked_bound(self, staleness_bound: int) -> int | None:
         """The bound the scheme keeps for the `staleness_bound` a user gave, or a ValueError that
-        names the bounds it can keep. This base (no workers to synchronise) keeps none."""
+        names the bounds it can keep. This base (no workers to synchronise) keeps none.
+
+        Returns:
+            The bound kept.
+
+        Raises:
+            ValueError: the scheme cannot keep `staleness_bound`.
+        """
         return None
 
     # The stage's synchronised weights, the servers, a binding and the executor are of the runtime
@@ -160,7 +177,11 @@ class SyncScheme:
     def stage_state(self, weights: Any) -> Any:
         """What the scheme keeps on each stage (`weights`, the stage's synchronised weights,
         :class:`hetpipe_tf.runtime.stage.synchronised.SynchronisedWeights`) for its handlers, or
-        None. It has ``snapshot()`` and ``restore(snapshot)``; the stage's state carries it."""
+        None. It has ``snapshot()`` and ``restore(snapshot)``; the stage's state carries it.
+
+        Returns:
+            The state, or None.
+        """
         return None
 
     def bind(self, worker: int, servers: Any, staleness_bound: int, timeout_s: float) -> Any:
@@ -171,7 +192,11 @@ class SyncScheme:
 
     def handlers(self, binding: Any) -> Mapping[type[Instruction], Handler]:
         """Instruction type -> handler(executor, stage, instruction, *taken keys), for one
-        worker bound to the others by `binding`."""
+        worker bound to the others by `binding`.
+
+        Returns:
+            The handlers by instruction type.
+        """
         return {}
 
     def run_ended(self, binding: Any) -> None:
@@ -180,7 +205,11 @@ class SyncScheme:
     def dry_handlers(self) -> Mapping[type[Instruction], Handler] | None:
         """Handlers that do the scheme's work on the stages but talk to no server and change
         nothing that a restored snapshot does not undo, for the emulation's probe runs (None:
-        probes run without the scheme)."""
+        probes run without the scheme).
+
+        Returns:
+            The handlers, or None.
+        """
         return None
 
     def simulation_model(self, staleness_bound: int, push_time: Timing, pull_time: Timing) -> ServerModel | None:
@@ -231,7 +260,11 @@ class PipelineSchedule:
         """Instructions a stage runs on minibatch p's weight gradient after its backward pass,
         while the version w_p it used is still stashed, before its update is applied (the
         schedules that stash versions, HetPipe's and PipeDream's, ask; TaylorPipe's
-        compensation, :mod:`hetpipe_tf.pipeline.taylorpipe`). None by default."""
+        compensation, :mod:`hetpipe_tf.pipeline.taylorpipe`). None by default.
+
+        Returns:
+            The instructions, or None.
+        """
         return ()
 
 
@@ -272,7 +305,11 @@ def get_sync(scheme: str | SyncScheme | None) -> SyncScheme:
 
 def check_worker_update(schedule: PipelineSchedule, worker_update: WorkerUpdate, why: str) -> None:
     """A ValueError naming the schedules that can, if `schedule` cannot hold `worker_update` (needed
-    for `why`, e.g. "global_clipnorm")."""
+    for `why`, e.g. "global_clipnorm").
+
+    Raises:
+        ValueError: `schedule` cannot hold `worker_update`.
+    """
     if worker_update and not schedule.worker_update:
         able = ", ".join(sorted(name for name, s in _SCHEDULES.items() if s.worker_update))
         raise ValueError(f"{why} needs every stage's gradient of a minibatch before any stage applies it, which the "
@@ -294,7 +331,14 @@ def check_combination(schedule: str | PipelineSchedule, scheme: str | SyncScheme
                       ) -> tuple[PipelineSchedule, SyncScheme]:
     """The registered :class:`PipelineSchedule` and :class:`SyncScheme` named (or given) by
     `schedule` and `scheme`; a ValueError that lists the combinations that exist if the scheme
-    cannot synchronise workers running that schedule."""
+    cannot synchronise workers running that schedule.
+
+    Returns:
+        The schedule and the scheme.
+
+    Raises:
+        ValueError: the scheme cannot synchronise workers running that schedule.
+    """
     chosen, synced = get_schedule(schedule), get_sync(scheme)
     if not works_with(chosen, synced):
         pairs = ", ".join(f"{a}+{b}" for a, b in combinations())

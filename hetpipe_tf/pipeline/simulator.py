@@ -63,10 +63,12 @@ class SimulationResult:
 
     @property
     def num_stages(self) -> int:
+        """The number of agents (stages, or (worker, stage) pairs) simulated."""
         return len(self.agents)
 
     @property
     def makespan(self) -> float:
+        """When the last instruction ended, in simulated seconds."""
         return self.ended
 
     @property
@@ -86,9 +88,11 @@ class SimulationResult:
         return by_agent.get(agent, [])
 
     def busy_time(self, agent: Place) -> float:
+        """The seconds `agent` ran instructions."""
         return self.busy.get(agent, 0.0)
 
     def busy_fraction(self) -> tuple[float, ...]:
+        """Each agent's busy time over the makespan, in agent order."""
         m = self.makespan
         return tuple(self.busy_time(a) / m if m else 0.0 for a in self.agents)
 
@@ -96,7 +100,11 @@ class SimulationResult:
                          ) -> dict[int, float]:
         """When each minibatch's update finished on `agent` (the first stage applies last): the
         end of the instruction that applied it (``applies()``; a GPipe flush applies several), or
-        with `instruction_type`, of that type's instruction about it."""
+        with `instruction_type`, of that type's instruction about it.
+
+        Returns:
+            The times, in minibatch order.
+        """
         if instruction_type is not None:
             return {s.instruction.minibatch: s.end for s in self.spans_of(agent)
                     if type(s.instruction) is instruction_type}
@@ -104,7 +112,11 @@ class SimulationResult:
 
     def steady_throughput(self, agent: Place = 0, skip: int | None = None) -> float:
         """Minibatches per second between the completions of minibatch `skip` and the last,
-        which leaves out the pipeline's fill (default skip: a quarter of the run)."""
+        which leaves out the pipeline's fill (default skip: a quarter of the run).
+
+        Returns:
+            The minibatches per second.
+        """
         done = self.completion_times(agent)
         last = max(done)
         first = skip if skip is not None else max(1, last // 4)
@@ -113,7 +125,11 @@ class SimulationResult:
     def wait_and_idle(self, worker: int) -> list[tuple[float, float]]:
         """Per pull of `worker`'s first stage: (seconds waited for the answer, seconds of that
         wait in which the stage ran nothing), §8.4. A stage runs one instruction at a time, so
-        its busy time up to any moment is a prefix sum of its spans (a search per pull)."""
+        its busy time up to any moment is a prefix sum of its spans (a search per pull).
+
+        Returns:
+            The pairs, in pull order.
+        """
         spans = self.spans_of((worker, 0))
         starts = [s.start for s in spans]
         done = [0.0]
@@ -134,7 +150,11 @@ class SimulationResult:
 def wait_and_idle(waits: Collection[tuple[float, float]], busy: Collection[tuple[float, float]]
                   ) -> list[tuple[float, float]]:
     """For every (asked, answered) wait of a stage for pulled weights: (seconds waited, seconds
-    of that wait in which the stage ran nothing), given its busy (start, end) spans (§8.4)."""
+    of that wait in which the stage ran nothing), given its busy (start, end) spans (§8.4).
+
+    Returns:
+        The pairs, in the waits' order.
+    """
     out: list[tuple[float, float]] = []
     for asked, answered in waits:
         covered = sum(max(0.0, min(e, answered) - max(b, asked)) for b, e in busy)
@@ -144,7 +164,20 @@ def wait_and_idle(waits: Collection[tuple[float, float]], busy: Collection[tuple
 
 def simulate(schedule: Schedule, duration: Callable[[int, Instruction], float],
              transfer: Callable[[int, int, Instruction], float] | None = None) -> SimulationResult:
-    """Runs one virtual worker's `schedule` in simulated time (stages are ints)."""
+    """Runs one virtual worker's `schedule` in simulated time (stages are ints).
+
+    Args:
+        schedule: the worker's :class:`hetpipe_tf.pipeline.schedule.Schedule`.
+        duration: duration(stage, instruction) -> seconds.
+        transfer: transfer(src_stage, dst_stage, instruction) -> seconds for a key to reach
+            another stage (default 0).
+
+    Returns:
+        Each stage's task order, busy time and spans, and when the run ended.
+
+    Raises:
+        ScheduleDeadlock: the programs can never all finish.
+    """
     moved: Transfer | None = None
     if transfer is not None:
         def moved(a: Agent, b: Agent, ins: Instruction) -> float:
@@ -188,6 +221,8 @@ def simulate_workers(schedules: Sequence[Schedule], duration: Timing, transfer: 
       A :class:`SimulationResult` whose agents are the (worker, stage) pairs that ran.
     Raises:
       ScheduleDeadlock: if the programs can never all finish.
+      ValueError: `same_as` does not name every worker itself or an earlier worker, or an
+        instruction talks to parameter servers and none are simulated.
     """
     runs_as = list(range(len(schedules))) if same_as is None else list(same_as)
     if len(runs_as) != len(schedules) or any(not 0 <= r <= w or runs_as[r] != r for w, r in enumerate(runs_as)):
@@ -277,7 +312,11 @@ def simulate_workers(schedules: Sequence[Schedule], duration: Timing, transfer: 
 
     def candidate(a: Agent) -> Next | None:
         """(start, agent, stream index, task) of the task `a` would run next, or None; and the keys
-        its next tasks need."""
+        its next tasks need.
+
+        Returns:
+            The pair.
+        """
         ready: list[tuple[Candidate, Task]] = []
         needs: list[Key] = []
         have = avail[a]

@@ -66,12 +66,22 @@ class TaylorCompensation:
     worker_update = False
 
     def before_update(self, minibatch: int) -> tuple[Instruction, ...]:
+        """The compensation of `minibatch`'s gradient, before its update."""
         return (CompensateGradient(minibatch, variance_control=self.variance_control),)
 
 
 class TaylorPipeSchedule(TaylorCompensation, PipeDreamSchedule):
     """TaylorPipe (Algorithm 1): 1F1B with weight stashing, stage q admitting
-    min(Nm, 2(k - q) - 1) minibatches (Figure 2), each gradient compensated before its update."""
+    min(Nm, 2(k - q) - 1) minibatches (Figure 2), each gradient compensated before its update.
+
+    Args:
+        variance_control: λ, TaylorPipe's variance control parameter (a finite number >= 0; 0
+            turns the compensation off).
+        name: the schedule's registered name.
+
+    Raises:
+        ValueError: `variance_control` is not a finite number >= 0.
+    """
 
     def __init__(self, variance_control: float = DEFAULT_VARIANCE_CONTROL, name: str = "taylorpipe") -> None:
         super().__init__(vertical_sync=False)
@@ -86,7 +96,15 @@ class TaylorPipeSchedule(TaylorCompensation, PipeDreamSchedule):
 
 class HetPipeTaylorSchedule(TaylorCompensation, HetPipeSchedule):
     """HetPipe's schedule (§4) with TaylorPipe's compensation (TaylorPipe §3.2) before every update:
-    under WSP it also compensates the staleness of the pulled global weights."""
+    under WSP it also compensates the staleness of the pulled global weights.
+
+    Args:
+        variance_control: λ, as for :class:`TaylorPipeSchedule`.
+        name: the schedule's registered name.
+
+    Raises:
+        ValueError: `variance_control` is not a finite number >= 0.
+    """
 
     def __init__(self, variance_control: float = DEFAULT_VARIANCE_CONTROL, name: str = "hetpipe-taylor") -> None:
         self.name = name

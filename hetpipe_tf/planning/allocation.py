@@ -132,7 +132,15 @@ def hybrid_distribution(cluster: Cluster, vw_size: int | None = None, group_size
     integer program per kind of group: neither with the number of groupings. With
     `first_in_order` False (``auto``'s candidates, which are all planned and compared by their
     prediction), a grouping alike enough will do: the walk's best after HD_STATES / 8 states
-    (not proven the most alike), or, if it found none by then, the program's first solution."""
+    (not proven the most alike), or, if it found none by then, the program's first solution.
+
+    Returns:
+        The virtual workers.
+
+    Raises:
+        AllocationError: the nodes do not form groups of the size asked, or no grouping gives
+            equal workers.
+    """
     nodes = _by_node(cluster)
     names = list(nodes)
     size = vw_size or min(len(v) for v in nodes.values())  # as NP and ED (k = 4 in the paper)
@@ -191,7 +199,11 @@ class _Grouping:
 
     def _values(self, group: GroupKind) -> tuple[float, float] | None:
         """(compute, memory) of each worker of a group of nodes of these kinds (its workers are
-        equal), or None when they do not give equal workers of vw_size."""
+        equal), or None when they do not give equal workers of vw_size.
+
+        Returns:
+            The pair, or None.
+        """
         if not self._equal([self.kinds[k][1] for k in group]):
             return None
         share = sum(self.kinds[k][1] for k in group) // self.vw_size
@@ -201,7 +213,11 @@ class _Grouping:
     def _children(self, offsets: tuple[int, ...], extremes: Extremes | None) -> list[Child]:
         """(nodes, extremes after, offsets after, kind, bound) of every group for the first node
         left, in the walk's order, the first of those with the same kinds of node only; bound:
-        the least score of a grouping that starts so (the range of the nodes left counted)."""
+        the least score of a grouping that starts so (the range of the nodes left counted).
+
+        Returns:
+            The tuples.
+        """
         first = min((k for k in range(len(self.kinds)) if offsets[k] < len(self.members[k])),
                     key=lambda k: self.members[k][offsets[k]])
         after = list(offsets)
@@ -237,7 +253,11 @@ class _Grouping:
 
     def walk(self, settle: bool = False) -> list[list[int]] | None:
         """The best grouping by the walk, or when it needs more than HD_STATES states, None (or, to
-        `settle`, the best it found by then, if any)."""
+        `settle`, the best it found by then, if any).
+
+        Returns:
+            The grouping, or None.
+        """
         best: list[float | None] = [None]  # the least score found
         best_groups: list[list[list[int]]] = []  # its grouping
         dead: set[tuple[tuple[int, ...], Extremes | None]] = set()
@@ -274,7 +294,11 @@ class _Grouping:
 
     def build(self, first_in_order: bool = True) -> list[list[int]] | None:
         """The best grouping by the integer program, or None if there is none: the first in the
-        walk's order, or (not `first_in_order`) the program's first solution's."""
+        walk's order, or (not `first_in_order`) the program's first solution's.
+
+        Returns:
+            The grouping, or None.
+        """
         left = [len(m) for m in self.members]
         least = _least_spread(self.group_kinds, left, None, self.means)
         if least is None:
@@ -321,7 +345,11 @@ def _least_spread(group_kinds: Mapping[GroupKind, tuple[float, float]], left: Se
     cluster's means) of groupings of the nodes `left` (a count per node kind) into groups of
     the kinds of `group_kinds` ({kind: (compute, memory) of its workers}), beside workers whose
     extremes are `extremes` (lo compute, hi compute, lo memory, hi memory; None: none yet), and
-    how many groups of each kind one such grouping makes; None if the nodes cannot be grouped."""
+    how many groups of each kind one such grouping makes; None if the nodes cannot be grouped.
+
+    Returns:
+        The score and the counts of groups, or None.
+    """
     if not any(left):
         return _spread_of(extremes, means), {}
     kinds = [g for g in group_kinds if all(g.count(k) <= n for k, n in enumerate(left))]
@@ -382,7 +410,14 @@ def _kind_groups(kinds: Iterable[int], size: int, available: Sequence[int]) -> l
 def allocate(cluster: Cluster, policy: str, vw_size: int | None = None, group_size: int = 2,
              first_in_order: bool = True) -> Workers:
     """Virtual workers (tuples of cluster devices) by `policy` (np, ed or hd; for HD's
-    `first_in_order`, see :func:`hybrid_distribution`)."""
+    `first_in_order`, see :func:`hybrid_distribution`).
+
+    Returns:
+        The virtual workers.
+
+    Raises:
+        AllocationError: the policy is unknown, or cannot be applied to the cluster as asked.
+    """
     chosen = policy.lower()
     if chosen == "np":
         return node_partition(cluster, vw_size)
@@ -400,7 +435,11 @@ def describe(workers: Iterable[Worker]) -> str:
 
 def candidate_allocations(cluster: Cluster, max_size: int | None = None) -> list[tuple[str, Workers]]:
     """Every allocation the policies can make on `cluster` with workers of at most `max_size`
-    devices (HD: any of its most alike groupings), labelled: part of the `auto` search space."""
+    devices (HD: any of its most alike groupings), labelled: part of the `auto` search space.
+
+    Returns:
+        The (label, workers) pairs.
+    """
     nodes = _by_node(cluster)
     total = sum(len(v) for v in nodes.values())
     sizes = [s for s in range(1, min(total, max_size or total) + 1) if total % s == 0]
@@ -428,7 +467,11 @@ def compositions(cluster: Cluster, max_size: int) -> list[Composition]:
     """Worker compositions (sorted tuples of (device type, count)) of one or two device types,
     each count a power of two or a node's device count, at most a node of that type holds, and
     at most `max_size` devices and a node's worth (the largest node's count; larger workers are the
-    policies'): what `auto` mixes beside the policies' allocations."""
+    policies'): what `auto` mixes beside the policies' allocations.
+
+    Returns:
+        The compositions.
+    """
     nodes = _by_node(cluster)
     most: dict[str, int] = {}
     for devices in nodes.values():
@@ -455,7 +498,11 @@ def mixed_allocations(cluster: Cluster, rates: Mapping[Composition, float], limi
     at r are worth W·r: for each rate r, the most workers of compositions at least as fast that
     the cluster's devices hold (an integer program over how many workers of each composition;
     devices may stay idle), best W·r first, at most `limit` of them. Each worker's devices of a
-    type come from one node where one has them free (the first such), else node by node."""
+    type come from one node where one has them free (the first such), else node by node.
+
+    Returns:
+        The allocations.
+    """
     nodes = _by_node(cluster)
     have: dict[str, int] = {}
     for devices in nodes.values():
@@ -498,7 +545,11 @@ def _most_workers(chosen: Sequence[Composition], have: Mapping[str, int]) -> dic
 
 def pack_workers(cluster: Cluster, counts: Mapping[Composition, int]) -> Workers:
     """Workers of each composition in `counts` ({composition: how many}), the larger first, their
-    devices of each type from the first node that has that many free, else node by node."""
+    devices of each type from the first node that has that many free, else node by node.
+
+    Returns:
+        The workers.
+    """
     nodes = _by_node(cluster)
     free = {n: list(v) for n, v in nodes.items()}
     workers: list[Worker] = []

@@ -54,6 +54,18 @@ def _bytes(text, where):
 
 @dataclass(frozen=True)
 class DeviceType:
+    """One device type of a cluster description (see the module docstring).
+
+    Args:
+        name: the name nodes give as their ``device_type``.
+        label: what it is called in plans and logs.
+        memory: the bytes one device holds.
+        peak_tflops: a real accelerator's peak FP32 TFLOP/s.
+        memory_bandwidth: a real accelerator's memory bandwidth, in bytes/s.
+        emulated_speed: an emulated device's speed, relative to this host running a task alone.
+        host_cpu: this host's CPU as it is.
+        cpu_quota: host CPU devices at a quota: the cores of one device.
+    """
     name: str
     label: str
     memory: int  # bytes
@@ -65,6 +77,7 @@ class DeviceType:
 
     @property
     def emulated(self):
+        """Whether the type is emulated on this host."""
         return self.emulated_speed is not None
 
     @property
@@ -87,9 +100,16 @@ class DeviceType:
 
 @dataclass(frozen=True)
 class Node:
-    """A node: `count` devices of one type. `gpus`: for a node of a real accelerator type, the
-    indices of this machine's GPUs it is (``"gpus": [0, 1]``; see :mod:`hetpipe_tf.distributed.gpus`
-    for how they map to a task's devices, and which a node that names none takes), or None."""
+    """One node of a cluster description: `count` devices of the type named `device_type`.
+
+    Args:
+        name: the node's name.
+        device_type: the name of its devices' type.
+        count: how many devices it holds.
+        gpus: for a node of a real accelerator type, the indices of this machine's GPUs it is
+            (``"gpus": [0, 1]``; see :mod:`hetpipe_tf.distributed.gpus` for how they map to a
+            task's devices, and which a node that names none takes), or None.
+    """
     name: str
     device_type: str
     count: int
@@ -105,6 +125,7 @@ class Device:
 
     @property
     def name(self):
+        """``node:index``, the device's name in plans."""
         return f"{self.node}:{self.index}"
 
 
@@ -112,7 +133,18 @@ class Device:
 class Cluster:
     """A cluster description (see the module docstring): its device types, its nodes (each holding
     `count` devices of one type) and the links between and within nodes. Made by
-    :func:`load_cluster` from a preset's name, a JSON file or a dict, checked field by field."""
+    :func:`load_cluster` from a preset's name, a JSON file or a dict, checked field by field.
+
+    Args:
+        name: the cluster's name.
+        device_types: the device types by name (a DeviceType each: speed or peak FLOP/s, memory).
+        nodes: the nodes, in order (a Node each: its name, device type and count of devices).
+        intra_node_bandwidth: bytes/s of a link between two devices of one node.
+        inter_node_bandwidth: bytes/s of a link between two nodes.
+        inter_node_latency: seconds, one way, of a link between two nodes.
+        emulate_links: emulate the inter-node links on this machine
+            (:mod:`hetpipe_tf.distributed.netlinks`).
+    """
     name: str
     device_types: dict
     nodes: tuple
@@ -123,6 +155,7 @@ class Cluster:
 
     @property
     def emulated(self):
+        """Whether any device type of the cluster is emulated."""
         return any(t.emulated for t in self.device_types.values())
 
     @property
@@ -148,7 +181,11 @@ class Cluster:
 
     def node_quotas(self) -> tuple[float | None, ...]:
         """Per node, the cores of its CPU-quota group (its devices' quota times their count), or
-        None for a node without a quota."""
+        None for a node without a quota.
+
+        Returns:
+            The cores per node.
+        """
         quotas = []
         for n in self.nodes:
             quota = self.device_types[n.device_type].cpu_quota
@@ -156,6 +193,7 @@ class Cluster:
         return tuple(quotas)
 
     def describe(self):
+        """One line: every node's devices."""
         parts = [f"{n.count}x {self.device_types[n.device_type].label} ({n.device_type}) on {n.name}"
                  for n in self.nodes]
         return f"cluster '{self.name}': " + ", ".join(parts)
@@ -361,7 +399,14 @@ def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
 
 def with_device_types(name_or_path, types):
     """The cluster (a preset's name or a file) with only the nodes of the device types named in
-    `types` (e.g. ``"VR"``), as the paper's Table 4 runs on 1, 2, 3 or 4 of its node types."""
+    `types` (e.g. ``"VR"``), as the paper's Table 4 runs on 1, 2, 3 or 4 of its node types.
+
+    Returns:
+        The smaller cluster.
+
+    Raises:
+        ClusterError: it has no nodes of those types.
+    """
     cluster = load_cluster(name_or_path)
     nodes = tuple(n for n in cluster.nodes if n.device_type in types)
     if not nodes:
@@ -375,7 +420,14 @@ def with_device_types(name_or_path, types):
 
 def from_device_specs(specs, name="devices"):
     """A cluster of emulated devices given as DeviceSpecs (``--devices``): one node per distinct
-    (speed, memory), joined by host-memory links. Real devices have no specs to plan with."""
+    (speed, memory), joined by host-memory links. Real devices have no specs to plan with.
+
+    Returns:
+        The cluster.
+
+    Raises:
+        ClusterError: a spec is not emulated.
+    """
     types, nodes = {}, {}
     for spec in specs:
         if not spec.emulated:

@@ -75,14 +75,17 @@ class DataParallelPrediction:
 
     @property
     def compute_seconds(self) -> float:
+        """A step's forward, backward and update seconds on the slowest device."""
         return self.forward_seconds + self.backward_seconds + self.update_seconds
 
     @property
     def step_seconds(self) -> float:
+        """A step: the forward pass, then the longer of the backward pass and the all-reduce, then the update."""
         return self.forward_seconds + max(self.backward_seconds, self.allreduce_seconds) + self.update_seconds
 
     @property
     def images_per_s(self) -> float:
+        """The predicted throughput: every device's minibatch per step."""
         return len(self.devices) * self.batch_size / self.step_seconds
 
 
@@ -104,7 +107,14 @@ def predict_data_parallel(profile: Profile, cluster: Cluster, devices: Sequence[
                           optimizer_slots: int = 1, analytic: AnalyticAssumptions | None = None
                           ) -> DataParallelPrediction:
     """A :class:`DataParallelPrediction` for `devices` (default: every device of `cluster`,
-    node by node) training `profile`'s model, each on a minibatch of its batch size."""
+    node by node) training `profile`'s model, each on a minibatch of its batch size.
+
+    Returns:
+        The prediction.
+
+    Raises:
+        DataParallelError: no device holds the whole model.
+    """
     link_model = links or LinkModel()
     model = CostModel(profile, cluster, links=link_model, optimizer_slots=optimizer_slots, analytic=analytic)
     chosen: tuple[Device, ...] = tuple(devices or cluster.devices())

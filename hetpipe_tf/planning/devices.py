@@ -30,7 +30,15 @@ class DeviceSpecError(HetPipeUsageError, ValueError):
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device a virtual worker's stage runs on: emulated (a speed, a memory), the host CPU or a GPU."""
+    """One device a virtual worker's stage runs on: emulated (a speed, a memory), the host CPU or a GPU.
+
+    Args:
+        kind: ``"emulated"``, ``"cpu"`` or ``"gpu"``.
+        index: the physical GPU's index, for ``"gpu"``.
+        speed: an emulated device's speed relative to the host running one task alone.
+        memory: the bytes the device holds at most (None: no limit), for ``"emulated"`` and
+            ``"gpu"`` (a logical GPU with that memory limit).
+    """
     kind: str  # "emulated", "cpu" or "gpu"
     index: int = 0  # physical GPU index for "gpu"
     speed: float = 1.0
@@ -38,6 +46,7 @@ class DeviceSpec:
 
     @property
     def emulated(self) -> bool:
+        """Whether the device is emulated on the host CPU."""
         return self.kind == "emulated"
 
     def __str__(self) -> str:
@@ -90,7 +99,17 @@ def parse_device(text: str) -> DeviceSpec:
 
 
 def parse_devices(text: str | Sequence[str | DeviceSpec]) -> tuple[DeviceSpec, ...]:
-    """A tuple of DeviceSpec from a comma-separated list (see the module docstring)."""
+    """The devices of a comma-separated list, in the grammar of the module docstring.
+
+    Args:
+        text: the list (``"1@512M,0.5@256M"``), or a sequence of its items or of DeviceSpecs.
+
+    Returns:
+        The DeviceSpecs, one per item, in order.
+
+    Raises:
+        DeviceSpecError: an item is not in the grammar, or its speed or memory is not valid.
+    """
     if isinstance(text, (list, tuple)):
         return tuple(d if isinstance(d, DeviceSpec) else parse_device(d) for d in text)
     items = [t for t in str(text).split(",") if t.strip()]

@@ -52,6 +52,7 @@ class TensorInfo:
 
     @property
     def bytes_per_example(self) -> int:
+        """The tensor's bytes for one example (its shape without the batch dimension)."""
         n = 1
         for d in self.shape:
             n *= d if d is not None else 1
@@ -90,7 +91,15 @@ class StageIO:
 
 @dataclass(frozen=True)
 class ModelGraph:
-    """Layer calls in topological order and the tensors between them."""
+    """Layer calls in topological order and the tensors between them.
+
+    Args:
+        name: the model's name.
+        nodes: the layer calls, in topological order.
+        tensors: the tensors between them (a node names its inputs and outputs by index here).
+        inputs: the indices of the model's input tensors, in the model's order.
+        outputs: the indices of the model's output tensors, in the model's order.
+    """
     name: str
     nodes: tuple[LayerNode, ...]
     tensors: tuple[TensorInfo, ...]
@@ -99,13 +108,21 @@ class ModelGraph:
 
     @property
     def num_nodes(self) -> int:
+        """The number of layer calls."""
         return len(self.nodes)
 
     def at_sequence_length(self, length: int) -> "ModelGraph":
         """This graph with every unknown dimension of a per-example shape (a transformer's
         sequence: Keras gives it as None) set to `length`, so that bytes count every position.
         A layer's static FLOP estimate is per element of its outputs (2 x multiply-adds per
-        output position), so it grows as they do."""
+        output position), so it grows as they do.
+
+        Returns:
+            The graph.
+
+        Raises:
+            ValueError: `length` is not an integer >= 1.
+        """
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"a sequence length is an integer >= 1, got {length!r}")
 
@@ -127,6 +144,9 @@ class ModelGraph:
         Valid: starts at 0, strictly increasing, and every stage has at least one node. A
         layer may have calls in several stages (:meth:`shared_across`): each of them holds a
         replica of its weights.
+
+        Raises:
+            PartitionError: it is not a valid cut.
         """
         b = tuple(int(x) for x in boundaries)
         n = self.num_nodes
@@ -141,7 +161,11 @@ class ModelGraph:
     def shared_across(self, boundaries: Sequence[int]) -> dict[str, tuple[int, ...]]:
         """{layer: the stages it is called in} for every layer called in more than one stage
         (tied weights, such as an input embedding used again for the output logits): each of
-        those stages holds a replica of the layer's weights."""
+        those stages holds a replica of the layer's weights.
+
+        Returns:
+            The mapping.
+        """
         stage_of = self.stage_of_nodes(self.check_boundaries(boundaries))
         by_layer: dict[str, set[int]] = {}
         for node in self.nodes:
@@ -150,7 +174,11 @@ class ModelGraph:
 
     def allowed_cuts(self) -> tuple[int, ...]:
         """Node indices a stage may start at without replicating a layer: every cut that keeps
-        each layer's calls in one stage."""
+        each layer's calls in one stage.
+
+        Returns:
+            The node indices.
+        """
         first: dict[str, int] = {}
         last: dict[str, int] = {}
         for node in self.nodes:
@@ -174,6 +202,9 @@ class ModelGraph:
 
         Model inputs are not counted: they come from the host to the stage that first
         needs them. Model outputs are needed by the loss, after the last node.
+
+        Returns:
+            The tensor indices.
         """
         live: list[int] = []
         for t in self.tensors:
@@ -224,6 +255,9 @@ class ModelGraph:
 
         Counted as the tensors the stage starts with plus every output of its nodes
         (what the forward pass records for the backward pass), at `batch_size`.
+
+        Returns:
+            The bytes of each stage.
         """
         per_stage: list[int] = []
         for io in self.stage_io(boundaries):
@@ -234,7 +268,11 @@ class ModelGraph:
 
     def stage_weight_bytes(self, boundaries: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Per stage: (trainable, non-trainable) weight bytes; a layer called in several stages
-        counts in each of them (its replicas)."""
+        counts in each of them (its replicas).
+
+        Returns:
+            The pairs, one per stage.
+        """
         b = self.check_boundaries(boundaries)
         ends = b[1:] + (self.num_nodes,)
         out: list[tuple[int, int]] = []

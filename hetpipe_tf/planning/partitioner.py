@@ -53,6 +53,10 @@ def balanced_boundaries(costs: Sequence[float], num_stages: int, allowed_cuts: I
 
     Returns:
       The start node of each stage, beginning with 0.
+
+    Raises:
+      ValueError: `num_stages` < 1, `speeds` not one positive number per stage, or too few nodes
+        or allowed cuts for `num_stages` stages.
     """
     n = len(costs)
     k = int(num_stages)
@@ -122,7 +126,11 @@ class _Tables:
 
     def own(self, device_type: DeviceType, q: int) -> Own:
         """(time const, time prefix, memory const, memory prefix, activations held, capacity) of a
-        stage at position q on `device_type`, its links left out."""
+        stage at position q on `device_type`, its links left out.
+
+        Returns:
+            The tuple.
+        """
         key = (device_type.name, q)
         if key not in self._own:
             model, p, nm = self.model, self.model.profile, self.num_in_flight
@@ -151,7 +159,11 @@ class _Tables:
 
     def exchange(self, partner: Device | None, device: Device) -> Floats:
         """Prefix sums over the segments of the seconds `device` takes to receive the gradients of
-        the tied layers each segment calls from `partner` (None: no other stage, zeros)."""
+        the tied layers each segment calls from `partner` (None: no other stage, zeros).
+
+        Returns:
+            The prefix sums.
+        """
         key = (None if partner is None else partner.node, device.node)
         if key not in self._exchanges:
             per_segment = [0.0] * self.n
@@ -165,7 +177,11 @@ class _Tables:
     def stage_times(self, q: int, device: Device, before: Device | None, after: Device | None
                     ) -> tuple[Floats, Floats]:
         """(time, memory) of stage q on `device` for every (lo, hi) as (n + 1) x (n + 1) arrays
-        (inf where hi <= lo), with the device `before` it and `after` it (None at the ends)."""
+        (inf where hi <= lo), with the device `before` it and `after` it (None at the ends).
+
+        Returns:
+            The two arrays.
+        """
         time_const, time_prefix, mem_const, mem_prefix, held, _ = self.own(device.type, q)
         time_prefix = time_prefix + self.exchange(before if before is not None else after, device)
         time = (time_const + time_prefix)[None, :] - time_prefix[:, None]
@@ -244,7 +260,11 @@ def _prefix(values: Iterable[float]) -> list[float]:
 def partition_of(model: CostModel, devices: Sequence[Device], boundaries: Sequence[int],
                  num_in_flight: int) -> Partition:
     """The :class:`Partition` of `devices` cut at `boundaries` with `num_in_flight`, its stages as
-    `model` predicts them."""
+    `model` predicts them.
+
+    Returns:
+        The Partition.
+    """
     return Partition(devices=tuple(devices), boundaries=tuple(boundaries),
                      stages=tuple(model.stages(boundaries, devices, num_in_flight)),
                      num_in_flight=num_in_flight)
@@ -293,6 +313,13 @@ def partition_dp(model: CostModel, devices: Sequence[Device], num_in_flight: int
       model: a :class:`hetpipe_tf.planning.cost_model.CostModel`.
       devices: the virtual worker's devices, in stage order.
       num_in_flight: Nm.
+
+    Returns:
+      The Partition.
+
+    Raises:
+      InfeasiblePartitionError: no cut fits the devices' memory (the message names the stage,
+        its need and the device's capacity).
     """
     co = _Coefficients(model, devices, num_in_flight)
     if co.k > co.n:
@@ -314,6 +341,12 @@ def partition_milp(model: CostModel, devices: Sequence[Device], num_in_flight: i
     Binary y[c, q] says stage q ends right before segment c. With prefix sums P(c), a
     stage's compute is P(end) - P(start) and its memory likewise, so every stage's time
     and memory are linear in y; T bounds every stage's time and is minimised.
+
+    Returns:
+        The Partition.
+
+    Raises:
+        InfeasiblePartitionError: no cut fits the devices' memory.
     """
     co = _Coefficients(model, devices, num_in_flight)
     n, k = co.n, co.k
@@ -402,6 +435,9 @@ def distinct_orders(devices: Sequence[Device], limit: int = MAX_ORDERS) -> list[
     When there are more than `limit` of them, only orders that keep each node's devices together
     are listed (the first `limit` orders of the nodes). :func:`best_partition` searches the same
     orders, without listing them.
+
+    Returns:
+        The orders.
     """
     pools = _pools(devices)
     blocks = _count_orders(pools, limit) > limit
@@ -512,7 +548,11 @@ class _OrderSearch:
 
     def _fits_rest(self, q: int, reach: Mask, remaining: Units) -> bool:
         """Whether the types `remaining` (a sorted tuple of (types of a unit, count)) can take
-        the stages from q on, starting at a cut in `reach`."""
+        the stages from q on, starting at a cut in `reach`.
+
+        Returns:
+            Whether they can.
+        """
         if not reach.any():
             return False
         if not remaining:
@@ -560,7 +600,11 @@ class _OrderSearch:
         The orders are walked in their sequence and the first within 1e-12 of the best kept, as
         trying them one by one keeps it; the bound cuts off a prefix that cannot come within
         1e-12 of the best found, which starts as the best of a few orders (fastest devices first,
-        slowest first, most memory first), so that it cuts from the start."""
+        slowest first, most memory first), so that it cuts from the start.
+
+        Returns:
+            The pair, or None.
+        """
         if self.k > self.n or not self.fits():
             return None
         speeds = self._speeds()
@@ -604,7 +648,11 @@ class _OrderSearch:
 
     def _seed_orders(self, speeds: dict[str, float]) -> list[tuple[Device, ...]]:
         """A few orders among those searched: devices (beyond MAX_ORDERS: nodes) fastest first,
-        slowest first, and with the most memory first."""
+        slowest first, and with the most memory first.
+
+        Returns:
+            The orders.
+        """
         units = list(self.pools.values()) if self.blocks else [[d] for d in self.devices]
         out: list[tuple[Device, ...]] = []
         keys: tuple[Callable[[list[Device]], Any], ...] = (
@@ -656,7 +704,11 @@ class _OrderSearch:
 
     def _speeds(self) -> dict[str, float]:
         """Per device type: its best speed on any segment relative to the reference type (the
-        worker's first), 1 / min over segments of (its time / the reference's)."""
+        worker's first), 1 / min over segments of (its time / the reference's).
+
+        Returns:
+            The speeds by type.
+        """
         ref = self._segment_times(self.devices[0].type)
         out: dict[str, float] = {}
         for d in self.devices:
@@ -684,7 +736,11 @@ class _OrderSearch:
 def least_slowest_stage(model: CostModel, devices: Sequence[Device], num_in_flight: int = 1) -> float:
     """A lower bound on the slowest stage of every cut of the model over every order of `devices`
     at `num_in_flight`, without cutting: the segments' time spread over the devices at their best
-    speed on any segment (the order search's bound before any device is placed)."""
+    speed on any segment (the order search's bound before any device is placed).
+
+    Returns:
+        The bound, in seconds.
+    """
     search = _OrderSearch(model, devices, num_in_flight)
     speeds = search._speeds()
     total = float(search._segment_times(search.devices[0].type).sum())
@@ -693,7 +749,11 @@ def least_slowest_stage(model: CostModel, devices: Sequence[Device], num_in_flig
 
 def fits_some_order(model: CostModel, devices: Sequence[Device], num_in_flight: int) -> bool:
     """Whether some order of `devices` among those :func:`best_partition` searches, with some
-    cut, fits their memory."""
+    cut, fits their memory.
+
+    Returns:
+        Whether one fits.
+    """
     return _OrderSearch(model, devices, num_in_flight).fits()
 
 
@@ -701,7 +761,11 @@ def best_partition(model: CostModel, devices: Sequence[Device], num_in_flight: i
                    ) -> Partition:
     """The best partition over the orders of the devices (as the extended HetPipe does; :class:`_OrderSearch`): the
     orders are searched by branch and bound on the dynamic program, and `method` ("milp", §7's
-    MILP, or "dp") then cuts the best order, so that the MILP runs once, where it decides."""
+    MILP, or "dp") then cuts the best order, so that the MILP runs once, where it decides.
+
+    Returns:
+        The Partition of the best order.
+    """
     solve = {"milp": partition_milp, "dp": partition_dp}[method]
     found = _OrderSearch(model, devices, num_in_flight).best_order()
     if found is None:  # the first order's error, as when every order was tried one by one

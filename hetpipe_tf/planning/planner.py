@@ -83,13 +83,20 @@ class PlanError(HetPipeUsageError, ValueError):
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """One virtual worker: its devices in stage order, its partition and Max_m."""
+    """One virtual worker of a :class:`Plan`.
+
+    Attributes:
+        devices: its devices, in stage order.
+        partition: its stages' layer ranges with their predicted times and memory.
+        max_num_in_flight: Max_m, the largest Nm its devices' memory holds.
+    """
     devices: tuple
     partition: object  # Partition
     max_num_in_flight: int
 
     @property
     def device_types(self):
+        """The type of each of the worker's devices, in stage order."""
         return [d.type.name for d in self.devices]
 
 
@@ -100,7 +107,27 @@ class Plan:
     :class:`WorkerPlan` each), Nm, the placement of the global weights, each worker's minibatch
     size, and the predicted throughput (``minibatches_per_s``, ``images_per_s``, per worker and per
     Nm tried). ``format()`` prints it as ``hetpipe plan`` does, ``to_dict()`` as JSON; ``notes``
-    say what was measured and what assumed. It is made by :func:`plan`, never by hand."""
+    say what was measured and what assumed. It is made by :func:`plan`, never by hand.
+
+    Attributes:
+        cluster: the :class:`hetpipe_tf.planning.cluster.Cluster` planned for.
+        profile: the model's :class:`hetpipe_tf.planning.profile.Profile` it used.
+        policy: the allocation policy that grouped the devices ("np", "ed" or "hd").
+        placement: where the global weights are ("default" or "local").
+        staleness_bound: D of WSP (§5), in waves.
+        num_in_flight: Nm, the minibatches in each virtual worker's pipeline.
+        workers: one :class:`WorkerPlan` per virtual worker.
+        minibatches_per_s: the predicted throughput of the whole cluster.
+        per_worker: the predicted minibatches/s of each worker.
+        by_num_in_flight: Nm -> the predicted minibatches/s, for every Nm tried.
+        notes: what was measured and what assumed.
+        analytic: the AnalyticAssumptions of an analytic profile (None for a measured one).
+        schedule: the pipelining schedule planned for.
+        sync: the synchronisation scheme between the virtual workers.
+        minibatch_sizes: each worker's minibatch size when uneven; () when all train the
+            profile's batch size.
+        alternatives: policy "auto": the other allocations it tried, beside the one it chose.
+    """
     cluster: object
     profile: object
     policy: str
@@ -131,6 +158,7 @@ class Plan:
 
     @property
     def images_per_s(self):
+        """The predicted images/s of the cluster: each worker's minibatches/s times its minibatch size."""
         return sum(rate * size for rate, size in zip(self.per_worker, self.sizes))
 
     def node_boundaries(self, worker=0):
@@ -142,7 +170,15 @@ class Plan:
         """Per stage of `worker`, the (forward, backward) seconds its passes take on this host by
         the profile the plan was made with: what an emulated device's pace is scaled from
         (:mod:`hetpipe_tf.pipeline.emulation`) when every system of a comparison emulates the same
-        devices from one profile."""
+        devices from one profile.
+
+        Returns:
+            The pairs, one per stage.
+
+        Raises:
+            ValueError: the profile has no times measured on this host, or the plan's minibatches are
+                uneven (the profile times one size).
+        """
         if "host" not in self.profile.times:
             raise ValueError(f"the profile of {self.profile.model} has no times measured on this host (it has "
                              f"{sorted(self.profile.times) or 'none'}); measure one with "
@@ -154,6 +190,7 @@ class Plan:
         return tuple(times.pass_seconds(*st.segments) for st in self.workers[worker].partition.stages)
 
     def to_dict(self):
+        """The plan as JSON-ready data, as ``hetpipe plan --json`` prints it."""
         names = self.profile.layer_names
         workers = []
         for i, w in enumerate(self.workers):
@@ -186,6 +223,7 @@ class Plan:
                                   **({"error": a.error} if a.error else {})} for a in self.alternatives]}
 
     def format(self):
+        """The plan as the table ``hetpipe plan`` prints."""
         from hetpipe_tf.pipeline.emulation import format_bytes
         d = self.to_dict()
         batch = (f"minibatches {'+'.join(map(str, self.sizes))} (uneven)" if self.minibatch_sizes
@@ -217,6 +255,9 @@ def _max_num_in_flight(model, devices, limit):
     """Max_m: the largest Nm <= limit that some order of these devices fits (0 if none).
 
     Memory grows with Nm, so the feasible Nm are 1..Max_m: a binary search.
+
+    Returns:
+        Max_m.
     """
     lo, hi = 0, limit
     while lo < hi:
@@ -305,7 +346,11 @@ def _push_times(model, workers, placement):
     s mod H, ``local`` on the stage's own node.
 
     The workers push a wave at about the same time, so the devices of other nodes that push
-    the same segment to a server share that server's inter-node link (§8.1: one per node)."""
+    the same segment to a server share that server's inter-node link (§8.1: one per node).
+
+    Returns:
+        The seconds, per worker and stage.
+    """
     cluster, links, p = model.cluster, model.links, model.profile
     nodes = [n.name for n in cluster.nodes]
     host = {}
@@ -341,7 +386,11 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
     Workers whose stages cost the same and whose pushes and pulls take as long run as one
     (:func:`hetpipe_tf.pipeline.simulator.simulate_workers`' ``same_as``): they meet the others
     only at the parameter servers, which get their requests at the same times, so one of them
-    runs for all (exact)."""
+    runs for all (exact).
+
+    Returns:
+        The pair.
+    """
     push = push or _push_times(model, workers, placement)
     same_as, first = [], {}
     for w, part in enumerate(workers):
@@ -388,6 +437,9 @@ def predict(model, workers, num_in_flight, staleness_bound=0, placement="default
     only lets the others run ahead by D waves), which is what each worker is given; under a
     scheme that bounds nothing (ASP) each goes at its own (:func:`long_run_pace`). `push`: the
     workers' push times (:func:`_push_times`) when already known.
+
+    Returns:
+        The cluster's and each worker's minibatches/s.
     """
     n = steps or _steps(num_in_flight)
     result, same_as = _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push, stages={0})
@@ -414,7 +466,11 @@ def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="def
     pull's transfer (and the push's when D = 0), the merge and the update (its apply time each),
     and p + Nm's forward and backward passes on q and every later stage; the window holds as many
     such chains as multiples p of Nm with f + Nm <= p <= n - Nm, less the last update's tail
-    (2 instructions and an apply). Each worker's pace is at most L / the longest of these."""
+    (2 instructions and an apply). Each worker's pace is at most L / the longest of these.
+
+    Returns:
+        The bounds, one per worker, or None.
+    """
     if model.schedule is not HETPIPE:
         return None
     n = _steps(num_in_flight)
@@ -444,7 +500,11 @@ def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="def
 def long_run_pace(sync, alone):
     """Each worker's minibatches/s in the long run, of its simulated ones `alone`: the slowest's
     under a scheme that bounds staleness (:attr:`hetpipe_tf.pipeline.schedule.SyncScheme.bounded`),
-    its own under one that does not."""
+    its own under one that does not.
+
+    Returns:
+        The paces, one per worker.
+    """
     return tuple(alone) if not sync.bounded else (min(alone),) * len(alone)
 
 
@@ -462,7 +522,15 @@ def uneven_sizes(model, parts, minibatch_sizes):
     """Each worker's minibatch size (:mod:`hetpipe_tf.planning.uneven`): "proportional" splits a
     global batch of the profile's batch size times the number of workers by each worker's
     predicted images/s alone (simulated without the other workers) within its memory cap; a
-    tuple is checked against the caps. Raises PlanError naming the worker that does not fit."""
+    tuple is checked against the caps. Raises PlanError naming the worker that does not fit.
+
+    Returns:
+        The sizes, one per worker.
+
+    Raises:
+        PlanError: a worker cannot hold its share.
+        UnevenMinibatchError: the sizes are not valid.
+    """
     batch = model.profile.batch_size
     caps = [memory_cap(p, batch) for p in parts]
     names = [f"virtual worker {i} ({describe([p.devices])})" for i, p in enumerate(parts)]
@@ -487,7 +555,14 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
     whose bound (:func:`pace_bounds`) is below 0.98 of the best found are not simulated: they
     could be neither the best nor chosen, so the plan is the one of simulating every Nm, its
     by_num_in_flight without them. With `floor` (auto): None if no Nm can predict more than `floor`
-    minibatches/s, and the Nm whose bound cannot beat it are not simulated either."""
+    minibatches/s, and the Nm whose bound cannot beat it are not simulated either.
+
+    Returns:
+        The plan's parts, or None.
+
+    Raises:
+        PlanError: the model does not fit, or the options conflict.
+    """
     if placement == "local" and len({tuple(d.type.name for d in w) for w in workers}) > 1:
         raise PlanError("local placement keeps a stage's layers on its node's parameter server, which needs "
                         "every virtual worker to hold the same device types (ED)")
@@ -587,7 +662,11 @@ class _Settings:
 
     def model(self, workers, several=None):
         """The CostModel of an allocation: its workers share links, and synchronise if several
-        (`several`: whether to count them as several, whatever their number)."""
+        (`several`: whether to count them as several, whatever their number).
+
+        Returns:
+            The CostModel.
+        """
         several = len(workers) > 1 if several is None else several
         return CostModel(self.profile, self.cluster, links=self.links, dilation=self.dilation,
                          optimizer_slots=self.optimizer_slots, schedule=self.schedule,
@@ -620,6 +699,13 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
     calls it holds a replica, exchanging their gradients every minibatch) and with its calls on
     one stage (:func:`hetpipe_tf.planning.profile.colocated`); the faster plan is returned, and
     a note says which it is and what the other predicted.
+
+    Returns:
+      The Plan.
+
+    Raises:
+      PlanError: no plan can be made: the policy cannot be applied to the cluster, the model does
+        not fit the devices, or the options conflict.
     """
     costs = _Costs(links or LinkModel(), optimizer_slots, analytic)
     if not profile.shared_weights:
@@ -645,7 +731,11 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
 
 def _tied_placement(plan, layers):
     """Where `plan` puts each of `layers` (called in several places): replicated on which stages
-    of each worker, or on one stage."""
+    of each worker, or on one stage.
+
+    Returns:
+        The placement by layer.
+    """
     segments_of = {layer: segments for layer, segments, _ in plan.profile.shared_weights}
     parts = []
     for layer in layers:
@@ -722,7 +812,11 @@ def _quick_bound(settings, workers):
     worker's pace at most max over Nm of L / ((L - Nm) x its least slowest stage) (pace_bounds'
     first bound), its least slowest stage the model's time spread over its devices at their best
     speed (least_slowest_stage), combined as the synchronisation does; 0 if a worker has more
-    devices than the model segments, inf for another schedule than HetPipe's."""
+    devices than the model segments, inf for another schedule than HetPipe's.
+
+    Returns:
+        The bound.
+    """
     if settings.schedule is not HETPIPE or settings.minibatch_sizes is not None:
         return float("inf")
     model = settings.model(workers)
@@ -750,7 +844,14 @@ def _auto(settings, solved, notes, time_budget_s):
     in the order of their quick bound (:func:`_quick_bound`), until it falls to the best found,
     each cut off where no Nm's bound (:func:`pace_bounds`) beats the best, and cut by the dynamic
     program (the MILP's optimum, found faster: its cut may differ from the MILP's where two cuts
-    are as slow)."""
+    are as slow).
+
+    Returns:
+        The best Plan, its alternatives beside it.
+
+    Raises:
+        PlanError: no allocation can be planned.
+    """
     started = time.monotonic()
     cluster, profile = settings.cluster, settings.profile
     search = solved if solved.method == "dp" else _Solved("dp", solved.max_num_in_flight)
@@ -827,7 +928,11 @@ def _composition_rate(settings, solved, composition):
     synchronisation, packed onto the cluster's first free devices), from its best partition:
     1 / its slowest stage, or Nm / the sum of its stages' times when its memory admits fewer
     minibatches in flight than stages (the pipeline is then never full). 0 if it cannot hold
-    the model."""
+    the model.
+
+    Returns:
+        The minibatches/s.
+    """
     (worker,) = pack_workers(settings.cluster, {composition: 1})
     if len(worker) > settings.profile.num_segments:
         return 0.0
@@ -843,7 +948,11 @@ def _composition_rate(settings, solved, composition):
 def simulate_plan(p, steps=400):
     """A plan's schedules in the simulator, longer than the planner runs them: a report dict
     with images/s, and per worker its devices' busy fractions and its average wait for pulled
-    weights and idle time of its first stage during those waits (§8.4)."""
+    weights and idle time of its first stage during those waits (§8.4).
+
+    Returns:
+        The report.
+    """
     model = CostModel(p.profile, p.cluster, schedule=p.schedule, sync=p.sync, analytic=p.analytic,
                       link_flows=link_flows([w.devices for w in p.workers]))
     parts = [w.partition for w in p.workers]

@@ -57,7 +57,11 @@ class SegmentTimes:
 
     def pass_seconds(self, lo: int, hi: int) -> tuple[float, float]:
         """(forward, backward) seconds of one task running segments [lo, hi): its fixed cost plus
-        its segments' compute (§7: a stage's time is the sum of its layers')."""
+        its segments' compute (§7: a stage's time is the sum of its layers').
+
+        Returns:
+            The (forward, backward) seconds.
+        """
         return (self.forward_overhead + sum(self.forward[lo:hi]),
                 self.backward_overhead + sum(self.backward[lo:hi]))
 
@@ -65,7 +69,32 @@ class SegmentTimes:
 @dataclass(frozen=True)
 class Profile:
     """A model's segments at a batch size (§7): their bytes, FLOPs and traffic, and their times
-    on each device type measured or predicted."""
+    on each device type measured or predicted (see the module docstring).
+
+    Args:
+        model: the model's name.
+        batch_size: the minibatch size the figures are for.
+        starts: the first layer call of each segment.
+        weight_bytes: each segment's trainable weights, in bytes.
+        state_bytes: each segment's non-trainable state, in bytes.
+        activation_bytes: the activations one minibatch keeps alive in each segment until its
+            backward pass, in bytes.
+        cut_bytes: the bytes into segment i from segment i - 1 (0 for the first).
+        forward_flops: each segment's forward FLOPs.
+        backward_flops: each segment's backward FLOPs.
+        traffic_bytes: the bytes each segment's forward pass reads and writes.
+        kernels: the layer calls of each segment.
+        layer_names: the name of every layer call, in order.
+        times: device type (or ``"host"``) -> its :class:`SegmentTimes`.
+        apply_base: seconds of an update, independent of its size.
+        apply_per_byte: seconds of an update per byte of weights.
+        apply_shared_per_byte: the same when a stashed version still shares the weights' buffer.
+        instruction_seconds: what one non-compute instruction costs the executor.
+        pacing_overshoot_seconds: how late, on average, the host goes on after its emulated
+            device ended a task.
+        shared_weights: each layer called in several segments (tied weights): its name, those
+            segments and its weight bytes.
+    """
     model: str
     batch_size: int
     starts: tuple[int, ...]  # first layer call of each segment
@@ -91,11 +120,16 @@ class Profile:
 
     @property
     def num_segments(self) -> int:
+        """The number of segments."""
         return len(self.starts)
 
     def stage_weight_bytes(self, lo: int, hi: int) -> int:
         """Trainable weight bytes of a stage of segments [lo, hi): a layer called in several of
-        them counts once."""
+        them counts once.
+
+        Returns:
+            The bytes.
+        """
         over = sum(nbytes * (n - 1) for n, nbytes in self._shared_counts(lo, hi) if n > 1)
         return sum(self.weight_bytes[lo:hi]) - over
 
@@ -103,7 +137,11 @@ class Profile:
         """The :attr:`shared_weights` entries a stage of segments [lo, hi) holds a replica of (the
         layer is called both inside and outside it): their gradients of every minibatch are
         exchanged with the other replicas' stages and summed before any applies (Megatron's
-        embedding group)."""
+        embedding group).
+
+        Returns:
+            Those entries.
+        """
         return [entry for (n, _), entry in zip(self._shared_counts(lo, hi), self.shared_weights)
                 if 0 < n < len(entry[1])]
 
@@ -131,25 +169,32 @@ class Profile:
         return [(sum(lo <= i < hi for i in segments), nbytes) for _, segments, nbytes in self.shared_weights]
 
     def with_times(self, key: str, times: SegmentTimes) -> "Profile":
+        """The profile with `times` under device type `key` (replacing any there)."""
         merged = dict(self.times)
         merged[key] = times
         return Profile(**{**self._fields(), "times": merged})
 
     def with_costs(self, **costs: float) -> "Profile":
         """The profile with some of apply_base, apply_per_byte, apply_shared_per_byte,
-        instruction_seconds replaced."""
+        instruction_seconds replaced.
+
+        Returns:
+            The new profile.
+        """
         return Profile(**{**self._fields(), **costs})
 
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def to_json(self) -> str:
+        """The profile as JSON (:meth:`from_json` reads it back; ``--profile`` takes it)."""
         d = asdict(self)
         d["times"] = {k: asdict(v) for k, v in self.times.items()}
         return json.dumps(d)
 
     @staticmethod
     def from_json(text: str) -> "Profile":
+        """The profile that :meth:`to_json` wrote as `text`."""
         d = json.loads(text)
         times = {k: SegmentTimes(**{f: _tupled(x) for f, x in v.items()}) for k, v in d.pop("times").items()}
         d["shared_weights"] = tuple((layer, tuple(segments), nbytes) for layer, segments, nbytes in
@@ -204,7 +249,11 @@ def segment_starts(graph: ModelGraph) -> tuple[int, ...]:
     """First layer call of every segment: every layer call. A cut may separate the calls of a
     shared layer (tied weights): each stage that calls it then holds a replica, whose memory and
     gradient exchange the cost model charges, so the planner weighs replicas against keeping
-    the calls on one stage."""
+    the calls on one stage.
+
+    Returns:
+        The first layer call of each segment.
+    """
     return tuple(range(graph.num_nodes))
 
 
@@ -215,7 +264,11 @@ def static_profile(graph: ModelGraph, batch_size: int, attention: Mapping[int, A
     `attention`: {node index: :class:`AttentionBlock`} of its attention layers, whose saved
     tensors count as activations and whose scores as FLOPs (forward; twice in the backward pass);
     `lookups`: indices of table lookups (embeddings), whose FLOPs are their outputs' elements,
-    not the graph's estimate from the weights (a gather multiplies nothing)."""
+    not the graph's estimate from the weights (a gather multiplies nothing).
+
+    Returns:
+        The profile.
+    """
     blocks = attention or {}
     starts = segment_starts(graph)
     ends = starts[1:] + (graph.num_nodes,)
@@ -277,7 +330,11 @@ def coarsen(profile: Profile, max_segments: int) -> Profile:
     """A profile of at most `max_segments` segments, made by merging the adjacent pair with
     the least compute (FLOPs) again and again; stages can then only be cut between merged
     segments. Per-segment times, bytes and FLOPs add up; a merged segment receives what its
-    first part received."""
+    first part received.
+
+    Returns:
+        The coarser profile.
+    """
     groups = [[i] for i in range(profile.num_segments)]
     cost = [f + b for f, b in zip(profile.forward_flops, profile.backward_flops)]
     while len(groups) > max_segments:
@@ -290,7 +347,11 @@ def coarsen(profile: Profile, max_segments: int) -> Profile:
 def colocated(profile: Profile) -> Profile:
     """The profile whose segments keep every shared layer's calls together (each span from its
     first call's segment to its last one's is one segment): the plans in which no layer is
-    replicated, which :func:`hetpipe_tf.planning.planner.plan` weighs against replicas."""
+    replicated, which :func:`hetpipe_tf.planning.planner.plan` weighs against replicas.
+
+    Returns:
+        The profile.
+    """
     groups = [[i] for i in range(profile.num_segments)]
     for _, segments, _ in profile.shared_weights:
         first = next(g for g, members in enumerate(groups) if segments[0] in members)

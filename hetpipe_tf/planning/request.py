@@ -52,23 +52,29 @@ def _sizes(value: str | tuple[int, ...] | None) -> str | tuple[int, ...] | None:
 class PlanRequest:
     """What one run asks the planner for; None where the planner chooses (checked when built).
 
-    policy: how devices are grouped into virtual workers: "np", "ed", "hd" (§8.1) or "auto".
-    vw_size: devices per virtual worker (None: the policy's default, the smallest node's count).
-    num_in_flight: Nm (§4), checked against every worker's Max_m; None: the planner's choice.
-    staleness_bound: D of WSP (§5), s of SSP.
-    placement: of the global weights on the servers (§8.1): "default" (layers round-robin) or
-      "local" (each stage's layers on its node's server; equal workers only); None: local for ED,
-      else default.
-    schedule, sync: the registered pipelining schedule and synchronisation scheme (names or objects).
-    minibatch_sizes: None (every worker the profile's batch size), "proportional" (a global batch
-      of the batch size times the workers, split by predicted throughput within memory) or one
-      size per worker.
-    dilation: of the emulated devices; None: calibrated by probe runs before training, and planned
-      at 1 (a dilation slows every emulated device alike, so the plan's choices stand).
-    method: the partitioner, "milp" or "dp".
-    max_num_in_flight: the largest Nm tried.
-    workers: explicit virtual workers (tuples of the cluster's devices) instead of a policy.
-    time_budget_s: policy "auto" only: stop trying allocations after this many seconds.
+    Args:
+        policy: how devices are grouped into virtual workers: "np", "ed", "hd" (§8.1) or "auto".
+        vw_size: devices per virtual worker (None: the policy's default, the smallest node's count).
+        num_in_flight: Nm (§4), checked against every worker's Max_m; None: the planner's choice.
+        staleness_bound: D of WSP (§5), s of SSP.
+        placement: of the global weights on the servers (§8.1): "default" (layers round-robin) or
+            "local" (each stage's layers on its node's server; equal workers only); None: local
+            for ED, else default.
+        schedule: the registered pipelining schedule (its name or the object).
+        sync: the registered synchronisation scheme (its name or the object).
+        minibatch_sizes: None (every worker the profile's batch size), "proportional" (a global
+            batch of the batch size times the workers, split by predicted throughput within
+            memory) or one size per worker.
+        dilation: of the emulated devices; None: calibrated by probe runs before training, and
+            planned at 1 (a dilation slows every emulated device alike, so the plan's choices
+            stand).
+        method: the partitioner, "milp" or "dp".
+        max_num_in_flight: the largest Nm tried.
+        workers: explicit virtual workers (tuples of the cluster's devices) instead of a policy.
+        time_budget_s: policy "auto" only: stop trying allocations after this many seconds.
+
+    Raises:
+        PlanRequestError: an argument is not valid; the message names it and what is allowed.
     """
     policy: str = "ed"
     vw_size: int | None = None
@@ -126,7 +132,15 @@ class PlanRequest:
     def asked(cls, uneven_minibatches: bool | list[int] | tuple[int, ...] = False, **fields: Any) -> "PlanRequest":
         """The request of ``HetPipeStrategy``'s arguments (and of the commands' flags, which name them
         alike): `uneven_minibatches` as the strategy takes it (:func:`requested_sizes`), the other
-        fields by their names."""
+        fields by their names.
+
+        Args:
+            uneven_minibatches: True, False or one minibatch size per virtual worker.
+            **fields: the other fields of the request, by name.
+
+        Returns:
+            The request, checked.
+        """
         return cls(minibatch_sizes=requested_sizes(uneven_minibatches), **fields)
 
     @property
@@ -143,8 +157,18 @@ class PlanRequest:
 
 
 def requested_sizes(uneven_minibatches: bool | list[int] | tuple[int, ...]) -> str | tuple[int, ...] | None:
-    """The ``minibatch_sizes`` of a request from an ``uneven_minibatches`` argument: True ->
-    "proportional", a list -> those sizes, False -> None (every worker the batch size)."""
+    """The ``minibatch_sizes`` of a request from an ``uneven_minibatches`` argument.
+
+    Args:
+        uneven_minibatches: True, False or a list of minibatch sizes (one per virtual worker).
+
+    Returns:
+        "proportional" for True, the sizes for a list, None (every worker the batch size) for
+        False.
+
+    Raises:
+        PlanRequestError: `uneven_minibatches` is none of those.
+    """
     if isinstance(uneven_minibatches, bool):
         return PROPORTIONAL if uneven_minibatches else None
     if isinstance(uneven_minibatches, (list, tuple)):

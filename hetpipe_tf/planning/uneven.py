@@ -37,7 +37,14 @@ class UnevenMinibatchError(HetPipeUsageError, ValueError):
 
 def at_batch_size(profile: Profile, batch_size: int) -> Profile:
     """`profile` at `batch_size` samples per minibatch (see the module docstring: activation and
-    cut bytes exactly, compute times, FLOPs and traffic in proportion, task overheads kept)."""
+    cut bytes exactly, compute times, FLOPs and traffic in proportion, task overheads kept).
+
+    Returns:
+        The scaled profile.
+
+    Raises:
+        UnevenMinibatchError: `batch_size` is not an integer >= 1.
+    """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise UnevenMinibatchError(f"a minibatch size must be an integer >= 1, got {batch_size!r}")
     r = batch_size / profile.batch_size
@@ -57,8 +64,11 @@ def at_batch_size(profile: Profile, batch_size: int) -> Profile:
 
 def memory_cap(partition: Partition, batch_size: int) -> int | None:
     """The largest minibatch size every stage of `partition` (a Partition costed at
-    `batch_size`) holds in its memory, with its cut and Nm; None when no stage's memory
-    grows with it."""
+    `batch_size`) holds in its memory, with its cut and Nm.
+
+    Returns:
+        That size, or None when no stage's memory grows with it.
+    """
     caps: list[int] = []
     for st in partition.stages:
         held = st.memory.get("activations", 0)
@@ -69,8 +79,16 @@ def memory_cap(partition: Partition, batch_size: int) -> int | None:
 
 
 def check_sizes(sizes: Sequence[int], caps: Sequence[int | None], workers: Sequence[str] | None = None) -> None:
-    """Raises UnevenMinibatchError unless every size is an integer >= 1 within its worker's
-    memory cap (`caps`: :func:`memory_cap` of each worker; `workers`: their names)."""
+    """Checks that every size is an integer >= 1 within its worker's memory cap.
+
+    Args:
+        sizes: each worker's minibatch size.
+        caps: :func:`memory_cap` of each worker.
+        workers: their names, for the message (None: "virtual worker i").
+
+    Raises:
+        UnevenMinibatchError: a size is not one per worker, not an integer >= 1, or over its cap.
+    """
     names = workers or [f"virtual worker {i}" for i in range(len(caps))]
     if len(sizes) != len(caps):
         raise UnevenMinibatchError(f"{len(sizes)} minibatch sizes {list(sizes)} for {len(caps)} virtual workers: "
@@ -91,8 +109,19 @@ def proportional_sizes(rates: Sequence[float], total: int, caps: Sequence[int | 
     """Integer sizes summing to `total`, proportional to `rates` (each worker's predicted
     images/s), each within its cap (None: no cap). A capped worker gets its cap and the rest
     is shared by the others in proportion, again and again; then largest-remainder rounding.
-    Raises UnevenMinibatchError when the caps hold fewer than `total` samples or a worker's
-    share rounds to zero."""
+
+    Args:
+        rates: each worker's predicted images/s (> 0).
+        total: the global batch, the sum of the sizes.
+        caps: each worker's largest size (None: no cap for any).
+
+    Returns:
+        Each worker's minibatch size.
+
+    Raises:
+        UnevenMinibatchError: a rate is not positive, `total` gives some worker nothing, the caps
+            hold fewer than `total` samples, or a worker's share rounds to zero.
+    """
     n = len(rates)
     limits: list[int | None] = list(caps) if caps is not None else [None] * n
     if n == 0 or any(r <= 0 for r in rates):
@@ -142,6 +171,13 @@ def push_weights(sizes: Sequence[int]) -> tuple[float, ...]:
     SGD at learning rate η, u_i = -η ∇L_i, so the global step is -η n Σ_i (b_i / B) ∇L_i =
     -η n ∇L, L the mean loss over all B samples of the round: SGD on the concatenated batch
     at learning rate n·η, which is what the servers do with even sizes (every weight 1, the
-    paper's unweighted sum of pushes, §5)."""
+    paper's unweighted sum of pushes, §5).
+
+    Args:
+        sizes: each worker's minibatch size b_i.
+
+    Returns:
+        Each worker's push weight.
+    """
     total = sum(sizes)
     return tuple(len(sizes) * b / total for b in sizes)

@@ -13,6 +13,16 @@ def configure_tensorflow_devices(specs):
     the host's cores). GPUs with a memory limit become logical GPUs. Logical devices
     can only be made before TensorFlow initialises its runtime; if it already has,
     emulated devices share the logical CPUs that exist.
+
+    Args:
+        specs: the DeviceSpecs, one per stage.
+
+    Returns:
+        The TensorFlow device name of each spec, in order.
+
+    Raises:
+        DeviceSpecError: a GPU is asked for that TensorFlow does not see, or the items on one GPU
+            mix memory limits and none.
     """
     import tensorflow as tf
 

@@ -30,7 +30,14 @@ class UnsendableModelError(HetPipeUsageError, ValueError):
 
 def pack_model(model: keras.Model) -> str:
     """What a worker process rebuilds `model` from (:func:`unpack_model`): a Sequential or functional
-    model's JSON, or a subclassed model's trace with its variables' paths and order."""
+    model's JSON, or a subclassed model's trace with its variables' paths and order.
+
+    Returns:
+        The packed model, picklable.
+
+    Raises:
+        UnsendableModelError: a layer class of the model cannot be rebuilt in another process.
+    """
     if not is_subclassed(model):
         return model.to_json()
     graph = traced(model)
@@ -53,7 +60,11 @@ def pack_model(model: keras.Model) -> str:
 
 def unpack_model(text: str) -> keras.Model:
     """The model :func:`pack_model` packed: for a subclassed model, its traced graph with the user's
-    model's variable paths and order (``set_weights`` takes the user's model's ``get_weights``)."""
+    model's variable paths and order (``set_weights`` takes the user's model's ``get_weights``).
+
+    Returns:
+        The rebuilt Keras model.
+    """
     packed = json.loads(text)
     if not isinstance(packed, dict) or packed.get("format") != _TRACE_FORMAT:
         return keras.models.model_from_json(text)
@@ -67,7 +78,14 @@ def unpack_model(text: str) -> keras.Model:
 
 def _order_of_layers(model: keras.Model, rebuilt: keras.Model, order: list[int]) -> list[int]:
     """The permutation of `rebuilt`'s layers under which its weights come in `model`'s order (each
-    user's weight i is the traced graph's weight order[i]); refused if there is none."""
+    user's weight i is the traced graph's weight order[i]); refused if there is none.
+
+    Returns:
+        The permutation.
+
+    Raises:
+        UnsendableModelError: there is none.
+    """
     owner = [i for i, layer in enumerate(rebuilt._layers) for _ in layer.weights]
     permutation = list(dict.fromkeys(owner[i] for i in order))
     permutation += [i for i in range(len(rebuilt._layers)) if i not in permutation]

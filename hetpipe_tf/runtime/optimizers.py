@@ -93,8 +93,21 @@ class UnsupportedOptimizerError(HetPipeUsageError, ValueError):
 def by_name(name: str, learning_rate: float = 0.01, momentum: float = 0.0, weight_decay: float | None = None,
             global_clipnorm: float | None = None) -> keras.optimizers.Optimizer:
     """A Keras optimizer by the name the binaries' --optimizer flag takes (``adamw``, ``sgd``, ...: a
-    supported class's name in lower case); `momentum` is SGD's; `weight_decay` None: the class's default
-    (AdamW's and Muon's 0.004, the others' none)."""
+    supported class's name in lower case).
+
+    Args:
+        name: the optimizer's name (:data:`NAMES`).
+        learning_rate: its learning rate.
+        momentum: SGD's momentum.
+        weight_decay: None: the class's default (AdamW's and Muon's 0.004, the others' none).
+        global_clipnorm: its global clip norm (None: none).
+
+    Returns:
+        The Keras optimizer.
+
+    Raises:
+        UnsupportedOptimizerError: `name` is not a supported optimizer's.
+    """
     if name not in _BY_NAME:
         raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: {', '.join(NAMES)}")
     kwargs = {"learning_rate": learning_rate, "global_clipnorm": global_clipnorm}
@@ -106,16 +119,35 @@ def by_name(name: str, learning_rate: float = 0.01, momentum: float = 0.0, weigh
 
 
 def check_name(name: str) -> str:
-    """`name` if it names a supported optimizer (:data:`NAMES`, any case), else raises; it makes no
-    optimizer (a Keras optimizer's variables would start TensorFlow's runtime)."""
+    """Checks that `name` names a supported optimizer (:data:`NAMES`, any case); it makes no
+    optimizer (a Keras optimizer's variables would start TensorFlow's runtime).
+
+    Args:
+        name: the optimizer's name.
+
+    Returns:
+        `name`.
+
+    Raises:
+        UnsupportedOptimizerError: it names none.
+    """
     if name.lower() not in _BY_NAME:
         raise UnsupportedOptimizerError(f"unknown optimizer {name!r}; allowed: {', '.join(NAMES)}")
     return name
 
 
 def check_optimizer(optimizer: keras.optimizers.Optimizer | str) -> keras.optimizers.Optimizer:
-    """Returns a Keras optimizer for `optimizer` (an instance, or a name: the class with its
-    defaults), or raises."""
+    """The Keras optimizer of `optimizer`, checked to run in the pipeline as Keras would.
+
+    Args:
+        optimizer: an instance, or a name (the class with its defaults).
+
+    Returns:
+        The optimizer (made from the name, or the one given).
+
+    Raises:
+        UnsupportedOptimizerError: the optimizer, or one of its settings, is not supported.
+    """
     if isinstance(optimizer, str):
         optimizer = _BY_NAME[check_name(optimizer).lower()]()
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -142,8 +174,16 @@ _WEIGHTS_IN_SLOTS = ("Ftrl", "ScheduleFreeAdamW")
 
 
 def check_for_workers(optimizer: keras.optimizers.Optimizer | str, workers: int) -> None:
-    """Raises if `optimizer` cannot train `workers` virtual workers together: one that keeps the
-    weights in its slots loses the other workers' updates a pull merges into w_local (§5)."""
+    """Checks that `optimizer` can train `workers` virtual workers together: one that keeps the
+    weights in its slots loses the other workers' updates a pull merges into w_local (§5).
+
+    Args:
+        optimizer: the optimizer, or its name.
+        workers: the number of virtual workers.
+
+    Raises:
+        UnsupportedOptimizerError: it keeps the weights in its slots and `workers` > 1.
+    """
     name = _BY_NAME[check_name(optimizer).lower()].__name__ if isinstance(optimizer, str) else \
         type(inner_optimizer(optimizer)).__name__
     if workers > 1 and name in _WEIGHTS_IN_SLOTS:
@@ -157,7 +197,11 @@ def stage_optimizer(optimizer: keras.optimizers.Optimizer | str, originals: Sequ
                     copies: Sequence[keras.Variable] = ()) -> keras.optimizers.Optimizer:
     """A fresh optimizer with `optimizer`'s class and config, for one stage whose weights `copies` are
     copies of the model variables `originals` (in the same order), with `optimizer`'s weight-decay
-    exclusions: those by name as they are, those by variable given to the copies of the variables."""
+    exclusions: those by name as they are, those by variable given to the copies of the variables.
+
+    Returns:
+        The stage's optimizer (without a global clip norm: the stages apply it together).
+    """
     optimizer = inner_optimizer(check_optimizer(optimizer))
     copy = type(optimizer).from_config({**optimizer.get_config(), "global_clipnorm": None})
     excluded = getattr(optimizer, "_exclude_from_weight_decay", set())
@@ -179,7 +223,11 @@ def slots_per_weight(optimizer: keras.optimizers.Optimizer | str) -> int:
     weights it orthogonalises (Newton-Schulz) get the momentum only. Adafactor: 1, a lower bound: its
     full-size velocity (Keras 3 keeps one besides the factored moments); the factored moments, m + n
     values for an m x n matrix (1/m + 1/n of its bytes) and two scalars for a vector, are not counted.
-    Nor is Nadam's one scalar per stage."""
+    Nor is Nadam's one scalar per stage.
+
+    Returns:
+        The count for `optimizer`'s class and settings.
+    """
     optimizer = inner_optimizer(check_optimizer(optimizer))
     return _SLOTS[type(optimizer)](optimizer.get_config())
 
@@ -195,7 +243,11 @@ def inner_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.O
 def update_rule_of(optimizer: keras.optimizers.Optimizer) -> UpdateRule:
     """What every stage's update takes from the others under `optimizer` (a checked one): its
     inner optimizer's ``global_clipnorm`` and a LossScaleOptimizer's dynamic loss scaling (a name:
-    neither)."""
+    neither).
+
+    Returns:
+        The UpdateRule.
+    """
     if isinstance(optimizer, str):
         return UpdateRule()
     scaling = None

@@ -44,6 +44,7 @@ CACHE_VERSION = 3
 
 
 def host_name():
+    """This host's CPU model (or its processor or machine name), which a cached profile's key names."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -62,7 +63,11 @@ def _fingerprint(graph):
 
 def _optimizer_key(optimizer):
     """The optimizer in a cached profile's name: its class and its settings (momentum, amsgrad,
-    weight decay, clipping, ...: what an apply runs), not its name nor its learning rate."""
+    weight decay, clipping, ...: what an apply runs), not its name nor its learning rate.
+
+    Returns:
+        The key.
+    """
     config = {k: v for k, v in optimizer.get_config().items() if k not in ("name", "learning_rate")}
     digest = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{type(optimizer).__name__}-{digest}"
@@ -103,6 +108,9 @@ def _fit_segments(rows, n):
     """Non-negative least squares for `stage time = overhead + sum of its segments' costs`.
 
     `rows` are (first segment, end segment, seconds). Returns (overhead, per-segment costs).
+
+    Returns:
+        The pair.
     """
     from scipy.optimize import nnls
 
@@ -124,7 +132,11 @@ def _stand_ins(model, elements):
     """Zero weights shaped like `model`'s trainable ones, under their paths (what Muon's exclusions
     and weight-decay exclusions by name match): every shape shrunk by one factor, when the model's
     are larger, so that together they hold at most about `elements` (each dimension by the same
-    ratio, at least 1: a matrix stays a matrix)."""
+    ratio, at least 1: a matrix stays a matrix).
+
+    Returns:
+        The weights by path.
+    """
     weights = model.trainable_variables
     scale = min(1.0, elements / max(sum(int(np.prod(v.shape)) for v in weights), 1))
     out = []
@@ -142,7 +154,11 @@ def _apply_seconds(optimizer, model, device, shared, elements=APPLY_ELEMENTS, re
     (timed on one weight of one element); per byte, what an apply on weights shaped like `model`'s
     (:func:`_stand_ins`: its matrices take Muon's Newton-Schulz and Adafactor's factored moments, as a
     stage's do) adds per byte to it. With `shared`, a reference to the weights is held across the
-    apply, as a stashed version holds it."""
+    apply, as a stashed version holds it.
+
+    Returns:
+        The pair.
+    """
     points = []
     for make in (lambda: [keras.Variable(np.zeros(1, "float32"))], lambda: _stand_ins(model, elements)):
         with tf.device(device):
@@ -170,7 +186,11 @@ def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_pe
     """What the executor adds around compute, measured by running `model` for real as a two-stage
     pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
     instruction, how much slower an apply is there than alone, the mean time the host takes
-    to go on after its emulated device ended a task)."""
+    to go on after its emulated device ended a task).
+
+    Returns:
+        The triple.
+    """
     graph = describe_model(model).graph
     cuts = graph.allowed_cuts() or tuple(range(1, graph.num_nodes))  # else a tied layer is replicated
     vw = VirtualWorker(model, "1,1", num_in_flight=2, boundaries=(0, cuts[len(cuts) // 2]),
@@ -211,7 +231,11 @@ def static_facts(keras_graph):
     Attention layers: keras_hub's TransformerEncoder and TransformerDecoder (their heads, width
     per head, feed-forward width and dropout) and keras.layers.MultiHeadAttention (alone); table
     lookups: keras.layers.Embedding (and ReversibleEmbedding, a subclass) and keras_hub's position
-    embeddings."""
+    embeddings.
+
+    Returns:
+        The pair.
+    """
     attention, lookups = {}, []
     for index, op in enumerate(keras_graph.operations):
         name = type(op).__name__
@@ -231,7 +255,11 @@ def static_facts(keras_graph):
 def model_profile(model, batch_size, sequence_length=None):
     """The static profile of a Keras model at `batch_size` (no times), with what its graph does
     not show (:func:`static_facts`): at `sequence_length`, every unknown dimension of its
-    tensors (a transformer's sequence) is that long."""
+    tensors (a transformer's sequence) is that long.
+
+    Returns:
+        The profile.
+    """
     described = describe_model(model)
     graph = described.graph if sequence_length is None else described.graph.at_sequence_length(sequence_length)
     attention, lookups = static_facts(described)
@@ -240,7 +268,11 @@ def model_profile(model, batch_size, sequence_length=None):
 
 def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repeats=5):
     """The synthetic transfer benchmark of §7: (bytes, seconds) for moving float32 tensors of
-    `sizes` elements from device `src` to `dst` (the least time of `repeats` each)."""
+    `sizes` elements from device `src` to `dst` (the least time of `repeats` each).
+
+    Returns:
+        The (bytes, seconds) pairs.
+    """
     samples = []
     for n in sizes:
         with tf.device(src):
@@ -264,6 +296,20 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     instead (a cluster task's CPU, for stages that will run on tasks); applies and the
     executor's costs stay measured on `device`. With `cache_dir`, a profile measured before
     for the same model graph, batch size, optimizer, host and stage device is read back instead.
+
+    Args:
+        model: the Keras model.
+        batch_size: the minibatch size.
+        loss: the loss the passes compute.
+        optimizer: the optimizer whose applies are timed (an instance or a name).
+        sample: a minibatch (x, y) to time on (None: random data of the model's input shapes).
+        device: the TensorFlow device the passes are timed on.
+        repeats: how many times each pass is timed (the least is kept).
+        cache_dir: where measured profiles are kept and read back (None: no cache).
+        stage_device: where the segments' passes are timed instead (a cluster task's CPU).
+
+    Returns:
+        The Profile, its times under ``"host"``.
     """
     keras_graph = describe_model(model)  # a subclassed model's: its trace, with inputs and outputs
     graph = keras_graph.graph

@@ -147,11 +147,18 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One virtual worker: its devices (DeviceSpecs or a string), their TensorFlow devices (None:
-    this process's), its stage boundaries (None: balanced), and the parameter server on each
-    stage's node (for ``local`` placement), an emulated slowdown (minibatch id -> factor >= 1,
-    see :class:`hetpipe_tf.pipeline.emulation.Pacer`) and the emulation's references (per stage,
-    (forward, backward) seconds its paces scale from; None: measured before training)."""
+    """One virtual worker of a run.
+
+    Args:
+        devices: its devices, DeviceSpecs or a string (:func:`hetpipe_tf.planning.devices.parse_devices`).
+        tf_devices: the TensorFlow device of each stage (None: this process's).
+        boundaries: its stage boundaries (None: balanced).
+        stage_servers: the parameter server on each stage's node (for ``local`` placement).
+        slowdown: an emulated slowdown, minibatch id -> factor >= 1 (see
+            :class:`hetpipe_tf.pipeline.emulation.Pacer`).
+        references: the emulation's references, per stage the (forward, backward) seconds its
+            paces scale from (None: measured before training).
+    """
     devices: object
     tf_devices: tuple = None
     boundaries: tuple = None

@@ -58,7 +58,14 @@ class UnsupportedModelError(HetPipeUsageError, TypeError):
 
 def _top_graph(model):
     """The functional graph of a Sequential or functional model (a Sequential's own), or of a
-    subclassed model its trace (:mod:`hetpipe_tf.runtime.subclass_trace`)."""
+    subclassed model its trace (:mod:`hetpipe_tf.runtime.subclass_trace`).
+
+    Returns:
+        The functional model.
+
+    Raises:
+        UnsupportedModelError: the model has no graph to cut (not built, or no layer graph).
+    """
     if isinstance(model, keras.Sequential):
         fn = getattr(model, "_functional", None)
         if fn is None:
@@ -79,7 +86,11 @@ def _graph_of(op):
     """The functional graph that `op`, a model used as a layer, runs when called; None for a layer
     to keep whole. A Sequential or functional model (a keras_hub task or backbone, a
     ``keras.applications`` model) runs its graph; a model whose class has a ``call()`` of its own
-    (subclassed) and every other layer are atomic."""
+    (subclassed) and every other layer are atomic.
+
+    Returns:
+        The functional model, or None.
+    """
     if not isinstance(op, keras.Model):
         return None
     owner = next(c for c in type(op).__mro__ if "call" in vars(c))
@@ -94,7 +105,11 @@ def _entered(fn, inputs, names, prefix, context):
     ``Functional.call`` of Keras 3.15.1 (the call-context arguments, ``training``, given to a
     model reach every operation inside it), so the flattened graph computes what the nested one
     does. The layers are the model's own: their weights are shared, nothing is copied. `names`
-    gets each operation's name qualified by the models that hold it ("backbone/dense")."""
+    gets each operation's name qualified by the models that hold it ("backbone/dense").
+
+    Returns:
+        The outputs of the run.
+    """
 
     def operation_fn(op):
         def call(*args, **kwargs):
@@ -122,7 +137,11 @@ def _enter_model(fn, names, prefix, inputs, training=None, mask=None, **kwargs):
 def _unconverted(x):
     """`x`, or the tensor it converts when the conversion changes nothing: a model converts its
     inputs to its inputs' dtypes (``ops.convert_to_tensor``), which is no operation for a tensor
-    that has them already."""
+    that has them already.
+
+    Returns:
+        That tensor.
+    """
     history = x._keras_history
     if isinstance(history.operation, ConvertToTensor):
         source = history.operation._inbound_nodes[history.node_index].input_tensors[0]
@@ -134,7 +153,11 @@ def _unconverted(x):
 def _layer_graph(model):
     """(functional graph, {id(operation): qualified name}) of `model`, with every nested
     Sequential or functional model flattened into its layer calls (the model's own graph when it
-    nests none)."""
+    nests none).
+
+    Returns:
+        The pair.
+    """
     fn = _top_graph(model)
     if not any(_graph_of(op) is not None for op in fn.operations):
         return fn, {id(op): op.name for op in fn.operations}
@@ -166,7 +189,18 @@ class KerasGraph:
 def describe_model(model):
     """The :class:`KerasGraph` of a Sequential or functional Keras model (a subclassed model's
     trace), with the Sequential and functional models used as layers inside it flattened into their
-    layer calls."""
+    layer calls.
+
+    Args:
+        model: the Keras model (Sequential, functional or subclassed).
+
+    Returns:
+        The KerasGraph: the layer graph as plain data and the functional model it came from.
+
+    Raises:
+        UnsupportedModelError: the model has no graph to cut (not built, or no layer graph).
+        UntraceableModelError: a subclassed model's call cannot be traced.
+    """
     fn, names = _layer_graph(model)
     depths = sorted(fn._nodes_by_depth, reverse=True)
     op_order = {id(op): i for i, op in enumerate(fn.operations)}
@@ -255,10 +289,12 @@ class Stage:
 
     @property
     def trainable_variables(self):
+        """The stage sub-model's trainable variables (the Keras model's own, shared)."""
         return self.model.trainable_variables
 
     @property
     def non_trainable_variables(self):
+        """The stage sub-model's non-trainable variables (its state)."""
         return self.model.non_trainable_variables
 
     def stateless_call(self, trainable, non_trainable, entering, training):
@@ -274,6 +310,7 @@ class Stage:
         return sent, list(new_state), reg
 
     def call(self, trainable, non_trainable, entering, training=True):
+        """:meth:`stateless_call` as a compiled function, one per value of `training`."""
         fn = self._functions.get(training)
         if fn is None:
             # A partial per stage: TensorFlow keys its retracing warning on a function's code.
@@ -308,7 +345,16 @@ def _tied_variables(stages):
 
 @dataclass(frozen=True)
 class StagedModel:
-    """A Keras model cut into stages; ``tied``: the variables several stages hold a replica of."""
+    """A Keras model cut into stages, as :func:`split_model` makes it.
+
+    Args:
+        model: the Keras model that was cut.
+        keras_graph: its layer graph (a subclassed model's: its trace), as :func:`describe_model`
+            gives it.
+        boundaries: the index of each stage's first layer call (topological order), from 0.
+        stages: the stage sub-models, in order.
+        tied: the variables several stages hold a replica of.
+    """
     model: keras.Model
     keras_graph: KerasGraph
     boundaries: tuple
@@ -317,10 +363,12 @@ class StagedModel:
 
     @property
     def graph(self):
+        """The cut model's layer graph (a :class:`hetpipe_tf.planning.model_graph.ModelGraph`)."""
         return self.keras_graph.graph
 
     @property
     def num_stages(self):
+        """k, the number of stages."""
         return len(self.stages)
 
     def input_stages(self):
@@ -346,6 +394,7 @@ class StagedModel:
         return {s.index: [by_tensor[t] for t in s.io.loaded] for s in self.stages if s.io.loaded}
 
     def describe(self):
+        """One line per stage: its device, its layer calls and the tensors it sends."""
         lines = []
         for s in self.stages:
             names = [self.graph.nodes[i].layer for i in s.io.nodes]
@@ -364,7 +413,11 @@ def _sub_model(inputs, outputs, name):
     the stage before) would become an input too. The graph between is cloned here instead, a new
     ``keras.Input`` standing for each intermediate input's call only; the history of each of the
     model's own inputs, which the clone of its input layer's call points at the clone, is put
-    back (the model could no longer be saved otherwise)."""
+    back (the model could no longer be saved otherwise).
+
+    Returns:
+        The sub-model.
+    """
     from keras.src.models.functional import (
         clone_keras_tensors, clone_single_keras_tensor, find_nodes_by_inputs_and_outputs, is_input_keras_tensor)
     from keras.src.ops.node import Node
@@ -415,6 +468,11 @@ def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=No
       speeds: relative device speeds used with `num_stages`.
     Returns:
       A :class:`StagedModel`.
+
+    Raises:
+      PartitionError: the boundaries do not describe a cut into the stages asked, or the devices are
+        not one per stage.
+      UnsupportedModelError: the model has no graph to cut (not built, or no layer graph).
     """
     kg = describe_model(model)
     graph = kg.graph

@@ -65,7 +65,11 @@ def is_subclassed(model: keras.Model) -> bool:
 
 def traced(model: keras.Model) -> keras.Model:
     """The functional trace of subclassed `model`: the one :func:`trace_model` made, else a trace
-    on the shape the model was built with."""
+    on the shape the model was built with.
+
+    Returns:
+        The functional model.
+    """
     if model not in _TRACES:
         trace_model(model)
     return _TRACES[model]
@@ -88,6 +92,13 @@ def trace_model(model: keras.Model, input_spec: InputSpec | None = None,
       input_spec: the inputs (see :data:`InputSpec`); None: the shape `model` was built with.
       open_layers: names of the user's own ``Layer`` subclasses inside `model` whose ``call`` is
         traced too (each otherwise stays one node).
+
+    Returns:
+      The functional model over `model`'s own layers.
+
+    Raises:
+      UntraceableModelError: `model` is not subclassed, or its ``call`` cannot be traced into a
+        layer graph; the message names the class, the line of ``call`` and what to do.
     """
     if not is_subclassed(model):
         raise UntraceableModelError(
@@ -117,7 +128,11 @@ def trace_model(model: keras.Model, input_spec: InputSpec | None = None,
 def _runs(model: keras.Model, input_spec: InputSpec | None, opened: list[keras.layers.Layer],
           owners: list[keras.layers.Layer]) -> list[tuple]:
     """(inputs, outputs) of `model`'s call run on symbolic inputs: with training=True, then False
-    (a call that takes `training`), or once."""
+    (a call that takes `training`), or once.
+
+    Returns:
+        The pairs.
+    """
     runs = []
     for kwargs in ({"training": True}, {"training": False}) if _takes_training(model) else ({},):
         inputs = _symbolic_inputs(model, input_spec)
@@ -149,7 +164,11 @@ def _is_own(layer: keras.layers.Layer) -> bool:
 
 def _is_one_piece(op: keras.Operation) -> bool:
     """Whether the stage rewrite keeps `op` whole: all but a Sequential or functional model, which it
-    cuts inside."""
+    cuts inside.
+
+    Returns:
+        Whether it stays one node.
+    """
     return not isinstance(op, keras.Model) or is_subclassed(op)
 
 
@@ -308,7 +327,14 @@ def _open_call(cls: type) -> Callable:
 @contextlib.contextmanager
 def _named_line(model: keras.Model, owners: list[keras.layers.Layer]) -> Iterator[None]:
     """An error while tracing becomes an :class:`UntraceableModelError` naming the line of a traced
-    ``call`` it came from and what to do."""
+    ``call`` it came from and what to do.
+
+    Yields:
+        Nothing; the block runs inside.
+
+    Raises:
+        UntraceableModelError: the block raised.
+    """
     try:
         yield
     except UntraceableModelError:

@@ -57,7 +57,11 @@ def squared_norm(grads: list[tf.Tensor | tf.IndexedSlices], divisor: tf.Tensor |
     """The squared norm of the unscaled `grads` (each divided by `divisor`) as one float32 scalar,
     each gradient counted as Keras's ``clip_by_global_norm`` counts it: a ``tf.IndexedSlices`` (an
     embedding's lookup) by its rows as they are, a row repeated as often as its id is in the batch;
-    a dense gradient (a tied embedding whose uses add up to one) by its values."""
+    a dense gradient (a tied embedding whose uses add up to one) by its values.
+
+    Returns:
+        The scalar.
+    """
     sums = [tf.reduce_sum(tf.square(tf.cast(_rows(g), tf.float32) / divisor)) for g in grads]
     return tf.add_n(sums) if sums else tf.constant(0.0)
 
@@ -69,7 +73,11 @@ def _rows(g: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
 
 def clip_factor(squared, clipnorm):
     """Keras's ``clip_by_global_norm`` factor for a global norm of sqrt(`squared`): NaN when the
-    norm is not finite, as Keras's."""
+    norm is not finite, as Keras's.
+
+    Returns:
+        The factor.
+    """
     use_norm = tf.sqrt(squared)
     return clipnorm * tf.minimum(1.0 / use_norm, 1.0 / clipnorm) + (use_norm - use_norm)
 
@@ -77,7 +85,11 @@ def clip_factor(squared, clipnorm):
 def clipped(grads: list[tf.Tensor | tf.IndexedSlices], factor: tf.Tensor) -> list[tf.Tensor]:
     """`grads` multiplied by the global clip's `factor` as Keras's ``clip_by_global_norm`` multiplies
     them: an IndexedSlices times a tensor is its dense sum times it, so the optimizer then updates an
-    embedding as a dense weight (every row's moments move), as it does under Keras's clip."""
+    embedding as a dense weight (every row's moments move), as it does under Keras's clip.
+
+    Returns:
+        The clipped gradients.
+    """
     return [g * factor for g in grads]
 
 
@@ -91,7 +103,11 @@ class ScaleState:
 
     def after(self, applied):
         """Inside a graph: the scale after a minibatch that was `applied` (a bool tensor), as
-        ``LossScaleOptimizer`` moves it; assigns both variables and returns the scale."""
+        ``LossScaleOptimizer`` moves it; assigns both variables and returns the scale.
+
+        Returns:
+            The new scale.
+        """
         grow = tf.logical_and(applied, tf.equal(self.counter.value, self.scaling.dynamic_growth_steps - 1))
         scale = tf.where(applied, tf.where(grow, self.scale.value * 2.0, self.scale.value), self.scale.value * 0.5)
         counter = tf.where(tf.logical_and(applied, tf.logical_not(grow)), self.counter.value + 1, 0)
@@ -100,4 +116,5 @@ class ScaleState:
         return scale
 
     def variables(self):
+        """The loss scale's variables: the scale and the count of applied minibatches."""
         return [self.scale, self.counter]

@@ -41,6 +41,7 @@ def mean_batch_size(dataset, sizes=None):
 
 
 def is_dataset(x):
+    """Whether `x` is a ``tf.data.Dataset``."""
     return isinstance(x, tf.data.Dataset)
 
 
@@ -61,8 +62,20 @@ def as_dataset(x, y=None, batch_size=None, shuffle=True):
 
 
 def first_batch(data, where):
-    """The first minibatch of `data`; a clear error for a dataset made before this process joined
-    its cluster (`where` names it: its ops are placed on devices the process no longer has)."""
+    """The first minibatch of `data`.
+
+    Args:
+        data: the dataset.
+        where: the cluster this process joined, for the message.
+
+    Returns:
+        Its first element.
+
+    Raises:
+        ValueError: the dataset was made before this process joined its cluster (its ops are
+            placed on devices the process no longer has).
+        InvalidArgumentError: TensorFlow's, for any other reason the dataset cannot give it.
+    """
     try:
         return next(iter(data))
     except tf.errors.InvalidArgumentError as e:
@@ -74,9 +87,21 @@ def first_batch(data, where):
 
 
 def worker_shards(data, workers, sizes=None):
-    """Each worker's endless stream of minibatches of `data` (a batched tf.data.Dataset of
-    (inputs, labels)): the even split for `sizes` None (or all the dataset's batch size), else
-    worker i's b_i = sizes[i] samples of every round of Σ sizes samples."""
+    """Each worker's endless stream of minibatches of `data`.
+
+    Args:
+        data: a batched tf.data.Dataset of (inputs, labels).
+        workers: the number of virtual workers.
+        sizes: each worker's minibatch size b_i; None (or all the dataset's batch size): the even
+            split, each worker a shard of the batches; else worker i takes sizes[i] samples of
+            every round of Σ sizes samples.
+
+    Returns:
+        One endless dataset per worker.
+
+    Raises:
+        ValueError: `sizes` does not give one size per worker.
+    """
     if sizes is not None and len(sizes) != workers:
         raise ValueError(f"{len(sizes)} minibatch sizes {list(sizes)} for {workers} virtual workers: give one "
                          f"per worker")

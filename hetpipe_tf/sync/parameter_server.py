@@ -177,6 +177,9 @@ class ParameterServers:
         variable when the stage that merges them asks for its inputs).
 
         Returns (values, worker clocks read before the values).
+
+        Returns:
+            The values and the worker clocks read before them.
         """
         key = (tuple(paths), to_device)
         if key not in self._pull_fns:
@@ -186,7 +189,11 @@ class ParameterServers:
 
     def all_reduce_group(self, compression, timeout_s):
         """The all-reduce group of this run's virtual workers in this process
-        (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD)."""
+        (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD).
+
+        Returns:
+            The group.
+        """
         return group_of(self, compression, timeout_s)
 
     def abort(self, reason):
@@ -215,7 +222,11 @@ class ParameterServers:
 
     def variable_devices(self):
         """Each global variable's server, in the model's order: what another process needs to
-        attach (see the `variable_devices` argument)."""
+        attach (see the `variable_devices` argument).
+
+        Returns:
+            The device of each variable.
+        """
         return list(self.device_of.values())
 
     def layout(self) -> ServerLayout:
@@ -249,14 +260,17 @@ class GlobalVariable:
                 tf.raw_ops.AssignVariableOp(resource=self.handle, value=tf.convert_to_tensor(like.numpy(), self.dtype))
 
     def read_value(self):
+        """The variable's value, read on its server."""
         with tf.device(self.device):
             return tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
 
     def assign_add(self, delta):
+        """Adds `delta` to the variable on its server."""
         with tf.device(self.device):
             return tf.raw_ops.AssignAddVariableOp(resource=self.handle, value=delta)
 
     def numpy(self):
+        """The variable's value as a NumPy array."""
         return self.read_value().numpy()
 
 
@@ -264,7 +278,11 @@ def synchronised_variables(trainable, non_trainable):
     """What virtual workers synchronise, of a model's or a stage's variables: the trainable
     weights and the floating-point state (BatchNorm's moving statistics, frozen weights), so
     that moving averages take every worker's minibatches; not integer state such as random
-    seeds. In this order: the parameter servers' keys and a stage's exchanges follow it."""
+    seeds. In this order: the parameter servers' keys and a stage's exchanges follow it.
+
+    Returns:
+        Those variables, in that order.
+    """
     return list(trainable) + [v for v in non_trainable if tf.as_dtype(v.dtype).is_floating]
 
 

@@ -13,7 +13,7 @@ optimum) lets iteration t compute while the aggregate of t - 1 is communicated.
 Here an iteration is a minibatch of a virtual worker, and the all-reduce runs per stage: stage
 s of every worker all-reduces with stage s of the others (a worker of one stage is Pipe-SGD's
 plain data parallelism; several stages are "pipelines inside, pipelined all-reduce across",
-which no seed has). As a :class:`hetpipe_tf.pipeline.schedule.SyncScheme`:
+which neither Pipe-SGD nor HetPipe describes). As a :class:`hetpipe_tf.pipeline.schedule.SyncScheme`:
 
 * **after update p** (:class:`ContributeUpdate`): the stage takes its local update
   u_p = w_local - w (``-γ·g_local[p]`` under SGD: what the stage's optimizer made of the
@@ -81,7 +81,11 @@ class Compression:
     def link_share(self, workers: int) -> float:
         """The bytes a worker's link carries per all-reduce, as a multiple of its float32 values'
         bytes n: a ring all-reduce 2(p-1)/p·n (Pipe-SGD, Ring-AllReduce), compressed; a ring
-        all-gather of the compressed payloads (p-1)·n_c."""
+        all-gather of the compressed payloads (p-1)·n_c.
+
+        Returns:
+            The multiple of n.
+        """
         p, ratio = int(workers), self.wire_bytes / 4.0
         return (p - 1) * ratio if self.gathered else 2 * (p - 1) / p * ratio
 
@@ -110,7 +114,11 @@ def ring_allreduce_seconds(workers: int, nbytes: float, latency: float, byte_sec
     """l_comm of a Ring-AllReduce of `nbytes` over p = `workers` (Pipe-SGD, "Finding the Optimal
     Level of Pipelining"): 2(p-1)·L·α + 2((p-1)/p)·n·β + ((p-1)/p)·n·γ + L·S, with L gradient
     `segments` (level of pipeline 1: L = 1), α the latency, β and γ the seconds per byte
-    transferred and summed, S the global synchronisation time. One worker communicates nothing."""
+    transferred and summed, S the global synchronisation time. One worker communicates nothing.
+
+    Returns:
+        l_comm, in seconds.
+    """
     p = int(workers)
     if p <= 1:
         return 0.0
@@ -122,7 +130,14 @@ def ring_allreduce_seconds(workers: int, nbytes: float, latency: float, byte_sec
 def iteration_seconds(update: float, compute: float, communicate: float, staleness: int = 1) -> float:
     """Per-iteration time of Pipe-SGD under limited resources (Pipe-SGD, "Finding the Optimal
     Staleness"): l_total = T·max(l_up + l_comp, l_comm), for k >= 1; with k = 0 nothing
-    overlaps: l_up + l_comp + l_comm."""
+    overlaps: l_up + l_comp + l_comm.
+
+    Returns:
+        l_total, in seconds.
+
+    Raises:
+        ValueError: the staleness k is < 0.
+    """
     if staleness < 0:
         raise ValueError(f"the staleness k must be >= 0, got {staleness}")
     if staleness == 0:
@@ -132,7 +147,11 @@ def iteration_seconds(update: float, compute: float, communicate: float, stalene
 
 def scaling_efficiency(update: float, compute: float, communicate: float) -> float:
     """SE = (l_up + l_comp) / max(l_up + l_comp, l_comm) (Pipe-SGD, "Finding the Optimal
-    Communication Ratio"): 1 once the system is compute bound."""
+    Communication Ratio"): 1 once the system is compute bound.
+
+    Returns:
+        SE.
+    """
     return (update + compute) / max(update + compute, communicate)
 
 
@@ -147,6 +166,7 @@ class ContributeUpdate(Instruction):
     gate: bool = field(default=False, kw_only=True)
 
     def provides(self, stage: int) -> tuple[Delivery, ...]:
+        """The update, to the all-reduce; with `gate`, that it was contributed, to the stage itself."""
         keys: tuple[Delivery, ...] = ((PARAMETER_SERVER, ("allreduce", self.minibatch)),)
         return keys + (((stage, (CONTRIBUTED, self.minibatch)),) if self.gate else ())
 
@@ -160,9 +180,11 @@ class MergeAggregate(Instruction):
     after: int = field(default=0, kw_only=True)
 
     def requires(self) -> tuple[Key, ...]:
+        """Aggregate j, and the stage's contribution of `after` when there is one."""
         return ((AGGREGATED, self.minibatch),) + (((CONTRIBUTED, self.after),) if self.after else ())
 
     def provides(self, stage: int) -> tuple[Delivery, ...]:
+        """That aggregate j is merged, to the stage itself (its later forward passes wait for it)."""
         return ((stage, (MERGED_AGGREGATE, self.minibatch)),)
 
 
@@ -207,11 +229,16 @@ class ReplicaBase:
 
     @property
     def paths(self) -> Sequence[str]:
+        """The synchronised variables' paths."""
         return self.weights.paths
 
     def take_update(self, first_minibatch: int) -> Any:
         """u = w_local - base; w_local and the versions stashed for minibatches >= `first_minibatch`
-        go back to base. Returns u."""
+        go back to base.
+
+        Returns:
+            u.
+        """
         now, update = self.weights.change(self.values)
         self.weights.add_to_weights(self.weights.subtract(self.values, now), first_minibatch, self.included)
         return update
@@ -223,9 +250,11 @@ class ReplicaBase:
         self.weights.add_to_weights(aggregate, first_minibatch, self.included)
 
     def snapshot(self) -> tuple[Any, frozenset[tuple[int, int]]]:
+        """The base and the updates it holds, for :meth:`restore`."""
         return (self.values, self.included)
 
     def restore(self, snapshot: tuple[Any, frozenset[tuple[int, int]]]) -> None:
+        """Sets the base back to a :meth:`snapshot`."""
         self.values, self.included = snapshot
 
 
@@ -276,14 +305,17 @@ class PipeSGD(SyncScheme):
 
     # The schedule ---------------------------------------------------------------------------
     def after_update(self, minibatch: int, steps: int, num_in_flight: int) -> tuple[Instruction, ...]:
+        """The contribution of every minibatch's update to the all-reduce."""
         lag = self.staleness - num_in_flight  # merge j waits for the contribution of j + lag
         return (ContributeUpdate(minibatch, gate=lag > 0 and minibatch - lag >= 1),)
 
     def forward_waits(self, minibatch: int, num_in_flight: int) -> tuple[Key, ...]:
+        """The merge of aggregate p - (k + 1) that minibatch p's forward pass waits for."""
         j = minibatch - (self.staleness + 1)
         return ((MERGED_AGGREGATE, j),) if j >= 1 else ()
 
     def streams(self, stage: int, steps: int, num_in_flight: int) -> tuple[TaskStream, ...]:
+        """The stage's stream of merges, one per minibatch."""
         lag = self.staleness - num_in_flight
 
         def merge(j: int) -> Task:
@@ -294,7 +326,14 @@ class PipeSGD(SyncScheme):
 
     def checked_bound(self, staleness_bound: int) -> int | None:
         """None: Pipe-SGD's staleness is its own k, not a bound of the parameter servers, so
-        `staleness_bound` must stay 0 (its default)."""
+        `staleness_bound` must stay 0 (its default).
+
+        Returns:
+            None.
+
+        Raises:
+            ValueError: `staleness_bound` is not 0.
+        """
         if staleness_bound != 0:
             raise ValueError(f"Pipe-SGD has no parameter-server staleness bound: staleness_bound must be 0, got "
                              f"{staleness_bound}; its gradient staleness is k, PipeSGD(staleness=k) "
@@ -303,12 +342,21 @@ class PipeSGD(SyncScheme):
 
     # The executor -----------------------------------------------------------------------------
     def stage_state(self, weights: ReplicaStage) -> ReplicaBase:
+        """A :class:`ReplicaBase` of the stage's synchronised weights."""
         return ReplicaBase(weights)
 
     def bind(self, worker: int, servers: Any, staleness_bound: int, timeout_s: float) -> AllReduceBinding:
         """The binding of `worker` to the all-reduce group of the run `servers` belong to, which
         the servers give (:meth:`hetpipe_tf.sync.parameter_server.ParameterServers.all_reduce_group`:
-        TensorFlow's collectives, :mod:`hetpipe_tf.sync.allreduce`)."""
+        TensorFlow's collectives, :mod:`hetpipe_tf.sync.allreduce`).
+
+        Returns:
+            The binding.
+
+        Raises:
+            ValueError: `staleness_bound` is not 0, or the run weights the workers' pushes (uneven
+                minibatches).
+        """
         self.checked_bound(staleness_bound)
         if any(a != 1.0 for a in servers.push_weights):
             raise ValueError(f"Pipe-SGD sums every worker's update as it is (Algorithm 1: g_sum = Σ g_local), but "
@@ -320,7 +368,11 @@ class PipeSGD(SyncScheme):
 
     def handlers(self, binding: AllReduceBinding) -> Mapping[type[Instruction], Handler]:
         """Instruction type -> handler for one run of a worker bound by `binding`. Each stage's
-        collectives run on a thread of their own, in minibatch order (:meth:`run_ended` ends it)."""
+        collectives run on a thread of their own, in minibatch order (:meth:`run_ended` ends it).
+
+        Returns:
+            The handlers by instruction type.
+        """
         first_wave = binding.servers.clock.clocks()[0][binding.worker] if binding.worker == 0 else 0
 
         def contribute(ex: Any, s: int, ins: ContributeUpdate) -> None:
@@ -353,7 +405,11 @@ class PipeSGD(SyncScheme):
 
     def dry_handlers(self) -> Mapping[type[Instruction], Handler]:
         """The stage's side alone: the update is taken out and, as if no other worker had
-        contributed, merged back as the aggregate (the same work, no change, no collective)."""
+        contributed, merged back as the aggregate (the same work, no change, no collective).
+
+        Returns:
+            The handlers by instruction type.
+        """
 
         def contribute(ex: Any, s: int, ins: ContributeUpdate) -> None:
             update = ex.runtimes[s].sync_state.take_update(ins.minibatch + ex.schedule.num_in_flight)
@@ -369,7 +425,11 @@ class PipeSGD(SyncScheme):
         """The all-reduces in simulated time. `push_time(agent, instruction)` is the seconds for the
         stage's weights to cross its link once (n·β + α); an all-reduce moves
         :meth:`Compression.link_share` of them (a ring all-reduce 2(p-1)/p, as
-        :func:`ring_allreduce_seconds` at level of pipeline 1; γ and S not modelled here)."""
+        :func:`ring_allreduce_seconds` at level of pipeline 1; γ and S not modelled here).
+
+        Returns:
+            The model of the all-reduces.
+        """
         self.checked_bound(staleness_bound)
         share = self.compression.link_share
         return AllReduceModel(lambda agent, ins, p: share(p) * push_time(agent, ins))
@@ -389,6 +449,11 @@ class AllReduceModel:
         self.link_free: dict[int, float] = {}  # stage -> when its previous all-reduce ended
 
     def receive(self, agent: Agent, key: Key, instruction: Instruction, time: float) -> None:
+        """Takes `agent`'s contribution to an all-reduce at `time`.
+
+        Raises:
+            ValueError: `key` is not an all-reduce's.
+        """
         kind, minibatch = key[0], key[1]
         if kind != "allreduce":
             raise ValueError(f"Pipe-SGD's all-reduce got an unknown request {key!r}")

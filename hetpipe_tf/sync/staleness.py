@@ -38,12 +38,20 @@ class StalenessViolation(HetPipeRunError, AssertionError):
 
 @dataclass(frozen=True)
 class Bounds:
+    """The staleness bounds of one run (§5), and the updates a minibatch's weights must hold.
+
+    Args:
+        num_in_flight: Nm.
+        staleness_bound: D (WSP), s (SSP), 0 (BSP); None: no bound (ASP).
+        wave_size: minibatches per push (per clock); None: Nm, a wave of WSP.
+    """
     num_in_flight: int  # Nm
     staleness_bound: int | None  # D (WSP), s (SSP), 0 (BSP); None: no bound (ASP)
     wave_size: int | None = None  # minibatches per push (per clock); None: Nm, a wave of WSP
 
     @property
     def s_local(self) -> int:
+        """The local staleness, Nm - 1 minibatches (§4)."""
         return self.num_in_flight - 1
 
     @property
@@ -71,11 +79,18 @@ def check(records: Records, num_in_flight: int, staleness_bound: int, num_worker
 
     Args:
       records: {(worker, minibatch): (local minibatch ids, {(worker, wave), ...})}.
+      num_in_flight: Nm of the run.
       staleness_bound: the `staleness_bound` the run was given (D of WSP, s of SSP).
       sync: the run's scheme, of the parameter servers' (a registered name or the scheme): its
         wave size and the bound it keeps for `staleness_bound`.
+      num_workers: the number of virtual workers of the run.
+
     Returns:
       The number of (worker, minibatch) records checked.
+
+    Raises:
+      StalenessViolation: a minibatch's weights missed updates its bound requires.
+      ValueError: `sync` is not a scheme with clocks and waves (wsp, ssp, bsp, asp).
     """
     scheme = get_sync(sync)
     if not isinstance(scheme, WSP):

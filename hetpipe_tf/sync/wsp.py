@@ -59,6 +59,7 @@ class PushUpdate(WaveInstruction):
     parameter servers, which apply w_global += u (§5)."""
 
     def provides(self, stage: int) -> tuple[Delivery, ...]:
+        """The wave's update, to the parameter servers."""
         return ((PARAMETER_SERVER, ("update", self.wave)),)
 
 
@@ -68,6 +69,7 @@ class PullWeights(WaveInstruction):
     once every virtual worker has pushed wave c - D (§5). The stage does not wait here."""
 
     def provides(self, stage: int) -> tuple[Delivery, ...]:
+        """The pull request of clock c, to the parameter servers."""
         return ((PARAMETER_SERVER, ("pull", self.wave)),)
 
 
@@ -77,9 +79,11 @@ class MergePulled(WaveInstruction):
     updates made since the push of wave c, and so do the versions stashed since then."""
 
     def requires(self) -> tuple[Key, ...]:
+        """The answer to the pull of clock c."""
         return ((PULLED, self.wave),)
 
     def provides(self, stage: int) -> tuple[Delivery, ...]:
+        """That wave c is merged, to the stage itself (its later forward passes wait for it)."""
         return ((stage, (MERGED, self.wave)),)
 
 
@@ -120,6 +124,7 @@ class PushBase:
 
     @property
     def paths(self) -> Sequence[str]:
+        """The synchronised variables' paths."""
         return self.weights.paths
 
     def wave_update(self) -> Any:
@@ -134,9 +139,11 @@ class PushBase:
         self.values = self.weights.merge_pulled(self.values, pulled, first_minibatch, included)
 
     def snapshot(self) -> Any:
+        """The base, for :meth:`restore`."""
         return self.values
 
     def restore(self, snapshot: Any) -> None:
+        """Sets the base back to a :meth:`snapshot`."""
         self.values = snapshot
 
 
@@ -187,6 +194,7 @@ class WSP(SyncScheme):
 
     # The schedule ---------------------------------------------------------------------------
     def after_update(self, minibatch: int, steps: int, num_in_flight: int) -> tuple[Instruction, ...]:
+        """At a wave's last minibatch (or the run's last): the wave's push, and its pull when a later minibatch needs it."""
         p, n, g = minibatch, steps, self.wave_size(num_in_flight)
         if not (p % g == 0 or p == n):
             return ()
@@ -197,10 +205,12 @@ class WSP(SyncScheme):
         return out
 
     def forward_waits(self, minibatch: int, num_in_flight: int) -> tuple[Key, ...]:
+        """The merge that minibatch p's forward pass waits for: that of the wave whose pull its version holds."""
         after, g = minibatch - num_in_flight, self.wave_size(num_in_flight)
         return ((MERGED, after // g - 1),) if after > 0 and after % g == 0 else ()
 
     def streams(self, stage: int, steps: int, num_in_flight: int) -> tuple[TaskStream, ...]:
+        """The stage's stream of merges, those a later minibatch waits for."""
         g = self.wave_size(num_in_flight)
 
         def merge(c: int) -> Task:
@@ -211,9 +221,11 @@ class WSP(SyncScheme):
 
     # The executor -----------------------------------------------------------------------------
     def stage_state(self, weights: SynchronisedStage) -> PushBase:
+        """A :class:`PushBase` of the stage's synchronised weights."""
         return PushBase(weights)
 
     def bind(self, worker: int, servers: Any, staleness_bound: int, timeout_s: float) -> WorkerSync:
+        """Virtual worker `worker`'s :class:`WorkerSync` to `servers` under `staleness_bound`."""
         return WorkerSync(self, worker, servers, self.checked_bound(staleness_bound), timeout_s)
 
     def handlers(self, binding: WorkerSync) -> Mapping[type[Instruction], Handler]:
@@ -221,7 +233,11 @@ class WSP(SyncScheme):
         worker bound by `binding` (a :class:`WorkerSync`). A run's waves count from the worker's
         clock at its start, so that a later ``fit`` goes on where the last one ended; a worker
         retired by its last run's end holds the global clock back again. The pushes of a run
-        that failed before its end land before this one starts."""
+        that failed before its end land before this one starts.
+
+        Returns:
+            The handlers by instruction type.
+        """
         binding.lanes.settle(binding.timeout_s)
         binding.servers.clock.retire(binding.worker, retired=False)
         first_wave = binding.servers.clock.clocks()[0][binding.worker]
@@ -267,7 +283,11 @@ class WSP(SyncScheme):
 
     def dry_handlers(self) -> Mapping[type[Instruction], Handler]:
         """A push computes the wave's update and keeps it; a pull is answered at once with the
-        weights of that push, and merged as a real pull is (the same work, no change)."""
+        weights of that push, and merged as a real pull is (the same work, no change).
+
+        Returns:
+            The handlers by instruction type.
+        """
 
         def push(ex: Any, s: int, ins: PushUpdate) -> None:
             ex.runtimes[s].sync_state.wave_update()
@@ -281,6 +301,7 @@ class WSP(SyncScheme):
     # The simulator and the planner ------------------------------------------------------------
     def simulation_model(self, staleness_bound: int, push_time: Timing,
                          pull_time: Timing) -> "ParameterServerModel":
+        """The servers in the simulator: a :class:`ParameterServerModel` under `staleness_bound`."""
         return ParameterServerModel(self.checked_bound(staleness_bound), push_time=push_time, pull_time=pull_time)
 
     def merge(self, ex: Any, s: int, ins: MergePulled, pulled: tuple[Any, Sequence[int]]) -> None:
@@ -292,7 +313,11 @@ class WSP(SyncScheme):
 
 def gate(wave: int, staleness_bound: int | None) -> int:
     """The wave every worker must have pushed before a pull of clock `wave` is answered: wave - D
-    (§5); a negative one (and any, when the bound is None) needs no wait."""
+    (§5); a negative one (and any, when the bound is None) needs no wait.
+
+    Returns:
+        That wave.
+    """
     return -1 if staleness_bound is None else wave - staleness_bound
 
 
@@ -314,6 +339,11 @@ class ParameterServerModel:
         self.pending: list[tuple[Agent, int, float, Instruction]] = []  # (agent, wave, requested, instruction)
 
     def receive(self, agent: Agent, key: Key, instruction: Instruction, time: float) -> None:
+        """Takes a push or a pull request of `agent` at `time`.
+
+        Raises:
+            ValueError: `key` is neither.
+        """
         kind, wave = key[0], key[1]
         if kind == "update":
             self.pushes.setdefault(wave, {})[agent] = time + self.push_time(agent, instruction)

@@ -20,7 +20,11 @@ FINITE = -1
 
 def verdict_code(stage: int, loss: bool, variable: int = 0) -> int:
     """The verdict of a minibatch whose loss (`loss`, on the last stage `stage`) or weight gradient
-    on `stage` was not finite, first in its weight `variable`: ``variable << 17 | stage << 1 | loss``."""
+    on `stage` was not finite, first in its weight `variable`: ``variable << 17 | stage << 1 | loss``.
+
+    Returns:
+        The code.
+    """
     return variable << 17 | stage << 1 | int(loss)
 
 
@@ -31,14 +35,22 @@ def read_verdict(code: int) -> tuple[int, bool, int]:
 
 def combined(code: tf.Tensor, bad: tf.Tensor, own: tf.Tensor | int) -> tf.Tensor:
     """The verdict after a check: `code` if a later stage (or an earlier microbatch) already went
-    bad, else `own` where `bad`."""
+    bad, else `own` where `bad`.
+
+    Returns:
+        The combined code.
+    """
     return tf.where(code != FINITE, code, tf.where(bad, own, code))
 
 
 def checked_gradient(code: tf.Tensor, grads: Sequence[tf.Tensor | tf.IndexedSlices], stage: int) -> tf.Tensor:
     """`code` after checking the weight gradients `grads` of `stage` (an IndexedSlices' values):
     a gradient holds a NaN or an infinity exactly when its sum is not finite, but for a sum of
-    finite values past the float's range, which is taken as not finite too."""
+    finite values past the float's range, which is taken as not finite too.
+
+    Returns:
+        The code after the check.
+    """
     if not grads:
         return code
     finite = tf.math.is_finite(tf.stack([tf.reduce_sum(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
@@ -66,7 +78,11 @@ def non_finite_error(code: int, minibatches: Sequence[int], logs: Mapping[str, t
                      variable_paths: Mapping[int, Sequence[str]]) -> NonFiniteError:
     """The error of `minibatches` (one update) whose verdict `code` is not finite: the minibatch,
     the stage and, for a gradient, its first weight (from `variable_paths`, per stage) that went
-    bad; `logs`: the minibatch's loss and metrics, when its loss was not finite."""
+    bad; `logs`: the minibatch's loss and metrics, when its loss was not finite.
+
+    Returns:
+        The NonFiniteError to raise.
+    """
     which = (f"minibatch {minibatches[0]}" if len(minibatches) == 1
              else f"minibatches {minibatches[0]}..{minibatches[-1]}")
     stage, loss, variable = read_verdict(code)

@@ -209,7 +209,14 @@ def _flag(spec, key, where):
 
 def _node_gpus(spec: dict, device_type: DeviceType, at: str) -> tuple[int, ...] | None:
     """The GPU indices node `spec` names (its ``gpus``), checked: distinct integers >= 0, one per
-    device, on a node of a real accelerator type; None when it names none."""
+    device, on a node of a real accelerator type.
+
+    Returns:
+        The indices, or None when the node names none.
+
+    Raises:
+        ClusterError: the indices are not that, or the node's type is not a real accelerator.
+    """
     gpus = spec.get("gpus")
     if gpus is None:
         return None

@@ -8,7 +8,7 @@ memories Table 1's in MiB instead of GiB (12, 24, 8, 6). Their speeds are the Fi
 1, 0.67, 0.4 and 0.33 (slowdowns 3 / 4.5 / 7.5 / 9 at a dilation of 3), given in the order of
 Table 1's peak FP32 (V and R, then G, then Q: V 1, R 0.67, G 0.4, Q 0.33, as
 benchmarks/nm_sweep.py has them): the paper's relative speeds at this machine's scale are not
-known, so the issue's example stands in for them.
+known, so this example stands in for them.
 
 Every system emulates them with one time rule (:mod:`hetpipe_tf.pipeline.emulation`): a task of
 a device of speed v takes max(actual, dilation / v x its solo time on this host), communication

@@ -213,7 +213,7 @@ def plot(rows, target, path, title):
 
 
 def summarise(rows, target):
-    """The summary line: every row's time to target and the issue's targets: D = 4 sooner than
+    """The summary line: every row's time to target and the targets: D = 4 sooner than
     Horovod (at each learning rate, and at the better of the two, the fair comparison) and
     sooner than D = 0, ED-local; NP's D = 4 against its D = 0 beside. A row that never reached
     the target loses to one that did; a comparison with a row missing from the run is None."""

@@ -53,7 +53,7 @@ if ROOT not in sys.path:
 
 from benchmarks.comparison import emit  # noqa: E402
 
-# Issue 13's emulated 4-type cluster: speeds 1, 0.67, 0.4, 0.33; memory in Table 1's proportions.
+# The comparison's emulated 4-type cluster: speeds 1, 0.67, 0.4, 0.33; memory in Table 1's proportions.
 DEVICE_TYPES = {"V": (1.0, "48M"), "R": (0.67, "96M"), "G": (0.4, "24M"), "Q": (0.33, "32M")}
 POLICIES = ("np", "ed", "hd")
 BATCH = 32
@@ -65,7 +65,7 @@ def _emit(out, **fields):
 
 
 def cluster_spec():
-    """Issue 13's cluster as a cluster file's dict: 4 nodes of 4 emulated devices of one type each."""
+    """The comparison's cluster as a cluster file's dict: 4 nodes of 4 emulated devices of one type each."""
     return {"name": "issue13-emulated",
             "device_types": {t: {"label": f"emulated {t}", "emulated_speed": v, "memory": m}
                              for t, (v, m) in DEVICE_TYPES.items()},

@@ -1,4 +1,4 @@
-"""All-reduce baselines on emulated devices (issue 13): Horovod (``benchmarks/horovod/``, its own
+"""All-reduce baselines on emulated devices: Horovod (``benchmarks/horovod/``, its own
 venv) and TensorFlow's MultiWorkerMirroredStrategy (:mod:`benchmarks.baselines.mwms`).
 
 Both train hetpipe_tf's ``cnn`` on the bundled digits with the same emulated devices, the same

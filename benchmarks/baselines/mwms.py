@@ -1,4 +1,4 @@
-"""TensorFlow's MultiWorkerMirroredStrategy baseline on emulated devices (issue 13), in the main
+"""TensorFlow's MultiWorkerMirroredStrategy baseline on emulated devices, in the main
 venv (TensorFlow 2.21, Keras 3): hetpipe_tf's ``cnn`` on the bundled digits (``--model=gpt``: its
 ``gpt`` on hetpipe_addition's sums), one worker process per rank on loopback, each with its
 TF_CONFIG, started by this script.

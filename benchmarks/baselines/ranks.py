@@ -11,7 +11,7 @@ of a step (forward and backward on the rank's minibatch) takes
 ``max(actual, dilation / v * reference)``; the all-reduce and the update are not padded.
 ``reference`` is the host's solo compute time of a step (see :mod:`benchmarks.baselines.training`).
 ``--speeds`` gives each rank's ``v``; ``--slowdowns`` gives each rank's whole factor
-``dilation / v`` instead, as issue 13 states its example (3,4.5,7.5,9): the dilation is then
+``dilation / v`` instead, as the comparison's example states it (3,4.5,7.5,9): the dilation is then
 the smallest factor and ``v = dilation / slowdown``. Without either dilation, it is calibrated
 (``emulation.calibrate_dilation``).
 

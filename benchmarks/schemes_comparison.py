@@ -1,4 +1,4 @@
-"""The seeds' schemes side by side: throughput, time per epoch and time to accuracy on the same EMULATED devices.
+"""HetPipe, Pipe-SGD, TaylorPipe and the classic pipelines side by side: throughput, time per epoch and time to accuracy on the same EMULATED devices.
 
 One run trains every scheme this checkout registers, each in a process of its own, on the
 bundled digits (1437 train / 360 test images) with the ``cnn``, minibatches of 32, SGD
@@ -21,7 +21,7 @@ The schemes (the registries are asked at run time, ``hetpipe_tf.pipeline.schedul
 * one pipeline on the four devices (one process; ``VirtualWorker``, Nm = 4, cut by FLOPs over
   the speeds): ``HetPipe pipeline`` (§4), ``GPipe`` (4 microbatches per minibatch, a flush),
   ``PipeDream`` (1F1B, weight stashing), ``NaivePipe`` (no stashing) and ``TaylorPipe``
-  (seed 003's Taylor compensation, when registered);
+  (the TaylorPipe paper's Taylor compensation, when registered);
 * virtual workers under a scheme between them (``HetPipeStrategy``, launch "processes": one
   process per virtual worker, parameter servers on every node), ED with local placement, 2
   workers of one fast and one slow device: ``HetPipe (WSP)`` with D = ``--staleness_bound``
@@ -29,7 +29,7 @@ The schemes (the registries are asked at run time, ``hetpipe_tf.pipeline.schedul
   inside, ``TaylorPipe inside WSP`` (the ``hetpipe-taylor`` schedule: the compensation
   applied to the staleness of pulled global weights) and ``Pipe-SGD between virtual
   workers`` (HetPipe's pipelines, Pipe-SGD's all-reduce with staleness k = 1 between them),
-  when registered; ``Pipe-SGD`` itself (seed 002: plain data parallelism, staleness k = 1) as
+  when registered; ``Pipe-SGD`` itself (the Pipe-SGD paper's: plain data parallelism, staleness k = 1) as
   four workers of one device each (NP, ``vw_size=1``); HetPipe on NP (one worker per node:
   unequal workers, F F and S S) with even minibatches and with uneven ones
   (``uneven_minibatches=True``: a minibatch size per worker in proportion to its predicted
@@ -42,15 +42,15 @@ builds and traces), the median time per epoch, the wall time and epoch at which 
 accuracy first reached ``--target`` (null when it did not), the final and best test
 accuracy, the accuracy curve, the processes, ``emulated: true`` and the overrun fraction.
 
-TaylorPipe's Tables 2-3 (seed 003, CIFAR-10, VGG-16, 2-8 GPUs) have this shape, stated
+TaylorPipe's Tables 2-3 (CIFAR-10, VGG-16, 2-8 GPUs) have this shape, stated
 beside the measured rows in the summary line: NaivePipe is the fastest per epoch but does
 not converge (72-82 % error); PipeDream, SpecTrain and TaylorPipe reach error rates close to
 SGD's (6.6-8.0 % against 6.73 %) while taking 1.4-2.7x less time per epoch than SGD. The
 summary says which of these shapes this run shows.
 
-    python benchmarks/seeds_comparison.py [--epochs=15] [--target=0.9] [--lr=0.1] [--momentum=0]
+    python benchmarks/schemes_comparison.py [--epochs=15] [--target=0.9] [--lr=0.1] [--momentum=0]
         [--staleness_bound=4] [--dilation=16] [--only=GPipe,BSP]
-        [--out=benchmarks/results/seeds_comparison.jsonl] [--png=benchmarks/results/seeds_comparison.png]
+        [--out=benchmarks/results/schemes_comparison.jsonl] [--png=benchmarks/results/schemes_comparison.png]
 """
 import argparse
 import contextlib
@@ -259,8 +259,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="comma-separated scheme names (default: all)")
     parser.add_argument("--deadline_s", type=float, default=600.0, help="of each scheme's run")
-    parser.add_argument("--out", default="benchmarks/results/seeds_comparison.jsonl")
-    parser.add_argument("--png", default="benchmarks/results/seeds_comparison.png")
+    parser.add_argument("--out", default="benchmarks/results/schemes_comparison.jsonl")
+    parser.add_argument("--png", default="benchmarks/results/schemes_comparison.png")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -280,7 +280,7 @@ def main():
     rows, dilation = [], args.dilation or None
     with open(args.out, "w") if args.out else open(os.devnull, "w") as out:
         def line(**fields):
-            emit(out, "seeds_comparison", **fields)
+            emit(out, "schemes_comparison", **fields)
 
         line(setup={"devices": PIPELINE_DEVICES, "cluster": "local", "model": "cnn", "dataset": "hetpipe_digits",
                     "batch_size": BATCH, "optimizer": f"SGD lr={args.lr:g} momentum={args.momentum:g}",

@@ -162,11 +162,12 @@ def local_device(device_type: DeviceType, devices: Sequence[PhysicalDevice]) -> 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpeed:
     """One device type's speed on the model's passes: seconds per pass on one of its devices and on
-    the host CPU, and their ratio."""
+    the host CPU, and their ratio (1 for the host CPU itself, the reference)."""
     device_type: str
     device: str  # the TensorFlow device timed
     pass_seconds: float
     host_seconds: float
+    host_cpu: bool = False  # the type is the host CPU's: planned on the profile's host times as they are
 
     @property
     def speed(self) -> float:
@@ -179,12 +180,12 @@ class DeviceSpeed:
 
 
 def _passes_on(model: keras.Model, loss: str | keras.losses.Loss, sample: tuple[Batch, Batch],
-               device: str) -> Callable[[], None]:
-    """The model's passes on `sample` traced on `device`; off the host CPU, on a copy of the model whose
-    weights live there (a subclassed model, which Keras cannot copy, is run as it is)."""
+               device: str, copy: bool) -> Callable[[], None]:
+    """The model's passes on `sample` traced on `device`; with `copy`, on a copy of the model made
+    there, whose weights live on the device (a subclassed model, which Keras cannot copy, runs as it is)."""
     with tf.device(device):
         placed = model
-        if device != HOST_DEVICE:
+        if copy:
             try:
                 placed = keras.models.clone_model(model)
                 placed.set_weights(model.get_weights())
@@ -205,20 +206,21 @@ def measure_device_speeds(model: keras.Model, sample: tuple[Batch, Batch], types
                           devices: Sequence[PhysicalDevice] | None = None,
                           seconds: float = 0.1) -> dict[str, DeviceSpeed]:
     """Each of `types`: its :class:`DeviceSpeed` on `model`'s passes on `sample` (x, y), timed on
-    one of its devices of this machine (`devices`: :func:`physical_devices`') and on the host CPU,
-    each the least of :data:`RUNS` runs of at least `seconds`. The model's non-trainable state is
-    restored afterwards."""
+    one of its devices of this machine (`devices`: :func:`physical_devices`'; a GPU's passes on a
+    copy of the model made there) and on the host CPU, each the least of :data:`RUNS` runs of at
+    least `seconds`. The model's non-trainable state is restored afterwards."""
     devices = list(physical_devices() if devices is None else devices)
-    on = {t.name: local_device(t, devices).tf_device for t in types}  # refused before anything is timed
+    on = {t.name: local_device(t, devices) for t in types}  # refused before anything is timed
     state = [v.numpy() for v in model.non_trainable_variables]
     try:
-        host = _seconds(_passes_on(model, loss, sample, HOST_DEVICE), HOST_DEVICE, seconds)
-        timed = {device: host if device == HOST_DEVICE else
-                 _seconds(_passes_on(model, loss, sample, device), device, seconds) for device in set(on.values())}
+        host = _seconds(_passes_on(model, loss, sample, HOST_DEVICE, copy=False), HOST_DEVICE, seconds)
+        timed = {d: host if d.kind == "CPU" else
+                 _seconds(_passes_on(model, loss, sample, d.tf_device, copy=True), d.tf_device, seconds)
+                 for d in set(on.values())}
     finally:
         for v, value in zip(model.non_trainable_variables, state):
             v.assign(value)
-    return {name: DeviceSpeed(name, device, timed[device], host) for name, device in on.items()}
+    return {name: DeviceSpeed(name, d.tf_device, timed[d], host, host_cpu=d.kind == "CPU") for name, d in on.items()}
 
 
 def speeds_profile(profile: Profile, speeds: dict[str, DeviceSpeed]) -> Profile:
@@ -230,7 +232,7 @@ def speeds_profile(profile: Profile, speeds: dict[str, DeviceSpeed]) -> Profile:
                          f"{sorted(profile.times) or 'none'}); measure one with "
                          f"hetpipe_tf.runtime.profiler.measure_profile, then add the types' speeds")
     for name, s in speeds.items():
-        if s.device != HOST_DEVICE:
+        if not s.host_cpu:
             profile = profile.with_times(name, host.scaled(s.speed, f"{host.source}, divided by the speed "
                                                                     f"{s.speed:.3f} measured on {s.device}"))
     return profile

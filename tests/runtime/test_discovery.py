@@ -23,6 +23,7 @@ from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime import discovery
 from hetpipe_tf.runtime.discovery import PhysicalDevice
 from hetpipe_tf.runtime.profiler import model_profile
+from tests.helpers.cli import hetpipe_train
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 GiB = 2 ** 30
@@ -163,3 +164,12 @@ def test_hetpipe_plan_discover_runs_end_to_end(tmp_path):
     assert "discovered on this machine: 1x host CPU" in out and "no GPU" in out
     assert "hetpipe: CPU: speed 1.000 against the host CPU" in out
     assert "cluster 'discover': 1x host CPU" in out and "predicted" in out
+
+
+def test_hetpipe_train_plan_auto_plans_and_trains_on_the_host_cpu_beside_an_emulated_device(tmp_path):
+    run = hetpipe_train(tmp_path, "--plan=auto", "--epochs=1", "--steps_per_epoch=4", "--devices=cpu,0.5@64M",
+                        "--model=mlp", "--dilation=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "policy GIVEN" in run.stdout and "predicted" in run.stdout
+    summary = json.loads(run.stdout.split("summary: ")[1].splitlines()[0])
+    assert sorted(summary["devices"]) == ["emulated device (speed 0.5, memory 64.0 MiB)", "host CPU"]

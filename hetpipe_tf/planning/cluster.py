@@ -136,7 +136,7 @@ class Cluster:
     discovered: bool = False  # this machine's devices (hetpipe_tf.runtime.discovery), each type measured
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         return any(t.emulated for t in self.device_types.values())
 
     @property
@@ -154,10 +154,10 @@ class Cluster:
         return tuple(Device(n.name, i, self.device_types[n.device_type])
                      for n in self.nodes for i in range(n.count))
 
-    def devices_in_spec_order(self, specs, real=None):
+    def devices_in_spec_order(self, specs: Sequence[DeviceSpec], real: "RealTypes | None" = None) -> list[Device]:
         """For a cluster made by from_device_specs (with the same `real`): its device of each spec, in
         spec order."""
-        pools = {}
+        pools: dict[str, list[Device]] = {}
         for d in self.devices():
             pools.setdefault(d.type.name, []).append(d)
         return [pools[t].pop(0) for t in _spec_types(specs, real)[0]]
@@ -266,8 +266,7 @@ def from_dict(spec: dict, where: str = "cluster") -> Cluster:
     emulate = _flag(links, "emulate", f"{where}: links.")
     return Cluster(name=spec.get("name", "cluster"), device_types=types, nodes=tuple(nodes),
                    intra_node_bandwidth=bw["intra_node_GBps"], inter_node_bandwidth=bw["inter_node_GBps"],
-                   inter_node_latency=latency / 1e3, emulate_links=emulate,
-                   discovered=_flag(spec, "discovered", f"{where}: "))
+                   inter_node_latency=latency / 1e3, emulate_links=emulate)
 
 
 # Table 1 of the paper: FP32 peak = 2 x CUDA cores x boost clock; memory; memory bandwidth.
@@ -382,7 +381,9 @@ RealTypes = Callable[[DeviceSpec], dict[str, Any]]
 def _spec_types(specs: Sequence[DeviceSpec], real: RealTypes | None) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """The device type name of every spec (specs of one kind and memory share a type) and each
     type's description: an emulated spec's from its speed and memory, a real one's from `real`."""
-    names, described, keys = [], {}, {}
+    names: list[str] = []
+    described: dict[str, dict[str, Any]] = {}
+    keys: dict[tuple[Any, ...], str] = {}
     for spec in specs:
         if spec.emulated:
             key: tuple[Any, ...] = ("emulated", spec.speed, spec.memory)

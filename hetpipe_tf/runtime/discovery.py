@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -112,8 +113,8 @@ def discover_cluster(devices: Sequence[PhysicalDevice] | None = None) -> Cluster
         types["CPU"] = {"label": _label(cpu), "host_cpu": True, "memory": cpu.memory}
         nodes.append({"name": "host-CPU", "device_type": "CPU", "count": 1})
     links = {"intra_node_GBps": PCIE_GBPS, "inter_node_GBps": PCIE_GBPS} if gpus else PRESETS["local_cpu"]["links"]
-    return from_dict({"name": DISCOVER, "discovered": True, "device_types": types, "nodes": nodes,
-                      "links": links}, where="discovered devices")
+    return dataclasses.replace(from_dict({"name": DISCOVER, "device_types": types, "nodes": nodes, "links": links},
+                                         where="discovered devices"), discovered=True)
 
 
 def describe_discovered(cluster: Cluster) -> str:
@@ -127,7 +128,7 @@ def describe_discovered(cluster: Cluster) -> str:
     return "discovered on this machine: " + "; ".join(lines)
 
 
-def cluster_for(name_or_path: str | dict | Cluster, launch: str | None = None) -> Cluster:
+def cluster_for(name_or_path: str | dict[str, Any] | Cluster, launch: str | None = None) -> Cluster:
     """The cluster `name_or_path` names (:func:`hetpipe_tf.planning.cluster.load_cluster`), or for
     ``"discover"`` this machine's (:func:`discover_cluster`, said in one line). `launch`: where the
     tasks run; ``"tf_config"`` (other machines) cannot take ``discover``."""
@@ -254,7 +255,7 @@ def with_device_speeds(profile: Profile, model: keras.Model, sample: Callable[[]
     return speeds_profile(profile, speeds)
 
 
-def spec_device_type(spec: DeviceSpec, devices: Sequence[PhysicalDevice] | None = None) -> dict:
+def spec_device_type(spec: DeviceSpec, devices: Sequence[PhysicalDevice] | None = None) -> dict[str, Any]:
     """A real device spec's type as a cluster file describes it (``from_device_specs``' `real`): the
     host CPU as it is (``cpu``), or a GPU of this machine measured by its device name (``gpu:I``,
     its memory the spec's limit or the GPU's)."""

@@ -44,7 +44,7 @@ DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf"
 CACHE_VERSION = 3
 
 
-def host_name():
+def host_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -21,7 +21,8 @@ def _cluster(device_type):
 
 
 def test_analytic_times_of_a_device_type_without_specs_say_what_to_give():
-    with pytest.raises(ValueError, match="an accelerator without specs lacks them: give them in the cluster"):
+    with pytest.raises(ValueError, match="'x1' \\(an accelerator without specs\\) has no times: analytic times need its "
+                                         "peak_tflops and memory_bandwidth_GBps: give them in the cluster"):
         analytic_times(toy_profile(), UNSPECIFIED)
 
 

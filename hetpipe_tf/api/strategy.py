@@ -151,9 +151,9 @@ class HetPipeStrategy:
                  cluster_resolver=None):
         from hetpipe_tf.distributed.cluster_devices import LAUNCHES
         from hetpipe_tf.distributed.resolvers import launch_for
-        from hetpipe_tf.planning.cluster import load_cluster
         from hetpipe_tf.planning.request import PlanRequest
         from hetpipe_tf.runtime.checkpoint import Checkpoints
+        from hetpipe_tf.runtime.discovery import cluster_for
         from hetpipe_tf.runtime.plan_assembly import loaded_profile
         from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout
 
@@ -166,7 +166,7 @@ class HetPipeStrategy:
                                          schedule=schedule, sync=sync, uneven_minibatches=uneven_minibatches)
         self.timeout_s = checked_timeout(timeout_s)
         self.on_worker_failure = checked_on_worker_failure(on_worker_failure)
-        self.cluster = load_cluster(cluster)
+        self.cluster = cluster_for(cluster, launch)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch == "in_process":
             from hetpipe_tf.distributed.launch import ClusterConfigError
@@ -347,7 +347,7 @@ class HetPipeStrategy:
         Returns:
             The runner, the same one while the model and the batch size stay.
         """
-        from hetpipe_tf.distributed.node_speed import with_quota_speeds
+        from hetpipe_tf.distributed.node_speed import with_measured_speeds
         from hetpipe_tf.runtime import plan_assembly as assembly
         from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts
         from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch
@@ -364,8 +364,8 @@ class HetPipeStrategy:
         profile = assembly.workload_profile(model, batch_size, self.profile, training,
                                             lambda: first_batch(data, f"launch={self.launch!r}"),
                                             self._devices.profiling_device())
-        profile = with_quota_speeds(profile, model, lambda: first_batch(data, f"launch={self.launch!r}"),
-                                    self.cluster, compiled["loss"])
+        profile = with_measured_speeds(profile, model, lambda: first_batch(data, f"launch={self.launch!r}"),
+                                       self.cluster, compiled["loss"])
         self.plan = assembly.assemble_plan(self.cluster, self.request, model.optimizer, profile)
         planned = PlanCuts.of_plan(self.plan)
         self.cuts = reconcile_cuts(saved_cuts, planned)

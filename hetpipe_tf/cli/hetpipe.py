@@ -3,6 +3,7 @@
     hetpipe plan --cluster=paper --model=resnet152 --policy=hd [--json] [--png=plan.png]
     hetpipe plan --cluster=paper --model=gpt2_medium --batch_size=4 --optimizer=adamw --policy=auto
     hetpipe plan --cluster=local --model=mlp --profile=mlp_profile.json   # as hetpipe-train --cluster=local
+    hetpipe plan --cluster=discover --model=cnn   # this machine's devices, each type measured on the model
     hetpipe simulate --cluster=paper --model=vgg19 --policy=ed --placement=local --staleness_bound=4
     hetpipe launch --cluster=local -- hetpipe-train --cluster=local --launch=tf_config
     hetpipe trace plot TRACE.json [-o timeline.png]
@@ -55,11 +56,11 @@ def make_plan():
     so that the flags of a hetpipe-train run (and its --profile) give that run's plan."""
     import dataclasses
 
-    from hetpipe_tf.planning.cluster import load_cluster
     from hetpipe_tf.runtime import plan_assembly as assembly
+    from hetpipe_tf.runtime.discovery import cluster_for
     from hetpipe_tf.runtime.optimizers import by_name
 
-    cluster = load_cluster(FLAGS.cluster)
+    cluster = cluster_for(FLAGS.cluster)
     request = dataclasses.replace(plan_flags.plan_request(FLAGS), method=FLAGS.method,
                                   time_budget_s=FLAGS.time_budget_s)
     optimizer = by_name(FLAGS.optimizer, momentum=FLAGS.momentum)  # only its slots matter to a plan
@@ -69,8 +70,10 @@ def make_plan():
 
 def _model_profile(cluster, optimizer):
     """The profile of the model the flags name: measured on this host for a cluster whose devices this
-    host serves (as hetpipe-train measures it), else read from the model's graph (analytic times)."""
-    if cluster.on_host and FLAGS.model in hetpipe_flags.TRANSFORMERS:
+    host serves or measures (as hetpipe-train measures it), else read from the model's graph (analytic
+    times)."""
+    measured = cluster.on_host or cluster.measured
+    if measured and FLAGS.model in hetpipe_flags.TRANSFORMERS:
         raise app.UsageError(f"--model={FLAGS.model} can be planned for real GPUs (a cluster file or the paper "
                              f"preset), not for cluster '{cluster.name}', whose devices this host serves and measures")
     from hetpipe_tf.cli import models
@@ -84,18 +87,18 @@ def _model_profile(cluster, optimizer):
         shape = tuple(int(x) for x in FLAGS.input_shape) if FLAGS.input_shape else ((224, 224, 3) if big else (8, 8, 1))
         classes = FLAGS.num_classes or (1000 if big else 10)
         model = models.build_model(FLAGS.model, shape, classes)
-    if cluster.on_host:
+    if measured:
         import keras
 
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         profile = assembly.workload_profile(model, FLAGS.batch_size, None, assembly.Training(optimizer, loss))
         import numpy as np
 
-        from hetpipe_tf.distributed.node_speed import with_quota_speeds
+        from hetpipe_tf.distributed.node_speed import with_measured_speeds
 
         rng = np.random.default_rng(0)
-        return with_quota_speeds(profile, model, lambda: (rng.random((FLAGS.batch_size, *shape), dtype="float32"),
-                                                          rng.integers(0, classes, FLAGS.batch_size)), cluster, loss)
+        return with_measured_speeds(profile, model, lambda: (rng.random((FLAGS.batch_size, *shape), dtype="float32"),
+                                                             rng.integers(0, classes, FLAGS.batch_size)), cluster, loss)
     length = FLAGS.sequence_length or hetpipe_flags.TRANSFORMERS.get(FLAGS.model, {}).get("max_sequence_length")
     return model_profile(model, FLAGS.batch_size, sequence_length=length)
 

@@ -36,18 +36,21 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
 
     from hetpipe_tf.planning.cluster import from_device_specs
     from hetpipe_tf.runtime import plan_assembly as assembly
+    from hetpipe_tf.runtime.discovery import spec_device_type, with_device_speeds
     from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+    from hetpipe_tf.runtime.profiler import random_minibatch
 
-    cluster = from_device_specs(devices, name="devices")
+    cluster = from_device_specs(devices, name="devices", real=spec_device_type)
     profile = assembly.workload_profile(model, batch_size, assembly.loaded_profile(FLAGS.profile),
                                         assembly.Training(optimizer, loss))
+    profile = with_device_speeds(profile, model, lambda: random_minibatch(model, batch_size), cluster, loss)
     names = configure_tensorflow_devices(devices)
     request = dataclasses.replace(plan_flags.plan_request(FLAGS), workers=(tuple(cluster.devices()),))
     chosen = assembly.assemble_plan(cluster, request, optimizer, profile,
                                     assembly.calibrated_links(cluster, names[0], names[-1]))
     print(chosen.format())
     by_type = {}
-    for spec, device in zip(devices, cluster.devices_in_spec_order(devices)):
+    for spec, device in zip(devices, cluster.devices_in_spec_order(devices, spec_device_type)):
         by_type.setdefault(device.type.name, []).append(spec)
     ordered = [by_type[d.type.name].pop() for d in chosen.workers[0].devices]
     return ordered, chosen.node_boundaries(0), chosen.num_in_flight
@@ -169,10 +172,15 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
     # What the flags name, checked before TensorFlow starts (a usage error then takes a fraction of a second).
-    from hetpipe_tf.planning.cluster import load_cluster
+    from hetpipe_tf.planning.cluster import DISCOVER, load_cluster
     from hetpipe_tf.planning.devices import parse_devices
 
-    cluster = load_cluster(FLAGS.cluster) if FLAGS.cluster else None
+    if FLAGS.cluster == DISCOVER:  # this machine's devices, which TensorFlow lists
+        from hetpipe_tf.runtime.discovery import cluster_for
+
+        cluster = cluster_for(FLAGS.cluster, FLAGS.launch)
+    else:
+        cluster = load_cluster(FLAGS.cluster) if FLAGS.cluster else None
     devices = None if cluster else parse_devices(_devices())
     import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
 

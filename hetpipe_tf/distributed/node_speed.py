@@ -30,20 +30,20 @@ Definitions (:class:`QuotaSpeed`):
 
 :func:`quota_profile` adds to a profile measured on this host (:mod:`hetpipe_tf.runtime.profiler`)
 the times of every quota type, the host's divided by its speed; the cost model plans quota types
-on those only.
+on those only. :func:`with_measured_speeds` is what a run calls: the quota types' speeds and those
+of the accelerators measured on this machine (:mod:`hetpipe_tf.runtime.discovery`).
 """
 import dataclasses
 import os
-import time
 from collections.abc import Callable
 
 import keras
-import numpy as np
-import tensorflow as tf
 
 from hetpipe_tf.distributed.cgroups import CGROUP_ROOT, CpuGroups
 from hetpipe_tf.planning.cluster import Cluster
-from hetpipe_tf.planning.profile import Profile, SegmentTimes
+from hetpipe_tf.planning.profile import Profile
+from hetpipe_tf.runtime.discovery import with_device_speeds
+from hetpipe_tf.runtime.profiler import Batch, model_passes, timed_calls
 
 #: The least number of the quota's periods a run in the group spans.
 GROUP_PERIODS = 25
@@ -51,9 +51,6 @@ GROUP_PERIODS = 25
 GROUP_RUNS = 3
 #: Unconstrained runs, of which the least is taken.
 FREE_RUNS = 10
-
-#: Model inputs or labels: an array, or a list of them for several inputs or outputs.
-Batch = np.ndarray | tf.Tensor | list[np.ndarray | tf.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,42 +76,6 @@ class QuotaSpeed:
         return (f"{self.device_type}: speed {self.speed:.3f} (a pass {self.group_seconds * 1e3:.1f} ms in a group of "
                 f"{self.cpu_quota:g} cores, {self.free_seconds * 1e3:.2f} ms outside on {self.free_cores:.2f} cores), "
                 f"quota share {self.share:.3f}")
-
-
-def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y: Batch) -> Callable[[], None]:
-    """A call that runs `model`'s forward and backward pass on minibatch (x, y) and returns once
-    they are computed. Nothing is applied; the passes update the model's non-trainable state
-    (BatchNormalization's moving statistics) as a training step does.
-
-    Returns:
-        The call.
-    """
-    loss_fn = keras.losses.get(loss)
-    variables = model.trainable_variables
-
-    @tf.function
-    def passes(x, y):
-        with tf.GradientTape() as tape:
-            value = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(value, variables)
-        return tf.add_n([tf.reduce_sum(g) for g in grads])
-
-    return lambda: passes(x, y).numpy()
-
-
-def _timed(run: Callable[[], None], seconds: float) -> tuple[float, float]:
-    """(wall seconds per call, this process's CPU seconds per wall second) of calling `run` for at
-    least `seconds` (and at least twice).
-
-    Returns:
-        The pair.
-    """
-    calls, wall0, cpu0 = 0, time.perf_counter(), time.process_time()
-    while calls < 2 or time.perf_counter() - wall0 < seconds:
-        run()
-        calls += 1
-    wall = time.perf_counter() - wall0
-    return wall / calls, (time.process_time() - cpu0) / wall
 
 
 def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluster: Cluster,
@@ -151,11 +112,11 @@ def measure_quota_speeds(model: keras.Model, sample: tuple[Batch, Batch], cluste
     free, in_group = [], {}
     try:
         for t in types:
-            free.extend(_timed(run, free_seconds) for _ in range(FREE_RUNS))
+            free.extend(timed_calls(run, free_seconds) for _ in range(FREE_RUNS))
             group = groups.create(f"probe-{t.name}", t.cpu_quota)
             with group.holding(os.getpid()):
                 length = max(GROUP_PERIODS * group.period_us * 1e-6, 5 * free_seconds)
-                in_group[t] = min(_timed(run, length)[0] for _ in range(GROUP_RUNS))
+                in_group[t] = min(timed_calls(run, length)[0] for _ in range(GROUP_RUNS))
             groups.remove(f"probe-{t.name}")
     finally:
         groups.remove_all()
@@ -185,30 +146,27 @@ def quota_profile(profile: Profile, speeds: dict[str, QuotaSpeed]) -> Profile:
                          f"hetpipe_tf.runtime.profiler.measure_profile, then add the quota types' speeds")
     host = profile.times["host"]
     for name, s in speeds.items():
-        times = SegmentTimes(forward=tuple(t / s.speed for t in host.forward),
-                             backward=tuple(t / s.speed for t in host.backward),
-                             forward_overhead=host.forward_overhead / s.speed,
-                             backward_overhead=host.backward_overhead / s.speed,
-                             source=f"{host.source}, divided by the speed {s.speed:.3f} measured in a CPU-quota "
-                                    f"group of {s.cpu_quota:g} cores")
-        profile = profile.with_times(name, times)
+        profile = profile.with_times(name, host.scaled(s.speed, f"{host.source}, divided by the speed {s.speed:.3f} "
+                                                                f"measured in a CPU-quota group of {s.cpu_quota:g} cores"))
     return profile
 
 
-def with_quota_speeds(profile: Profile, model: keras.Model, sample: Callable[[], tuple[Batch, Batch]],
-                      cluster: Cluster, loss: str | keras.losses.Loss) -> Profile:
-    """`profile` with every CPU-quota device type of `cluster` timed, as the planner needs them: as it
-    is where the cluster has none or the profile has their times already (one given, measured with
-    them); else with their speeds measured on `model`'s passes on the minibatch `sample()` gives, in
-    groups of their quotas (:func:`measure_quota_speeds`), each said in one line.
+def with_measured_speeds(profile: Profile, model: keras.Model, sample: Callable[[], tuple[Batch, Batch]],
+                         cluster: Cluster, loss: str | keras.losses.Loss) -> Profile:
+    """`profile` with every device type of `cluster` whose speed is measured timed, as the planner
+    needs them, each said in one line: CPU-quota types on `model`'s passes on the minibatch
+    `sample()` gives, in groups of their quotas (:func:`measure_quota_speeds`), and accelerators
+    given without a peak (and a discovered cluster's types) on one device of theirs of this machine
+    (:func:`hetpipe_tf.runtime.discovery.with_device_speeds`). As it is where there are none or the
+    profile has their times already (one given, measured with them).
 
     Returns:
-        The profile, timed for every quota type of `cluster`.
+        The profile, timed for every measured type of `cluster`.
     """
     missing = [t for t in cluster.device_types.values() if t.cpu_quota is not None and t.name not in profile.times]
-    if not missing:
-        return profile
-    speeds = measure_quota_speeds(model, sample(), cluster, loss=loss)
-    for speed in speeds.values():
-        print(f"hetpipe: {speed}", flush=True)
-    return quota_profile(profile, speeds)
+    if missing:
+        speeds = measure_quota_speeds(model, sample(), cluster, loss=loss)
+        for speed in speeds.values():
+            print(f"hetpipe: {speed}", flush=True)
+        profile = quota_profile(profile, speeds)
+    return with_device_speeds(profile, model, sample, cluster, loss)

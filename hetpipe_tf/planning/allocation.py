@@ -16,7 +16,8 @@ each hold devices of one type:
   cluster this picks VVQQ and RRGG (Table 3).
 
 Compute capability is a device type's peak TFLOP/s, or its speed relative to this host for
-the devices the host serves (emulated ones and the host CPU).
+the devices the host serves (emulated ones and the host CPU) and for accelerators given without a
+peak, whose speed is measured on the model (:func:`hetpipe_tf.planning.profile.measured_cluster`).
 
 For ``auto`` (beyond the paper): :func:`candidate_allocations` lists every allocation the
 policies make at every worker size and HD group size, and :func:`mixed_allocations` those of
@@ -52,14 +53,41 @@ class AllocationError(HetPipeUsageError, ValueError):
 
 
 def _compute(device_type: DeviceType) -> float:
-    """A device's compute as HD compares workers' (§8.1): an emulated one's speed, a real one's peak."""
+    """A device's compute as HD compares workers' (§8.1): an emulated one's speed, a real one's peak,
+    or, without a peak, its speed measured on the model against this host's CPU.
+
+    Returns:
+        The compute, in the unit described.
+
+    Raises:
+        AllocationError: the type gives neither a speed nor a peak.
+    """
     speed = device_type.host_speed  # set for every type on the host
     if speed is not None:
         return speed
-    if device_type.peak_tflops is None:
+    if device_type.peak_tflops is not None:
+        return device_type.peak_tflops
+    if device_type.measured_speed is None:
         raise AllocationError(f"device type {device_type.label!r} gives no peak_tflops, by which HD compares the "
-                              f"workers' compute: give it in the cluster description, or use the NP or ED policy")
-    return device_type.peak_tflops
+                              f"workers' compute, and has no speed measured on the model yet: give peak_tflops in "
+                              f"the cluster description, plan with the model's times for it (measured on a "
+                              f"machine with the device), or use the NP or ED policy")
+    return device_type.measured_speed
+
+
+def _one_measure(cluster: Cluster) -> None:
+    """HD compares compute in one unit: peak TFLOP/s for every accelerator, or speeds relative to this
+    host (emulated devices, the host CPU, accelerators measured here) for every type.
+
+    Raises:
+        AllocationError: the types mix peaks and measured speeds.
+    """
+    peaks = sorted(t.name for t in cluster.device_types.values() if t.peak_tflops is not None)
+    measured = sorted(t.name for t in cluster.device_types.values() if t.peak_tflops is None)
+    if peaks and measured and any(cluster.device_types[n].measured for n in measured):
+        raise AllocationError(f"HD compares the workers' compute in one unit: device types {peaks} give a "
+                              f"peak_tflops, {measured} a speed measured on this host: give every accelerator type "
+                              f"a peak_tflops, or none, or use the NP or ED policy")
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -141,6 +169,7 @@ def hybrid_distribution(cluster: Cluster, vw_size: int | None = None, group_size
         AllocationError: the nodes do not form groups of the size asked, or no grouping gives
             equal workers.
     """
+    _one_measure(cluster)
     nodes = _by_node(cluster)
     names = list(nodes)
     size = vw_size or min(len(v) for v in nodes.values())  # as NP and ED (k = 4 in the paper)

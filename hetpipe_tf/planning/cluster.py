@@ -23,11 +23,19 @@ pacing; its tasks share the host's cores); with ``"cpu_quota": Q`` as well, each
 devices is Q cores of it (real compute at a fraction of a core): a node of n such devices
 runs its tasks in a CPU-quota group of n x Q cores (:mod:`hetpipe_tf.distributed.cgroups`),
 and its speed is measured in such a group, not assumed
-(:mod:`hetpipe_tf.distributed.node_speed`). Other types are real accelerators, described
-by their peak FP32 TFLOP/s and memory bandwidth (used for analytic profiles of hardware
-that is not here). A node of such a type may name GPUs of this machine, one index per device
+(:mod:`hetpipe_tf.distributed.node_speed`). Other types are real accelerators: described by
+their peak FP32 TFLOP/s and memory bandwidth (``peak_tflops``, ``memory_bandwidth_GBps``: an
+analytic profile of hardware that is not here), or by ``device_name``, the name TensorFlow's
+device details give them (``tf.config.experimental.get_device_details``), without a peak: their
+speed is then measured on the model's own passes on a device of that name of the machine that
+plans (:mod:`hetpipe_tf.runtime.discovery`), and planning refuses them where there is none.
+A node of such a type may name GPUs of this machine, one index per device
 (``"gpus": [0, 1]``): launch="processes" then runs it on them
 (:mod:`hetpipe_tf.distributed.gpus`, which also says which GPUs a node that names none takes).
+
+The name ``discover`` is no description but this machine's devices, listed and grouped into types
+by :func:`hetpipe_tf.runtime.discovery.discover_cluster` (TensorFlow lists them; this module does
+not import it).
 
 Presets: ``paper`` (Table 1's four nodes of four GPUs each), ``local`` (this
 machine's emulated devices), ``local_cpu`` (this machine's CPU as four devices) and
@@ -35,10 +43,12 @@ machine's emulated devices), ``local_cpu`` (this machine's CPU as four devices) 
 """
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from hetpipe_tf.errors import HetPipeUsageError
-from hetpipe_tf.planning.devices import DeviceSpecError, parse_bytes
+from hetpipe_tf.planning.devices import DeviceSpec, DeviceSpecError, parse_bytes
 
 
 class ClusterError(HetPipeUsageError, ValueError):
@@ -74,6 +84,16 @@ class DeviceType:
     emulated_speed: float | None = None  # emulated devices, relative to the host
     host_cpu: bool = False  # this host's CPU as it is
     cpu_quota: float | None = None  # host CPU devices at a quota: cores per device
+    device_name: str | None = None  # TensorFlow's device_name of a real accelerator measured here
+    #: A measured type's speed relative to this host's CPU on the model's passes, once measured
+    #: (:func:`hetpipe_tf.planning.profile.measured_cluster`); not part of the type's identity.
+    measured_speed: float | None = field(default=None, compare=False)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the type's speed is measured on a device of the planning machine: a real
+        accelerator without a peak_tflops."""
+        return not self.on_host and self.peak_tflops is None
 
     @property
     def emulated(self):
@@ -152,11 +172,17 @@ class Cluster:
     inter_node_bandwidth: float  # bytes/s
     inter_node_latency: float = 0.0  # seconds, one way
     emulate_links: bool = False  # emulate the inter-node links (hetpipe_tf.distributed.netlinks)
+    discovered: bool = False  # this machine's devices (hetpipe_tf.runtime.discovery), each type measured
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         """Whether any device type of the cluster is emulated."""
         return any(t.emulated for t in self.device_types.values())
+
+    @property
+    def measured(self) -> bool:
+        """Whether some device type's speed is to be measured on this machine (see DeviceType.measured)."""
+        return any(t.measured for t in self.device_types.values())
 
     @property
     def on_host(self):
@@ -168,12 +194,17 @@ class Cluster:
         return tuple(Device(n.name, i, self.device_types[n.device_type])
                      for n in self.nodes for i in range(n.count))
 
-    def devices_in_spec_order(self, specs):
-        """For a cluster made by from_device_specs: its device of each spec, in spec order."""
-        pools = {}
+    def devices_in_spec_order(self, specs: Sequence[DeviceSpec], real: "RealTypes | None" = None) -> list[Device]:
+        """For a cluster made by from_device_specs (with the same `real`): its device of each spec, in
+        spec order.
+
+        Returns:
+            The devices, one per spec, in the specs' order.
+        """
+        pools: dict[str, list[Device]] = {}
         for d in self.devices():
-            pools.setdefault((d.type.emulated_speed, d.type.memory), []).append(d)
-        return [pools[(s.speed, s.memory or 64 * 1024 ** 3)].pop(0) for s in specs]
+            pools.setdefault(d.type.name, []).append(d)
+        return [pools[t].pop(0) for t in _spec_types(specs, real)[0]]
 
     def bandwidth(self, a, b):
         """Bytes/s between devices `a` and `b` (Device objects)."""
@@ -267,9 +298,17 @@ def from_dict(spec: dict, where: str = "cluster") -> Cluster:
         if len(kinds) > 1:
             raise ClusterError(f"{at}: a device type is one of emulated (emulated_speed), the host CPU "
                                f"(host_cpu) or a real accelerator (peak_tflops), got {' and '.join(kinds)}")
-        if speed is None and not host_cpu and (t.get("peak_tflops") is None or t.get("memory_bandwidth_GBps") is None):
-            raise ClusterError(f"{at}: give peak_tflops and memory_bandwidth_GBps (a real device), "
-                               f"emulated_speed (emulated on this host) or \"host_cpu\": true (this host's CPU)")
+        device_name = t.get("device_name")
+        if device_name is not None and (not isinstance(device_name, str) or not device_name or speed is not None
+                                        or host_cpu):
+            raise ClusterError(f"{at}: device_name is the name TensorFlow gives a real accelerator (a non-empty "
+                               f"string, for a type that is neither emulated_speed nor host_cpu), got {device_name!r}")
+        peak, bandwidth = t.get("peak_tflops"), t.get("memory_bandwidth_GBps")
+        if speed is None and not host_cpu and device_name is None and (peak is None or bandwidth is None):
+            raise ClusterError(f"{at}: give peak_tflops and memory_bandwidth_GBps (a real device, planned "
+                               f"analytically), device_name (a real device measured on this machine: the "
+                               f"device_name of its TensorFlow device details), emulated_speed (emulated on this "
+                               f"host) or \"host_cpu\": true (this host's CPU)")
         quota = t.get("cpu_quota")
         if quota is not None and not host_cpu:
             raise ClusterError(f"{at}: cpu_quota is a share of this host's CPU, for a \"host_cpu\": true type only; "
@@ -284,7 +323,7 @@ def from_dict(spec: dict, where: str = "cluster") -> Cluster:
             peak_tflops=float(t["peak_tflops"]) if t.get("peak_tflops") is not None else None,
             memory_bandwidth=float(t["memory_bandwidth_GBps"]) * 1e9 if t.get("memory_bandwidth_GBps") else None,
             emulated_speed=float(speed) if speed is not None else None, host_cpu=host_cpu,
-            cpu_quota=float(quota) if quota is not None else None)
+            cpu_quota=float(quota) if quota is not None else None, device_name=device_name)
     if not types:
         raise ClusterError(f"{where}: no device types")
     nodes, names = [], set()
@@ -386,6 +425,10 @@ PRESETS = {
 }
 
 
+#: The cluster name that stands for this machine's devices (:mod:`hetpipe_tf.runtime.discovery`).
+DISCOVER = "discover"
+
+
 def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
     """A preset by name (``paper``, ``local``, ``local_cpu``, ``paper_quota``) or a JSON file's path."""
     if isinstance(name_or_path, Cluster):
@@ -394,6 +437,10 @@ def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
         return from_dict(name_or_path)
     if name_or_path in PRESETS:
         return from_dict(PRESETS[name_or_path], where=f"preset '{name_or_path}'")
+    if name_or_path == DISCOVER:
+        raise ClusterError(f"cluster {DISCOVER!r} is this machine's devices, which TensorFlow lists: resolve it "
+                           f"with hetpipe_tf.runtime.discovery.cluster_for (HetPipeStrategy, hetpipe plan and "
+                           f"hetpipe-train do)")
     if not os.path.exists(str(name_or_path)):
         raise ClusterError(f"no cluster preset or file named {name_or_path!r}; presets: {sorted(PRESETS)}")
     try:
@@ -422,35 +469,59 @@ def with_device_types(name_or_path, types):
                                                                  {n.device_type for n in nodes}},
                    nodes=nodes, intra_node_bandwidth=cluster.intra_node_bandwidth,
                    inter_node_bandwidth=cluster.inter_node_bandwidth, inter_node_latency=cluster.inter_node_latency,
-                   emulate_links=cluster.emulate_links)
+                   emulate_links=cluster.emulate_links, discovered=cluster.discovered)
 
 
-def from_device_specs(specs, name="devices"):
-    """A cluster of emulated devices given as DeviceSpecs (``--devices``): one node per distinct
-    (speed, memory), joined by host-memory links. Real devices have no specs to plan with.
+#: A real device spec's type (``cpu``, ``gpu:I``) as a cluster file describes one: what the caller
+#: that can ask TensorFlow knows of it (:func:`hetpipe_tf.runtime.discovery.spec_device_type`).
+RealTypes = Callable[[DeviceSpec], dict[str, Any]]
+
+
+def _spec_types(specs: Sequence[DeviceSpec], real: RealTypes | None) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """The device type name of every spec (specs of one kind and memory share a type) and each
+    type's description: an emulated spec's from its speed and memory, a real one's from `real`.
+
+    Returns:
+        (the type name of each spec, in order; each type's description by name).
+
+    Raises:
+        ClusterError: a spec is neither emulated nor a real device that can be described.
+    """
+    names: list[str] = []
+    described: dict[str, dict[str, Any]] = {}
+    keys: dict[tuple[Any, ...], str] = {}
+    for spec in specs:
+        if spec.emulated:
+            key: tuple[Any, ...] = ("emulated", spec.speed, spec.memory)
+            description = {"label": f"emulated speed {spec.speed:g}", "emulated_speed": spec.speed,
+                           "memory": spec.memory or 64 * 1024 ** 3}
+        elif real is None:
+            raise ClusterError(f"{spec} is a real device: planning for it needs what TensorFlow says of it "
+                               f"(hetpipe_tf.runtime.discovery.spec_device_type, as hetpipe-train --plan=auto "
+                               f"passes), or describe it in a cluster file")
+        else:
+            description = real(spec)
+            key = (spec.kind, description.get("device_name"), description["memory"])
+        if key not in keys:
+            prefix = {"emulated": "E", "cpu": "CPU", "gpu": "G"}[spec.kind]
+            keys[key] = f"{prefix}{len(keys)}"
+            described[keys[key]] = description
+        names.append(keys[key])
+    return names, described
+
+
+def from_device_specs(specs: Sequence[DeviceSpec], name: str = "devices", real: RealTypes | None = None) -> Cluster:
+    """A cluster of the devices given as DeviceSpecs (``--devices``): one node per device type
+    (emulated specs of one speed and memory; the host CPU; GPUs of one kind and memory), joined by
+    host-memory links. A real device's type is `real`'s description of it (a real accelerator
+    measured on this machine, the host CPU as it is).
 
     Returns:
         The cluster.
-
-    Raises:
-        ClusterError: a spec is not emulated.
     """
-    types, nodes = {}, {}
-    for spec in specs:
-        if not spec.emulated:
-            raise ClusterError(f"{spec} is not emulated: describe real devices with a cluster file "
-                               f"(peak TFLOP/s, memory, bandwidth) to plan for them")
-        key = (spec.speed, spec.memory)
-        if key not in types:
-            tname = f"E{len(types)}"
-            types[key] = tname
-            memory = spec.memory or 64 * 1024 ** 3
-            nodes[tname] = {"name": f"{name}-{tname}", "device_type": tname, "count": 0,
-                            "spec": {"label": f"emulated speed {spec.speed:g}", "emulated_speed": spec.speed,
-                                     "memory": memory}}
-        nodes[types[key]]["count"] += 1
+    names, described = _spec_types(specs, real)
+    counts = {t: names.count(t) for t in described}
     return from_dict({
-        "name": name,
-        "device_types": {t: n.pop("spec") for t, n in nodes.items()},
-        "nodes": list(nodes.values()),
+        "name": name, "device_types": described,
+        "nodes": [{"name": f"{name}-{t}", "device_type": t, "count": n} for t, n in counts.items()],
         "links": PRESETS["local"]["links"]}, where=name)

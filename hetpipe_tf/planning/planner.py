@@ -68,7 +68,7 @@ from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
 from hetpipe_tf.planning.partitioner import Partition, least_slowest_stage, partition_of
 from hetpipe_tf.planning.cluster import Cluster
-from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, coarsen, colocated
+from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, coarsen, colocated, measured_cluster
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
                                         proportional_sizes)
@@ -760,6 +760,7 @@ class _Costs:
 
 def _plan(profile: Profile, cluster: Cluster, request: PlanRequest, costs: _Costs) -> "Plan":
     """:func:`plan` of one profile."""
+    cluster = measured_cluster(cluster, profile)  # HD compares measured accelerators by their speed
     notes = []
     if profile.num_segments > MAX_SEGMENTS:
         notes.append(f"{profile.num_segments} segments coarsened to {MAX_SEGMENTS} for the search "

@@ -25,10 +25,11 @@ frameworks add workspace on top, which the cost model reserves per device.
 """
 import json
 from collections.abc import Collection, Mapping, Sequence
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hetpipe_tf.planning.cluster import DeviceType
+from hetpipe_tf.planning.cluster import Cluster, DeviceType
 from hetpipe_tf.planning.model_graph import ModelGraph
 
 #: A layer called in several segments (tied weights): (its name, those segments, its weight bytes).
@@ -64,6 +65,19 @@ class SegmentTimes:
         """
         return (self.forward_overhead + sum(self.forward[lo:hi]),
                 self.backward_overhead + sum(self.backward[lo:hi]))
+
+    def scaled(self, speed: float, source: str) -> "SegmentTimes":
+        """These times on a device `speed` times as fast (every segment's and task's time divided by
+        it), said to come from `source`: how a type measured on the whole model's passes against the
+        device of these times is planned (CPU-quota types, accelerators measured on this machine).
+
+        Returns:
+            The scaled times.
+        """
+        return SegmentTimes(forward=tuple(t / speed for t in self.forward),
+                            backward=tuple(t / speed for t in self.backward),
+                            forward_overhead=self.forward_overhead / speed,
+                            backward_overhead=self.backward_overhead / speed, source=source)
 
 
 @dataclass(frozen=True)
@@ -386,8 +400,13 @@ def analytic_times(profile: Profile, device_type: DeviceType, assume: AnalyticAs
                    ) -> SegmentTimes:
     """Roofline times of every segment on a real device type described by its specs."""
     if device_type.peak_tflops is None or device_type.memory_bandwidth is None:
-        raise ValueError(f"analytic times need the peak_tflops and memory_bandwidth of a real device type; "
-                         f"{device_type.label} lacks them: give them in the cluster description, or measure")
+        measured = (f"its speed is measured on a device named {device_type.device_name!r} of the machine that "
+                    f"plans (HetPipeStrategy, hetpipe plan and hetpipe-train measure it there), or comes with a "
+                    f"profile that has times for '{device_type.name}'; "
+                    if device_type.device_name else "")
+        raise ValueError(f"device type '{device_type.name}' ({device_type.label}) has no times: {measured}analytic "
+                         f"times need its peak_tflops and memory_bandwidth_GBps: give them in the cluster "
+                         f"description, plan on a machine that has the device, or give a profile with its times")
     flops = device_type.peak_tflops * 1e12 * assume.compute_efficiency
     bandwidth = device_type.memory_bandwidth * assume.memory_efficiency
 
@@ -402,3 +421,22 @@ def analytic_times(profile: Profile, device_type: DeviceType, assume: AnalyticAs
               f"{assume.compute_efficiency:g} and {device_type.memory_bandwidth / 1e9:.0f} GB/s x "
               f"{assume.memory_efficiency:g}, {assume.kernel_seconds * 1e6:g} us per kernel")
     return SegmentTimes(forward, backward, assume.task_seconds, assume.task_seconds, source)
+
+
+def measured_cluster(cluster: Cluster, profile: Profile) -> Cluster:
+    """`cluster` with the speed of every measured device type (a real accelerator without a peak,
+    :attr:`DeviceType.measured`) whose times `profile` has: its whole model's forward and backward
+    time against the host's (``"host"``), which HD compares workers' compute by (§8.1) where no
+    peak TFLOP/s is given.
+
+    Returns:
+        The cluster with measured speeds.
+    """
+    host = profile.times.get("host")
+    if host is None:
+        return cluster
+    whole = sum(host.pass_seconds(0, profile.num_segments))
+    types = {name: dataclasses.replace(t, measured_speed=whole / sum(profile.times[name].pass_seconds(
+                 0, profile.num_segments))) if t.measured and name in profile.times else t
+             for name, t in cluster.device_types.items()}
+    return dataclasses.replace(cluster, device_types=types)

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -43,7 +44,7 @@ DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hetpipe_tf"
 CACHE_VERSION = 3
 
 
-def host_name():
+def host_name() -> str:
     """This host's CPU model (or its processor or machine name), which a cached profile's key names."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -73,7 +74,8 @@ def _optimizer_key(optimizer):
     return f"{type(optimizer).__name__}-{digest}"
 
 
-def _random_minibatch(model, batch_size, seed=0):
+def random_minibatch(model, batch_size, seed=0):
+    """A minibatch (x, y) of random inputs and labels shaped for `model` at `batch_size`."""
     rng = np.random.default_rng(seed)
     xs = [rng.normal(size=(batch_size,) + tuple(t.shape[1:])).astype("float32") for t in model.inputs]
     ys = [rng.integers(0, max(int(t.shape[-1]), 2), size=batch_size) for t in model.outputs]
@@ -122,6 +124,46 @@ def _fit_segments(rows, n):
         b[r] = t
     x, _ = nnls(a, b)
     return float(x[0]), tuple(float(v) for v in x[1:])
+
+
+#: Model inputs or labels: an array, or a list of them for several inputs or outputs.
+Batch = np.ndarray | tf.Tensor | list[np.ndarray | tf.Tensor]
+
+
+def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y: Batch) -> Callable[[], None]:
+    """A call that runs `model`'s forward and backward pass on minibatch (x, y) and returns once
+    they are computed. Nothing is applied; the passes update the model's non-trainable state
+    (BatchNormalization's moving statistics) as a training step does.
+
+    Returns:
+        The call (it returns None).
+    """
+    loss_fn = keras.losses.get(loss)
+    variables = model.trainable_variables
+
+    @tf.function
+    def passes(x, y):
+        with tf.GradientTape() as tape:
+            value = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(value, variables)
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    return lambda: passes(x, y).numpy()
+
+
+def timed_calls(run: Callable[[], None], seconds: float) -> tuple[float, float]:
+    """(wall seconds per call, this process's CPU seconds per wall second) of calling `run` for at
+    least `seconds` (and at least twice).
+
+    Returns:
+        (seconds per call, CPU seconds per wall second).
+    """
+    calls, wall0, cpu0 = 0, time.perf_counter(), time.process_time()
+    while calls < 2 or time.perf_counter() - wall0 < seconds:
+        run()
+        calls += 1
+    wall = time.perf_counter() - wall0
+    return wall / calls, (time.process_time() - cpu0) / wall
 
 
 #: The most elements of the weights an apply is timed on (those of larger models are shrunk to it).
@@ -324,7 +366,7 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
     if path and os.path.exists(path):
         with open(path) as f:
             return Profile.from_json(f.read())
-    x, y = sample if sample is not None else _random_minibatch(keras_graph.model, batch_size)
+    x, y = sample if sample is not None else random_minibatch(keras_graph.model, batch_size)
     n = base.num_segments
     rows = {Forward: [], Backward: []}
     for grouping in [tuple(range(n))] + _groupings(n):

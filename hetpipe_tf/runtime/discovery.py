@@ -107,7 +107,8 @@ def discover_cluster(devices: Sequence[PhysicalDevice] | None = None) -> Cluster
     for i, of_kind in enumerate(kinds.values()):
         types[f"G{i}"] = {"label": _label(of_kind[0]), "device_name": of_kind[0].name,
                           "memory": min(d.memory for d in of_kind)}
-        nodes.append({"name": f"host-G{i}", "device_type": f"G{i}", "count": len(of_kind)})
+        nodes.append({"name": f"host-G{i}", "device_type": f"G{i}", "count": len(of_kind),
+                      "gpus": [d.index for d in of_kind]})  # TensorFlow's numbering, as launch maps it
     if not gpus:
         cpu = next(d for d in devices if d.kind == "CPU")
         types["CPU"] = {"label": _label(cpu), "host_cpu": True, "memory": cpu.memory}

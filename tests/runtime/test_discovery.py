@@ -69,6 +69,7 @@ def test_two_gpu_kinds_are_two_types_with_memory_from_their_details_measured_and
     monkeypatch.setattr(discovery, "physical_devices", _fake_listing)
     cluster = discovery.discover_cluster()
     assert [(n.name, n.device_type, n.count) for n in cluster.nodes] == [("host-G0", "G0", 2), ("host-G1", "G1", 1)]
+    assert [n.gpus for n in cluster.nodes] == [(0, 1), (2,)]  # the GPUs launch='processes' gives each node
     a100, t4 = cluster.device_types["G0"], cluster.device_types["G1"]
     assert (a100.device_name, a100.memory, a100.label) == ("NVIDIA A100-SXM4-40GB", 39 * GiB,
                                                            "NVIDIA A100-SXM4-40GB (compute capability 8.0)")

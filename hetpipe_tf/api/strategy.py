@@ -70,8 +70,11 @@ takes its place at the epoch's end, from the global weights, rejoining at the gl
 ends the run; with ``checkpoint_dir``, ``resume=True`` continues from the last checkpoint.
 """
 import contextlib
-import inspect
 import types
+from collections.abc import Iterator
+from typing import Any
+
+from hetpipe_tf.api import compile_hook
 
 EMULATION_REFERENCES = ("measured", "profile")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
@@ -211,30 +214,17 @@ class HetPipeStrategy:
 
     # The user's side ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def scope(self):
+    def scope(self) -> Iterator["HetPipeStrategy"]:
         """Models compiled inside train with this strategy (their ``fit`` is replaced). Under
         launch 'processes' or 'tf_config' this process joins the cluster on entry, and a
-        ``tf.data`` dataset made before then cannot run: make datasets inside."""
-        import keras
-
+        ``tf.data`` dataset made before then cannot run: make datasets inside. The scope holds
+        for the thread that entered it; in nested scopes a model goes to the innermost
+        (:mod:`hetpipe_tf.api.compile_hook`)."""
         self._connect()
-        original = keras.Model.compile
-        strategy = self
-        signature = inspect.signature(original)
-
-        def compile(model, *args, **kwargs):
-            original(model, *args, **kwargs)
-            bound = signature.bind(model, *args, **kwargs)
-            bound.apply_defaults()
-            strategy._attach(model, bound.arguments)
-
-        keras.Model.compile = compile
-        try:
+        with compile_hook.attaching(self._attach):
             yield self
-        finally:
-            keras.Model.compile = original
 
-    def _attach(self, model, arguments):
+    def _attach(self, model: Any, arguments: dict[str, Any]) -> None:
         """Keeps loss, loss_weights and metrics as given: the workers' loss heads give them
         Keras's meaning (:mod:`hetpipe_tf.runtime.loss_head`). Without sample weights (which fit
         refuses) a weighted metric is its unweighted self: a list of `weighted_metrics` (keras_hub's

@@ -62,7 +62,7 @@ def _figure(**kwargs):
     return fig
 
 
-def _save(fig, path):
+def _save(fig, path) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)

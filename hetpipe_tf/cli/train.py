@@ -80,7 +80,7 @@ def _data_and_model():
     return train, test, models.build_model(FLAGS.model, shape, info.num_classes)
 
 
-def _dataset_defaults():
+def _dataset_defaults() -> None:
     """The data set's own training defaults for the flags not given (hetpipe_addition's
     ``TRAINING_DEFAULTS``: 20 epochs, a global clip norm of 1)."""
     from hetpipe_tf.data import addition
@@ -103,7 +103,7 @@ def _loss_and_metrics():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
 
 
-def _show_answers(model, test):
+def _show_answers(model, test) -> None:
     """Prints hetpipe_addition's first held-out sums with the model's greedy answers."""
     from hetpipe_tf.data import addition
 
@@ -129,7 +129,7 @@ def _optimizer():
     return keras.optimizers.LossScaleOptimizer(optimizer) if FLAGS.mixed_precision == "fp16" else optimizer
 
 
-def _train_virtual_workers(cluster):
+def _train_virtual_workers(cluster) -> None:
     """--cluster: several virtual workers under WSP on `cluster` (the flag's, loaded), planned and
     launched by HetPipeStrategy."""
     from hetpipe_tf.api.callbacks import WSPTensorBoard
@@ -218,7 +218,7 @@ def main(argv):
         print(f"pipeline trace written to {FLAGS.trace_file} (open it in https://ui.perfetto.dev)")
 
 
-def run():
+def run() -> None:
     errors.run(main, "hetpipe-train")
 
 

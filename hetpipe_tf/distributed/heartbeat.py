@@ -38,14 +38,14 @@ class LostTask:
     address: str
     reason: str
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"lost task {self.job}:{self.index} at {self.address}: {self.reason}"
 
 
 class TaskLostError(HetPipeRunError, RuntimeError):
     """Training ended because a task of the cluster was lost (dead, stopped or unreachable)."""
 
-    def __init__(self, lost):
+    def __init__(self, lost) -> None:
         super().__init__(str(lost))
         self.lost = lost
 
@@ -66,7 +66,7 @@ class HeartbeatResponder:
     connection (failed False) or sends no ping for `chief_timeout_s` (failed True; None:
     never), and `on_lost_task(message)` when the chief says which task it lost."""
 
-    def __init__(self, host="127.0.0.1", port=0, chief_timeout_s=None, on_end=None, on_lost_task=None):
+    def __init__(self, host="127.0.0.1", port=0, chief_timeout_s=None, on_end=None, on_lost_task=None) -> None:
         self._listener = socket.create_server((host, port))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self.chief_timeout_s = chief_timeout_s
@@ -77,12 +77,12 @@ class HeartbeatResponder:
         threading.Thread(target=self._accept, name="hetpipe-heartbeat", daemon=True).start()
         return self
 
-    def _accept(self):
+    def _accept(self) -> None:
         while True:
             conn, _ = self._listener.accept()
             threading.Thread(target=self._serve, args=(conn,), name="hetpipe-heartbeat-conn", daemon=True).start()
 
-    def _serve(self, conn):
+    def _serve(self, conn) -> None:
         conn.settimeout(self.chief_timeout_s)
         buffer = [b""]
         try:
@@ -105,7 +105,7 @@ class HeartbeatResponder:
         finally:
             conn.close()
 
-    def _end(self, message, failed):
+    def _end(self, message, failed) -> None:
         if self.chief_timeout_s is not None and self.on_end is not None:
             self.on_end(message, failed)
 
@@ -123,7 +123,7 @@ class HeartbeatMonitor:
     """The chief's side: pings every task; calls `on_lost(LostTask)` once for each task lost.
     `exit_status(job, index)` (optional) says how a task this machine started ended."""
 
-    def __init__(self, tasks, timeout_s, on_lost, exit_status=None):
+    def __init__(self, tasks, timeout_s, on_lost, exit_status=None) -> None:
         self.tasks = tuple(tasks)
         self.timeout_s = float(timeout_s)
         self.interval_s = min(1.0, self.timeout_s / 10)
@@ -147,7 +147,7 @@ class HeartbeatMonitor:
             return next((lost for task, lost in self._reported.items() if (task.job, task.index) == (job, index)),
                         None)
 
-    def forget(self, job, index):
+    def forget(self, job, index) -> None:
         """Stops watching task (job, index) and forgets that it was lost: a virtual worker's
         process the run goes on without (a new one for it is watched by :meth:`add`)."""
         with self._lock:
@@ -165,14 +165,14 @@ class HeartbeatMonitor:
             self._connect(task)
         return self
 
-    def add(self, task):
+    def add(self, task) -> None:
         """Watches one more task (a :class:`Watched`) from now on."""
         with self._lock:
             self.tasks += (task,)
             self._forgotten.discard(task)
         self._connect(task)
 
-    def _connect(self, task):
+    def _connect(self, task) -> None:
         host, port = task.heartbeat.rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         with self._lock:
@@ -180,7 +180,7 @@ class HeartbeatMonitor:
         threading.Thread(target=self._watch, args=(task, conn), name=f"hetpipe-monitor-{task.job}-{task.index}",
                          daemon=True).start()
 
-    def _watch(self, task, conn):
+    def _watch(self, task, conn) -> None:
         buffer = [b""]
         while not self._stopped.is_set():
             sent = time.monotonic()
@@ -206,14 +206,14 @@ class HeartbeatMonitor:
             return None
         return poll(lambda: self.exit_status(task.job, task.index), wait_s, 0.05)
 
-    def _report(self, task, lost):
+    def _report(self, task, lost) -> None:
         with self._lock:
             if task in self._reported or task in self._forgotten:
                 return
             self._reported[task] = lost
         self.on_lost(lost)
 
-    def tell_lost(self, lost):
+    def tell_lost(self, lost) -> None:
         """Tells every task still connected that `lost` (a :class:`LostTask`) was lost; each
         logs it (and ends with the chief)."""
         line = f"lost {lost.job}:{lost.index} {lost.address} {lost.reason}\n".encode()
@@ -226,7 +226,7 @@ class HeartbeatMonitor:
             except OSError:
                 pass
 
-    def stop(self):
+    def stop(self) -> None:
         self._stopped.set()
         with self._lock:
             conns = list(self._conns.values())
@@ -234,7 +234,7 @@ class HeartbeatMonitor:
             _close(conn)
 
 
-def _close(conn):
+def _close(conn) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
         conn.close()
@@ -260,7 +260,7 @@ def call_with_deadline(fn, timeout_s, what):
     daemon thread."""
     result = queue.Queue()
 
-    def call():
+    def call() -> None:
         try:
             result.put((True, fn()))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -276,7 +276,7 @@ def call_with_deadline(fn, timeout_s, what):
     return value
 
 
-def end_with_parent(parent):
+def end_with_parent(parent) -> None:
     """Ends this process when process `parent` ends.
 
     On Linux the kernel sends SIGKILL when the parent dies: the one signal that also ends a
@@ -287,7 +287,7 @@ def end_with_parent(parent):
     except OSError:
         pass
 
-    def watch():
+    def watch() -> None:
         while True:
             try:
                 os.kill(parent, 0)

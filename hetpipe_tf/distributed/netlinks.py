@@ -112,7 +112,7 @@ class EmulatedLinks:
             subprocess.Popen(links.command(0, ["python", "server.py", links.address(0)]))
     """
 
-    def __init__(self, num_nodes, bandwidth_bps, latency_s, prefix=None):
+    def __init__(self, num_nodes, bandwidth_bps, latency_s, prefix=None) -> None:
         if not isinstance(num_nodes, int) or not 1 <= num_nodes <= _MAX_NODES:
             raise ValueError(f"num_nodes must be an integer from 1 to {_MAX_NODES} "
                              f"(each node has an address in one /24 subnet), got {num_nodes!r}")
@@ -152,7 +152,7 @@ class EmulatedLinks:
             raise
         return self
 
-    def _do(self, argv, undo=None):
+    def _do(self, argv, undo=None) -> None:
         _run(argv)
         if undo is not None:
             self._undo.append(undo)
@@ -200,7 +200,7 @@ class EmulatedLinks:
         if self._relay.stdout.readline().strip() != "ready":
             raise NetLinksError(f"the relay that delays frames did not start: {self._relay.stderr.read().strip()}")
 
-    def stop(self):
+    def stop(self) -> None:
         """Removes everything start() made. Safe to call twice, or after start() failed."""
         if self._relay is not None:
             self._relay.terminate()
@@ -213,7 +213,7 @@ class EmulatedLinks:
     def __enter__(self):
         return self.start()
 
-    def __exit__(self, *_exc):
+    def __exit__(self, *_exc) -> None:
         self.stop()
 
     def _started(self, what):
@@ -224,7 +224,7 @@ class EmulatedLinks:
         if not 0 <= node < self.num_nodes:
             raise ValueError(f"node must be from 0 to {self.num_nodes - 1}, got {node!r}")
 
-    def namespace(self, node):
+    def namespace(self, node) -> str:
         """The name of node's network namespace."""
         self._check_node(node)
         self._started("a namespace's name")

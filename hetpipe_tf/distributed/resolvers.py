@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from hetpipe_tf.errors import HetPipeUsageError
 
 if TYPE_CHECKING:
-    from tensorflow.python.distribute.cluster_resolver.cluster_resolver import ClusterResolver
+    from hetpipe_tf.compat import ClusterResolver
 
     from hetpipe_tf.planning.cluster import Cluster
 
@@ -140,7 +140,7 @@ def launch_for(launch: str, resolver: ClusterResolver | None) -> str:
 
 
 def _slurm_tasks_per_node(environ: Mapping[str, str]) -> int:
-    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import expand_tasks_per_node
+    from hetpipe_tf.compat import expand_tasks_per_node  # late: defers TensorFlow so a usage error returns in 0.2 s
 
     text = environ.get("SLURM_STEP_TASKS_PER_NODE")
     if not text:

@@ -92,7 +92,7 @@ def wait_ready(proc, log_path, name, timeout_s):
         time.sleep(0.1)
 
 
-def starter_file(address):
+def starter_file(address) -> str:
     """Where the worker task at TensorFlow address `address` writes its starter's address, on
     its own host."""
     return f"/tmp/hetpipe_starter_{address.replace(':', '_')}"
@@ -102,7 +102,7 @@ class TaskStarter:
     """A worker task's service that starts processes on its host for the chief (see the module
     docstring). `host` is the task's address, `log_dir` where the processes' logs go."""
 
-    def __init__(self, host, authkey, log_dir):
+    def __init__(self, host, authkey, log_dir) -> None:
         self.host = host
         self.log_dir = log_dir
         self._listener = multiprocessing.connection.Listener((host, 0), authkey=authkey)
@@ -123,7 +123,7 @@ class TaskStarter:
         threading.Thread(target=self._accept, name="hetpipe-starter", daemon=True).start()
         return self
 
-    def close(self):
+    def close(self) -> None:
         """Stops serving (a task's starter serves as long as the task lives)."""
         self._closed = True
         host, port = self.address.rsplit(":", 1)
@@ -131,7 +131,7 @@ class TaskStarter:
         self._listener.close()
         self._spawner.shutdown(wait=False)
 
-    def _accept(self):
+    def _accept(self) -> None:
         while True:
             try:
                 conn = self._listener.accept()
@@ -142,7 +142,7 @@ class TaskStarter:
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="hetpipe-starter-conn", daemon=True).start()
 
-    def _serve(self, conn):
+    def _serve(self, conn) -> None:
         with conn:
             while True:
                 try:
@@ -184,7 +184,7 @@ class StarterClient:
     """The chief's connection to one worker task's :class:`TaskStarter`; every request has a
     deadline (a task that is stopped answers nothing)."""
 
-    def __init__(self, address, authkey, timeout_s):
+    def __init__(self, address, authkey, timeout_s) -> None:
         self.address = address
         self.timeout_s = float(timeout_s)
         host, port = address.rsplit(":", 1)
@@ -207,9 +207,9 @@ class StarterClient:
             raise ClusterStartError(answer[1])
         return answer[1:]
 
-    def end(self, job, index):
+    def end(self, job, index) -> None:
         """Kills task (job, index) if this starter started it (waits at most timeout_s)."""
         self.request(self.timeout_s, "end", job, index)
 
-    def close(self):
+    def close(self) -> None:
         self._conn.close()

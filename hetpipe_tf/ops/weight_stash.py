@@ -37,7 +37,7 @@ class WeightStash:
       name: a readable name used in error messages.
     """
 
-    def __init__(self, capacity, device=None, name="stash"):
+    def __init__(self, capacity, device=None, name="stash") -> None:
         if int(capacity) < 1:
             raise ValueError(f"capacity (Nm) must be >= 1, got {capacity}")
         self._ops = load_ops()
@@ -48,7 +48,7 @@ class WeightStash:
             self._handle = self._ops.hetpipe_weight_stash_handle(shared_name=self.name)
             self._ops.hetpipe_weight_stash_create(self._handle, tf.constant(self.capacity, tf.int64))
 
-    def put(self, minibatch, values):
+    def put(self, minibatch, values) -> None:
         """Stashes `values` (a list of tensors) as minibatch `minibatch`'s version."""
         with tf.device(self.device):
             self._ops.hetpipe_weight_stash_put(self._handle, _minibatch_id(minibatch),
@@ -60,7 +60,7 @@ class WeightStash:
             return self._ops.hetpipe_weight_stash_get(
                 self._handle, _minibatch_id(minibatch), dtypes=list(dtypes))
 
-    def release(self, minibatch):
+    def release(self, minibatch) -> None:
         """Drops `minibatch`'s version (after its backward pass)."""
         with tf.device(self.device):
             self._ops.hetpipe_weight_stash_release(self._handle, _minibatch_id(minibatch))
@@ -71,7 +71,7 @@ class WeightStash:
             num, nbytes, ids = self._ops.hetpipe_weight_stash_stats(self._handle)
         return StashStats(int(num), int(nbytes), tuple(int(i) for i in ids.numpy()))
 
-    def close(self):
+    def close(self) -> None:
         """Destroys the resource and whatever versions it still holds."""
         if self._handle is not None:
             with tf.device(self.device):

@@ -31,7 +31,7 @@ class WspClock:
       create: False to use a clock that another process created under `shared_name`.
     """
 
-    def __init__(self, stages_per_worker, device=None, shared_name=None, create=True):
+    def __init__(self, stages_per_worker, device=None, shared_name=None, create: bool = True) -> None:
         self._ops = load_ops()
         self.device = device
         self.stages_per_worker = tuple(int(n) for n in stages_per_worker)
@@ -57,7 +57,7 @@ class WspClock:
         with tf.device(self.device):
             return self._ops.hetpipe_wsp_clock_stats(self._handle)
 
-    def push(self, worker, stage, wave):
+    def push(self, worker, stage, wave) -> None:
         """Records that `stage` of `worker` pushed its update of `wave` (in order)."""
         with tf.device(self.device):
             self._ops.hetpipe_wsp_clock_push(self._handle, tf.constant(worker, tf.int64),
@@ -67,13 +67,13 @@ class WspClock:
         """Blocks until every worker has pushed `wave` (at once if wave < 0); the global clock."""
         return int(self._wait_fn(tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32)))
 
-    def abort(self, reason):
+    def abort(self, reason) -> None:
         """Ends a failed run: every wait, now and later, fails at once (tf.errors.AbortedError
         naming `reason`), so that no worker waits for a wave nobody will push."""
         with tf.device(self.device):
             self._ops.hetpipe_wsp_clock_abort(self._handle, tf.constant(str(reason)))
 
-    def retire(self, worker, retired=True):
+    def retire(self, worker, retired: bool = True) -> None:
         """A worker that ended its run (stopped early) pushes no more waves: retired, it no
         longer holds back the global clock, so the others' waits for waves it never pushes
         end; retired=False when it starts its next run."""

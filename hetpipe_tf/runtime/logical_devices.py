@@ -1,12 +1,13 @@
 """TensorFlow devices for device specs: logical CPUs for emulated devices, logical GPUs with
 memory limits for small cards (see :mod:`hetpipe_tf.planning.devices` for the specs)."""
 import warnings
+from collections.abc import Sequence
 
 from hetpipe_tf.pipeline.emulation import format_bytes
-from hetpipe_tf.planning.devices import DeviceSpecError
+from hetpipe_tf.planning.devices import DeviceSpec, DeviceSpecError
 
 
-def configure_tensorflow_devices(specs):
+def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> list[str]:
     """TensorFlow device names serving `specs`, creating logical devices where needed.
 
     Emulated devices get one logical CPU device each (placement labels; they share

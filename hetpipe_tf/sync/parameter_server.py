@@ -89,7 +89,7 @@ class ParameterServers:
     """
 
     def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None, run=None,
-                 variable_devices=None, push_weights=None):
+                 variable_devices=None, push_weights=None) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if not devices:
@@ -133,7 +133,7 @@ class ParameterServers:
         self._push_fns = {}
         self._pull_fns = {}
 
-    def _push_graph(self, paths, worker, stage, wave, weight, deltas):
+    def _push_graph(self, paths, worker, stage, wave, weight, deltas) -> None:
         updates = []
         weighted = any(a != 1.0 for a in self.push_weights)  # even sizes: the update as it is, bit for bit
         for path, delta in zip(paths, deltas):
@@ -159,7 +159,7 @@ class ParameterServers:
                 values.append(value)
         return values, clocks
 
-    def push(self, worker, stage, wave, paths, deltas):
+    def push(self, worker, stage, wave, paths, deltas) -> None:
         """w_global += a_worker · u for these variables (on their servers), then the clock records
         the push."""
         paths = tuple(paths)
@@ -189,7 +189,7 @@ class ParameterServers:
         (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD)."""
         return group_of(self, compression, timeout_s)
 
-    def abort(self, reason):
+    def abort(self, reason) -> None:
         """Ends the run: every pull of it, waiting or later, in any process, fails at once
         naming `reason` (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.abort`). Servers that are
         gone keep no pull waiting, so their error is not raised."""
@@ -198,7 +198,7 @@ class ParameterServers:
         except tf.errors.OpError:
             pass
 
-    def advance_clocks(self, clocks):
+    def advance_clocks(self, clocks) -> None:
         """Records that every stage of each worker pushed its first clocks[worker] waves (a
         resumed run's clocks go on from the saved ones)."""
         for worker, clock in enumerate(clocks):
@@ -206,7 +206,7 @@ class ParameterServers:
                 for wave in range(clock):
                     self.clock.push(worker, stage, wave)
 
-    def rejoin(self, workers):
+    def rejoin(self, workers) -> None:
         """`workers` start a run together: each holds the global clock back again at once
         (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.retire`), not only when its own run begins, so
         that no worker's pull passes a wave that another, not yet started, has still to push."""
@@ -227,7 +227,7 @@ class ParameterServers:
         """The global weights, by variable path."""
         return {p: v.read_value() for p, v in self.variables.items()}
 
-    def write_to(self, model):
+    def write_to(self, model) -> None:
         """Puts the global weights (and synchronised state) into the Keras model."""
         for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
             v.assign(self.variables[v.path].read_value())
@@ -237,7 +237,7 @@ class GlobalVariable:
     """One global weight: a resource variable on a server device, named so that every process
     of the run finds it (``tf.Variable`` names its resource for its own process only)."""
 
-    def __init__(self, shared_name, like, device, create=True):
+    def __init__(self, shared_name, like, device, create: bool = True) -> None:
         self.dtype = tf.as_dtype(like.dtype)
         self.shape = tf.TensorShape(like.shape)
         with tf.device(device):

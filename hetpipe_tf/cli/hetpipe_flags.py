@@ -50,7 +50,7 @@ def define_flags() -> None:
                              message="--input_shape must be three positive integers H,W,C, e.g. 224,224,3")
 
 
-def _image_shape(values):
+def _image_shape(values: list[str] | None) -> bool:
     try:
         return values is None or (len(values) == 3 and all(int(v) > 0 for v in values))
     except ValueError:

@@ -9,6 +9,8 @@ generated ``hetpipe_addition``): it predicts every position's next token.
 All models output logits. Keras is imported when a model is built, so that the
 binaries' flags (which list the names) parse without loading it.
 """
+from typing import Any
+
 from hetpipe_tf.errors import HetPipeUsageError
 
 _APPLICATIONS = {"vgg16": "VGG16", "vgg19": "VGG19", "resnet50": "ResNet50", "resnet101": "ResNet101",
@@ -21,12 +23,12 @@ class ModelInputError(HetPipeUsageError, ValueError):
     """A model of the zoo cannot take the data it was asked to build for."""
 
 
-def input_requirements(name):
+def input_requirements(name: str) -> tuple[int | None, int | None]:
     """(minimum image side, channels) the model needs, or (None, None) for any."""
     return (32, 3) if name in _APPLICATIONS else (None, None)
 
 
-def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int = 4, blocks: int = 2):
+def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int = 4, blocks: int = 2) -> Any:
     """A decoder-only transformer (GPT-2's pre-norm blocks, learned positions, an untied head)
     over token ids of (sequence_length,), with logits of (sequence_length, vocabulary_size).
 
@@ -67,7 +69,7 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     return keras.Model(ids, keras.layers.Dense(vocabulary_size, name="logits")(h), name="gpt")
 
 
-def build_model(name, input_shape, num_classes):
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> Any:
     """A Keras model `name` for inputs of `input_shape` and `num_classes` classes: images, or
     token sequences of (length,) for a model of SEQUENCE_MODELS, whose classes are the tokens."""
     import keras

@@ -9,6 +9,7 @@ HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli.errors`).
 """
 import json
 import os
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -20,7 +21,7 @@ train_flags.define_flags()
 FLAGS = flags.FLAGS
 
 
-def _devices():
+def _devices() -> str:
     if FLAGS.devices:
         return FLAGS.devices
     if FLAGS.num_stages:
@@ -28,7 +29,7 @@ def _devices():
     return train_flags.DEFAULT_DEVICES
 
 
-def _auto_plan(model, devices, optimizer, loss, batch_size):
+def _auto_plan(model: Any, devices: str, optimizer: Any, loss: Any, batch_size: int) -> tuple[Any, tuple[int, ...], int]:
     """The planner's device order, stage boundaries and Nm for one virtual worker on `devices` (the plan
     assembly of every run, :mod:`hetpipe_tf.runtime.plan_assembly`, with the links measured between
     these devices, which are this process's own)."""
@@ -53,7 +54,7 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     return ordered, chosen.node_boundaries(0), chosen.num_in_flight
 
 
-def _data_and_model():
+def _data_and_model() -> tuple[Any, Any, Any]:
     """The training and test splits and the model the flags ask for."""
     import keras
 
@@ -91,7 +92,7 @@ def _dataset_defaults() -> None:
                 FLAGS[name].value = value
 
 
-def _loss_and_metrics():
+def _loss_and_metrics() -> tuple[Any, list[Any]]:
     """The loss and metrics of the flags' data set: hetpipe_addition's are its own (the answer
     tokens' cross-entropy, exact match), any other's the cross-entropy of logits and accuracy."""
     import keras
@@ -103,7 +104,7 @@ def _loss_and_metrics():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
 
 
-def _show_answers(model, test) -> None:
+def _show_answers(model: Any, test: Any) -> None:
     """Prints hetpipe_addition's first held-out sums with the model's greedy answers."""
     from hetpipe_tf.data import addition
 
@@ -113,12 +114,12 @@ def _show_answers(model, test) -> None:
             addition.answer_lines(model, tokens[:8], targets[:8])))
 
 
-def _test_metrics(final):
+def _test_metrics(final: dict[str, float]) -> dict[str, float]:
     """The last epoch's test metrics, by their names ("test_accuracy", "test_exact_match")."""
     return {f"test_{k[len('val_'):]}": v for k, v in final.items() if k.startswith("val_") and k != "val_loss"}
 
 
-def _optimizer():
+def _optimizer() -> Any:
     """The flags' optimizer; under float16, in a LossScaleOptimizer (as Keras's compile wraps it)."""
     import keras
 
@@ -129,7 +130,7 @@ def _optimizer():
     return keras.optimizers.LossScaleOptimizer(optimizer) if FLAGS.mixed_precision == "fp16" else optimizer
 
 
-def _train_virtual_workers(cluster) -> None:
+def _train_virtual_workers(cluster: str) -> None:
     """--cluster: several virtual workers under WSP on `cluster` (the flag's, loaded), planned and
     launched by HetPipeStrategy."""
     from hetpipe_tf.api.callbacks import WSPTensorBoard
@@ -163,7 +164,7 @@ def _train_virtual_workers(cluster) -> None:
     print("summary: " + json.dumps(summary))
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:

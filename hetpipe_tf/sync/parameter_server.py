@@ -33,7 +33,8 @@ runs in the servers' graph executor, which holds no thread while it waits.
 import functools
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import keras
@@ -88,8 +89,9 @@ class ParameterServers:
         every weight 1, the paper's unweighted sum).
     """
 
-    def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None, run=None,
-                 variable_devices=None, push_weights=None) -> None:
+    def __init__(self, model: keras.Model, devices: Sequence[str], stages_per_worker: Sequence[int],
+                 placement: str = "default", layer_devices: Mapping[str, str] | None = None, run: str | None = None,
+                 variable_devices: Sequence[str] | None = None, push_weights: Sequence[float] | None = None) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if not devices:
@@ -144,7 +146,8 @@ class ParameterServers:
         with tf.control_dependencies(updates):
             self.clock.push_graph(worker, stage, wave)
 
-    def _pull_graph(self, paths, to_device, wave, timeout):
+    def _pull_graph(self, paths: tuple[str, ...], to_device: str | None, wave: tf.Tensor, timeout: tf.Tensor
+                    ) -> tuple[list[tf.Tensor], tf.Tensor]:
         global_clock = self.clock.wait_graph(wave, timeout)
         with tf.control_dependencies([global_clock]):
             clocks, _ = self.clock.clocks_graph()
@@ -171,7 +174,8 @@ class ParameterServers:
                               tf.constant(wave, tf.int64), tf.constant(self.push_weights[worker], tf.float32),
                               list(deltas))
 
-    def pull(self, paths, wave, timeout, to_device=None):
+    def pull(self, paths: Sequence[str], wave: int, timeout: float, to_device: str | None = None
+             ) -> tuple[list[tf.Tensor], tuple[int, ...]]:
         """Waits until every worker pushed `wave` (none when wave < 0), then reads `paths`; with
         `to_device`, the values arrive there within the same call (one call, not a copy per
         variable when the stage that merges them asks for its inputs).
@@ -184,7 +188,7 @@ class ParameterServers:
         values, clocks = self._pull_fns[key](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 
-    def all_reduce_group(self, compression, timeout_s):
+    def all_reduce_group(self, compression: Any, timeout_s: float) -> Any:
         """The all-reduce group of this run's virtual workers in this process
         (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD)."""
         return group_of(self, compression, timeout_s)
@@ -213,7 +217,7 @@ class ParameterServers:
         for worker in workers:
             self.clock.retire(worker, retired=False)
 
-    def variable_devices(self):
+    def variable_devices(self) -> list[str]:
         """Each global variable's server, in the model's order: what another process needs to
         attach (see the `variable_devices` argument)."""
         return list(self.device_of.values())
@@ -223,11 +227,11 @@ class ParameterServers:
         return ServerLayout(self.devices, tuple(self.clock.stages_per_worker), run=self.run,
                             variable_devices=tuple(self.variable_devices()))
 
-    def values(self):
+    def values(self) -> dict[str, tf.Tensor]:
         """The global weights, by variable path."""
         return {p: v.read_value() for p, v in self.variables.items()}
 
-    def write_to(self, model) -> None:
+    def write_to(self, model: keras.Model) -> None:
         """Puts the global weights (and synchronised state) into the Keras model."""
         for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
             v.assign(self.variables[v.path].read_value())
@@ -237,7 +241,7 @@ class GlobalVariable:
     """One global weight: a resource variable on a server device, named so that every process
     of the run finds it (``tf.Variable`` names its resource for its own process only)."""
 
-    def __init__(self, shared_name, like, device, create: bool = True) -> None:
+    def __init__(self, shared_name: str, like: Any, device: str, create: bool = True) -> None:
         self.dtype = tf.as_dtype(like.dtype)
         self.shape = tf.TensorShape(like.shape)
         with tf.device(device):
@@ -248,19 +252,19 @@ class GlobalVariable:
             with tf.device(self.device):
                 tf.raw_ops.AssignVariableOp(resource=self.handle, value=tf.convert_to_tensor(like.numpy(), self.dtype))
 
-    def read_value(self):
+    def read_value(self) -> tf.Tensor:
         with tf.device(self.device):
             return tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: tf.Tensor) -> tf.Operation:
         with tf.device(self.device):
             return tf.raw_ops.AssignAddVariableOp(resource=self.handle, value=delta)
 
-    def numpy(self):
+    def numpy(self) -> Any:
         return self.read_value().numpy()
 
 
-def synchronised_variables(trainable, non_trainable):
+def synchronised_variables(trainable: Iterable[keras.Variable], non_trainable: Iterable[keras.Variable]) -> list[keras.Variable]:
     """What virtual workers synchronise, of a model's or a stage's variables: the trainable
     weights and the floating-point state (BatchNorm's moving statistics, frozen weights), so
     that moving averages take every worker's minibatches; not integer state such as random
@@ -268,6 +272,6 @@ def synchronised_variables(trainable, non_trainable):
     return list(trainable) + [v for v in non_trainable if tf.as_dtype(v.dtype).is_floating]
 
 
-def layer_of(path):
+def layer_of(path: str) -> str:
     """The layer a variable path belongs to ("mlp/dense/kernel" -> "mlp/dense")."""
     return path.rsplit("/", 1)[0]

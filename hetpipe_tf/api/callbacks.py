@@ -14,20 +14,20 @@ class PipelineTensorBoard(keras.callbacks.Callback):
     overrun fraction as a scalar.
     """
 
-    def __init__(self, log_dir, virtual_worker) -> None:
+    def __init__(self, log_dir: str, virtual_worker: Any) -> None:
         super().__init__()
         self.log_dir = log_dir
         self.vw = virtual_worker
         self._writer = None
         self._last = None
 
-    def on_train_begin(self, logs=None) -> None:
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.vw.emulated:
             with self._writer.as_default():
                 tf.summary.text("emulation", self.vw.describe(), step=0)
 
-    def on_epoch_end(self, epoch, logs=None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         now, busy = time.perf_counter(), self.vw.busy_seconds()
         with self._writer.as_default():
             for key, value in (logs or {}).items():
@@ -39,11 +39,11 @@ class PipelineTensorBoard(keras.callbacks.Callback):
         self._writer.flush()
         self._last = (now, busy)
 
-    def on_train_batch_end(self, batch, logs=None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._last is None:
             self._last = (time.perf_counter(), self.vw.busy_seconds())
 
-    def on_train_end(self, logs=None) -> None:
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._writer.close()
 
 
@@ -60,7 +60,7 @@ class WSPTensorBoard(keras.callbacks.Callback):
       strategy: a HetPipeStrategy or a WSPRunner.
     """
 
-    def __init__(self, log_dir, strategy) -> None:
+    def __init__(self, log_dir: str, strategy: Any) -> None:
         super().__init__()
         self.log_dir = log_dir
         self.strategy = strategy
@@ -70,7 +70,7 @@ class WSPTensorBoard(keras.callbacks.Callback):
     def _runner(self) -> Any:
         return getattr(self.strategy, "runner", None) or self.strategy
 
-    def on_train_begin(self, logs=None) -> None:
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._writer = tf.summary.create_file_writer(self.log_dir)
         self._since = time.perf_counter()
         describe = getattr(self.strategy, "describe", None)
@@ -80,7 +80,7 @@ class WSPTensorBoard(keras.callbacks.Callback):
             if self._runner().emulated:
                 tf.summary.text("emulation", "EMULATED devices: " + "; ".join(self._runner().descriptions), step=0)
 
-    def on_epoch_end(self, epoch, logs=None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         runner = self._runner()
         stats = runner.stats(since=self._since)
         self._since = time.perf_counter()
@@ -96,5 +96,5 @@ class WSPTensorBoard(keras.callbacks.Callback):
                 tf.summary.scalar(f"{prefix}/images_per_s", st["images_per_s"], step=epoch)
         self._writer.flush()
 
-    def on_train_end(self, logs=None) -> None:
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._writer.close()

@@ -71,7 +71,7 @@ ends the run; with ``checkpoint_dir``, ``resume=True`` continues from the last c
 """
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hetpipe_tf.api import compile_hook
@@ -241,9 +241,10 @@ class HetPipeStrategy:
         self._compiled[id(model)] = kept
         model.fit = types.MethodType(lambda m, *a, **kw: self.fit(m, *a, **kw), model)
 
-    def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_data=None, shuffle=True, steps_per_epoch=None, initial_epoch=0, trace_path=None,
-            **unsupported):
+    def fit(self, model: Any, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
+            shuffle: bool = True, steps_per_epoch: int | None = None, initial_epoch: int = 0,
+            trace_path: str | None = None, **unsupported: Any) -> Any:
         """``keras.Model.fit`` on the virtual workers; returns the History. `trace_path` writes
         every worker's pipeline, pushes, pulls and waits as a Chrome/Perfetto trace. A resumed
         run starts at the checkpoint's epoch (`initial_epoch`, if given, must be it)."""
@@ -300,12 +301,12 @@ class HetPipeStrategy:
 
             raise TaskLostError(lost) from exc
 
-    def stats(self):
+    def stats(self) -> list[dict[str, Any]]:
         """Per virtual worker: clock, distance to the slowest, average wait, throughput."""
         return self.runner.stats() if self.runner else []
 
     # Planning and launching --------------------------------------------------------------
-    def _runner(self, model, data, saved_cuts=None):
+    def _runner(self, model: Any, data: Any, saved_cuts: Any = None) -> Any:
         """The runner of `model` on `data`'s batch size: planned (:mod:`hetpipe_tf.runtime.plan_assembly`),
         at a resumed checkpoint's `saved_cuts` when its plan has the same shape."""
         from hetpipe_tf.distributed.node_speed import with_quota_speeds
@@ -349,7 +350,7 @@ class HetPipeStrategy:
         self._runner_key = key
         return self.runner
 
-    def _worker_spec(self, w):
+    def _worker_spec(self, w: int) -> Any:
         """Worker w's WorkerSpec and how many of its devices its own process holds
         (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts."""
         boundaries = self.cuts.boundaries[w]
@@ -362,7 +363,7 @@ class HetPipeStrategy:
             references = self.plan.host_pass_seconds(w)
         return self._devices.worker(w, self.plan.workers[w].devices, boundaries, references)
 
-    def _connect(self):
+    def _connect(self) -> None:
         """Starts (processes) or joins (tf_config) the cluster, once per process; names its devices."""
         from hetpipe_tf.distributed.cluster_devices import ClusterDevices
 
@@ -378,7 +379,7 @@ class HetPipeStrategy:
         if self._devices is None:
             self._devices = ClusterDevices(self.cluster, self.launch)
 
-    def describe(self):
+    def describe(self) -> str:
         """The chosen plan and where its tasks run, as text."""
         lines = [self.plan.format() if self.plan else "(no plan yet: fit plans the run)",
                  f"launch: {self.launch}"]

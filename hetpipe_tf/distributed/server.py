@@ -37,7 +37,7 @@ flags.DEFINE_string("task_log_dir", None, "Where the logs of the processes this 
 FLAGS = flags.FLAGS
 
 
-def main(argv) -> None:
+def main(argv: list[str]) -> None:
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     end_with_parent(FLAGS.parent_pid or os.getppid())
@@ -53,7 +53,7 @@ def main(argv) -> None:
     spec = json.loads(FLAGS.cluster_spec)
     name = f"{FLAGS.job_name}:{FLAGS.task_index}"
 
-    def end(message, failed) -> None:
+    def end(message: str, failed: bool) -> None:
         print(f"hetpipe_tf server {name}: ending: {message}", flush=True)
         os._exit(1 if failed else 0)  # the TensorFlow server has no clean stop
 

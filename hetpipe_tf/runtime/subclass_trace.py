@@ -30,6 +30,7 @@ import warnings
 import weakref
 from types import FrameType, TracebackType
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -298,7 +299,7 @@ def _opened(layers: list[keras.layers.Layer]) -> Iterator[None]:
 
 
 def _open_call(cls: type) -> Callable:
-    def call(self, *args, **kwargs):
+    def call(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
         if not self.built:
             cls.__call__(self, *args, **kwargs)  # builds the layer (its own weights, its layers)
         return cls.call(self, *args, **kwargs)

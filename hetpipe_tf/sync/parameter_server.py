@@ -135,7 +135,8 @@ class ParameterServers:
         self._push_fns = {}
         self._pull_fns = {}
 
-    def _push_graph(self, paths, worker, stage, wave, weight, deltas) -> None:
+    def _push_graph(self, paths: tuple[str, ...], worker: tf.Tensor, stage: tf.Tensor, wave: tf.Tensor,
+                    weight: tf.Tensor, deltas: Sequence[tf.Tensor]) -> None:
         updates = []
         weighted = any(a != 1.0 for a in self.push_weights)  # even sizes: the update as it is, bit for bit
         for path, delta in zip(paths, deltas):
@@ -162,7 +163,7 @@ class ParameterServers:
                 values.append(value)
         return values, clocks
 
-    def push(self, worker, stage, wave, paths, deltas) -> None:
+    def push(self, worker: int, stage: int, wave: int, paths: Sequence[str], deltas: Sequence[tf.Tensor]) -> None:
         """w_global += a_worker · u for these variables (on their servers), then the clock records
         the push."""
         paths = tuple(paths)
@@ -193,7 +194,7 @@ class ParameterServers:
         (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD)."""
         return group_of(self, compression, timeout_s)
 
-    def abort(self, reason) -> None:
+    def abort(self, reason: str) -> None:
         """Ends the run: every pull of it, waiting or later, in any process, fails at once
         naming `reason` (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.abort`). Servers that are
         gone keep no pull waiting, so their error is not raised."""
@@ -202,7 +203,7 @@ class ParameterServers:
         except tf.errors.OpError:
             pass
 
-    def advance_clocks(self, clocks) -> None:
+    def advance_clocks(self, clocks: Sequence[int]) -> None:
         """Records that every stage of each worker pushed its first clocks[worker] waves (a
         resumed run's clocks go on from the saved ones)."""
         for worker, clock in enumerate(clocks):
@@ -210,7 +211,7 @@ class ParameterServers:
                 for wave in range(clock):
                     self.clock.push(worker, stage, wave)
 
-    def rejoin(self, workers) -> None:
+    def rejoin(self, workers: Iterable[int]) -> None:
         """`workers` start a run together: each holds the global clock back again at once
         (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.retire`), not only when its own run begins, so
         that no worker's pull passes a wave that another, not yet started, has still to push."""

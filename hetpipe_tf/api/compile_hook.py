@@ -33,7 +33,7 @@ def _install() -> None:
     with _install_lock:
         if _installed:
             return
-        import keras  # late: defers TensorFlow so a usage error returns in 0.2 s
+        import keras  # late: defers TensorFlow
 
         original = keras.Model.compile
         signature = inspect.signature(original)

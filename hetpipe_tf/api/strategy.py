@@ -75,6 +75,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hetpipe_tf.api import compile_hook
+from hetpipe_tf.distributed.heartbeat import TaskLostError
+from hetpipe_tf.distributed.launch import ClusterConfigError, join_cluster
+from hetpipe_tf.distributed.resolvers import launch_for
+from hetpipe_tf.planning.cluster import load_cluster
+from hetpipe_tf.planning.request import PlanRequest
 
 EMULATION_REFERENCES = ("measured", "profile")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
@@ -152,13 +157,10 @@ class HetPipeStrategy:
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
                  on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured",
                  cluster_resolver=None):
-        from hetpipe_tf.distributed.cluster_devices import LAUNCHES
-        from hetpipe_tf.distributed.resolvers import launch_for
-        from hetpipe_tf.planning.cluster import load_cluster
-        from hetpipe_tf.planning.request import PlanRequest
-        from hetpipe_tf.runtime.checkpoint import Checkpoints
-        from hetpipe_tf.runtime.plan_assembly import loaded_profile
-        from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout
+        from hetpipe_tf.distributed.cluster_devices import LAUNCHES  # late: defers TensorFlow
+        from hetpipe_tf.runtime.checkpoint import Checkpoints  # late: defers TensorFlow
+        from hetpipe_tf.runtime.plan_assembly import loaded_profile  # late: defers TensorFlow
+        from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout  # late: defers TensorFlow
 
         launch = launch_for(launch, cluster_resolver)
         if launch not in LAUNCHES:
@@ -172,7 +174,6 @@ class HetPipeStrategy:
         self.cluster = load_cluster(cluster)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch != "tf_config":
-            from hetpipe_tf.distributed.launch import ClusterConfigError
 
             raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: run on those machines "
                                      f"with launch='tf_config' (TF_CONFIG); launch={launch!r} serves emulated devices "
@@ -256,17 +257,17 @@ class HetPipeStrategy:
                              f"{', '.join(_FIT_ARGS)}")
         if id(model) not in self._compiled:
             raise ValueError("compile the model inside strategy.scope() before fit")
-        import keras
+        import keras  # late: defers TensorFlow
 
         if any(isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks or ()):
             raise ValueError("keras.callbacks.BackupAndRestore cannot restore a HetPipeStrategy run (its state is "
                              "in the stages and the parameter servers, not in the Keras model): give "
                              "HetPipeStrategy(checkpoint_dir=..., resume=True) (hetpipe-train --checkpoint_dir, "
                              "--resume) instead")
-        from hetpipe_tf.runtime.worker_data import as_dataset, is_dataset
+        from hetpipe_tf.runtime.worker_data import as_dataset, is_dataset  # late: defers TensorFlow
 
         data = as_dataset(x, y, batch_size, shuffle)
-        from hetpipe_tf.runtime.subclass_trace import trace_for_data
+        from hetpipe_tf.runtime.subclass_trace import trace_for_data  # late: defers TensorFlow
 
         trace_for_data(model, data.element_spec)  # a subclassed model's call, traced on the data's inputs
         if validation_data is not None and not is_dataset(validation_data):
@@ -278,14 +279,14 @@ class HetPipeStrategy:
             if initial_epoch not in (0, resumed.epoch):
                 raise ValueError(f"the checkpoint ends at epoch {resumed.epoch}, fit was given initial_epoch="
                                  f"{initial_epoch}: leave initial_epoch out to resume")
-            from hetpipe_tf.runtime.checkpoint import for_workers
-            from hetpipe_tf.runtime.worker_data import epoch_steps
+            from hetpipe_tf.runtime.checkpoint import for_workers  # late: defers TensorFlow
+            from hetpipe_tf.runtime.worker_data import epoch_steps  # late: defers TensorFlow
 
             resumed = for_workers(resumed, len(self.plan.workers), steps_per_epoch or epoch_steps(data))
             initial_epoch, positions = resumed.epoch, resumed.positions
             runner.resume(resumed)
             self._resume = False
-        from hetpipe_tf.runtime.fit_loop import FitOptions, fit
+        from hetpipe_tf.runtime.fit_loop import FitOptions, fit  # late: defers TensorFlow
 
         try:
             return fit(runner, data, FitOptions(
@@ -293,7 +294,6 @@ class HetPipeStrategy:
                 validation_data=validation_data, trace_path=trace_path, initial_epoch=initial_epoch,
                 checkpoints=self.checkpoints, positions=positions, plan=self.cuts))
         except Exception as exc:
-            from hetpipe_tf.distributed.heartbeat import TaskLostError
 
             lost = self._cluster.find_lost() if self._cluster is not None else None
             if lost is None:
@@ -309,10 +309,10 @@ class HetPipeStrategy:
     def _runner(self, model: Any, data: Any, saved_cuts: Any = None) -> Any:
         """The runner of `model` on `data`'s batch size: planned (:mod:`hetpipe_tf.runtime.plan_assembly`),
         at a resumed checkpoint's `saved_cuts` when its plan has the same shape."""
-        from hetpipe_tf.distributed.node_speed import with_quota_speeds
-        from hetpipe_tf.runtime import plan_assembly as assembly
-        from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts
-        from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch
+        from hetpipe_tf.distributed.node_speed import with_quota_speeds  # late: defers TensorFlow
+        from hetpipe_tf.runtime import plan_assembly as assembly  # late: defers TensorFlow
+        from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts  # late: defers TensorFlow
+        from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch  # late: defers TensorFlow
 
         batch_size = batch_size_of(data)
         key = (id(model), batch_size)
@@ -338,13 +338,13 @@ class HetPipeStrategy:
         self.run_config = assembly.resolved_config(self.request, self.plan, self.cuts, training)
         workers = [self._worker_spec(w) for w in range(len(self.plan.workers))]
         if self.launch != "in_process":
-            from hetpipe_tf.distributed.process_runner import ProcessRunner
+            from hetpipe_tf.distributed.process_runner import ProcessRunner  # late: defers TensorFlow
 
             self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], self.run_config,
                                         self._devices.ps, [n for _, n in workers],
                                         [self._devices.home_node(w.devices) for w in self.plan.workers])
         else:
-            from hetpipe_tf.runtime.wsp_runner import WSPRunner
+            from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
 
             self.runner = WSPRunner(model, [spec for spec, _ in workers], self.run_config, self._devices.ps)
         self._runner_key = key
@@ -365,10 +365,9 @@ class HetPipeStrategy:
 
     def _connect(self) -> None:
         """Starts (processes) or joins (tf_config) the cluster, once per process; names its devices."""
-        from hetpipe_tf.distributed.cluster_devices import ClusterDevices
+        from hetpipe_tf.distributed.cluster_devices import ClusterDevices  # late: defers TensorFlow
 
         if self.launch != "in_process":
-            from hetpipe_tf.distributed.launch import join_cluster
 
             # A lost task stops training at once (the heartbeat monitor found it), or, a virtual worker's
             # process under on_worker_failure="continue", training goes on without it.

@@ -43,11 +43,11 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     block is several layer calls (layer norms, causal attention, the two Dense of the MLP, the
     residual adds) between which stages may be cut, where keras_hub's TransformerDecoder is
     one subclassed layer that no cut enters."""
-    import keras
+    import keras  # late: defers TensorFlow
     try:
-        from keras import ops
+        from keras import ops  # late: defers TensorFlow
     except ImportError:  # Keras 2 (the Horovod baseline's venv): TensorFlow's ops of the same names
-        import tensorflow as ops
+        import tensorflow as ops  # late: defers TensorFlow
 
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
     unit = keras.initializers.RandomNormal(stddev=1.0)
@@ -72,7 +72,7 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> Any:
     """A Keras model `name` for inputs of `input_shape` and `num_classes` classes: images, or
     token sequences of (length,) for a model of SEQUENCE_MODELS, whose classes are the tokens."""
-    import keras
+    import keras  # late: defers TensorFlow
 
     if (name in SEQUENCE_MODELS) != (len(input_shape) == 1):
         raise ModelInputError(f"{name} takes {'token sequences' if name in SEQUENCE_MODELS else 'images'}, "

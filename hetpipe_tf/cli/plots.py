@@ -53,8 +53,8 @@ class TraceFileError(HetPipeUsageError, ValueError):
 def _figure(**kwargs: Any) -> Any:
     """A matplotlib Figure on its own Agg canvas (pyplot's global state is not touched)."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # late: optional dependency
+        from matplotlib.figure import Figure  # late: optional dependency
     except ImportError as exc:
         raise PlottingUnavailableError(
             f"drawing a PNG needs the package matplotlib, which is not installed; install it with: "
@@ -132,7 +132,7 @@ def plot_trace(trace_path: str | os.PathLike[str], output_path: str | os.PathLik
         ax.set_ylim(len(members) - 0.5, -0.5)
         ax.set_title(processes.get(pid, f"process {pid}"), fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # late: optional dependency
 
     fig.legend(handles=[Patch(color=colour, label=label) for label, colour in colours.values()],
                loc="outside right upper", fontsize=8, title="instruction", title_fontsize=8)

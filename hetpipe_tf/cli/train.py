@@ -7,6 +7,7 @@ several virtual workers under Wave Synchronous Parallel.
 Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
 HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli.errors`).
 """
+import dataclasses
 import json
 import os
 from typing import Any
@@ -15,7 +16,11 @@ from absl import app, flags, logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-from hetpipe_tf.cli import errors, plan_flags, train_flags
+from hetpipe_tf.api.strategy import HetPipeStrategy
+from hetpipe_tf.cli import errors, models, plan_flags, train_flags
+from hetpipe_tf.planning.cluster import Cluster, from_device_specs, load_cluster
+from hetpipe_tf.planning.devices import parse_devices
+from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
 train_flags.define_flags()
 FLAGS = flags.FLAGS
@@ -29,15 +34,12 @@ def _devices() -> str:
     return train_flags.DEFAULT_DEVICES
 
 
-def _auto_plan(model: Any, devices: str, optimizer: Any, loss: Any, batch_size: int) -> tuple[Any, tuple[int, ...], int]:
+def _auto_plan(model: Any, devices: str, optimizer: Any, loss: Any,
+               batch_size: int) -> tuple[Any, tuple[int, ...], int]:
     """The planner's device order, stage boundaries and Nm for one virtual worker on `devices` (the plan
     assembly of every run, :mod:`hetpipe_tf.runtime.plan_assembly`, with the links measured between
     these devices, which are this process's own)."""
-    import dataclasses
-
-    from hetpipe_tf.planning.cluster import from_device_specs
-    from hetpipe_tf.runtime import plan_assembly as assembly
-    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+    from hetpipe_tf.runtime import plan_assembly as assembly  # late: defers TensorFlow
 
     cluster = from_device_specs(devices, name="devices")
     profile = assembly.workload_profile(model, batch_size, assembly.loaded_profile(FLAGS.profile),
@@ -56,11 +58,9 @@ def _auto_plan(model: Any, devices: str, optimizer: Any, loss: Any, batch_size: 
 
 def _data_and_model() -> tuple[Any, Any, Any]:
     """The training and test splits and the model the flags ask for."""
-    import keras
+    import keras  # late: defers TensorFlow
 
-    from hetpipe_tf.data import datasets
-
-    from hetpipe_tf.cli import models
+    from hetpipe_tf.data import datasets  # late: defers TensorFlow
 
     keras.utils.set_random_seed(FLAGS.seed)
     keras.config.set_dtype_policy(train_flags.MIXED_PRECISION[FLAGS.mixed_precision])
@@ -84,7 +84,7 @@ def _data_and_model() -> tuple[Any, Any, Any]:
 def _dataset_defaults() -> None:
     """The data set's own training defaults for the flags not given (hetpipe_addition's
     ``TRAINING_DEFAULTS``: 20 epochs, a global clip norm of 1)."""
-    from hetpipe_tf.data import addition
+    from hetpipe_tf.data import addition  # late: defers TensorFlow
 
     if FLAGS.dataset == addition.NAME:
         for name, value in addition.TRAINING_DEFAULTS.items():
@@ -95,9 +95,9 @@ def _dataset_defaults() -> None:
 def _loss_and_metrics() -> tuple[Any, list[Any]]:
     """The loss and metrics of the flags' data set: hetpipe_addition's are its own (the answer
     tokens' cross-entropy, exact match), any other's the cross-entropy of logits and accuracy."""
-    import keras
+    import keras  # late: defers TensorFlow
 
-    from hetpipe_tf.data import addition
+    from hetpipe_tf.data import addition  # late: defers TensorFlow
 
     if FLAGS.dataset == addition.NAME:
         return addition.loss(), [addition.exact_match]
@@ -106,7 +106,7 @@ def _loss_and_metrics() -> tuple[Any, list[Any]]:
 
 def _show_answers(model: Any, test: Any) -> None:
     """Prints hetpipe_addition's first held-out sums with the model's greedy answers."""
-    from hetpipe_tf.data import addition
+    from hetpipe_tf.data import addition  # late: defers TensorFlow
 
     if FLAGS.dataset == addition.NAME:
         tokens, targets = next(iter(test))
@@ -121,20 +121,19 @@ def _test_metrics(final: dict[str, float]) -> dict[str, float]:
 
 def _optimizer() -> Any:
     """The flags' optimizer; under float16, in a LossScaleOptimizer (as Keras's compile wraps it)."""
-    import keras
+    import keras  # late: defers TensorFlow
 
-    from hetpipe_tf.runtime.optimizers import by_name
+    from hetpipe_tf.runtime.optimizers import by_name  # late: defers TensorFlow
 
     optimizer = by_name(FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum, weight_decay=FLAGS.weight_decay,
                         global_clipnorm=FLAGS.global_clipnorm)
     return keras.optimizers.LossScaleOptimizer(optimizer) if FLAGS.mixed_precision == "fp16" else optimizer
 
 
-def _train_virtual_workers(cluster: str) -> None:
+def _train_virtual_workers(cluster: Cluster) -> None:
     """--cluster: several virtual workers under WSP on `cluster` (the flag's, loaded), planned and
     launched by HetPipeStrategy."""
-    from hetpipe_tf.api.callbacks import WSPTensorBoard
-    from hetpipe_tf.api.strategy import HetPipeStrategy
+    from hetpipe_tf.api.callbacks import WSPTensorBoard  # late: defers TensorFlow
 
     strategy = HetPipeStrategy(cluster=cluster, **plan_flags.request_arguments(FLAGS), launch=FLAGS.launch,
                                timeout_s=FLAGS.timeout_s, emulate_links=FLAGS.emulate_links,
@@ -170,12 +169,9 @@ def main(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
     # What the flags name, checked before TensorFlow starts (a usage error then takes a fraction of a second).
-    from hetpipe_tf.planning.cluster import load_cluster
-    from hetpipe_tf.planning.devices import parse_devices
-
     cluster = load_cluster(FLAGS.cluster) if FLAGS.cluster else None
     devices = None if cluster else parse_devices(_devices())
-    import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
+    import tensorflow as tf  # late: after the flags' checks, and threading is set before TensorFlow starts
 
     _dataset_defaults()
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
@@ -183,9 +179,8 @@ def main(argv: list[str]) -> None:
     if cluster:
         _train_virtual_workers(cluster)
         return
-    from hetpipe_tf.api.callbacks import PipelineTensorBoard
-    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
-    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+    from hetpipe_tf.api.callbacks import PipelineTensorBoard  # late: defers TensorFlow
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker  # late: defers TensorFlow
 
     configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
     train, test, model = _data_and_model()

@@ -88,7 +88,7 @@ def rejoin_at_global_clock(clock: "WspClock", worker: int, running: Collection[i
     Returns the wave it rejoined at, which its next run's waves count from
     (:meth:`hetpipe_tf.sync.wsp.WSP.handlers`): the global clock, or one past it when it was not
     behind (a stage's next wave is found by pushing it)."""
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     clocks = clock.clocks()[0]
     global_clock = min((clocks[w] for w in running), default=clocks[worker])

@@ -34,11 +34,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.planning.cluster import Cluster, load_cluster
 
 if TYPE_CHECKING:
     from hetpipe_tf.compat import ClusterResolver
-
-    from hetpipe_tf.planning.cluster import Cluster
 
 #: The resolvers :func:`make_resolver` makes by name.
 RESOLVERS = ("tf_config", "slurm")
@@ -140,7 +139,7 @@ def launch_for(launch: str, resolver: ClusterResolver | None) -> str:
 
 
 def _slurm_tasks_per_node(environ: Mapping[str, str]) -> int:
-    from hetpipe_tf.compat import expand_tasks_per_node  # late: defers TensorFlow so a usage error returns in 0.2 s
+    from hetpipe_tf.compat import expand_tasks_per_node  # late: defers TensorFlow
 
     text = environ.get("SLURM_STEP_TASKS_PER_NODE")
     if not text:
@@ -157,7 +156,7 @@ def make_resolver(name: str, description: Cluster, port_base: int = 8888,
     one worker task per node) over the step's tasks, ports from `port_base`, and its GPU split
     turned off (a node's worker task sees its node's GPUs, not an even share of Slurm's).
     ``KubernetesClusterResolver`` needs its pods' labels and is made by the caller."""
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     environ = os.environ if environ is None else environ
     if name == "tf_config":
@@ -198,8 +197,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m hetpipe_tf.distributed.resolvers --resolver=NAME --cluster=FILE -- CHIEF COMMAND``:
     resolves this task and replaces this process with its server (ps, worker) or the chief's command,
     with TF_CONFIG set."""
-    from hetpipe_tf.planning.cluster import load_cluster
-
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="python -m hetpipe_tf.distributed.resolvers",

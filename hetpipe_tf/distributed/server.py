@@ -23,6 +23,7 @@ from absl import app, flags
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
 from hetpipe_tf.distributed.starter import TaskStarter, authkey_from
+from hetpipe_tf.ops.loader import load_ops
 
 flags.DEFINE_string("cluster_spec", None, "The cluster as JSON: {job: [host:port, ...]}.")
 flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
@@ -41,9 +42,7 @@ def main(argv: list[str]) -> None:
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     end_with_parent(FLAGS.parent_pid or os.getppid())
-    import tensorflow as tf
-
-    from hetpipe_tf.ops.loader import load_ops
+    import tensorflow as tf  # late: after the parent watch starts: TensorFlow takes seconds to import
 
     load_ops()
     # The server builds its own devices from this config (not from tf.config's logical devices).

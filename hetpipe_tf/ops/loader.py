@@ -89,7 +89,7 @@ def load_ops() -> types.ModuleType:
     global _library
     with _lock:
         if _library is None:
-            import tensorflow as tf
+            import tensorflow as tf  # late: defers TensorFlow
 
             path = library_path()
             check_build(os.path.dirname(path), tf.__version__)

@@ -15,7 +15,7 @@ def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> list[str]:
     can only be made before TensorFlow initialises its runtime; if it already has,
     emulated devices share the logical CPUs that exist.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     specs = tuple(specs)
     emulated = [s for s in specs if s.emulated]

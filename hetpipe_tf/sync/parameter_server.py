@@ -265,7 +265,8 @@ class GlobalVariable:
         return self.read_value().numpy()
 
 
-def synchronised_variables(trainable: Iterable[keras.Variable], non_trainable: Iterable[keras.Variable]) -> list[keras.Variable]:
+def synchronised_variables(trainable: Iterable[keras.Variable],
+                           non_trainable: Iterable[keras.Variable]) -> list[keras.Variable]:
     """What virtual workers synchronise, of a model's or a stage's variables: the trainable
     weights and the floating-point state (BatchNorm's moving statistics, frozen weights), so
     that moving averages take every worker's minibatches; not integer state such as random

@@ -57,7 +57,7 @@ Measured times are in benchmarks/README.md (planner_scale).
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
@@ -131,7 +131,7 @@ class Plan:
     def allocation(self) -> str:
         """Each worker's device types in node order, as Table 3 writes them (VVQQ)."""
         order = [n.name for n in self.cluster.nodes]
-        return describe([sorted(w.devices, key=lambda d: (order.index(d.node), d.index)) for w in self.workers])
+        return describe([tuple(sorted(w.devices, key=lambda d: (order.index(d.node), d.index))) for w in self.workers])
 
     @property
     def images_per_s(self) -> float:
@@ -251,7 +251,9 @@ class _Solved:
 
     def __init__(self, method: str, max_num_in_flight: int) -> None:
         self.method, self.max_num_in_flight = method, max_num_in_flight
-        self._max_m, self._seen, self._last = {}, {}, {}
+        self._max_m: dict[tuple[tuple[tuple[str, int], ...], str], int] = {}
+        self._seen: dict[tuple[Any, int], Partition] = {}  # (worker shape and links, Nm) -> its best partition
+        self._last: dict[Any, Partition] = {}  # worker shape and links -> the partition solved last
 
     def max_m(self, model: CostModel, devices: Sequence[Device]) -> int:
         key = (_shape(devices), model.sync.name)
@@ -261,15 +263,16 @@ class _Solved:
 
     def partitions(self, model: CostModel, workers: Sequence[tuple[Device, ...]], nm: int) -> list[Partition]:
         """Every worker's partition at Nm, costed by `model`."""
-        first = {}
+        first: dict[tuple[tuple[str, int], ...], Partition] = {}
         out = []
         for w in workers:
             shape = _shape(w)
             if shape not in first:
                 first[shape] = self._solve(model, w, nm)
             found = first[shape]
+            order: Sequence[Device]
             if set(found.devices) != set(w):  # the same shape on other devices: map the order onto them
-                by_role = {}
+                by_role: dict[tuple[str, tuple[str, ...]], list[Device]] = {}
                 for d in sorted(w, key=lambda d: d.name):
                     by_role.setdefault(_role(d, w), []).append(d)
                 order = [by_role[_role(d, found.devices)].pop(0) for d in found.devices]
@@ -280,7 +283,7 @@ class _Solved:
 
     def _solve(self, model: CostModel, devices: Sequence[Device], nm: int) -> Partition:
         shape = _shape(devices)
-        nodes = {}
+        nodes: dict[str, int] = {}
         for d in sorted(devices, key=lambda d: d.name):
             nodes.setdefault(d.node, len(nodes))
         flows = dict(model.link_flows)
@@ -288,8 +291,9 @@ class _Solved:
         key = (shape, shared, model.sync.name)
         if (key, nm) not in self._seen:
             last = self._last.get(key)
-            reused = last and partition_of(model, last.devices, last.boundaries, nm)
-            if reused and last.num_in_flight < nm and all(s.memory_total <= s.capacity for s in reused.stages):
+            reused = partition_of(model, last.devices, last.boundaries, nm) if last is not None else None
+            if (reused is not None and last is not None and last.num_in_flight < nm
+                    and all(s.memory_total <= s.capacity for s in reused.stages)):
                 self._seen[(key, nm)] = reused
             else:
                 self._seen[(key, nm)] = best_partition(model, devices, nm, self.method)
@@ -311,10 +315,11 @@ def _push_times(model: CostModel, workers: Sequence[Partition], placement: str) 
     the same segment to a server share that server's inter-node link (§8.1: one per node)."""
     cluster, links, p = model.cluster, model.links, model.profile
     nodes = [n.name for n in cluster.nodes]
-    host = {}
+    host: dict[str, Device] = {}
     for d in cluster.devices():
         host.setdefault(d.node, d)
-    holders = [{} for _ in range(p.num_segments)]  # per segment: how many stages hold it on each node
+    # Per segment: how many stages hold it on each node.
+    holders: list[dict[str, int]] = [{} for _ in range(p.num_segments)]
     for w in workers:
         for st in w.stages:
             for seg in range(*st.segments):
@@ -348,7 +353,8 @@ def _simulate(model: CostModel, workers: Sequence[Partition], num_in_flight: int
     only at the parameter servers, which get their requests at the same times, so one of them
     runs for all (exact)."""
     push = push or _push_times(model, workers, placement)
-    same_as, first = [], {}
+    same_as: list[int] = []
+    first: dict[Any, int] = {}
     for w, part in enumerate(workers):
         key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient, st.exchange)
                      for st in part.stages),
@@ -434,7 +440,7 @@ def pace_bounds(model: CostModel, workers: Sequence[Partition], num_in_flight: i
     if waves:
         gate = model.sync.checked_bound(staleness_bound)
         chains = max(0, (n - num_in_flight) // num_in_flight - -(-(start + num_in_flight) // num_in_flight) + 1)
-        push = push or _push_times(model, workers, placement)
+        pushed = push or _push_times(model, workers, placement)
     pi = model.profile.instruction_seconds
     out = []
     for w, part in enumerate(workers):
@@ -443,7 +449,7 @@ def pace_bounds(model: CostModel, workers: Sequence[Partition], num_in_flight: i
             st = part.stages[q]
             least = max(least, (window - num_in_flight) * st.time)
             if waves:
-                chain = (2 * pi + push[w][q] + (push[w][q] if gate == 0 else pi) + 2 * st.apply + st.forward
+                chain = (2 * pi + pushed[w][q] + (pushed[w][q] if gate == 0 else pi) + 2 * st.apply + st.forward
                          + st.backward + later)
                 least = max(least, chains * chain - 2 * pi - st.apply)
             later += st.forward + st.backward
@@ -520,17 +526,19 @@ def _plan_workers(model: CostModel, workers: Sequence[tuple[Device, ...]], polic
         candidates = [num_in_flight]
     else:
         candidates = list(range(1, limit + 1))
-    results, costed = {}, {}
+    results: dict[int, tuple[float, tuple[float, ...], Sequence[Partition]]] = {}
+    costed: dict[int, list[Partition]] = {}
+    pushes: dict[int, list[tuple[float, ...]]] = {}
 
-    def parts_at(nm: int) -> Any:
+    def parts_at(nm: int) -> list[Partition]:
         if nm not in costed:
             costed[nm] = solved.partitions(model, workers, nm)
         return costed[nm]
 
-    def push_at(nm: int) -> Any:
-        if (nm, "push") not in costed:
-            costed[(nm, "push")] = _push_times(model, parts_at(nm), placement)
-        return costed[(nm, "push")]
+    def push_at(nm: int) -> list[tuple[float, ...]]:
+        if nm not in pushes:
+            pushes[nm] = _push_times(model, parts_at(nm), placement)
+        return pushes[nm]
 
     def tried(nm: int) -> float:
         if nm not in results:
@@ -538,7 +546,7 @@ def _plan_workers(model: CostModel, workers: Sequence[tuple[Device, ...]], polic
                 parts_at(nm),)
         return results[nm][0]
 
-    def reached(nm: int) -> bool:
+    def reached(nm: int) -> float:
         # No worker beats 1 / its slowest stage, a bound that only falls as Nm grows (a cut that
         # fits a larger Nm fits a smaller one): once it is reached, larger Nm cannot do better.
         return 0.999 * len(workers) * min(1.0 / p.bottleneck for p in parts_at(nm))
@@ -567,7 +575,7 @@ def _plan_workers(model: CostModel, workers: Sequence[tuple[Device, ...]], polic
     best = max(v[0] for v in results.values())
     chosen = min(nm for nm, v in results.items() if v[0] >= 0.98 * best)
     total, per, parts = results[chosen]
-    sizes = ()
+    sizes: tuple[int, ...] = ()
     if minibatch_sizes is not None:
         sizes = uneven_sizes(model, parts, minibatch_sizes)
         parts = _at_sizes(model, parts, sizes)
@@ -637,7 +645,7 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
     costs = _Costs(links or LinkModel(), optimizer_slots, analytic)
     if not profile.shared_weights:
         return _plan(profile, cluster, request, costs)
-    options = []
+    options: list[tuple[str, Plan | PlanError]] = []
     for label, p in (("with replicas allowed", profile), ("with each kept on one stage", colocated(profile))):
         try:
             options.append((label, _plan(p, cluster, request, costs)))
@@ -645,7 +653,9 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
             options.append((label, e))
     planned = [(label, o) for label, o in options if isinstance(o, Plan)]
     if not planned:
-        raise options[0][1]
+        error = options[0][1]
+        assert isinstance(error, PlanError)  # no option planned: each is its error
+        raise error
     layers = [layer for layer, _, _ in profile.shared_weights]
     chosen = max((o for _, o in planned), key=lambda o: o.minibatches_per_s)
     other = next(f"the plan {label} " + (f"does not fit ({str(o).splitlines()[-1].strip()})" if not isinstance(o, Plan)
@@ -700,7 +710,8 @@ def _plan(profile: Profile, cluster: Cluster, request: PlanRequest, costs: _Cost
         notes.append(f"EMULATED devices: host times scaled by dilation {dilation:g} / speed")
     notes.append(f"links: {costs.links.source}")
     settings = _Settings(profile, cluster, costs.links, dilation, costs.optimizer_slots, costs.analytic,
-                         request.schedule, request.sync, request.placement_of_policy, request.staleness_bound,
+                         cast(PipelineSchedule, request.schedule), cast(SyncScheme, request.sync),  # checked by it
+                         request.placement_of_policy, request.staleness_bound,
                          request.num_in_flight, request.minibatch_sizes)
     solved = _Solved(request.method, request.max_num_in_flight)
     if request.workers is None and request.policy == "auto":
@@ -713,9 +724,11 @@ def _plan(profile: Profile, cluster: Cluster, request: PlanRequest, costs: _Cost
         except AllocationError as e:
             raise PlanError(str(e)) from e
     try:
-        return settings.plan(group, label, solved, notes)
+        chosen = settings.plan(group, label, solved, notes)
     except PlanError as e:
         raise PlanError(f"no plan fits:\n{label} {describe(group)}: {e}") from e
+    assert chosen is not None  # None only below a floor, and none was given
+    return chosen
 
 
 @dataclass(frozen=True)

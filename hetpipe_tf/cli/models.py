@@ -15,6 +15,7 @@ from hetpipe_tf.errors import HetPipeUsageError
 
 _APPLICATIONS = {"vgg16": "VGG16", "vgg19": "VGG19", "resnet50": "ResNet50", "resnet101": "ResNet101",
                  "resnet152": "ResNet152"}  # keras.applications names
+_APPLICATIONS_INPUT = (32, 3)  # the least image side and the channels keras.applications take
 SEQUENCE_MODELS = ("gpt",)  # take token sequences, not images
 MODELS = ("mlp", "cnn") + tuple(_APPLICATIONS) + SEQUENCE_MODELS
 
@@ -25,7 +26,7 @@ class ModelInputError(HetPipeUsageError, ValueError):
 
 def input_requirements(name: str) -> tuple[int | None, int | None]:
     """(minimum image side, channels) the model needs, or (None, None) for any."""
-    return (32, 3) if name in _APPLICATIONS else (None, None)
+    return _APPLICATIONS_INPUT if name in _APPLICATIONS else (None, None)
 
 
 def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int = 4, blocks: int = 2) -> Any:
@@ -100,7 +101,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> An
         x = keras.layers.Dropout(0.2)(x)
         return keras.Model(i, keras.layers.Dense(num_classes)(x), name="cnn")
     if name in _APPLICATIONS:
-        side, channels = input_requirements(name)
+        side, channels = _APPLICATIONS_INPUT
         if min(input_shape[:2]) < side or input_shape[2] != channels:
             raise ModelInputError(f"{name} needs images of at least {side}x{side}x{channels}, got "
                              f"{tuple(input_shape)}; pass --image_size={side} (the binary converts channels)")

@@ -145,7 +145,7 @@ def _slurm_tasks_per_node(environ: Mapping[str, str]) -> int:
     if not text:
         raise ResolverError("resolver 'slurm' reads SLURM_STEP_TASKS_PER_NODE, which is not set: run under "
                             "`srun` (one Slurm task per hetpipe_tf task)")
-    return max(expand_tasks_per_node(text))
+    return int(max(expand_tasks_per_node(text)))
 
 
 def make_resolver(name: str, description: Cluster, port_base: int = 8888,

@@ -99,4 +99,5 @@ def load_ops() -> types.ModuleType:
                 raise OpsLibraryError(
                     f"hetpipe_tf's custom ops in {path} do not load into TensorFlow "
                     f"{tf.__version__} ({e}); rebuild them with: {rebuild_command(os.path.dirname(path))}") from e
-        return _library
+        loaded: types.ModuleType = _library
+        return loaded

@@ -58,8 +58,8 @@ class WeightStash:
     def get(self, minibatch: int | tf.Tensor, dtypes: Sequence[tf.DType]) -> list[tf.Tensor]:
         """The version stashed for `minibatch`, as a list of tensors of `dtypes`."""
         with tf.device(self.device):
-            return self._ops.hetpipe_weight_stash_get(
-                self._handle, _minibatch_id(minibatch), dtypes=list(dtypes))
+            return list(self._ops.hetpipe_weight_stash_get(
+                self._handle, _minibatch_id(minibatch), dtypes=list(dtypes)))
 
     def release(self, minibatch: int | tf.Tensor) -> None:
         """Drops `minibatch`'s version (after its backward pass)."""

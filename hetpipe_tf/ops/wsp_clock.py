@@ -57,7 +57,8 @@ class WspClock:
     def clocks_graph(self) -> tuple[tf.Tensor, tf.Tensor]:
         """(worker clocks, global clock) as tensors, for use inside a ``tf.function``."""
         with tf.device(self.device):
-            return self._ops.hetpipe_wsp_clock_stats(self._handle)
+            workers, global_clock = self._ops.hetpipe_wsp_clock_stats(self._handle)
+        return workers, global_clock
 
     def push(self, worker: int, stage: int, wave: int) -> None:
         """Records that `stage` of `worker` pushed its update of `wave` (in order)."""

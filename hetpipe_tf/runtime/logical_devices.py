@@ -7,7 +7,7 @@ from hetpipe_tf.pipeline.emulation import format_bytes
 from hetpipe_tf.planning.devices import DeviceSpec, DeviceSpecError
 
 
-def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> list[str]:
+def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> tuple[str, ...]:
     """TensorFlow device names serving `specs`, creating logical devices where needed.
 
     Emulated devices get one logical CPU device each (placement labels; they share
@@ -20,7 +20,7 @@ def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> list[str]:
     specs = tuple(specs)
     emulated = [s for s in specs if s.emulated]
     gpus = tf.config.list_physical_devices("GPU")
-    limits = {}  # physical GPU -> memory limits of the logical GPUs asked on it
+    limits: dict[int, list[int | None]] = {}  # physical GPU -> memory limits of the logical GPUs asked on it
     for s in specs:
         if s.kind == "gpu":
             if s.index >= len(gpus):
@@ -41,7 +41,7 @@ def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> list[str]:
             if all(mems):
                 tf.config.set_logical_device_configuration(
                     gpus[i], [tf.config.LogicalDeviceConfiguration(memory_limit=m // 1024 ** 2)
-                              for m in mems])
+                              for m in mems if m is not None])  # all are, as checked
     except RuntimeError:
         pass  # the runtime is already initialised: use the logical devices it has
     logical_cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -52,7 +52,9 @@ def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> list[str]:
     logical_gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
     # TensorFlow numbers logical GPUs in the order of their physical GPUs.
     per_gpu = [len(limits[i]) if all(limits.get(i, [None])) else 1 for i in range(len(gpus))]
-    names, next_cpu, used = [], 0, {}
+    names: list[str] = []
+    next_cpu = 0
+    used: dict[int, int] = {}
     for spec in specs:
         if spec.kind == "gpu":
             slot = used.get(spec.index, 0) if spec.memory else 0

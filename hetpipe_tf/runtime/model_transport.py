@@ -33,7 +33,7 @@ def pack_model(model: keras.Model) -> str:
     """What a worker process rebuilds `model` from (:func:`unpack_model`): a Sequential or functional
     model's JSON, or a subclassed model's trace with its variables' paths and order."""
     if not is_subclassed(model):
-        return model.to_json()
+        return str(model.to_json())
     graph = traced(model)
     _refuse_unimportable(model, graph)
     text = graph.to_json()

@@ -127,13 +127,13 @@ class ParameterServers:
         weights = (1.0,) * workers if push_weights is None else tuple(float(a) for a in push_weights)
         if len(weights) != workers or not all(a > 0 for a in weights):
             raise ValueError(f"push_weights must be one positive weight per virtual worker ({workers}), got "
-                             f"{list(push_weights)}: give n * b_i / B for minibatch sizes b_i "
+                             f"{list(weights)}: give n * b_i / B for minibatch sizes b_i "
                              f"(hetpipe_tf.planning.uneven.push_weights)")
         stored = GlobalVariable(f"hetpipe/{self.run}/push_weights", tf.constant(weights, tf.float32),
                                 self.devices[0], create=variable_devices is None)
         self.push_weights = tuple(float(a) for a in stored.numpy())
-        self._push_fns = {}
-        self._pull_fns = {}
+        self._push_fns: dict[tuple[str, ...], FirstCallLocked] = {}
+        self._pull_fns: dict[tuple[tuple[str, ...], str | None], FirstCallLocked] = {}
 
     def _push_graph(self, paths: tuple[str, ...], worker: tf.Tensor, stage: tf.Tensor, wave: tf.Tensor,
                     weight: tf.Tensor, deltas: Sequence[tf.Tensor]) -> None:

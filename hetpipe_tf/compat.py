@@ -144,6 +144,9 @@ _AS_SERIALIZED_GRAPH = _attribute("Dataset", "_as_serialized_graph",
 # Reached in modules of their own (named here so that missing() tries them).
 _attribute("Optimizer", "_learning_rate", "a stage optimizer's learning rate variable or schedule "
            "(runtime/fit_loop.py)")
+_SELF_ATTENTION_LAYER = _attribute("TransformerBlock", "_self_attention_layer",
+                                   "a keras_hub TransformerEncoder's or Decoder's attention (its width per head) for "
+                                   "the analytic profile (runtime/profiler.py)")
 for _name in ("_variables", "_trainable_variables"):
     _attribute("Optimizer", _name, "an optimizer's registries of every variable, its own and the model's, read "
                "to save and restore its slots (runtime/checkpoint.py)")
@@ -238,6 +241,11 @@ def variable_key(optimizer: Any, variable: Any) -> str:
     return str(getattr(optimizer, _VAR_KEY)(variable))
 
 
+def self_attention_layer(block: Any) -> Any:
+    """The attention layer of a keras_hub TransformerEncoder or TransformerDecoder; None if it has none."""
+    return getattr(block, _SELF_ATTENTION_LAYER, None)
+
+
 def serialized_dataset_graph(dataset: tf.data.Dataset) -> Any:
     """`dataset`'s graph (a string tensor), refusing a pipeline that holds this process's state
     (tf.errors.FailedPreconditionError or InvalidArgumentError)."""
@@ -259,9 +267,19 @@ def _probes() -> dict[str, list[Any]]:
     exclusions = keras.optimizers.AdamW(1e-3)
     exclusions.exclude_from_weight_decay(var_list=[dense.kernel])
     concrete = tf.function(lambda x: x * 2.0).get_concrete_function(tf.TensorSpec((), tf.float32))
-    return {"KerasTensor": [outputs], "Operation": [dense], "Functional": [functional], "Sequential": [sequential],
-            "Layer": [dense], "Model": [functional], "Variable": [dense.kernel], "Optimizer": [optimizer, exclusions],
-            "Dataset": [tf.data.Dataset.range(3)], "ConcreteFunction": [concrete]}
+    probes: dict[str, list[Any]] = {
+        "KerasTensor": [outputs], "Operation": [dense], "Functional": [functional], "Sequential": [sequential],
+        "Layer": [dense], "Model": [functional], "Variable": [dense.kernel], "Optimizer": [optimizer, exclusions],
+        "Dataset": [tf.data.Dataset.range(3)], "ConcreteFunction": [concrete]}
+    try:
+        import keras_hub  # late: optional dependency
+    except ImportError:
+        return probes  # no keras_hub: its blocks are not profiled either
+    blocks = [keras_hub.layers.TransformerEncoder(8, 2), keras_hub.layers.TransformerDecoder(8, 2)]
+    for block in blocks:
+        block.build((None, 4, 8))
+    probes["TransformerBlock"] = blocks
+    return probes
 
 
 def missing() -> list[str]:

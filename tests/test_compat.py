@@ -14,7 +14,7 @@ REACHED_AT_SITE = {("runtime/compiled.py", "_inference_function"), ("runtime/com
                    ("runtime/compiled.py", "_func_graph"), ("runtime/compiled.py", "_delayed_rewrite_functions"),
                    ("runtime/compiled.py", "_attrs"), ("runtime/compiled.py", "_FirstOrderTapeGradientFunctions"),
                    ("runtime/fit_loop.py", "_learning_rate"), ("runtime/checkpoint.py", "_trainable_variables"),
-                   ("runtime/checkpoint.py", "_variables")}
+                   ("runtime/checkpoint.py", "_variables"), ("runtime/profiler.py", "_self_attention_layer")}
 
 
 def test_the_installed_versions_have_every_private_part_reached():

@@ -1,5 +1,6 @@
 """Keras callbacks for pipelined training."""
 import time
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -17,21 +18,21 @@ class PipelineTensorBoard(keras.callbacks.Callback):
         virtual_worker: the VirtualWorker whose fit this callback is given to.
     """
 
-    def __init__(self, log_dir, virtual_worker):
+    def __init__(self, log_dir: str, virtual_worker: Any) -> None:
         super().__init__()
         self.log_dir = log_dir
         self.vw = virtual_worker
         self._writer = None
         self._last = None
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Opens the event file; an emulated run's text summary says so."""
         self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.vw.emulated:
             with self._writer.as_default():
                 tf.summary.text("emulation", self.vw.describe(), step=0)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Writes the epoch's logs and every stage's busy fraction since the last epoch."""
         now, busy = time.perf_counter(), self.vw.busy_seconds()
         with self._writer.as_default():
@@ -44,12 +45,12 @@ class PipelineTensorBoard(keras.callbacks.Callback):
         self._writer.flush()
         self._last = (now, busy)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Starts the busy fractions' clock at the first minibatch."""
         if self._last is None:
             self._last = (time.perf_counter(), self.vw.busy_seconds())
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         """Closes the event file."""
         self._writer.close()
 
@@ -67,17 +68,17 @@ class WSPTensorBoard(keras.callbacks.Callback):
       strategy: a HetPipeStrategy or a WSPRunner.
     """
 
-    def __init__(self, log_dir, strategy):
+    def __init__(self, log_dir: str, strategy: Any) -> None:
         super().__init__()
         self.log_dir = log_dir
         self.strategy = strategy
         self._writer = None
         self._since = None
 
-    def _runner(self):
+    def _runner(self) -> Any:
         return getattr(self.strategy, "runner", None) or self.strategy
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Opens the event file and writes the plan, and whether the devices are emulated, as text."""
         self._writer = tf.summary.create_file_writer(self.log_dir)
         self._since = time.perf_counter()
@@ -88,7 +89,7 @@ class WSPTensorBoard(keras.callbacks.Callback):
             if self._runner().emulated:
                 tf.summary.text("emulation", "EMULATED devices: " + "; ".join(self._runner().descriptions), step=0)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Writes the epoch's logs and every virtual worker's clock, wait, idle time and images/s."""
         runner = self._runner()
         stats = runner.stats(since=self._since)
@@ -105,6 +106,6 @@ class WSPTensorBoard(keras.callbacks.Callback):
                 tf.summary.scalar(f"{prefix}/images_per_s", st["images_per_s"], step=epoch)
         self._writer.flush()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         """Closes the event file."""
         self._writer.close()

@@ -70,8 +70,16 @@ takes its place at the epoch's end, from the global weights, rejoining at the gl
 ends the run; with ``checkpoint_dir``, ``resume=True`` continues from the last checkpoint.
 """
 import contextlib
-import inspect
 import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from hetpipe_tf.api import compile_hook
+from hetpipe_tf.distributed.heartbeat import TaskLostError
+from hetpipe_tf.distributed.launch import ClusterConfigError, join_cluster
+from hetpipe_tf.distributed.resolvers import launch_for
+from hetpipe_tf.planning.cluster import load_cluster
+from hetpipe_tf.planning.request import PlanRequest
 
 EMULATION_REFERENCES = ("measured", "profile")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
@@ -149,13 +157,11 @@ class HetPipeStrategy:
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
                  on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured",
                  cluster_resolver=None):
-        from hetpipe_tf.distributed.cluster_devices import LAUNCHES
-        from hetpipe_tf.distributed.resolvers import launch_for
-        from hetpipe_tf.planning.request import PlanRequest
-        from hetpipe_tf.runtime.checkpoint import Checkpoints
-        from hetpipe_tf.runtime.discovery import cluster_for
-        from hetpipe_tf.runtime.plan_assembly import loaded_profile
-        from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout
+        from hetpipe_tf.distributed.cluster_devices import LAUNCHES  # late: defers TensorFlow
+        from hetpipe_tf.runtime.checkpoint import Checkpoints  # late: defers TensorFlow
+        from hetpipe_tf.runtime.discovery import cluster_for  # late: defers TensorFlow
+        from hetpipe_tf.runtime.plan_assembly import loaded_profile  # late: defers TensorFlow
+        from hetpipe_tf.runtime.run_config import checked_on_worker_failure, checked_timeout  # late: defers TensorFlow
 
         launch = launch_for(launch, cluster_resolver)
         if launch not in LAUNCHES:
@@ -169,13 +175,11 @@ class HetPipeStrategy:
         self.cluster = cluster_for(cluster, launch)
         real = sorted({d.type.name for d in self.cluster.devices() if not d.type.on_host})
         if real and launch == "in_process":
-            from hetpipe_tf.distributed.launch import ClusterConfigError
-
             raise ClusterConfigError(f"cluster '{self.cluster.name}' has accelerator types {real}: launch='in_process' "
                                      f"serves emulated devices and the host CPU only; run GPUs of this machine with "
                                      f"launch='processes', those of several machines with launch='tf_config'")
         if real and launch == "processes":
-            from hetpipe_tf.distributed.gpus import gpu_layout
+            from hetpipe_tf.distributed.gpus import gpu_layout  # late: lists GPUs in a child process
 
             gpu_layout(self.cluster)  # its nodes' GPUs checked against this machine's, before anything starts
         self.launch = launch
@@ -215,34 +219,21 @@ class HetPipeStrategy:
 
     # The user's side ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def scope(self):
+    def scope(self) -> Iterator["HetPipeStrategy"]:
         """Models compiled inside train with this strategy (their ``fit`` is replaced). Under
         launch 'processes' or 'tf_config' this process joins the cluster on entry, and a
-        ``tf.data`` dataset made before then cannot run: make datasets inside.
+        ``tf.data`` dataset made before then cannot run: make datasets inside. The scope holds
+        for the thread that entered it; in nested scopes a model goes to the innermost
+        (:mod:`hetpipe_tf.api.compile_hook`).
 
         Yields:
             The strategy itself, for ``with strategy.scope() as s``.
         """
-        import keras
-
         self._connect()
-        original = keras.Model.compile
-        strategy = self
-        signature = inspect.signature(original)
-
-        def compile(model, *args, **kwargs):
-            original(model, *args, **kwargs)
-            bound = signature.bind(model, *args, **kwargs)
-            bound.apply_defaults()
-            strategy._attach(model, bound.arguments)
-
-        keras.Model.compile = compile
-        try:
+        with compile_hook.attaching(self._attach):
             yield self
-        finally:
-            keras.Model.compile = original
 
-    def _attach(self, model, arguments):
+    def _attach(self, model: Any, arguments: dict[str, Any]) -> None:
         """Keeps loss, loss_weights and metrics as given: the workers' loss heads give them
         Keras's meaning (:mod:`hetpipe_tf.runtime.loss_head`). Without sample weights (which fit
         refuses) a weighted metric is its unweighted self: a list of `weighted_metrics` (keras_hub's
@@ -263,9 +254,10 @@ class HetPipeStrategy:
         self._compiled[id(model)] = kept
         model.fit = types.MethodType(lambda m, *a, **kw: self.fit(m, *a, **kw), model)
 
-    def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_data=None, shuffle=True, steps_per_epoch=None, initial_epoch=0, trace_path=None,
-            **unsupported):
+    def fit(self, model: Any, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
+            shuffle: bool = True, steps_per_epoch: int | None = None, initial_epoch: int = 0,
+            trace_path: str | None = None, **unsupported: Any) -> Any:
         """``keras.Model.fit`` on the virtual workers. `trace_path` writes every worker's pipeline,
         pushes, pulls and waits as a Chrome/Perfetto trace. A resumed run starts at the
         checkpoint's epoch (`initial_epoch`, if given, must be it). The other arguments are
@@ -290,17 +282,17 @@ class HetPipeStrategy:
                              f"{', '.join(_FIT_ARGS)}")
         if id(model) not in self._compiled:
             raise ValueError("compile the model inside strategy.scope() before fit")
-        import keras
+        import keras  # late: defers TensorFlow
 
         if any(isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks or ()):
             raise ValueError("keras.callbacks.BackupAndRestore cannot restore a HetPipeStrategy run (its state is "
                              "in the stages and the parameter servers, not in the Keras model): give "
                              "HetPipeStrategy(checkpoint_dir=..., resume=True) (hetpipe-train --checkpoint_dir, "
                              "--resume) instead")
-        from hetpipe_tf.runtime.worker_data import as_dataset, is_dataset
+        from hetpipe_tf.runtime.worker_data import as_dataset, is_dataset  # late: defers TensorFlow
 
         data = as_dataset(x, y, batch_size, shuffle)
-        from hetpipe_tf.runtime.subclass_trace import trace_for_data
+        from hetpipe_tf.runtime.subclass_trace import trace_for_data  # late: defers TensorFlow
 
         trace_for_data(model, data.element_spec)  # a subclassed model's call, traced on the data's inputs
         if validation_data is not None and not is_dataset(validation_data):
@@ -312,14 +304,14 @@ class HetPipeStrategy:
             if initial_epoch not in (0, resumed.epoch):
                 raise ValueError(f"the checkpoint ends at epoch {resumed.epoch}, fit was given initial_epoch="
                                  f"{initial_epoch}: leave initial_epoch out to resume")
-            from hetpipe_tf.runtime.checkpoint import for_workers
-            from hetpipe_tf.runtime.worker_data import epoch_steps
+            from hetpipe_tf.runtime.checkpoint import for_workers  # late: defers TensorFlow
+            from hetpipe_tf.runtime.worker_data import epoch_steps  # late: defers TensorFlow
 
             resumed = for_workers(resumed, len(self.plan.workers), steps_per_epoch or epoch_steps(data))
             initial_epoch, positions = resumed.epoch, resumed.positions
             runner.resume(resumed)
             self._resume = False
-        from hetpipe_tf.runtime.fit_loop import FitOptions, fit
+        from hetpipe_tf.runtime.fit_loop import FitOptions, fit  # late: defers TensorFlow
 
         try:
             return fit(runner, data, FitOptions(
@@ -327,7 +319,6 @@ class HetPipeStrategy:
                 validation_data=validation_data, trace_path=trace_path, initial_epoch=initial_epoch,
                 checkpoints=self.checkpoints, positions=positions, plan=self.cuts))
         except Exception as exc:
-            from hetpipe_tf.distributed.heartbeat import TaskLostError
 
             lost = self._cluster.find_lost() if self._cluster is not None else None
             if lost is None:
@@ -335,22 +326,22 @@ class HetPipeStrategy:
 
             raise TaskLostError(lost) from exc
 
-    def stats(self):
+    def stats(self) -> list[dict[str, Any]]:
         """Per virtual worker: clock, distance to the slowest, average wait, throughput."""
         return self.runner.stats() if self.runner else []
 
     # Planning and launching --------------------------------------------------------------
-    def _runner(self, model, data, saved_cuts=None):
+    def _runner(self, model: Any, data: Any, saved_cuts: Any = None) -> Any:
         """The runner of `model` on `data`'s batch size: planned (:mod:`hetpipe_tf.runtime.plan_assembly`),
         at a resumed checkpoint's `saved_cuts` when its plan has the same shape.
 
         Returns:
             The runner, the same one while the model and the batch size stay.
         """
-        from hetpipe_tf.distributed.node_speed import with_measured_speeds
-        from hetpipe_tf.runtime import plan_assembly as assembly
-        from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts
-        from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch
+        from hetpipe_tf.distributed.node_speed import with_measured_speeds  # late: defers TensorFlow
+        from hetpipe_tf.runtime import plan_assembly as assembly  # late: defers TensorFlow
+        from hetpipe_tf.runtime.checkpoint import PlanCuts, reconcile_cuts  # late: defers TensorFlow
+        from hetpipe_tf.runtime.worker_data import batch_size_of, first_batch  # late: defers TensorFlow
 
         batch_size = batch_size_of(data)
         key = (id(model), batch_size)
@@ -376,19 +367,19 @@ class HetPipeStrategy:
         self.run_config = assembly.resolved_config(self.request, self.plan, self.cuts, training)
         workers = [self._worker_spec(w) for w in range(len(self.plan.workers))]
         if self.launch != "in_process":
-            from hetpipe_tf.distributed.process_runner import ProcessRunner
+            from hetpipe_tf.distributed.process_runner import ProcessRunner  # late: defers TensorFlow
 
             self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], self.run_config,
                                         self._devices.ps, [n for _, n in workers],
                                         [self._devices.home_node(w.devices) for w in self.plan.workers])
         else:
-            from hetpipe_tf.runtime.wsp_runner import WSPRunner
+            from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
 
             self.runner = WSPRunner(model, [spec for spec, _ in workers], self.run_config, self._devices.ps)
         self._runner_key = key
         return self.runner
 
-    def _worker_spec(self, w):
+    def _worker_spec(self, w: int) -> Any:
         """Worker w's WorkerSpec and how many of its devices its own process holds
         (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts.
 
@@ -409,12 +400,11 @@ class HetPipeStrategy:
             references = self.plan.host_pass_seconds(w)
         return self._devices.worker(w, self.plan.workers[w].devices, boundaries, references)
 
-    def _connect(self):
+    def _connect(self) -> None:
         """Starts (processes) or joins (tf_config) the cluster, once per process; names its devices."""
-        from hetpipe_tf.distributed.cluster_devices import ClusterDevices
+        from hetpipe_tf.distributed.cluster_devices import ClusterDevices  # late: defers TensorFlow
 
         if self.launch != "in_process":
-            from hetpipe_tf.distributed.launch import join_cluster
 
             # A lost task stops training at once (the heartbeat monitor found it), or, a virtual worker's
             # process under on_worker_failure="continue", training goes on without it.
@@ -425,7 +415,7 @@ class HetPipeStrategy:
         if self._devices is None:
             self._devices = ClusterDevices(self.cluster, self.launch)
 
-    def describe(self):
+    def describe(self) -> str:
         """The chosen plan and where its tasks run, as text."""
         lines = [self.plan.format() if self.plan else "(no plan yet: fit plans the run)",
                  f"launch: {self.launch}"]

@@ -16,7 +16,7 @@ TRANSFORMERS = {"gpt2_medium": {"vocabulary_size": 50257, "num_layers": 24, "num
                                 "intermediate_dim": 4096, "max_sequence_length": 1024}}
 
 
-def define_flags():
+def define_flags() -> None:
     plan_flags.define_plan_flags()  # what the planner is asked for, as hetpipe-train takes it
     flags.DEFINE_string("cluster", "paper", "Cluster: a preset (paper, local) or a JSON file.")
     flags.DEFINE_enum("model", "resnet152", list(models.MODELS) + list(TRANSFORMERS),
@@ -50,7 +50,7 @@ def define_flags():
                              message="--input_shape must be three positive integers H,W,C, e.g. 224,224,3")
 
 
-def _image_shape(values):
+def _image_shape(values: list[str] | None) -> bool:
     try:
         return values is None or (len(values) == 3 and all(int(v) > 0 for v in values))
     except ValueError:

@@ -9,10 +9,13 @@ generated ``hetpipe_addition``): it predicts every position's next token.
 All models output logits. Keras is imported when a model is built, so that the
 binaries' flags (which list the names) parse without loading it.
 """
+from typing import Any
+
 from hetpipe_tf.errors import HetPipeUsageError
 
 _APPLICATIONS = {"vgg16": "VGG16", "vgg19": "VGG19", "resnet50": "ResNet50", "resnet101": "ResNet101",
                  "resnet152": "ResNet152"}  # keras.applications names
+_APPLICATIONS_INPUT = (32, 3)  # the least image side and the channels keras.applications take
 SEQUENCE_MODELS = ("gpt",)  # take token sequences, not images
 MODELS = ("mlp", "cnn") + tuple(_APPLICATIONS) + SEQUENCE_MODELS
 
@@ -21,12 +24,12 @@ class ModelInputError(HetPipeUsageError, ValueError):
     """A model of the zoo cannot take the data it was asked to build for."""
 
 
-def input_requirements(name):
+def input_requirements(name: str) -> tuple[int | None, int | None]:
     """(minimum image side, channels) the model needs, or (None, None) for any."""
-    return (32, 3) if name in _APPLICATIONS else (None, None)
+    return _APPLICATIONS_INPUT if name in _APPLICATIONS else (None, None)
 
 
-def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int = 4, blocks: int = 2):
+def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int = 4, blocks: int = 2) -> Any:
     """A decoder-only transformer (GPT-2's pre-norm blocks, learned positions, an untied head)
     over token ids of (sequence_length,), with logits of (sequence_length, vocabulary_size).
 
@@ -52,11 +55,11 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     Returns:
         The Keras model, named ``"gpt"``.
     """
-    import keras
+    import keras  # late: defers TensorFlow
     try:
-        from keras import ops
+        from keras import ops  # late: defers TensorFlow
     except ImportError:  # Keras 2 (the Horovod baseline's venv): TensorFlow's ops of the same names
-        import tensorflow as ops
+        import tensorflow as ops  # late: defers TensorFlow
 
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
     unit = keras.initializers.RandomNormal(stddev=1.0)
@@ -78,7 +81,7 @@ def gpt(sequence_length: int, vocabulary_size: int, width: int = 64, heads: int 
     return keras.Model(ids, keras.layers.Dense(vocabulary_size, name="logits")(h), name="gpt")
 
 
-def build_model(name, input_shape, num_classes):
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> Any:
     """A Keras model of `hetpipe-train`'s zoo, with random weights.
 
     Args:
@@ -95,7 +98,7 @@ def build_model(name, input_shape, num_classes):
             model or the other way round, or images too small for a Keras application).
         ValueError: `name` is not a known model.
     """
-    import keras
+    import keras  # late: defers TensorFlow
 
     if (name in SEQUENCE_MODELS) != (len(input_shape) == 1):
         raise ModelInputError(f"{name} takes {'token sequences' if name in SEQUENCE_MODELS else 'images'}, "
@@ -123,7 +126,7 @@ def build_model(name, input_shape, num_classes):
         x = keras.layers.Dropout(0.2)(x)
         return keras.Model(i, keras.layers.Dense(num_classes)(x), name="cnn")
     if name in _APPLICATIONS:
-        side, channels = input_requirements(name)
+        side, channels = _APPLICATIONS_INPUT
         if min(input_shape[:2]) < side or input_shape[2] != channels:
             raise ModelInputError(f"{name} needs images of at least {side}x{side}x{channels}, got "
                              f"{tuple(input_shape)}; pass --image_size={side} (the binary converts channels)")

@@ -18,6 +18,8 @@ backend is left alone.
 import json
 import os
 import textwrap
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hetpipe_tf.errors import HetPipeRunError, HetPipeUsageError
 
@@ -48,11 +50,11 @@ class TraceFileError(HetPipeUsageError, ValueError):
     """A file that is not a readable pipeline trace."""
 
 
-def _figure(**kwargs):
+def _figure(**kwargs: Any) -> Any:
     """A matplotlib Figure on its own Agg canvas (pyplot's global state is not touched)."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # late: optional dependency
+        from matplotlib.figure import Figure  # late: optional dependency
     except ImportError as exc:
         raise PlottingUnavailableError(
             f"drawing a PNG needs the package matplotlib, which is not installed; install it with: "
@@ -62,14 +64,14 @@ def _figure(**kwargs):
     return fig
 
 
-def _save(fig, path):
+def _save(fig: Any, path: str | os.PathLike[str]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)
 
 
 # Traces ----------------------------------------------------------------------------------
-def read_trace(path):
+def read_trace(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(events, metadata) of a trace file; TraceFileError says what is wrong with it."""
     path = os.fspath(path)
     try:
@@ -89,7 +91,7 @@ def read_trace(path):
     return data["traceEvents"], data.get("otherData") or {}
 
 
-def plot_trace(trace_path, output_path):
+def plot_trace(trace_path: str | os.PathLike[str], output_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Draws the trace in `trace_path` as a Gantt chart into the PNG `output_path`: one panel per
     process of the trace (virtual worker), one row per thread (device, or a stage's waits).
 
@@ -137,7 +139,7 @@ def plot_trace(trace_path, output_path):
         ax.set_ylim(len(members) - 0.5, -0.5)
         ax.set_title(processes.get(pid, f"process {pid}"), fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # late: optional dependency
 
     fig.legend(handles=[Patch(color=colour, label=label) for label, colour in colours.values()],
                loc="outside right upper", fontsize=8, title="instruction", title_fontsize=8)
@@ -153,7 +155,7 @@ def plot_trace(trace_path, output_path):
             "spans": sum(len(v) for v in bars.values()), "duration_s": end, "emulated": emulated}
 
 
-def _kind_colours(bars):
+def _kind_colours(bars: Mapping[tuple[Any, str], Sequence[Any]]) -> dict[str, tuple[str, str]]:
     """{kind: (legend label, colour)}: the KINDS found, in their order, then the others by total time."""
     total = {}
     for (_, kind), spans in bars.items():
@@ -166,7 +168,7 @@ def _kind_colours(bars):
 
 
 # Plans -----------------------------------------------------------------------------------
-def plot_plan(plan, output_path):
+def plot_plan(plan: Mapping[str, Any], output_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Draws a :class:`hetpipe_tf.planning.planner.Plan` into the PNG `output_path`: per virtual worker,
     each stage's predicted time (left) and predicted memory against capacity (right).
 
@@ -213,7 +215,7 @@ def plot_plan(plan, output_path):
     return {"workers": len(workers), "stages": counts, "over_capacity": over, "titles": titles}
 
 
-def _time_panel(ax, worker, uneven, legend):
+def _time_panel(ax: Any, worker: Mapping[str, Any], uneven: bool, legend: bool) -> str:
     """Stacked bars of each stage's predicted forward, backward, receive and apply time.
 
     Returns:
@@ -243,7 +245,7 @@ def _time_panel(ax, worker, uneven, legend):
     return title
 
 
-def _memory_panel(ax, worker, unit, scale, legend):
+def _memory_panel(ax: Any, worker: Mapping[str, Any], unit: str, scale: float, legend: bool) -> list[int]:
     """Stacked bars of each stage's predicted memory by kind, in a box of the device's capacity.
 
     Returns:

@@ -7,20 +7,26 @@ several virtual workers under Wave Synchronous Parallel.
 Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
 HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli.errors`).
 """
+import dataclasses
 import json
 import os
+from typing import Any
 
 from absl import app, flags, logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-from hetpipe_tf.cli import errors, plan_flags, train_flags
+from hetpipe_tf.api.strategy import HetPipeStrategy
+from hetpipe_tf.cli import errors, models, plan_flags, train_flags
+from hetpipe_tf.planning.cluster import DISCOVER, Cluster, from_device_specs, load_cluster
+from hetpipe_tf.planning.devices import parse_devices
+from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
 train_flags.define_flags()
 FLAGS = flags.FLAGS
 
 
-def _devices():
+def _devices() -> str:
     if FLAGS.devices:
         return FLAGS.devices
     if FLAGS.num_stages:
@@ -28,17 +34,14 @@ def _devices():
     return train_flags.DEFAULT_DEVICES
 
 
-def _auto_plan(model, devices, optimizer, loss, batch_size):
+def _auto_plan(model: Any, devices: str, optimizer: Any, loss: Any,
+               batch_size: int) -> tuple[Any, tuple[int, ...], int]:
     """The planner's device order, stage boundaries and Nm for one virtual worker on `devices` (the plan
     assembly of every run, :mod:`hetpipe_tf.runtime.plan_assembly`, with the links measured between
     these devices, which are this process's own)."""
-    import dataclasses
-
-    from hetpipe_tf.planning.cluster import from_device_specs
-    from hetpipe_tf.runtime import plan_assembly as assembly
-    from hetpipe_tf.runtime.discovery import spec_device_type, with_device_speeds
-    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
-    from hetpipe_tf.runtime.profiler import random_minibatch
+    from hetpipe_tf.runtime import plan_assembly as assembly  # late: defers TensorFlow
+    from hetpipe_tf.runtime.discovery import spec_device_type, with_device_speeds  # late: defers TensorFlow
+    from hetpipe_tf.runtime.profiler import random_minibatch  # late: defers TensorFlow
 
     cluster = from_device_specs(devices, name="devices", real=spec_device_type)
     profile = assembly.workload_profile(model, batch_size, assembly.loaded_profile(FLAGS.profile),
@@ -56,13 +59,11 @@ def _auto_plan(model, devices, optimizer, loss, batch_size):
     return ordered, chosen.node_boundaries(0), chosen.num_in_flight
 
 
-def _data_and_model():
+def _data_and_model() -> tuple[Any, Any, Any]:
     """The training and test splits and the model the flags ask for."""
-    import keras
+    import keras  # late: defers TensorFlow
 
-    from hetpipe_tf.data import datasets
-
-    from hetpipe_tf.cli import models
+    from hetpipe_tf.data import datasets  # late: defers TensorFlow
 
     keras.utils.set_random_seed(FLAGS.seed)
     keras.config.set_dtype_policy(train_flags.MIXED_PRECISION[FLAGS.mixed_precision])
@@ -83,10 +84,10 @@ def _data_and_model():
     return train, test, models.build_model(FLAGS.model, shape, info.num_classes)
 
 
-def _dataset_defaults():
+def _dataset_defaults() -> None:
     """The data set's own training defaults for the flags not given (hetpipe_addition's
     ``TRAINING_DEFAULTS``: 20 epochs, a global clip norm of 1)."""
-    from hetpipe_tf.data import addition
+    from hetpipe_tf.data import addition  # late: defers TensorFlow
 
     if FLAGS.dataset == addition.NAME:
         for name, value in addition.TRAINING_DEFAULTS.items():
@@ -94,21 +95,21 @@ def _dataset_defaults():
                 FLAGS[name].value = value
 
 
-def _loss_and_metrics():
+def _loss_and_metrics() -> tuple[Any, list[Any]]:
     """The loss and metrics of the flags' data set: hetpipe_addition's are its own (the answer
     tokens' cross-entropy, exact match), any other's the cross-entropy of logits and accuracy."""
-    import keras
+    import keras  # late: defers TensorFlow
 
-    from hetpipe_tf.data import addition
+    from hetpipe_tf.data import addition  # late: defers TensorFlow
 
     if FLAGS.dataset == addition.NAME:
         return addition.loss(), [addition.exact_match]
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
 
 
-def _show_answers(model, test):
+def _show_answers(model: Any, test: Any) -> None:
     """Prints hetpipe_addition's first held-out sums with the model's greedy answers."""
-    from hetpipe_tf.data import addition
+    from hetpipe_tf.data import addition  # late: defers TensorFlow
 
     if FLAGS.dataset == addition.NAME:
         tokens, targets = next(iter(test))
@@ -116,27 +117,26 @@ def _show_answers(model, test):
             addition.answer_lines(model, tokens[:8], targets[:8])))
 
 
-def _test_metrics(final):
+def _test_metrics(final: dict[str, float]) -> dict[str, float]:
     """The last epoch's test metrics, by their names ("test_accuracy", "test_exact_match")."""
     return {f"test_{k[len('val_'):]}": v for k, v in final.items() if k.startswith("val_") and k != "val_loss"}
 
 
-def _optimizer():
+def _optimizer() -> Any:
     """The flags' optimizer; under float16, in a LossScaleOptimizer (as Keras's compile wraps it)."""
-    import keras
+    import keras  # late: defers TensorFlow
 
-    from hetpipe_tf.runtime.optimizers import by_name
+    from hetpipe_tf.runtime.optimizers import by_name  # late: defers TensorFlow
 
     optimizer = by_name(FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum, weight_decay=FLAGS.weight_decay,
                         global_clipnorm=FLAGS.global_clipnorm)
     return keras.optimizers.LossScaleOptimizer(optimizer) if FLAGS.mixed_precision == "fp16" else optimizer
 
 
-def _train_virtual_workers(cluster):
+def _train_virtual_workers(cluster: Cluster) -> None:
     """--cluster: several virtual workers under WSP on `cluster` (the flag's, loaded), planned and
     launched by HetPipeStrategy."""
-    from hetpipe_tf.api.callbacks import WSPTensorBoard
-    from hetpipe_tf.api.strategy import HetPipeStrategy
+    from hetpipe_tf.api.callbacks import WSPTensorBoard  # late: defers TensorFlow
 
     strategy = HetPipeStrategy(cluster=cluster, **plan_flags.request_arguments(FLAGS), launch=FLAGS.launch,
                                timeout_s=FLAGS.timeout_s, emulate_links=FLAGS.emulate_links,
@@ -166,23 +166,20 @@ def _train_virtual_workers(cluster):
     print("summary: " + json.dumps(summary))
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every pipeline it builds at INFO
     # What the flags name, checked before TensorFlow starts (a usage error then takes a fraction of a second).
-    from hetpipe_tf.planning.cluster import DISCOVER, load_cluster
-    from hetpipe_tf.planning.devices import parse_devices
-
     if FLAGS.cluster == DISCOVER:  # this machine's devices, which TensorFlow lists
-        from hetpipe_tf.runtime.discovery import cluster_for
+        from hetpipe_tf.runtime.discovery import cluster_for  # late: imports TensorFlow, which lists them
 
-        cluster = cluster_for(FLAGS.cluster, FLAGS.launch)
+        cluster: Cluster | None = cluster_for(FLAGS.cluster, FLAGS.launch)
     else:
         cluster = load_cluster(FLAGS.cluster) if FLAGS.cluster else None
     devices = None if cluster else parse_devices(_devices())
-    import tensorflow as tf  # after flag parsing: threading must be set before TensorFlow starts
+    import tensorflow as tf  # late: after the flags' checks, and threading is set before TensorFlow starts
 
     _dataset_defaults()
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
@@ -190,9 +187,8 @@ def main(argv):
     if cluster:
         _train_virtual_workers(cluster)
         return
-    from hetpipe_tf.api.callbacks import PipelineTensorBoard
-    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
-    from hetpipe_tf.runtime.virtual_worker import VirtualWorker
+    from hetpipe_tf.api.callbacks import PipelineTensorBoard  # late: defers TensorFlow
+    from hetpipe_tf.runtime.virtual_worker import VirtualWorker  # late: defers TensorFlow
 
     configure_tensorflow_devices(devices)  # before anything starts TensorFlow's runtime
     train, test, model = _data_and_model()
@@ -226,7 +222,7 @@ def main(argv):
         print(f"pipeline trace written to {FLAGS.trace_file} (open it in https://ui.perfetto.dev)")
 
 
-def run():
+def run() -> None:
     errors.run(main, "hetpipe-train")
 
 

@@ -1,6 +1,8 @@
 """Flags of the hetpipe-train binary, defined in one place, with the checks absl runs on them
 while parsing: a value out of its range, or flags that contradict each other, is reported
 before anything starts."""
+from typing import Any
+
 from absl import flags
 
 from hetpipe_tf.data import DEFAULT_DATA_DIR
@@ -15,7 +17,7 @@ DEFAULT_DEVICES = "1@32M,0.5@32M,0.5@32M,0.25@32M"
 MIXED_PRECISION = {"none": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
-def define_flags():
+def define_flags() -> None:
     flags.DEFINE_enum("model", "cnn", list(models.MODELS), "Model to train.")
     flags.DEFINE_string("dataset", "hetpipe_digits",
                         "TFDS dataset name; hetpipe_digits ships with the package, others must be "
@@ -123,7 +125,7 @@ def define_flags():
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
 
 
-def _integers(values):
+def _integers(values: list[str] | None) -> bool:
     try:
         [int(v) for v in values or ()]
     except ValueError:
@@ -131,7 +133,7 @@ def _integers(values):
     return True
 
 
-def _one_device_per_stage(values):
+def _one_device_per_stage(values: dict[str, Any]) -> bool:
     devices, num_stages = values["devices"], values["num_stages"]
     if devices is not None and num_stages is not None and len(devices.split(",")) != num_stages:
         raise flags.ValidationError(f"--num_stages={num_stages} but --devices lists {len(devices.split(','))} "
@@ -139,7 +141,7 @@ def _one_device_per_stage(values):
     return True
 
 
-def _one_boundary_per_stage(values):
+def _one_boundary_per_stage(values: dict[str, Any]) -> bool:
     devices, num_stages, boundaries = values["devices"], values["num_stages"], values["boundaries"]
     if devices is not None:
         stages, where = len(devices.split(",")), "--devices lists {}"

@@ -21,6 +21,8 @@ answer token from the true tokens before it (one forward pass) gives exactly wha
 greedy decoding gives (:func:`greedy_answers`), since each right prediction is the
 token the next step reads.
 """
+from collections.abc import Iterable
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -44,12 +46,12 @@ SEED = 20201
 TRAINING_DEFAULTS = {"epochs": 20, "global_clipnorm": 1.0}
 
 
-def _digits(values, width):
+def _digits(values: np.ndarray, width: int) -> np.ndarray:
     """Each of `values` as `width` digit tokens, most significant first."""
     return np.stack([(values // 10 ** (width - 1 - i)) % 10 for i in range(width)], axis=1)
 
 
-def examples(first, count):
+def examples(first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, targets), each (count, SEQUENCE_LENGTH) int32, of the sums `first` ..
     `first` + `count` - 1 of the data set's permutation of operand pairs."""
     pairs = np.random.Generator(np.random.PCG64(SEED)).permutation(10 ** (2 * DIGITS))[first:first + count]
@@ -62,18 +64,18 @@ def examples(first, count):
     return sums[:, :-1], targets
 
 
-def text(tokens):
+def text(tokens: Iterable[int]) -> str:
     """Tokens as the characters they stand for."""
     return "".join(VOCABULARY[int(t)] for t in tokens)
 
 
-def loss():
+def loss() -> keras.losses.Loss:
     """The task's loss: the cross-entropy of the answer tokens (``IGNORED`` targets are not scored)."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=IGNORED)
 
 
 @keras.saving.register_keras_serializable(package="hetpipe_tf")
-def exact_match(y_true, y_pred):
+def exact_match(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
     """Per sum: 1.0 if the most likely token of `y_pred` (logits) is the target at every scored
     position, else 0.0. A mean over sums, as hetpipe_tf's metrics must be. Registered with Keras,
     so that a worker process that is sent the compile config finds it."""
@@ -83,7 +85,7 @@ def exact_match(y_true, y_pred):
     return tf.cast(tf.reduce_all(right, axis=-1), tf.float32)
 
 
-def greedy_answers(model, tokens):
+def greedy_answers(model: keras.Model, tokens: np.ndarray) -> np.ndarray:
     """The answers `model` gives the prompts of `tokens` ((n, SEQUENCE_LENGTH), of which only the
     first PROMPT_LENGTH are read) by greedy decoding: ANSWER_LENGTH steps, each appending the most
     likely next token; (n, ANSWER_LENGTH) token ids."""
@@ -97,7 +99,7 @@ def greedy_answers(model, tokens):
     return np.stack(answers, axis=1)
 
 
-def answer_lines(model, tokens, targets):
+def answer_lines(model: keras.Model, tokens: np.ndarray, targets: np.ndarray) -> list[str]:
     """One line per sum: the prompt, `model`'s greedy answer, and whether it is right."""
     expected = np.asarray(targets)[:, PROMPT_LENGTH - 1:]
     lines = []

@@ -1,5 +1,8 @@
 """The TFDS builder of ``hetpipe_addition`` (the sums of :mod:`hetpipe_tf.data.addition`), registered
 with TensorFlow Datasets once this module is imported."""
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -17,7 +20,7 @@ class HetpipeAddition(tfds.core.GeneratorBasedBuilder):
     RELEASE_NOTES = {"1.0.0": "Initial release: 3-digit sums, 20000 train / 1000 test."}
     code_path = tfds.core.Path(__file__)  # as HetpipeDigits: TFDS 4.9.10 cannot work it out
 
-    def _info(self):
+    def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
             builder=self,
             description=(
@@ -31,12 +34,12 @@ class HetpipeAddition(tfds.core.GeneratorBasedBuilder):
             supervised_keys=("tokens", "targets"),
         )
 
-    def _split_generators(self, dl_manager):
+    def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
         del dl_manager  # generated: nothing to download
         return {"train": self._generate_examples(0, NUM_TRAIN),
                 "test": self._generate_examples(NUM_TRAIN, NUM_TEST)}
 
-    def _generate_examples(self, first, count):
+    def _generate_examples(self, first: int, count: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         tokens, targets = examples(first, count)
         for i, (x, y) in enumerate(zip(tokens, targets)):
             yield first + i, {"tokens": x, "targets": y}

@@ -11,6 +11,8 @@ set must already be prepared there.
 import dataclasses
 import numbers
 import os
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -42,12 +44,12 @@ class ImageDatasetInfo:
     images vary in size. ``num_examples`` maps each split name to its size.
     """
     name: str
-    image_shape: tuple
+    image_shape: tuple[int | None, ...]
     num_classes: int
-    num_examples: dict
+    num_examples: dict[str, int]
 
 
-def _not_found(name, data_dir, unknown):
+def _not_found(name: str, data_dir: str, unknown: bool) -> DatasetNotFoundError:
     what = ("is unknown: it is not registered in TensorFlow Datasets "
             f"{tfds.__version__} and no prepared copy was found" if unknown
             else "is not prepared")
@@ -60,7 +62,7 @@ def _not_found(name, data_dir, unknown):
         "data_dir (or set TFDS_DATA_DIR).")
 
 
-def _prepared_builder(name, data_dir):
+def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     """Returns the TFDS builder of ``name``, prepared in ``data_dir``, without downloading."""
     data_dir = os.fspath(data_dir or DEFAULT_DATA_DIR)
     try:
@@ -78,7 +80,7 @@ def _prepared_builder(name, data_dir):
     return builder
 
 
-def _image_label_keys(builder):
+def _image_label_keys(builder: tfds.core.DatasetBuilder) -> tuple[str, str]:
     """The (image, label) feature names, checked to be an image and a class label."""
     info = builder.info
     keys = info.supervised_keys
@@ -92,7 +94,7 @@ def _image_label_keys(builder):
                              "ClassLabel)")
 
 
-def _info(builder):
+def _info(builder: tfds.core.DatasetBuilder) -> ImageDatasetInfo:
     image_key, label_key = _image_label_keys(builder)
     features, splits = builder.info.features, builder.info.splits
     return ImageDatasetInfo(
@@ -102,7 +104,7 @@ def _info(builder):
         num_examples={split: splits[split].num_examples for split in splits})
 
 
-def dataset_info(name, data_dir=None):
+def dataset_info(name: str, data_dir: str | None = None) -> ImageDatasetInfo:
     """Describes the image-classification data set ``name`` found in ``data_dir``.
 
     ``hetpipe_digits`` is prepared into ``data_dir`` on first use; any other data
@@ -128,11 +130,11 @@ class TokenSequencesInfo:
     it is not scored. ``num_examples`` maps each split name to its size."""
     name: str
     sequence_length: int
-    vocabulary: tuple
-    num_examples: dict
+    vocabulary: tuple[str, ...]
+    num_examples: dict[str, int]
 
 
-def _token_keys(builder):
+def _token_keys(builder: tfds.core.DatasetBuilder) -> tuple[str, str]:
     """The (tokens, targets) feature names, checked to be token sequences of one length."""
     info = builder.info
     keys = info.supervised_keys
@@ -146,7 +148,7 @@ def _token_keys(builder):
                              "the same shape)")
 
 
-def holds_token_sequences(name, data_dir=None):
+def holds_token_sequences(name: str, data_dir: str | None = None) -> bool:
     """Whether the data set ``name`` (found as ``dataset_info`` finds it) holds token sequences
     rather than images.
 
@@ -160,7 +162,7 @@ def holds_token_sequences(name, data_dir=None):
     return True
 
 
-def token_sequences_info(name, data_dir=None):
+def token_sequences_info(name: str, data_dir: str | None = None) -> "TokenSequencesInfo":
     """Describes the data set of token sequences ``name``, found as ``dataset_info`` finds it;
     DatasetOptionError if it does not hold token sequences.
 
@@ -178,7 +180,7 @@ def token_sequences_info(name, data_dir=None):
                               num_examples={split: splits[split].num_examples for split in splits})
 
 
-def _checked_split_and_batch(info, split, batch_size):
+def _checked_split_and_batch(info: "ImageDatasetInfo | TokenSequencesInfo", split: str, batch_size: int) -> int:
     if split not in info.num_examples:
         raise DatasetOptionError(f"split={split!r} does not exist in {info.name!r}; "
                                  f"allowed: {sorted(info.num_examples)}")
@@ -189,7 +191,8 @@ def _checked_split_and_batch(info, split, batch_size):
     return size
 
 
-def _batched(ds, size, batch_size, shuffle, seed, repeat, prepare):
+def _batched(ds: tf.data.Dataset, size: int, batch_size: int, shuffle: bool, seed: int, repeat: bool,
+             prepare: Callable[..., Any]) -> tf.data.Dataset:
     """`ds` shuffled (with `seed`, anew each iteration), each example `prepare`d, batched without
     the last partial batch, repeated, prefetching.
 
@@ -205,7 +208,8 @@ def _batched(ds, size, batch_size, shuffle, seed, repeat, prepare):
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def load_token_sequences(name, split, batch_size, data_dir=None, shuffle=False, seed=0, repeat=False):
+def load_token_sequences(name: str, split: str, batch_size: int, data_dir: str | None = None, shuffle: bool = False,
+                         seed: int = 0, repeat: bool = False) -> tf.data.Dataset:
     """Returns a batched, prefetching ``tf.data.Dataset`` of ``(tokens, targets)``, both int32 of
     shape (batch_size, sequence_length) (see :class:`TokenSequencesInfo`). Batching, ``shuffle``,
     ``seed`` and ``repeat`` are as for :func:`load_image_classification`."""
@@ -218,8 +222,9 @@ def load_token_sequences(name, split, batch_size, data_dir=None, shuffle=False, 
                     lambda x, y: (tf.cast(x, tf.int32), tf.cast(y, tf.int32)))
 
 
-def load_image_classification(name, split, batch_size, data_dir=None, image_size=None,
-                              channels=None, shuffle=False, seed=0, repeat=False):
+def load_image_classification(name: str, split: str, batch_size: int, data_dir: str | None = None,
+                              image_size: tuple[int, int] | None = None, channels: int | None = None,
+                              shuffle: bool = False, seed: int = 0, repeat: bool = False) -> tf.data.Dataset:
     """Returns a batched, prefetching ``tf.data.Dataset`` of ``(image, label)``.
 
     Images are float32 in [0, 1] of shape (batch_size, H, W, C): resized to
@@ -255,7 +260,7 @@ def load_image_classification(name, split, batch_size, data_dir=None, image_size
     image_key, _ = _image_label_keys(builder)
     image_feature = builder.info.features[image_key]
 
-    def prepare(encoded, label):
+    def prepare(encoded: tf.Tensor, label: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         image = tf.image.convert_image_dtype(image_feature.decode_example(encoded), tf.float32)
         if image_size is not None:
             image = tf.clip_by_value(tf.image.resize(image, (image_size, image_size)), 0.0, 1.0)

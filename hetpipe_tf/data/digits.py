@@ -9,6 +9,8 @@ it goes through the same code path (``hetpipe_tf.data.datasets``) as any other T
 data set.
 """
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -40,7 +42,7 @@ class HetpipeDigits(tfds.core.GeneratorBasedBuilder):
     # installs for Python < 3.9; give it directly (no checksums file lives there).
     code_path = tfds.core.Path(__file__)
 
-    def _info(self):
+    def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
             builder=self,
             description=(
@@ -63,7 +65,7 @@ class HetpipeDigits(tfds.core.GeneratorBasedBuilder):
 }""",
         )
 
-    def _split_generators(self, dl_manager):
+    def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
         del dl_manager  # the data is bundled: nothing to download
         with np.load(NPZ_PATH) as data:
             images, labels = data["images"], data["labels"]
@@ -73,6 +75,7 @@ class HetpipeDigits(tfds.core.GeneratorBasedBuilder):
             "test": self._generate_examples(images[NUM_TRAIN:], labels[NUM_TRAIN:], NUM_TRAIN),
         }
 
-    def _generate_examples(self, images, labels, first_index):
+    def _generate_examples(self, images: np.ndarray, labels: np.ndarray, first_index: int
+                           ) -> Iterator[tuple[int, dict[str, Any]]]:
         for i, (image, label) in enumerate(zip(images, labels)):
             yield first_index + i, {"image": image, "label": int(label)}

@@ -7,12 +7,12 @@ through the chief. A dataset whose graph holds Python state (``py_function``,
 ``from_generator``) cannot be rebuilt elsewhere and is refused with a clear error.
 
 These use TensorFlow's internal serializers (``Dataset._as_serialized_graph`` and the
-``nested_structure_coder`` of SavedModel), as of TensorFlow 2.21.
+``nested_structure_coder`` of SavedModel), reached through :mod:`hetpipe_tf.compat`.
 """
 import tensorflow as tf
-from tensorflow.core.protobuf import struct_pb2
-from tensorflow.python.saved_model import nested_structure_coder
 
+from hetpipe_tf import compat
+from hetpipe_tf.compat import nested_structure_coder, struct_pb2
 from hetpipe_tf.errors import HetPipeUsageError
 
 
@@ -20,11 +20,10 @@ class DatasetTransferError(HetPipeUsageError, ValueError):
     """A dataset that cannot be rebuilt in another process."""
 
 
-def dataset_to_bytes(dataset):
+def dataset_to_bytes(dataset: tf.data.Dataset) -> tuple[bytes, bytes]:
     """(graph, element spec) of `dataset` as bytes, for :func:`dataset_from_bytes`."""
     try:
-        graph = dataset._as_serialized_graph(
-            external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL).numpy()
+        graph = compat.serialized_dataset_graph(dataset).numpy()
     except (tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError) as e:
         raise DatasetTransferError(
             f"this dataset cannot be sent to the virtual workers' processes: its pipeline holds state of this "
@@ -34,7 +33,7 @@ def dataset_to_bytes(dataset):
     return graph, spec
 
 
-def dataset_from_bytes(graph, spec):
+def dataset_from_bytes(graph: bytes, spec: bytes) -> tf.data.Dataset:
     """The dataset that :func:`dataset_to_bytes` described."""
     value = struct_pb2.StructuredValue()
     value.ParseFromString(spec)

@@ -25,9 +25,13 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from hetpipe_tf.errors import HetPipeRunError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,19 +42,19 @@ class LostTask:
     address: str
     reason: str
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"lost task {self.job}:{self.index} at {self.address}: {self.reason}"
 
 
 class TaskLostError(HetPipeRunError, RuntimeError):
     """Training ended because a task of the cluster was lost (dead, stopped or unreachable)."""
 
-    def __init__(self, lost):
+    def __init__(self, lost: LostTask) -> None:
         super().__init__(str(lost))
         self.lost = lost
 
 
-def _read_line(conn, buffer):
+def _read_line(conn: socket.socket, buffer: list[bytes]) -> bytes:
     """One line from `conn` (bytes until a newline; b"" at the end of the stream)."""
     while b"\n" not in buffer[0]:
         chunk = conn.recv(256)
@@ -66,24 +70,26 @@ class HeartbeatResponder:
     connection (failed False) or sends no ping for `chief_timeout_s` (failed True; None:
     never), and `on_lost_task(message)` when the chief says which task it lost."""
 
-    def __init__(self, host="127.0.0.1", port=0, chief_timeout_s=None, on_end=None, on_lost_task=None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, chief_timeout_s: float | None = None,
+                 on_end: Callable[[str, bool], None] | None = None,
+                 on_lost_task: Callable[[str], None] | None = None) -> None:
         self._listener = socket.create_server((host, port))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self.chief_timeout_s = chief_timeout_s
         self.on_end = on_end
         self.on_lost_task = on_lost_task
 
-    def start(self):
+    def start(self) -> "HeartbeatResponder":
         """Answers the monitors' heartbeats from a daemon thread; returns self."""
         threading.Thread(target=self._accept, name="hetpipe-heartbeat", daemon=True).start()
         return self
 
-    def _accept(self):
+    def _accept(self) -> None:
         while True:
             conn, _ = self._listener.accept()
             threading.Thread(target=self._serve, args=(conn,), name="hetpipe-heartbeat-conn", daemon=True).start()
 
-    def _serve(self, conn):
+    def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(self.chief_timeout_s)
         buffer = [b""]
         try:
@@ -106,7 +112,7 @@ class HeartbeatResponder:
         finally:
             conn.close()
 
-    def _end(self, message, failed):
+    def _end(self, message: str, failed: bool) -> None:
         if self.chief_timeout_s is not None and self.on_end is not None:
             self.on_end(message, failed)
 
@@ -124,7 +130,8 @@ class HeartbeatMonitor:
     """The chief's side: pings every task; calls `on_lost(LostTask)` once for each task lost.
     `exit_status(job, index)` (optional) says how a task this machine started ended."""
 
-    def __init__(self, tasks, timeout_s, on_lost, exit_status=None):
+    def __init__(self, tasks: Iterable[Watched], timeout_s: float, on_lost: Callable[[LostTask], None],
+                 exit_status: Callable[[str, int], str | None] | None = None) -> None:
         self.tasks = tuple(tasks)
         self.timeout_s = float(timeout_s)
         self.interval_s = min(1.0, self.timeout_s / 10)
@@ -132,23 +139,23 @@ class HeartbeatMonitor:
         self.exit_status = exit_status
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._conns = {}
-        self._reported = {}  # Watched -> LostTask, in the order found
-        self._forgotten = set()
+        self._conns: dict[Watched, socket.socket] = {}
+        self._reported: dict[Watched, LostTask] = {}  # in the order found
+        self._forgotten: set[Watched] = set()
 
     @property
-    def lost(self):
+    def lost(self) -> LostTask | None:
         """The first task found lost and not forgotten (a :class:`LostTask`), or None."""
         with self._lock:
             return next(iter(self._reported.values()), None)
 
-    def reported(self, job, index):
+    def reported(self, job: str, index: int) -> LostTask | None:
         """The :class:`LostTask` reported for task (job, index) and not forgotten, or None."""
         with self._lock:
             return next((lost for task, lost in self._reported.items() if (task.job, task.index) == (job, index)),
                         None)
 
-    def forget(self, job, index):
+    def forget(self, job: str, index: int) -> None:
         """Stops watching task (job, index) and forgets that it was lost: a virtual worker's
         process the run goes on without (a new one for it is watched by :meth:`add`)."""
         with self._lock:
@@ -161,20 +168,20 @@ class HeartbeatMonitor:
         for conn in conns:
             _close(conn)
 
-    def start(self):
+    def start(self) -> "HeartbeatMonitor":
         """Connects to every watched task's heartbeat port and starts watching them."""
         for task in self.tasks:
             self._connect(task)
         return self
 
-    def add(self, task):
+    def add(self, task: Watched) -> None:
         """Watches one more task (a :class:`Watched`) from now on."""
         with self._lock:
             self.tasks += (task,)
             self._forgotten.discard(task)
         self._connect(task)
 
-    def _connect(self, task):
+    def _connect(self, task: Watched) -> None:
         host, port = task.heartbeat.rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         with self._lock:
@@ -182,7 +189,7 @@ class HeartbeatMonitor:
         threading.Thread(target=self._watch, args=(task, conn), name=f"hetpipe-monitor-{task.job}-{task.index}",
                          daemon=True).start()
 
-    def _watch(self, task, conn):
+    def _watch(self, task: Watched, conn: socket.socket) -> None:
         buffer = [b""]
         while not self._stopped.is_set():
             sent = time.monotonic()
@@ -201,25 +208,26 @@ class HeartbeatMonitor:
                 return
             self._stopped.wait(self.interval_s)
 
-    def _ended_how(self, task, wait_s=1.0):
+    def _ended_how(self, task: Watched, wait_s: float = 1.0) -> str | None:
         """How a task this machine started ended ("killed by signal 9"), waiting up to `wait_s`
         for it: its sockets close a moment before its exit can be seen. None if unknown.
 
         Returns:
             How it ended, or None.
         """
-        if self.exit_status is None:
+        exit_status = self.exit_status
+        if exit_status is None:
             return None
-        return poll(lambda: self.exit_status(task.job, task.index), wait_s, 0.05)
+        return poll(lambda: exit_status(task.job, task.index), wait_s, 0.05)
 
-    def _report(self, task, lost):
+    def _report(self, task: Watched, lost: LostTask) -> None:
         with self._lock:
             if task in self._reported or task in self._forgotten:
                 return
             self._reported[task] = lost
         self.on_lost(lost)
 
-    def tell_lost(self, lost):
+    def tell_lost(self, lost: LostTask) -> None:
         """Tells every task still connected that `lost` (a :class:`LostTask`) was lost; each
         logs it (and ends with the chief)."""
         line = f"lost {lost.job}:{lost.index} {lost.address} {lost.reason}\n".encode()
@@ -232,7 +240,7 @@ class HeartbeatMonitor:
             except OSError:
                 pass
 
-    def stop(self):
+    def stop(self) -> None:
         """Stops watching and closes the connections."""
         self._stopped.set()
         with self._lock:
@@ -241,7 +249,7 @@ class HeartbeatMonitor:
             _close(conn)
 
 
-def _close(conn):
+def _close(conn: socket.socket) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
         conn.close()
@@ -249,7 +257,7 @@ def _close(conn):
         pass
 
 
-def poll(get, wait_s, interval_s):
+def poll(get: Callable[[], T], wait_s: float, interval_s: float) -> T:
     """`get()`, called every `interval_s` until it returns something true or `wait_s` passed;
     its last value.
 
@@ -264,7 +272,7 @@ def poll(get, wait_s, interval_s):
         time.sleep(interval_s)
 
 
-def call_with_deadline(fn, timeout_s, what):
+def call_with_deadline(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     """`fn()`'s value (or its exception), or a TimeoutError naming `what` once `timeout_s`
     passed: for calls with no deadline of their own (connecting, accepting, reading a
     connection), which would otherwise wait forever on a stopped peer. `fn` goes on in a
@@ -277,9 +285,9 @@ def call_with_deadline(fn, timeout_s, what):
         TimeoutError: `timeout_s` passed first.
         Exception: whatever `fn()` raised.
     """
-    result = queue.Queue()
+    result: queue.Queue[tuple[bool, Any]] = queue.Queue()
 
-    def call():
+    def call() -> None:
         try:
             result.put((True, fn()))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -292,10 +300,11 @@ def call_with_deadline(fn, timeout_s, what):
         raise TimeoutError(f"{what}: no answer within {timeout_s:g} s") from None
     if not ok:
         raise value
-    return value
+    returned: T = value
+    return returned
 
 
-def end_with_parent(parent):
+def end_with_parent(parent: int) -> None:
     """Ends this process when process `parent` ends.
 
     On Linux the kernel sends SIGKILL when the parent dies: the one signal that also ends a
@@ -306,7 +315,7 @@ def end_with_parent(parent):
     except OSError:
         pass
 
-    def watch():
+    def watch() -> None:
         while True:
             try:
                 os.kill(parent, 0)

@@ -14,7 +14,12 @@ records the wave.
 """
 import sys
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetpipe_tf.ops.wsp_clock import WspClock
 
 
 @dataclass
@@ -27,7 +32,7 @@ class LostWorker:
     reason: str
     clock: int
     found_at: float  # time.perf_counter() when the chief retired it
-    rejoined_at: int = None
+    rejoined_at: int | None = None
 
 
 class LostWorkers:
@@ -40,14 +45,14 @@ class LostWorkers:
       timeout_s: the longest to wait for the cluster to name a lost task.
     """
 
-    def __init__(self, cluster, clock, timeout_s):
+    def __init__(self, cluster: Any, clock: "WspClock", timeout_s: float) -> None:
         self.cluster = cluster
         self.clock = clock
         self.timeout_s = timeout_s
-        self.records = []  # every LostWorker, in the order they were lost
-        self.gone = set()  # workers whose process is gone and not yet replaced
+        self.records: list[LostWorker] = []  # every LostWorker, in the order they were lost
+        self.gone: set[int] = set()  # workers whose process is gone and not yet replaced
 
-    def lose(self, worker, job, missing, total):
+    def lose(self, worker: int, job: str, missing: int, total: int) -> None:
         """Goes on without `worker` (its process, job `job`, is gone): retires it at the clock and
         says so in one line (`missing` of its minibatches of this epoch will not be trained; the
         run has `total` workers)."""
@@ -62,7 +67,7 @@ class LostWorkers:
               f"without it ({total - len(self.gone)} of {total} virtual workers; {missing} of its minibatches of "
               f"this epoch not trained; it restarts at the epoch's end)", file=sys.stderr, flush=True)
 
-    def rejoined(self, workers, running):
+    def rejoined(self, workers: Iterable[int], running: Collection[int]) -> None:
         """New processes took the places of `workers` (every other worker drained, `running` the
         workers not lost): each rejoins the clock at the global clock."""
         for w in workers:
@@ -73,7 +78,7 @@ class LostWorkers:
         self.gone.difference_update(workers)
 
 
-def rejoin_at_global_clock(clock, worker, running):
+def rejoin_at_global_clock(clock: "WspClock", worker: int, running: Collection[int]) -> int:
     """Brings `worker` (retired, its process new) back into the WSP clock `clock` (a
     :class:`hetpipe_tf.ops.wsp_clock.WspClock`) at the global clock of the workers `running` (those
     not lost; between runs each is retired by its run's end, so the clock's own global clock would
@@ -83,7 +88,7 @@ def rejoin_at_global_clock(clock, worker, running):
     Returns the wave it rejoined at, which its next run's waves count from
     (:meth:`hetpipe_tf.sync.wsp.WSP.handlers`): the global clock, or one past it when it was not
     behind (a stage's next wave is found by pushing it)."""
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     clocks = clock.clocks()[0]
     global_clock = min((clocks[w] for w in running), default=clocks[worker])

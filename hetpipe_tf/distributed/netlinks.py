@@ -44,6 +44,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 
 from hetpipe_tf.distributed import frame_relay
 from hetpipe_tf.errors import HetPipeRunError
@@ -60,7 +61,7 @@ class NetLinksError(HetPipeRunError, RuntimeError):
     """The emulated links cannot be made here, or an ``ip``/``tc`` command failed."""
 
 
-def _run(argv):
+def _run(argv: Sequence[str]) -> str:
     """Runs an ``ip`` or ``tc`` command and returns its output; raises NetLinksError with the
     command and its stderr if it fails.
 
@@ -76,11 +77,11 @@ def _run(argv):
     return done.stdout
 
 
-def _subnet(slot):
+def _subnet(slot: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     return ipaddress.ip_network((int(_FIRST_SUBNET.network_address) + (slot << 8), 24))
 
 
-def _free_slot():
+def _free_slot() -> int:
     """The first slot that no instance here holds: no namespace or interface is named like
     its names (``hp<slot>`` and a letter; a crashed run may have left some) and no route
     overlaps its subnet. Call it under the host-wide lock, and claim the slot under it.
@@ -105,7 +106,7 @@ def _free_slot():
 
 
 @contextlib.contextmanager
-def _host_lock():
+def _host_lock() -> Iterator[None]:
     """Held while an instance picks its slot and claims it (its bridge, with the slot's
     subnet), so that processes starting links at the same time pick different slots."""
     with open(_LOCK_PATH, "w") as lock:
@@ -126,7 +127,7 @@ class EmulatedLinks:
             subprocess.Popen(links.command(0, ["python", "server.py", links.address(0)]))
     """
 
-    def __init__(self, num_nodes, bandwidth_bps, latency_s, prefix=None):
+    def __init__(self, num_nodes: int, bandwidth_bps: float, latency_s: float, prefix: str | None = None) -> None:
         if not isinstance(num_nodes, int) or not 1 <= num_nodes <= _MAX_NODES:
             raise ValueError(f"num_nodes must be an integer from 1 to {_MAX_NODES} "
                              f"(each node has an address in one /24 subnet), got {num_nodes!r}")
@@ -144,11 +145,12 @@ class EmulatedLinks:
         self.bandwidth_bps = bandwidth_bps
         self.latency_s = latency_s
         self._given_prefix = prefix
-        self._prefix = self._subnet = None  # chosen by start()
-        self._undo = []      # commands that remove what start() made, in the order made
-        self._relay = None
+        self._prefix: str | None = None  # chosen by start()
+        self._subnet: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None  # chosen by start()
+        self._undo: list[Sequence[str]] = []  # commands that remove what start() made, in the order made
+        self._relay: subprocess.Popen[str] | None = None
 
-    def start(self):
+    def start(self) -> "EmulatedLinks":
         """Creates the namespaces and links, and returns self once traffic can flow. Raises
         NetLinksError (having removed what it made) if they cannot be made here.
 
@@ -173,12 +175,12 @@ class EmulatedLinks:
             raise
         return self
 
-    def _do(self, argv, undo=None):
+    def _do(self, argv: Sequence[str], undo: Sequence[str] | None = None) -> None:
         _run(argv)
         if undo is not None:
             self._undo.append(undo)
 
-    def _create(self):
+    def _create(self) -> None:
         with _host_lock():
             slot = _free_slot()
             self._prefix = self._given_prefix or f"hp{slot}"
@@ -214,14 +216,15 @@ class EmulatedLinks:
             self._do(["tc", "-n", wire, "filter", "add", "dev", f"p{i}", "parent", "ffff:", "protocol", "all",
                       "u32", "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", f"w{i}"])
         pairs = [name for i in range(self.num_nodes) for name in (f"w{i}", f"p{i}")]
-        self._relay = subprocess.Popen(
+        self._relay = relay = subprocess.Popen(
             ["ip", "netns", "exec", wire, sys.executable, "-I", "-S", frame_relay.__file__,
              repr(self.latency_s), *pairs],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if self._relay.stdout.readline().strip() != "ready":
-            raise NetLinksError(f"the relay that delays frames did not start: {self._relay.stderr.read().strip()}")
+        assert relay.stdout is not None and relay.stderr is not None  # both piped
+        if relay.stdout.readline().strip() != "ready":
+            raise NetLinksError(f"the relay that delays frames did not start: {relay.stderr.read().strip()}")
 
-    def stop(self):
+    def stop(self) -> None:
         """Removes everything start() made. Safe to call twice, or after start() failed."""
         if self._relay is not None:
             self._relay.terminate()
@@ -231,38 +234,38 @@ class EmulatedLinks:
             # Best effort: a link may already be gone with its namespace.
             subprocess.run(self._undo.pop(), check=False, capture_output=True)
 
-    def __enter__(self):
+    def __enter__(self) -> "EmulatedLinks":
         return self.start()
 
-    def __exit__(self, *_exc):
+    def __exit__(self, *_exc: object) -> None:
         self.stop()
 
-    def _started(self, what):
+    def _started(self, what: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+        """The subnet start() chose; NetLinksError naming `what` before it ran."""
         if self._subnet is None:
             raise NetLinksError(f"{what} is known once start() has run")
+        return self._subnet
 
-    def _check_node(self, node):
+    def _check_node(self, node: int) -> None:
         if not 0 <= node < self.num_nodes:
             raise ValueError(f"node must be from 0 to {self.num_nodes - 1}, got {node!r}")
 
-    def namespace(self, node):
+    def namespace(self, node: int) -> str:
         """The name of node's network namespace."""
         self._check_node(node)
         self._started("a namespace's name")
         return f"{self._prefix}n{node}"
 
-    def address(self, node):
+    def address(self, node: int) -> str:
         """Node's IPv4 address, on eth0 in its namespace."""
         self._check_node(node)
-        self._started("a node's address")
-        return str(self._subnet[node + 2])
+        return str(self._started("a node's address")[node + 2])
 
     @property
-    def chief_address(self):
+    def chief_address(self) -> str:
         """The bridge's IPv4 address in the root namespace: where the nodes reach the chief."""
-        self._started("the chief's address")
-        return str(self._subnet[1])
+        return str(self._started("the chief's address")[1])
 
-    def command(self, node, argv):
+    def command(self, node: int, argv: Sequence[str]) -> list[str]:
         """The argv that runs ``argv`` in node's namespace (for subprocess)."""
         return ["ip", "netns", "exec", self.namespace(node), *argv]

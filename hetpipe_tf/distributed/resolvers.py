@@ -34,11 +34,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from hetpipe_tf.errors import HetPipeUsageError
+from hetpipe_tf.planning.cluster import Cluster, load_cluster
 
 if TYPE_CHECKING:
-    from tensorflow.python.distribute.cluster_resolver.cluster_resolver import ClusterResolver
-
-    from hetpipe_tf.planning.cluster import Cluster
+    from hetpipe_tf.compat import ClusterResolver
 
 #: The resolvers :func:`make_resolver` makes by name.
 RESOLVERS = ("tf_config", "slurm")
@@ -174,13 +173,13 @@ def launch_for(launch: str, resolver: ClusterResolver | None) -> str:
 
 
 def _slurm_tasks_per_node(environ: Mapping[str, str]) -> int:
-    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import expand_tasks_per_node
+    from hetpipe_tf.compat import expand_tasks_per_node  # late: defers TensorFlow
 
     text = environ.get("SLURM_STEP_TASKS_PER_NODE")
     if not text:
         raise ResolverError("resolver 'slurm' reads SLURM_STEP_TASKS_PER_NODE, which is not set: run under "
                             "`srun` (one Slurm task per hetpipe_tf task)")
-    return max(expand_tasks_per_node(text))
+    return int(max(expand_tasks_per_node(text)))
 
 
 def make_resolver(name: str, description: Cluster, port_base: int = 8888,
@@ -198,7 +197,7 @@ def make_resolver(name: str, description: Cluster, port_base: int = 8888,
     Raises:
         ResolverError: `name` is unknown, or "slurm" runs outside a Slurm step.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     environ = os.environ if environ is None else environ
     if name == "tf_config":
@@ -246,8 +245,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m hetpipe_tf.distributed.resolvers --resolver=NAME --cluster=FILE -- CHIEF COMMAND``:
     resolves this task and replaces this process with its server (ps, worker) or the chief's command,
     with TF_CONFIG set."""
-    from hetpipe_tf.planning.cluster import load_cluster
-
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="python -m hetpipe_tf.distributed.resolvers",

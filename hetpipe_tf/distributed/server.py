@@ -24,6 +24,7 @@ from absl import app, flags
 
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
 from hetpipe_tf.distributed.starter import TaskStarter, authkey_from
+from hetpipe_tf.ops.loader import load_ops
 
 flags.DEFINE_string("cluster_spec", None, "The cluster as JSON: {job: [host:port, ...]}.")
 flags.DEFINE_string("job_name", None, "This task's job (ps, worker).")
@@ -59,20 +60,18 @@ def server_config(logical_cpus: int, intra_op_threads: int, gpu_memory_mb: list[
     return config
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     end_with_parent(FLAGS.parent_pid or os.getppid())
-    import tensorflow as tf
-
-    from hetpipe_tf.ops.loader import load_ops
+    import tensorflow as tf  # late: after the parent watch starts: TensorFlow takes seconds to import
 
     load_ops()
     config = server_config(FLAGS.logical_cpus, FLAGS.intra_op_threads, [int(m) for m in FLAGS.gpu_memory_mb])
     spec = json.loads(FLAGS.cluster_spec)
     name = f"{FLAGS.job_name}:{FLAGS.task_index}"
 
-    def end(message, failed):
+    def end(message: str, failed: bool) -> None:
         print(f"hetpipe_tf server {name}: ending: {message}", flush=True)
         os._exit(1 if failed else 0)  # the TensorFlow server has no clean stop
 

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from hetpipe_tf.distributed.heartbeat import call_with_deadline
 from hetpipe_tf.errors import HetPipeRunError
@@ -42,14 +44,14 @@ class ClusterStartError(HetPipeRunError, RuntimeError):
     """A task of the cluster did not start."""
 
 
-def free_port(host="127.0.0.1"):
+def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now (the system's choice)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def authkey_from(environ=None):
+def authkey_from(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The cluster's key from HETPIPE_AUTHKEY (bytes), or None if it is not set. A value that
     is not hex is a ValueError naming the variable.
 
@@ -69,7 +71,9 @@ def authkey_from(environ=None):
                          f" got {text[:8]!r}...") from None
 
 
-def spawn(module, args, log_path, env=None, parent_pid=None, chief_timeout_s=0.0, wrap=None):
+def spawn(module: str, args: Sequence[str], log_path: str, env: Mapping[str, str] | None = None,
+          parent_pid: int | None = None, chief_timeout_s: float = 0.0,
+          wrap: Callable[[list[str]], list[str]] | None = None) -> subprocess.Popen[bytes]:
     """Starts ``python -m module args`` with its output in `log_path`; it ends with process
     `parent_pid` (default: this one) and when its chief is silent for `chief_timeout_s`.
     `wrap(cmd)` may prefix the command (e.g. to run it in a network namespace).
@@ -86,7 +90,7 @@ def spawn(module, args, log_path, env=None, parent_pid=None, chief_timeout_s=0.0
                                 env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})))
 
 
-def wait_ready(proc, log_path, name, timeout_s):
+def wait_ready(proc: subprocess.Popen[bytes], log_path: str, name: str, timeout_s: float) -> str:
     """The heartbeat address in task `name`'s ready line, once it printed it; ClusterStartError
     with its log's tail if it exits first or is not ready within `timeout_s`.
 
@@ -111,7 +115,7 @@ def wait_ready(proc, log_path, name, timeout_s):
         time.sleep(0.1)
 
 
-def starter_file(address):
+def starter_file(address: str) -> str:
     """Where the worker task at TensorFlow address `address` writes its starter's address, on
     its own host.
 
@@ -125,18 +129,18 @@ class TaskStarter:
     """A worker task's service that starts processes on its host for the chief (see the module
     docstring). `host` is the task's address, `log_dir` where the processes' logs go."""
 
-    def __init__(self, host, authkey, log_dir):
+    def __init__(self, host: str, authkey: bytes, log_dir: str) -> None:
         self.host = host
         self.log_dir = log_dir
         self._listener = multiprocessing.connection.Listener((host, 0), authkey=authkey)
         self.address = f"{host}:{self._listener.address[1]}"
-        self._procs = {}
+        self._procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
         self._closed = False
         # Children are made by one thread that lives as long as the task: on Linux a child's
         # end-with-parent signal (PR_SET_PDEATHSIG) fires when the thread that made it ends.
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetpipe-starter-spawn")
 
-    def start(self, task_address):
+    def start(self, task_address: str) -> "TaskStarter":
         """Serves requests from now on, and writes this starter's address to the task's
         :func:`starter_file`.
 
@@ -150,7 +154,7 @@ class TaskStarter:
         threading.Thread(target=self._accept, name="hetpipe-starter", daemon=True).start()
         return self
 
-    def close(self):
+    def close(self) -> None:
         """Stops serving (a task's starter serves as long as the task lives)."""
         self._closed = True
         host, port = self.address.rsplit(":", 1)
@@ -158,7 +162,7 @@ class TaskStarter:
         self._listener.close()
         self._spawner.shutdown(wait=False)
 
-    def _accept(self):
+    def _accept(self) -> None:
         while True:
             try:
                 conn = self._listener.accept()
@@ -169,7 +173,7 @@ class TaskStarter:
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="hetpipe-starter-conn", daemon=True).start()
 
-    def _serve(self, conn):
+    def _serve(self, conn: multiprocessing.connection.Connection) -> None:
         with conn:
             while True:
                 try:
@@ -178,7 +182,7 @@ class TaskStarter:
                     return
                 conn.send(self.handle(*request))
 
-    def handle(self, kind, *args):
+    def handle(self, kind: str, *args: Any) -> tuple[Any, ...]:
         """The answer to one request."""
         if kind == "start":
             return self._start(*args)
@@ -189,7 +193,8 @@ class TaskStarter:
             return ("ended",)
         return ("failed", f"unknown request {kind!r}; allowed: start, end")
 
-    def _start(self, job, index, module, args, chief_timeout_s, start_timeout_s):
+    def _start(self, job: str, index: int, module: str, args: Sequence[str], chief_timeout_s: float,
+               start_timeout_s: float) -> tuple[Any, ...]:
         address = f"{self.host}:{free_port(self.host)}"
         log = os.path.join(self.log_dir, f"{job}-{index}.log")
         proc = self._spawner.submit(spawn, module, [*args, f"--address={address}"], log,
@@ -211,14 +216,14 @@ class StarterClient:
     """The chief's connection to one worker task's :class:`TaskStarter`; every request has a
     deadline (a task that is stopped answers nothing)."""
 
-    def __init__(self, address, authkey, timeout_s):
+    def __init__(self, address: str, authkey: bytes, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = float(timeout_s)
         host, port = address.rsplit(":", 1)
         self._conn = call_with_deadline(lambda: multiprocessing.connection.Client((host, int(port)), authkey=authkey),
                                         self.timeout_s, f"connecting to the task starter at {address}")
 
-    def request(self, timeout_s, *request):
+    def request(self, timeout_s: float, *request: Any) -> Any:
         """Sends `request` to the starter.
 
         Returns:
@@ -227,13 +232,14 @@ class StarterClient:
         Raises:
             TimeoutError: no answer within `timeout_s`.
         """
-        def ask():
+        def ask() -> Any:
             self._conn.send(request)
             return self._conn.recv()
 
         return call_with_deadline(ask, timeout_s, f"request {request[0]!r} to the task starter at {self.address}")
 
-    def start(self, job, index, module, args, chief_timeout_s, start_timeout_s):
+    def start(self, job: str, index: int, module: str, args: Sequence[str], chief_timeout_s: float,
+              start_timeout_s: float) -> tuple[str, str, int]:
         """Starts ``python -m module args`` as task (job, index) on the starter's host; returns
         (TensorFlow address, heartbeat address, pid) or raises ClusterStartError.
 
@@ -247,12 +253,13 @@ class StarterClient:
                               chief_timeout_s, start_timeout_s)
         if answer[0] != "started":
             raise ClusterStartError(answer[1])
-        return answer[1:]
+        _, address, heartbeat, pid = answer
+        return str(address), str(heartbeat), int(pid)
 
-    def end(self, job, index):
+    def end(self, job: str, index: int) -> None:
         """Kills task (job, index) if this starter started it (waits at most timeout_s)."""
         self.request(self.timeout_s, "end", job, index)
 
-    def close(self):
+    def close(self) -> None:
         """Closes the connection to the starter."""
         self._conn.close()

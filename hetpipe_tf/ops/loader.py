@@ -103,7 +103,7 @@ def load_ops() -> types.ModuleType:
     global _library
     with _lock:
         if _library is None:
-            import tensorflow as tf
+            import tensorflow as tf  # late: defers TensorFlow
 
             path = library_path()
             check_build(os.path.dirname(path), tf.__version__)
@@ -113,4 +113,5 @@ def load_ops() -> types.ModuleType:
                 raise OpsLibraryError(
                     f"hetpipe_tf's custom ops in {path} do not load into TensorFlow "
                     f"{tf.__version__} ({e}); rebuild them with: {rebuild_command(os.path.dirname(path))}") from e
-        return _library
+        loaded: types.ModuleType = _library
+        return loaded

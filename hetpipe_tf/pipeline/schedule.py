@@ -303,9 +303,9 @@ def get_sync(scheme: str | SyncScheme | None) -> SyncScheme:
     return NO_SYNC if scheme is None else _lookup("sync", _SYNCS, scheme)
 
 
-def check_worker_update(schedule: PipelineSchedule, worker_update: WorkerUpdate, why: str) -> None:
-    """A ValueError naming the schedules that can, if `schedule` cannot hold `worker_update` (needed
-    for `why`, e.g. "global_clipnorm").
+def check_worker_update(schedule: PipelineSchedule, worker_update: WorkerUpdate | bool, why: str) -> None:
+    """A ValueError naming the schedules that can, if `schedule` cannot hold `worker_update` (or a
+    worker update at all, given True), needed for `why`, e.g. "global_clipnorm".
 
     Raises:
         ValueError: `schedule` cannot hold `worker_update`.

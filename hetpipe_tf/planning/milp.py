@@ -35,7 +35,7 @@ class Program:
     def solve(self, cost: npt.ArrayLike, integrality: npt.ArrayLike, lower: npt.ArrayLike, upper: npt.ArrayLike,
               time_limit: float | None = None) -> npt.NDArray[np.float64] | None:
         """The optimal x, or None if there is none (within `time_limit` seconds)."""
-        from scipy.optimize import Bounds, LinearConstraint, milp  # slow to load: only plans that solve one pay
+        from scipy.optimize import Bounds, LinearConstraint, milp  # late: slow to load: only plans that solve one pay
 
         options = {"mip_rel_gap": 0.0, **({"time_limit": time_limit} if time_limit else {})}
         with _quiet_stdout():  # HiGHS prints debug lines of its own

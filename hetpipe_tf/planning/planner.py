@@ -55,19 +55,23 @@ distinct shapes (device types and which share a node); C of them simulated; Nm <
 Measured times are in benchmarks/README.md (planner_scale).
 """
 import time
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.hetpipe import HETPIPE
-from hetpipe_tf.pipeline.instructions import Backward, Forward, Recompute, RecvActivation, RecvGradient
-from hetpipe_tf.pipeline.schedule import NO_SYNC
-from hetpipe_tf.pipeline.simulator import simulate_workers
+from hetpipe_tf.pipeline.emulation import format_bytes
+from hetpipe_tf.pipeline.instructions import (Backward, Forward, Instruction, Recompute, RecvActivation,
+                                             RecvGradient)
+from hetpipe_tf.pipeline.schedule import NO_SYNC, PipelineSchedule, SyncScheme
+from hetpipe_tf.pipeline.simulator import SimulationResult, simulate_workers
 from hetpipe_tf.planning.allocation import (POLICIES, AllocationError, allocate, candidate_allocations, compositions,
                                             describe, mixed_allocations, pack_workers)
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import InfeasiblePartitionError, best_partition, fits_some_order
 from hetpipe_tf.planning.partitioner import Partition, least_slowest_stage, partition_of
-from hetpipe_tf.planning.cluster import Cluster
+from hetpipe_tf.planning.cluster import Cluster, Device
 from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile, coarsen, colocated, measured_cluster
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.planning.uneven import (UnevenMinibatchError, at_batch_size, check_sizes, memory_cap,
@@ -90,12 +94,12 @@ class WorkerPlan:
         partition: its stages' layer ranges with their predicted times and memory.
         max_num_in_flight: Max_m, the largest Nm its devices' memory holds.
     """
-    devices: tuple
-    partition: object  # Partition
+    devices: tuple[Device, ...]
+    partition: Partition
     max_num_in_flight: int
 
     @property
-    def device_types(self):
+    def device_types(self) -> list[str]:
         """The type of each of the worker's devices, in stage order."""
         return [d.type.name for d in self.devices]
 
@@ -128,45 +132,45 @@ class Plan:
             profile's batch size.
         alternatives: policy "auto": the other allocations it tried, beside the one it chose.
     """
-    cluster: object
-    profile: object
+    cluster: Cluster
+    profile: Profile
     policy: str
     placement: str
     staleness_bound: int
     num_in_flight: int
-    workers: tuple  # WorkerPlan
+    workers: tuple[WorkerPlan, ...]
     minibatches_per_s: float
-    per_worker: tuple  # predicted minibatches/s of each worker in the cluster
-    by_num_in_flight: dict  # Nm -> predicted minibatches/s
-    notes: tuple
-    analytic: object = None  # the AnalyticAssumptions the plan used
-    schedule: object = HETPIPE  # the PipelineSchedule planned for
-    sync: object = NO_SYNC  # the SyncScheme between its virtual workers
-    minibatch_sizes: tuple = ()  # each worker's minibatch size when uneven; () when all train batch_size
-    alternatives: tuple = ()  # auto: Alternative allocations it tried, beside the one it chose
+    per_worker: tuple[float, ...]  # predicted minibatches/s of each worker in the cluster
+    by_num_in_flight: dict[int, float]  # Nm -> predicted minibatches/s
+    notes: tuple[str, ...]
+    analytic: AnalyticAssumptions | None = None  # the AnalyticAssumptions the plan used
+    schedule: PipelineSchedule = HETPIPE  # the PipelineSchedule planned for
+    sync: SyncScheme = NO_SYNC  # the SyncScheme between its virtual workers
+    minibatch_sizes: tuple[int, ...] = ()  # each worker's minibatch size when uneven; () when all train batch_size
+    alternatives: tuple["Alternative", ...] = ()  # auto: Alternative allocations it tried, beside the one it chose
 
     @property
-    def sizes(self):
+    def sizes(self) -> tuple[int, ...]:
         """Each worker's minibatch size (the profile's batch size unless uneven)."""
         return self.minibatch_sizes or (self.profile.batch_size,) * len(self.workers)
 
     @property
-    def allocation(self):
+    def allocation(self) -> str:
         """Each worker's device types in node order, as Table 3 writes them (VVQQ)."""
         order = [n.name for n in self.cluster.nodes]
-        return describe([sorted(w.devices, key=lambda d: (order.index(d.node), d.index)) for w in self.workers])
+        return describe([tuple(sorted(w.devices, key=lambda d: (order.index(d.node), d.index))) for w in self.workers])
 
     @property
-    def images_per_s(self):
+    def images_per_s(self) -> float:
         """The predicted images/s of the cluster: each worker's minibatches/s times its minibatch size."""
         return sum(rate * size for rate, size in zip(self.per_worker, self.sizes))
 
-    def node_boundaries(self, worker=0):
+    def node_boundaries(self, worker: int = 0) -> tuple[int, ...]:
         """First layer call of each stage of `worker`, for VirtualWorker(boundaries=...)."""
         part = self.workers[worker].partition
         return tuple(self.profile.starts[b] for b in part.boundaries)
 
-    def host_pass_seconds(self, worker=0):
+    def host_pass_seconds(self, worker: int = 0) -> tuple[tuple[float, float], ...]:
         """Per stage of `worker`, the (forward, backward) seconds its passes take on this host by
         the profile the plan was made with: what an emulated device's pace is scaled from
         (:mod:`hetpipe_tf.pipeline.emulation`) when every system of a comparison emulates the same
@@ -189,7 +193,7 @@ class Plan:
         times = self.profile.times["host"]
         return tuple(times.pass_seconds(*st.segments) for st in self.workers[worker].partition.stages)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data, as ``hetpipe plan --json`` prints it."""
         names = self.profile.layer_names
         workers = []
@@ -222,9 +226,8 @@ class Plan:
                                   "predicted_images_per_s": a.images_per_s, "num_in_flight": a.num_in_flight,
                                   **({"error": a.error} if a.error else {})} for a in self.alternatives]}
 
-    def format(self):
+    def format(self) -> str:
         """The plan as the table ``hetpipe plan`` prints."""
-        from hetpipe_tf.pipeline.emulation import format_bytes
         d = self.to_dict()
         batch = (f"minibatches {'+'.join(map(str, self.sizes))} (uneven)" if self.minibatch_sizes
                  else f"batch {d['batch_size']}")
@@ -251,7 +254,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _max_num_in_flight(model, devices, limit):
+def _max_num_in_flight(model: CostModel, devices: Sequence[Device], limit: int) -> int:
     """Max_m: the largest Nm <= limit that some order of these devices fits (0 if none).
 
     Memory grows with Nm, so the feasible Nm are 1..Max_m: a binary search.
@@ -269,9 +272,9 @@ def _max_num_in_flight(model, devices, limit):
     return lo
 
 
-def _shape(devices):
+def _shape(devices: Iterable[Device]) -> tuple[tuple[str, int], ...]:
     """What a worker's costs depend on: its device types, and which devices share a node."""
-    nodes = {}
+    nodes: dict[str, int] = {}
     return tuple((d.type.name, nodes.setdefault(d.node, len(nodes))) for d in sorted(devices, key=lambda d: d.name))
 
 
@@ -287,27 +290,30 @@ class _Solved:
     is reused, and the problem is solved again only when it no longer fits.
     """
 
-    def __init__(self, method, max_num_in_flight):
+    def __init__(self, method: str, max_num_in_flight: int) -> None:
         self.method, self.max_num_in_flight = method, max_num_in_flight
-        self._max_m, self._seen, self._last = {}, {}, {}
+        self._max_m: dict[tuple[tuple[tuple[str, int], ...], str], int] = {}
+        self._seen: dict[tuple[Any, int], Partition] = {}  # (worker shape and links, Nm) -> its best partition
+        self._last: dict[Any, Partition] = {}  # worker shape and links -> the partition solved last
 
-    def max_m(self, model, devices):
+    def max_m(self, model: CostModel, devices: Sequence[Device]) -> int:
         key = (_shape(devices), model.sync.name)
         if key not in self._max_m:
             self._max_m[key] = _max_num_in_flight(model, devices, self.max_num_in_flight)
         return self._max_m[key]
 
-    def partitions(self, model, workers, nm):
+    def partitions(self, model: CostModel, workers: Sequence[tuple[Device, ...]], nm: int) -> list[Partition]:
         """Every worker's partition at Nm, costed by `model`."""
-        first = {}
+        first: dict[tuple[tuple[str, int], ...], Partition] = {}
         out = []
         for w in workers:
             shape = _shape(w)
             if shape not in first:
                 first[shape] = self._solve(model, w, nm)
             found = first[shape]
+            order: Sequence[Device]
             if set(found.devices) != set(w):  # the same shape on other devices: map the order onto them
-                by_role = {}
+                by_role: dict[tuple[str, tuple[str, ...]], list[Device]] = {}
                 for d in sorted(w, key=lambda d: d.name):
                     by_role.setdefault(_role(d, w), []).append(d)
                 order = [by_role[_role(d, found.devices)].pop(0) for d in found.devices]
@@ -316,9 +322,9 @@ class _Solved:
             out.append(partition_of(model, order, found.boundaries, nm))
         return out
 
-    def _solve(self, model, devices, nm):
+    def _solve(self, model: CostModel, devices: Sequence[Device], nm: int) -> Partition:
         shape = _shape(devices)
-        nodes = {}
+        nodes: dict[str, int] = {}
         for d in sorted(devices, key=lambda d: d.name):
             nodes.setdefault(d.node, len(nodes))
         flows = dict(model.link_flows)
@@ -326,8 +332,9 @@ class _Solved:
         key = (shape, shared, model.sync.name)
         if (key, nm) not in self._seen:
             last = self._last.get(key)
-            reused = last and partition_of(model, last.devices, last.boundaries, nm)
-            if reused and last.num_in_flight < nm and all(s.memory_total <= s.capacity for s in reused.stages):
+            reused = partition_of(model, last.devices, last.boundaries, nm) if last is not None else None
+            if (reused is not None and last is not None and last.num_in_flight < nm
+                    and all(s.memory_total <= s.capacity for s in reused.stages)):
                 self._seen[(key, nm)] = reused
             else:
                 self._seen[(key, nm)] = best_partition(model, devices, nm, self.method)
@@ -335,12 +342,12 @@ class _Solved:
         return self._seen[(key, nm)]
 
 
-def _role(device, devices):
+def _role(device: Device, devices: Iterable[Device]) -> tuple[str, tuple[str, ...]]:
     """A device's type and the set of its worker's devices on the same node (by type)."""
     return (device.type.name, tuple(sorted(d.type.name for d in devices if d.node == device.node)))
 
 
-def _push_times(model, workers, placement):
+def _push_times(model: CostModel, workers: Sequence[Partition], placement: str) -> list[tuple[float, ...]]:
     """Per worker, per stage: seconds to send its layers' update to their parameter servers (or
     pull them), one server per node (§8.1): ``default`` placement puts segment s on node
     s mod H, ``local`` on the stage's own node.
@@ -353,10 +360,11 @@ def _push_times(model, workers, placement):
     """
     cluster, links, p = model.cluster, model.links, model.profile
     nodes = [n.name for n in cluster.nodes]
-    host = {}
+    host: dict[str, Device] = {}
     for d in cluster.devices():
         host.setdefault(d.node, d)
-    holders = [{} for _ in range(p.num_segments)]  # per segment: how many stages hold it on each node
+    # Per segment: how many stages hold it on each node.
+    holders: list[dict[str, int]] = [{} for _ in range(p.num_segments)]
     for w in workers:
         for st in w.stages:
             for seg in range(*st.segments):
@@ -379,7 +387,9 @@ def _push_times(model, workers, placement):
     return out
 
 
-def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push=None, stages=None):
+def _simulate(model: CostModel, workers: Sequence[Partition], num_in_flight: int, staleness_bound: int, placement: str,
+              n: int, push: Sequence[tuple[float, ...]] | None = None,
+              stages: Collection[int] | None = None) -> tuple[SimulationResult, list[int]]:
     """The workers' schedules in the simulator: (result, same_as), where same_as[w] is the
     worker whose agents in the result stand for worker w.
 
@@ -392,7 +402,8 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
         The pair.
     """
     push = push or _push_times(model, workers, placement)
-    same_as, first = [], {}
+    same_as: list[int] = []
+    first: dict[Any, int] = {}
     for w, part in enumerate(workers):
         key = (tuple((st.forward, st.backward, st.apply, st.recv_activation, st.recv_gradient, st.exchange)
                      for st in part.stages),
@@ -404,7 +415,7 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
     schedules = [programs[len(w.stages)] for w in workers]
     per_instruction = model.profile.instruction_seconds
 
-    def duration(agent, ins):  # by the instruction's type only
+    def duration(agent: tuple[int, int], ins: Instruction) -> float:  # by the instruction's type only
         st = workers[agent[0]].stages[agent[1]]
         kind = type(ins)
         if kind is Forward or kind is Recompute:  # a forward pass again (GPipe, NaivePipe)
@@ -418,7 +429,8 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
         link = st.recv_activation if kind is RecvActivation else st.recv_gradient if kind is RecvGradient else 0.0
         return link + per_instruction
 
-    def transfer(agent, ins):  # a push or a pull moves the stage's weights to or from the servers
+    # A push or a pull moves the stage's weights to or from the servers.
+    def transfer(agent: tuple[int, int], ins: Instruction) -> float:
         return push[agent[0]][agent[1]]
 
     servers = model.sync.simulation_model(staleness_bound, push_time=transfer, pull_time=transfer)
@@ -429,7 +441,9 @@ def _simulate(model, workers, num_in_flight, staleness_bound, placement, n, push
                             servers_hear_every_worker=counted, by_type=True, stages_recorded=stages), same_as
 
 
-def predict(model, workers, num_in_flight, staleness_bound=0, placement="default", steps=None, push=None):
+def predict(model: CostModel, workers: Sequence[Partition], num_in_flight: int, staleness_bound: int = 0,
+            placement: str = "default", steps: int | None = None,
+            push: Sequence[tuple[float, ...]] | None = None) -> tuple[float, tuple[float, ...]]:
     """Predicted minibatches/s of the cluster and of each worker, by simulation.
 
     `workers` are Partitions; with several, they synchronise by `model.sync` (WSP, §5), and
@@ -448,12 +462,14 @@ def predict(model, workers, num_in_flight, staleness_bound=0, placement="default
     return sum(per), per
 
 
-def _steps(num_in_flight):
+def _steps(num_in_flight: int) -> int:
     """Minibatches per worker a prediction simulates."""
     return max(6 * num_in_flight, 32)
 
 
-def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="default", push=None):
+def pace_bounds(model: CostModel, workers: Sequence[Partition], num_in_flight: int, staleness_bound: int = 0,
+                placement: str = "default",
+                push: Sequence[tuple[float, ...]] | None = None) -> list[float] | None:
     """Upper bounds on each worker's pace as :func:`predict` gives it (minibatches/s), without
     simulating, for HetPipe's schedule (None for another).
 
@@ -480,7 +496,7 @@ def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="def
     if waves:
         gate = model.sync.checked_bound(staleness_bound)
         chains = max(0, (n - num_in_flight) // num_in_flight - -(-(start + num_in_flight) // num_in_flight) + 1)
-        push = push or _push_times(model, workers, placement)
+        pushed = push or _push_times(model, workers, placement)
     pi = model.profile.instruction_seconds
     out = []
     for w, part in enumerate(workers):
@@ -489,7 +505,7 @@ def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="def
             st = part.stages[q]
             least = max(least, (window - num_in_flight) * st.time)
             if waves:
-                chain = (2 * pi + push[w][q] + (push[w][q] if gate == 0 else pi) + 2 * st.apply + st.forward
+                chain = (2 * pi + pushed[w][q] + (pushed[w][q] if gate == 0 else pi) + 2 * st.apply + st.forward
                          + st.backward + later)
                 least = max(least, chains * chain - 2 * pi - st.apply)
             later += st.forward + st.backward
@@ -497,7 +513,7 @@ def pace_bounds(model, workers, num_in_flight, staleness_bound=0, placement="def
     return out
 
 
-def long_run_pace(sync, alone):
+def long_run_pace(sync: SyncScheme, alone: Sequence[float]) -> tuple[float, ...]:
     """Each worker's minibatches/s in the long run, of its simulated ones `alone`: the slowest's
     under a scheme that bounds staleness (:attr:`hetpipe_tf.pipeline.schedule.SyncScheme.bounded`),
     its own under one that does not.
@@ -508,7 +524,7 @@ def long_run_pace(sync, alone):
     return tuple(alone) if not sync.bounded else (min(alone),) * len(alone)
 
 
-def _at_sizes(model, parts, sizes):
+def _at_sizes(model: CostModel, parts: Sequence[Partition], sizes: Sequence[int]) -> tuple[Partition, ...]:
     """`parts` with every worker's stages costed at its own minibatch size (the same cuts and Nm)."""
     out = []
     for p, b in zip(parts, sizes):
@@ -518,7 +534,8 @@ def _at_sizes(model, parts, sizes):
     return tuple(out)
 
 
-def uneven_sizes(model, parts, minibatch_sizes):
+def uneven_sizes(model: CostModel, parts: Sequence[Partition],
+                 minibatch_sizes: str | Sequence[int]) -> tuple[int, ...]:
     """Each worker's minibatch size (:mod:`hetpipe_tf.planning.uneven`): "proportional" splits a
     global batch of the profile's batch size times the number of workers by each worker's
     predicted images/s alone (simulated without the other workers) within its memory cap; a
@@ -549,8 +566,9 @@ def uneven_sizes(model, parts, minibatch_sizes):
         raise PlanError(str(e)) from e
 
 
-def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_flight, solved, notes,
-                  minibatch_sizes=None, floor=None):
+def _plan_workers(model: CostModel, workers: Sequence[tuple[Device, ...]], policy: str, placement: str,
+                  staleness_bound: int, num_in_flight: int | None, solved: _Solved, notes: list[str],
+                  minibatch_sizes: str | Sequence[int] | None = None, floor: float | None = None) -> "Plan | None":
     """The plan of one allocation: Max_m, Nm, partitions and prediction (steps 2-5 above). The Nm
     whose bound (:func:`pace_bounds`) is below 0.98 of the best found are not simulated: they
     could be neither the best nor chosen, so the plan is the one of simulating every Nm, its
@@ -583,25 +601,27 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
         candidates = [num_in_flight]
     else:
         candidates = list(range(1, limit + 1))
-    results, costed = {}, {}
+    results: dict[int, tuple[float, tuple[float, ...], Sequence[Partition]]] = {}
+    costed: dict[int, list[Partition]] = {}
+    pushes: dict[int, list[tuple[float, ...]]] = {}
 
-    def parts_at(nm):
+    def parts_at(nm: int) -> list[Partition]:
         if nm not in costed:
             costed[nm] = solved.partitions(model, workers, nm)
         return costed[nm]
 
-    def push_at(nm):
-        if (nm, "push") not in costed:
-            costed[(nm, "push")] = _push_times(model, parts_at(nm), placement)
-        return costed[(nm, "push")]
+    def push_at(nm: int) -> list[tuple[float, ...]]:
+        if nm not in pushes:
+            pushes[nm] = _push_times(model, parts_at(nm), placement)
+        return pushes[nm]
 
-    def tried(nm):
+    def tried(nm: int) -> float:
         if nm not in results:
             results[nm] = predict(model, parts_at(nm), nm, staleness_bound, placement, push=push_at(nm)) + (
                 parts_at(nm),)
         return results[nm][0]
 
-    def reached(nm):
+    def reached(nm: int) -> float:
         # No worker beats 1 / its slowest stage, a bound that only falls as Nm grows (a cut that
         # fits a larger Nm fits a smaller one): once it is reached, larger Nm cannot do better.
         return 0.999 * len(workers) * min(1.0 / p.bottleneck for p in parts_at(nm))
@@ -630,7 +650,7 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
     best = max(v[0] for v in results.values())
     chosen = min(nm for nm, v in results.items() if v[0] >= 0.98 * best)
     total, per, parts = results[chosen]
-    sizes = ()
+    sizes: tuple[int, ...] = ()
     if minibatch_sizes is not None:
         sizes = uneven_sizes(model, parts, minibatch_sizes)
         parts = _at_sizes(model, parts, sizes)
@@ -647,20 +667,20 @@ def _plan_workers(model, workers, policy, placement, staleness_bound, num_in_fli
 @dataclass(frozen=True)
 class _Settings:
     """What one plan() call plans with, beside the allocation."""
-    profile: object
-    cluster: object
-    links: object
+    profile: Profile
+    cluster: Cluster
+    links: LinkModel
     dilation: float
     optimizer_slots: int
-    analytic: object
-    schedule: object
-    sync: object
+    analytic: AnalyticAssumptions | None
+    schedule: PipelineSchedule
+    sync: SyncScheme
     placement: str
     staleness_bound: int
-    num_in_flight: object
-    minibatch_sizes: object
+    num_in_flight: int | None
+    minibatch_sizes: str | tuple[int, ...] | None
 
-    def model(self, workers, several=None):
+    def model(self, workers: Sequence[tuple[Device, ...]], several: bool | None = None) -> CostModel:
         """The CostModel of an allocation: its workers share links, and synchronise if several
         (`several`: whether to count them as several, whatever their number).
 
@@ -673,7 +693,8 @@ class _Settings:
                          sync=self.sync if several else NO_SYNC, analytic=self.analytic,
                          link_flows=link_flows(workers))
 
-    def plan(self, workers, label, solved, notes, floor=None):
+    def plan(self, workers: Sequence[tuple[Device, ...]], label: str, solved: _Solved, notes: list[str],
+             floor: float | None = None) -> "Plan | None":
         """The plan of one allocation, or PlanError (None below `floor`: see _plan_workers)."""
         placement = self.placement if len(workers) > 1 else "default"
         return _plan_workers(self.model(workers), workers, label, placement, self.staleness_bound,
@@ -710,7 +731,7 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
     costs = _Costs(links or LinkModel(), optimizer_slots, analytic)
     if not profile.shared_weights:
         return _plan(profile, cluster, request, costs)
-    options = []
+    options: list[tuple[str, Plan | PlanError]] = []
     for label, p in (("with replicas allowed", profile), ("with each kept on one stage", colocated(profile))):
         try:
             options.append((label, _plan(p, cluster, request, costs)))
@@ -718,7 +739,9 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
             options.append((label, e))
     planned = [(label, o) for label, o in options if isinstance(o, Plan)]
     if not planned:
-        raise options[0][1]
+        error = options[0][1]
+        assert isinstance(error, PlanError)  # no option planned: each is its error
+        raise error
     layers = [layer for layer, _, _ in profile.shared_weights]
     chosen = max((o for _, o in planned), key=lambda o: o.minibatches_per_s)
     other = next(f"the plan {label} " + (f"does not fit ({str(o).splitlines()[-1].strip()})" if not isinstance(o, Plan)
@@ -729,7 +752,7 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest = PlanRequest(
     return replace(chosen, notes=chosen.notes + (note,))
 
 
-def _tied_placement(plan, layers):
+def _tied_placement(plan: Plan, layers: Iterable[str]) -> str:
     """Where `plan` puts each of `layers` (called in several places): replicated on which stages
     of each worker, or on one stage.
 
@@ -778,7 +801,8 @@ def _plan(profile: Profile, cluster: Cluster, request: PlanRequest, costs: _Cost
         notes.append(f"EMULATED devices: host times scaled by dilation {dilation:g} / speed")
     notes.append(f"links: {costs.links.source}")
     settings = _Settings(profile, cluster, costs.links, dilation, costs.optimizer_slots, costs.analytic,
-                         request.schedule, request.sync, request.placement_of_policy, request.staleness_bound,
+                         cast(PipelineSchedule, request.schedule), cast(SyncScheme, request.sync),  # checked by it
+                         request.placement_of_policy, request.staleness_bound,
                          request.num_in_flight, request.minibatch_sizes)
     solved = _Solved(request.method, request.max_num_in_flight)
     if request.workers is None and request.policy == "auto":
@@ -791,9 +815,11 @@ def _plan(profile: Profile, cluster: Cluster, request: PlanRequest, costs: _Cost
         except AllocationError as e:
             raise PlanError(str(e)) from e
     try:
-        return settings.plan(group, label, solved, notes)
+        chosen = settings.plan(group, label, solved, notes)
     except PlanError as e:
         raise PlanError(f"no plan fits:\n{label} {describe(group)}: {e}") from e
+    assert chosen is not None  # None only below a floor, and none was given
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -808,7 +834,7 @@ class Alternative:
     error: str = ""
 
 
-def _quick_bound(settings, workers):
+def _quick_bound(settings: _Settings, workers: Sequence[tuple[Device, ...]]) -> float:
     """An upper bound on the minibatches/s any Nm predicts for `workers`, without cutting: each
     worker's pace at most max over Nm of L / ((L - Nm) x its least slowest stage) (pace_bounds'
     first bound), its least slowest stage the model's time spread over its devices at their best
@@ -836,7 +862,7 @@ def _quick_bound(settings, workers):
     return sum(long_run_pace(model.sync, [factor / least[_shape(w)] for w in workers]))
 
 
-def _auto(settings, solved, notes, time_budget_s):
+def _auto(settings: _Settings, solved: _Solved, notes: list[str], time_budget_s: float | None) -> Plan:
     """`auto`: the best predicted allocation of those the policies can make (every policy, worker
     size and HD group size) and of mixes of worker compositions (:func:`compositions`, one or two
     device types, :func:`mixed_allocations`), with the others' predictions beside it.
@@ -859,10 +885,10 @@ def _auto(settings, solved, notes, time_budget_s):
     tried, errors, best = [], [], None
     skipped = {"bound": 0, "budget": 0}
 
-    def over_budget():
+    def over_budget() -> bool:
         return time_budget_s is not None and time.monotonic() - started > time_budget_s
 
-    def attempt(label, group, by, floor=None):
+    def attempt(label: str, group: Sequence[tuple[Device, ...]], by: _Solved, floor: float | None = None) -> None:
         nonlocal best
         try:
             p = settings.plan(group, f"auto: {label}", by, notes, floor)
@@ -920,11 +946,11 @@ def _auto(settings, solved, notes, time_budget_s):
     return replace(best, notes=best.notes + (summary,), alternatives=beside)
 
 
-def _key(workers):
+def _key(workers: Iterable[Iterable[Device]]) -> tuple[tuple[str, ...], ...]:
     return tuple(sorted(tuple(sorted(d.name for d in w)) for w in workers))
 
 
-def _composition_rate(settings, solved, composition):
+def _composition_rate(settings: _Settings, solved: _Solved, composition: Any) -> float:
     """The predicted minibatches/s of one worker of `composition` among others (under the
     synchronisation, packed onto the cluster's first free devices), from its best partition:
     1 / its slowest stage, or Nm / the sum of its stages' times when its memory admits fewer
@@ -946,7 +972,7 @@ def _composition_rate(settings, solved, composition):
     return min(1.0 / part.bottleneck, nm / sum(st.time for st in part.stages))
 
 
-def simulate_plan(p, steps=400):
+def simulate_plan(p: Plan, steps: int = 400) -> dict[str, Any]:
     """A plan's schedules in the simulator, longer than the planner runs them: a report dict
     with images/s, and per worker its devices' busy fractions and its average wait for pulled
     weights and idle time of its first stage during those waits (§8.4).

@@ -21,10 +21,8 @@ gradients are exactly those of ``tf.GradientTape``.
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
-# TensorFlow 2.21's function-gradient internals (see the module docstring): what the eager
-# tape uses for a tf.function call.
-from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
+from hetpipe_tf.compat import concrete_function as _concrete
 from hetpipe_tf.ops.first_calls import FIRST_CALLS, FirstCallLocked
 
 

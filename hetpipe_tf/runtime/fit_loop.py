@@ -34,8 +34,8 @@ from typing import Protocol, runtime_checkable
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import gen_resource_variable_ops as _variable_ops
 
+from hetpipe_tf.compat import gen_resource_variable_ops as _variable_ops
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.trace import TraceRecorder
 from hetpipe_tf.runtime.checkpoint import Checkpoints, EpochSegments, PlanCuts, RunState

@@ -1,12 +1,13 @@
 """TensorFlow devices for device specs: logical CPUs for emulated devices, logical GPUs with
 memory limits for small cards (see :mod:`hetpipe_tf.planning.devices` for the specs)."""
 import warnings
+from collections.abc import Sequence
 
 from hetpipe_tf.pipeline.emulation import format_bytes
-from hetpipe_tf.planning.devices import DeviceSpecError
+from hetpipe_tf.planning.devices import DeviceSpec, DeviceSpecError
 
 
-def configure_tensorflow_devices(specs):
+def configure_tensorflow_devices(specs: Sequence[DeviceSpec]) -> tuple[str, ...]:
     """TensorFlow device names serving `specs`, creating logical devices where needed.
 
     Emulated devices get one logical CPU device each (placement labels; they share
@@ -24,12 +25,12 @@ def configure_tensorflow_devices(specs):
         DeviceSpecError: a GPU is asked for that TensorFlow does not see, or the items on one GPU
             mix memory limits and none.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     specs = tuple(specs)
     emulated = [s for s in specs if s.emulated]
     gpus = tf.config.list_physical_devices("GPU")
-    limits = {}  # physical GPU -> memory limits of the logical GPUs asked on it
+    limits: dict[int, list[int | None]] = {}  # physical GPU -> memory limits of the logical GPUs asked on it
     for s in specs:
         if s.kind == "gpu":
             if s.index >= len(gpus):
@@ -50,7 +51,7 @@ def configure_tensorflow_devices(specs):
             if all(mems):
                 tf.config.set_logical_device_configuration(
                     gpus[i], [tf.config.LogicalDeviceConfiguration(memory_limit=m // 1024 ** 2)
-                              for m in mems])
+                              for m in mems if m is not None])  # all are, as checked
     except RuntimeError:
         pass  # the runtime is already initialised: use the logical devices it has
     logical_cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -61,7 +62,9 @@ def configure_tensorflow_devices(specs):
     logical_gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
     # TensorFlow numbers logical GPUs in the order of their physical GPUs.
     per_gpu = [len(limits[i]) if all(limits.get(i, [None])) else 1 for i in range(len(gpus))]
-    names, next_cpu, used = [], 0, {}
+    names: list[str] = []
+    next_cpu = 0
+    used: dict[int, int] = {}
     for spec in specs:
         if spec.kind == "gpu":
             slot = used.get(spec.index, 0) if spec.memory else 0

@@ -3,11 +3,11 @@
 The rule: ``loss``, ``loss_weights`` and ``metrics`` mean exactly what they mean to
 ``keras.Model.compile``, because this module hands them to Keras's own
 ``CompileLoss`` and ``CompileMetrics`` (``keras.src.trainers.compile_utils``, the
-objects ``compile`` builds; written against Keras 3.15.1, whose ``Trainer`` they
-belong to). So every structure Keras accepts maps to the outputs as in Keras (one
-loss for all outputs, lists, dicts by output name, ``None`` for an output, names,
-functions, ``keras.losses.Loss`` and ``keras.metrics.Metric`` objects, per-output
-metric lists and dicts), and whatever Keras rejects is rejected, with Keras's
+objects ``compile`` builds, reached through :mod:`hetpipe_tf.compat`). So every
+structure Keras accepts maps to the outputs as in Keras (one loss for all outputs,
+lists, dicts by output name, ``None`` for an output, names, functions,
+``keras.losses.Loss`` and ``keras.metrics.Metric`` objects, per-output metric lists
+and dicts), and whatever Keras rejects is rejected, with Keras's
 reason. The labels are handed over as the dataset gives them, and the outputs as
 the model returns them (one tensor, or a list in the model's output order).
 
@@ -30,26 +30,26 @@ The objects are built on the first call, from the shapes of its labels and outpu
 any ``tf.function`` being traced.
 """
 import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
-# Keras's internals, as of Keras 3.15.1 (see the module docstring): what compile() and the
-# Trainer's symbolic build use.
-from keras.src.backend import compute_output_spec
-from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
+
+from hetpipe_tf.compat import CompileLoss, CompileMetrics, compute_output_spec
 
 _BUILD_LOCK = threading.Lock()  # heads of several workers may share the user's Metric objects
 
 
-def _spec(value):
+def _spec(value: Any) -> keras.KerasTensor:
     return keras.KerasTensor(tuple(value.shape), keras.backend.standardize_dtype(value.dtype))
 
 
-def _is_mean(metric):
+def _is_mean(metric: keras.metrics.Metric) -> bool:
     return isinstance(metric, keras.metrics.Mean) and type(metric).result is keras.metrics.Mean.result
 
 
-def _fresh_state(metrics):
+def _fresh_state(metrics: Iterable[keras.metrics.Metric]) -> list[tuple[keras.Variable, Any]]:
     """(variable, value) pairs that put `metrics` in their reset state, without touching them."""
     return [pair for m in metrics for pair in zip(m.variables, m.stateless_reset_state())]
 
@@ -64,7 +64,7 @@ class LossHead:
       output_names: the model's output names, in its output order.
     """
 
-    def __init__(self, loss, output_names, loss_weights=None, metrics=()):
+    def __init__(self, loss: Any, output_names: Sequence[str], loss_weights: Any = None, metrics: Any = ()) -> None:
         self.output_names = list(output_names)
         if loss is None:
             raise ValueError("a loss is needed to train: pass loss= as to keras.Model.compile()")
@@ -73,19 +73,19 @@ class LossHead:
         self._compile_metrics = CompileMetrics(metrics or None, None, output_names=self.output_names)
         self._built = False
 
-    def split_labels(self, y):
+    def split_labels(self, y: Any) -> Any:
         """The labels as Keras's compiled loss and metrics take them: as the dataset gives them
         (a tensor, or a list, tuple or dict by output name)."""
         return y
 
-    def loss(self, labels, outputs):
+    def loss(self, labels: Any, outputs: Sequence[tf.Tensor]) -> tf.Tensor:
         """The compiled loss: the sum of each output's loss times its loss weight (the model's
         own losses, such as regularization, are not included)."""
         y_pred = self._build(labels, outputs)
         with keras.StatelessScope(_fresh_state(self._compile_loss.metrics), initialize_variables=False):
             return self._compile_loss(labels, y_pred)
 
-    def metrics(self, labels, outputs):
+    def metrics(self, labels: Any, outputs: Sequence[tf.Tensor]) -> dict[str, tf.Tensor]:
         """Keras's logs for one minibatch, in Keras's order: ``loss`` (the compiled loss; callers
         that add the model's own losses replace it), the metrics, then ``<output>_loss``."""
         y_pred = self._build(labels, outputs)
@@ -97,10 +97,11 @@ class LossHead:
             logs.update((m.name, m.result()) for m in self._compile_loss.metrics)
         return logs
 
-    def evaluate(self, model, dataset):
+    def evaluate(self, model: keras.Model, dataset: Iterable[Any]) -> dict[str, float]:
         """Loss and metrics of `model` (the whole Keras model, its current weights) on `dataset`,
         in inference mode, averaged over samples as Keras's ``evaluate``."""
-        sums, n = {}, 0
+        sums: dict[str, float] = {}
+        n = 0
         for x, y in dataset:
             outputs = model(x, training=False)
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
@@ -113,13 +114,13 @@ class LossHead:
             n += b
         return {k: v / n for k, v in sums.items()}
 
-    def check(self, y, outputs) -> None:
+    def check(self, y: Any, outputs: Sequence[keras.KerasTensor]) -> None:
         """Builds Keras's loss and metric objects for labels like `y` (as the data gives them) and
         the model's `outputs` (KerasTensors), symbolically, raising what training would raise
         (a compile that does not fit the outputs, a metric that is not a mean) before it starts."""
         self._build(self.split_labels(y), list(outputs))
 
-    def _build(self, labels, outputs):
+    def _build(self, labels: Any, outputs: Sequence[Any]) -> Any:
         """Builds Keras's objects for labels and outputs like these (once); returns the outputs
         as the model returns them."""
         y_pred = outputs[0] if len(outputs) == 1 else list(outputs)
@@ -142,11 +143,11 @@ class LossHead:
                 self._built = True
         return y_pred
 
-    def _step(self, y_true, y_pred):
+    def _step(self, y_true: Any, y_pred: Any) -> Any:
         self._compile_metrics.update_state(y_true, y_pred)
         return self._compile_loss(y_true, y_pred)
 
-    def _check_means(self):
+    def _check_means(self) -> None:
         for m in self._compile_metrics.metrics:
             if not _is_mean(m):
                 raise ValueError(

@@ -16,6 +16,7 @@ import json
 
 import keras
 
+from hetpipe_tf import compat
 from hetpipe_tf.errors import HetPipeUsageError
 
 from hetpipe_tf.runtime.subclass_trace import is_subclassed, traced
@@ -39,7 +40,7 @@ def pack_model(model: keras.Model) -> str:
         UnsendableModelError: a layer class of the model cannot be rebuilt in another process.
     """
     if not is_subclassed(model):
-        return model.to_json()
+        return str(model.to_json())
     graph = traced(model)
     _refuse_unimportable(model, graph)
     text = graph.to_json()
@@ -71,8 +72,9 @@ def unpack_model(text: str) -> keras.Model:
     model = keras.models.model_from_json(packed["graph"])
     traced_order = model.weights
     for index, path in zip(packed["order"], packed["paths"]):
-        traced_order[index]._path = path  # noqa: SLF001 - Keras keeps a variable's path read-only
-    model._layers = [model._layers[i] for i in packed["layers"]]  # noqa: SLF001 - weights follow _layers' order
+        compat.set_variable_path(traced_order[index], path)
+    layers = compat.model_layers(model)
+    compat.set_model_layers(model, [layers[i] for i in packed["layers"]])  # the weights follow the layers' order
     return model
 
 
@@ -86,10 +88,11 @@ def _order_of_layers(model: keras.Model, rebuilt: keras.Model, order: list[int])
     Raises:
         UnsendableModelError: there is none.
     """
-    owner = [i for i, layer in enumerate(rebuilt._layers) for _ in layer.weights]
+    layers = compat.model_layers(rebuilt)
+    owner = [i for i, layer in enumerate(layers) for _ in layer.weights]
     permutation = list(dict.fromkeys(owner[i] for i in order))
-    permutation += [i for i in range(len(rebuilt._layers)) if i not in permutation]
-    weights = [w for i in permutation for w in rebuilt._layers[i].weights]
+    permutation += [i for i in range(len(layers)) if i not in permutation]
+    weights = [w for i in permutation for w in layers[i].weights]
     position = {id(w): i for i, w in enumerate(rebuilt.weights)}
     if [position[id(w)] for w in weights] != order:
         raise UnsendableModelError(

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import keras
 
+from hetpipe_tf import compat
 from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.runtime.update_terms import LossScaling, UpdateRule
 
@@ -204,11 +205,10 @@ def stage_optimizer(optimizer: keras.optimizers.Optimizer | str, originals: Sequ
     """
     optimizer = inner_optimizer(check_optimizer(optimizer))
     copy = type(optimizer).from_config({**optimizer.get_config(), "global_clipnorm": None})
-    excluded = getattr(optimizer, "_exclude_from_weight_decay", set())
-    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    excluded, pattern = compat.weight_decay_exclusions(optimizer)
     if excluded or pattern is not None:
         copy.exclude_from_weight_decay(
-            var_list=[c for o, c in zip(originals, copies) if optimizer._var_key(o) in excluded],
+            var_list=[c for o, c in zip(originals, copies) if compat.variable_key(optimizer, o) in excluded],
             var_names=None if pattern is None else [pattern.pattern])
     return copy
 

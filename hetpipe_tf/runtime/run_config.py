@@ -11,18 +11,31 @@ worker process. A :class:`WorkerSpec` says where one virtual worker runs.
 """
 import dataclasses
 import pickle
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from hetpipe_tf.pipeline.schedule import check_combination, check_worker_update
+import keras
+
+from hetpipe_tf.pipeline.schedule import PipelineSchedule, SyncScheme, check_combination, check_worker_update
+from hetpipe_tf.planning.devices import DeviceSpec
 from hetpipe_tf.runtime.optimizers import check_name, check_optimizer, update_rule_of
 from hetpipe_tf.runtime.update_terms import UpdateRule
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 #: What a run does when a virtual worker's process is lost (:mod:`hetpipe_tf.distributed.process_runner`).
 ON_WORKER_FAILURE = ("stop", "continue")
+#: What ``keras.Model.compile`` takes as `loss`: a name, a function or ``keras.losses.Loss``, a
+#: list or dict of them per output, or None.
+LossArgument = str | Callable[..., Any] | Sequence[Any] | Mapping[str, Any] | None
+#: What ``keras.Model.compile`` takes as `metrics`: names or ``keras.metrics.Metric`` objects, a
+#: list, or a list or dict of them per output.
+MetricsArgument = Sequence[Any] | Mapping[str, Any] | None
+#: What ``keras.Model.compile`` takes as `loss_weights`: one per output, as a list or dict.
+LossWeightsArgument = Sequence[float] | Mapping[str, float] | None
 
 
-def _positive_int(name, value, allow_none=False):
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> Any:
     if allow_none and value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,22 +80,22 @@ class RunConfig:
     """
     num_in_flight: int | None = None
     staleness_bound: int = 0
-    schedule: object = "hetpipe"
-    sync: object = "wsp"
+    schedule: PipelineSchedule | str = "hetpipe"
+    sync: SyncScheme | str = "wsp"
     placement: str = "default"
-    optimizer: object = "sgd"
-    loss: object = None
-    metrics: object = ()
-    loss_weights: object = None
+    optimizer: keras.optimizers.Optimizer | str = "sgd"
+    loss: LossArgument = None
+    metrics: MetricsArgument = ()
+    loss_weights: LossWeightsArgument = None
     dilation: float | None = None
     timeout_s: float = 300.0
-    minibatch_sizes: tuple | None = None
+    minibatch_sizes: tuple[int, ...] | None = None
     on_worker_failure: str = "stop"
     record_provenance: bool = False
     single_threaded_stages: bool = False
 
-    def __post_init__(self):
-        def put(name, value):
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         put("num_in_flight", _positive_int("num_in_flight (Nm)", self.num_in_flight, allow_none=True))
@@ -116,22 +129,18 @@ class RunConfig:
         clip norm and loss scaling (:mod:`hetpipe_tf.runtime.update_terms`)."""
         return update_rule_of(self.optimizer)
 
-    def replace(self, **changes) -> "RunConfig":
+    def replace(self, **changes: Any) -> "RunConfig":
         """This configuration with `changes`, checked again."""
         return dataclasses.replace(self, **changes)
 
     # Pickled for a worker process: the optimizer as Keras serializes it; the compiled loss and
     # metrics as they are (they must be importable there, as for any pickled object).
-    def __getstate__(self):
-        import keras
-
+    def __getstate__(self) -> dict[str, Any]:
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         state["optimizer"] = keras.optimizers.serialize(self.optimizer)
         return state
 
-    def __setstate__(self, state):
-        import keras
-
+    def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             object.__setattr__(self, name, keras.optimizers.deserialize(value) if name == "optimizer" else value)
 
@@ -159,9 +168,9 @@ class WorkerSpec:
         references: the emulation's references, per stage the (forward, backward) seconds its
             paces scale from (None: measured before training).
     """
-    devices: object
-    tf_devices: tuple = None
-    boundaries: tuple = None
-    stage_servers: tuple = None
-    slowdown: object = None
-    references: tuple = None
+    devices: Sequence[DeviceSpec] | str
+    tf_devices: tuple[str, ...] | None = None
+    boundaries: tuple[int, ...] | None = None
+    stage_servers: tuple[str, ...] | None = None
+    slowdown: Callable[[int], float] | None = None
+    references: Sequence[tuple[float, float]] | None = None

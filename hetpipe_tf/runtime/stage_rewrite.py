@@ -34,20 +34,19 @@ Handled:
   :mod:`hetpipe_tf.runtime.update_terms`).
 """
 import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
-# Keras 3.15.1's internals: the class whose call() runs a layer graph, and what its call uses.
 from keras import tree
-from keras.src.backend import set_keras_mask
-from keras.src.models.functional import Functional
-from keras.src.ops.core import ConvertToTensor
 
+from hetpipe_tf import compat
 from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.ops.first_calls import FirstCallLocked
-from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, TensorInfo
+from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, StageIO, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
 from hetpipe_tf.runtime.subclass_trace import is_subclassed, traced
 
@@ -56,7 +55,7 @@ class UnsupportedModelError(HetPipeUsageError, TypeError):
     """A model that has no layer graph to cut (a functional model not made from its inputs and outputs)."""
 
 
-def _top_graph(model):
+def _top_graph(model: keras.Model) -> keras.Model:
     """The functional graph of a Sequential or functional model (a Sequential's own), or of a
     subclassed model its trace (:mod:`hetpipe_tf.runtime.subclass_trace`).
 
@@ -67,7 +66,7 @@ def _top_graph(model):
         UnsupportedModelError: the model has no graph to cut (not built, or no layer graph).
     """
     if isinstance(model, keras.Sequential):
-        fn = getattr(model, "_functional", None)
+        fn = compat.sequential_graph(model)
         if fn is None:
             raise UnsupportedModelError(
                 f"Sequential model '{model.name}' is not built: start it with keras.Input(shape) "
@@ -75,14 +74,14 @@ def _top_graph(model):
         return fn
     if is_subclassed(model):
         return traced(model)
-    if not hasattr(model, "_nodes_by_depth") or not getattr(model, "inputs", None):
+    if not compat.has_nodes_by_depth(model) or not getattr(model, "inputs", None):
         raise UnsupportedModelError(
             f"model '{model.name}' ({type(model).__name__}) has no layer graph to cut: a functional model "
             f"is cut once made from its inputs and outputs (keras.Model(inputs, outputs))")
     return model
 
 
-def _graph_of(op):
+def _graph_of(op: keras.Operation) -> keras.Model | None:
     """The functional graph that `op`, a model used as a layer, runs when called; None for a layer
     to keep whole. A Sequential or functional model (a keras_hub task or backbone, a
     ``keras.applications`` model) runs its graph; a model whose class has a ``call()`` of its own
@@ -95,11 +94,11 @@ def _graph_of(op):
         return None
     owner = next(c for c in type(op).__mro__ if "call" in vars(c))
     if owner is keras.Sequential:
-        return getattr(op, "_functional", None)
-    return op if owner is Functional else None
+        return compat.sequential_graph(op)
+    return op if owner is compat.Functional else None
 
 
-def _entered(fn, inputs, names, prefix, context):
+def _entered(fn: keras.Model, inputs: Any, names: dict[int, str], prefix: str, context: Mapping[str, Any]) -> Any:
     """``fn``'s graph run symbolically on `inputs` (KerasTensors) with every nested graph model
     entered: its layers are called on the tensors of the enclosing graph, at any depth. This is
     ``Functional.call`` of Keras 3.15.1 (the call-context arguments, ``training``, given to a
@@ -111,10 +110,10 @@ def _entered(fn, inputs, names, prefix, context):
         The outputs of the run.
     """
 
-    def operation_fn(op):
-        def call(*args, **kwargs):
+    def operation_fn(op: keras.Operation) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
             for name, value in context.items():
-                if name in getattr(op, "_call_context_args", ()) and value is not None:
+                if name in compat.call_context_args(op) and value is not None:
                     kwargs[name] = value
             names.setdefault(id(op), prefix + op.name)
             inner = _graph_of(op)
@@ -122,19 +121,20 @@ def _entered(fn, inputs, names, prefix, context):
                                                                            *args, **kwargs)
         return call
 
-    return fn._run_through_graph(inputs, operation_fn=operation_fn)
+    return compat.run_through_graph(fn, inputs, operation_fn)
 
 
-def _enter_model(fn, names, prefix, inputs, training=None, mask=None, **kwargs):
+def _enter_model(fn: keras.Model, names: dict[int, str], prefix: str, inputs: Any, training: bool | None = None,
+                 mask: Any = None, **kwargs: Any) -> Any:
     """A nested model's call (``Functional.call``'s arguments), entered (:func:`_entered`)."""
-    inputs = [_unconverted(x) for x in fn._standardize_inputs(inputs)]
+    inputs = [_unconverted(x) for x in compat.standardize_inputs(fn, inputs)]
     for x, m in zip(inputs, tree.flatten(mask) if mask is not None else ()):
         if m is not None:
-            set_keras_mask(x, m)
+            compat.set_keras_mask(x, m)
     return _entered(fn, inputs, names, prefix, dict(kwargs, training=training))
 
 
-def _unconverted(x):
+def _unconverted(x: keras.KerasTensor) -> keras.KerasTensor:
     """`x`, or the tensor it converts when the conversion changes nothing: a model converts its
     inputs to its inputs' dtypes (``ops.convert_to_tensor``), which is no operation for a tensor
     that has them already.
@@ -142,15 +142,15 @@ def _unconverted(x):
     Returns:
         That tensor.
     """
-    history = x._keras_history
-    if isinstance(history.operation, ConvertToTensor):
-        source = history.operation._inbound_nodes[history.node_index].input_tensors[0]
+    history = compat.keras_history(x)
+    if isinstance(history.operation, compat.ConvertToTensor):
+        source = compat.producing_node(history).input_tensors[0]
         if (source.dtype, source.sparse, source.ragged) == (x.dtype, x.sparse, x.ragged):
             return source
     return x
 
 
-def _layer_graph(model):
+def _layer_graph(model: keras.Model) -> tuple[keras.Model, dict[int, str]]:
     """(functional graph, {id(operation): qualified name}) of `model`, with every nested
     Sequential or functional model flattened into its layer calls (the model's own graph when it
     nests none).
@@ -161,19 +161,19 @@ def _layer_graph(model):
     fn = _top_graph(model)
     if not any(_graph_of(op) is not None for op in fn.operations):
         return fn, {id(op): op.name for op in fn.operations}
-    names = {}
+    names: dict[int, str] = {}
     outputs = _entered(fn, fn.inputs, names, "", {})
-    flat = keras.Model(inputs=fn._inputs_struct, outputs=outputs, name=fn.name)
+    flat = keras.Model(inputs=compat.inputs_struct(fn), outputs=outputs, name=fn.name)
     flat.output_names = list(fn.output_names)  # the loss and metrics are keyed by the model's
     return flat, names
 
 
-def variable_bytes(variables):
+def variable_bytes(variables: Iterable[keras.Variable]) -> int:
     """The bytes that `variables` hold (each element's size from its dtype)."""
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
 
 
-def _elements(shape):
+def _elements(shape: Sequence[int | None]) -> int:
     return int(np.prod([d if d is not None else 1 for d in shape[1:]]))
 
 
@@ -182,11 +182,11 @@ class KerasGraph:
     """A :class:`ModelGraph` with the Keras objects behind its indices."""
     graph: ModelGraph
     model: keras.Model  # the functional model the graph was read from, nested models flattened
-    tensors: tuple  # KerasTensor of every tensor index
-    operations: tuple  # layer (operation) of every node index
+    tensors: tuple[keras.KerasTensor, ...]  # KerasTensor of every tensor index
+    operations: tuple[keras.Operation, ...]  # layer (operation) of every node index
 
 
-def describe_model(model):
+def describe_model(model: keras.Model) -> KerasGraph:
     """The :class:`KerasGraph` of a Sequential or functional Keras model (a subclassed model's
     trace), with the Sequential and functional models used as layers inside it flattened into their
     layer calls.
@@ -202,15 +202,16 @@ def describe_model(model):
         UntraceableModelError: a subclassed model's call cannot be traced.
     """
     fn, names = _layer_graph(model)
-    depths = sorted(fn._nodes_by_depth, reverse=True)
+    by_depth = compat.nodes_by_depth(fn)
+    depths = sorted(by_depth, reverse=True)
     op_order = {id(op): i for i, op in enumerate(fn.operations)}
     ordered = []
     for d in depths:
-        ordered += sorted(fn._nodes_by_depth[d], key=lambda n: op_order.get(id(n.operation), 0))
+        ordered += sorted(by_depth[d], key=lambda n: op_order.get(id(n.operation), 0))
 
     tensor_ids, keras_tensors, producers = {}, [], []
 
-    def tensor_index(kt, producer):
+    def tensor_index(kt: keras.KerasTensor, producer: int | None) -> int:
         if id(kt) not in tensor_ids:
             tensor_ids[id(kt)] = len(keras_tensors)
             keras_tensors.append(kt)
@@ -261,7 +262,7 @@ def describe_model(model):
     return KerasGraph(graph=graph, model=fn, tensors=tuple(keras_tensors), operations=tuple(operations))
 
 
-def _one_or_list(values):
+def _one_or_list(values: Sequence[Any]) -> Any:
     return values[0] if len(values) == 1 else list(values)
 
 
@@ -274,7 +275,7 @@ class Stage:
     regularisation loss.
     """
 
-    def __init__(self, index, io, model, device=None):
+    def __init__(self, index: int, io: StageIO, model: keras.Model, device: str | None = None) -> None:
         self.index = index
         self.io = io
         self.model = model
@@ -288,16 +289,18 @@ class Stage:
         self._functions = {}
 
     @property
-    def trainable_variables(self):
+    def trainable_variables(self) -> list[keras.Variable]:
         """The stage sub-model's trainable variables (the Keras model's own, shared)."""
         return self.model.trainable_variables
 
     @property
-    def non_trainable_variables(self):
+    def non_trainable_variables(self) -> list[keras.Variable]:
         """The stage sub-model's non-trainable variables (its state)."""
         return self.model.non_trainable_variables
 
-    def stateless_call(self, trainable, non_trainable, entering, training):
+    def stateless_call(self, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor],
+                       entering: Sequence[tf.Tensor],
+                       training: bool) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor]:
         """The stage on given weight values and state: (sent tensors, new state, regularisation loss)."""
         inputs = [entering[i] for i in self._consumed_pos]
         outputs, new_state, losses = self.model.stateless_call(
@@ -309,7 +312,8 @@ class Stage:
         reg = tf.add_n([tf.cast(l, tf.float32) for l in losses]) if losses else tf.constant(0.0)
         return sent, list(new_state), reg
 
-    def call(self, trainable, non_trainable, entering, training=True):
+    def call(self, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor], entering: Sequence[tf.Tensor],
+             training: bool = True) -> Any:
         """:meth:`stateless_call` as a compiled function, one per value of `training`."""
         fn = self._functions.get(training)
         if fn is None:
@@ -329,12 +333,12 @@ class TiedVariable:
     is updated by its own stage's calls only."""
     path: str  # the model variable's path
     trainable: bool
-    replicas: tuple  # (stage, position), in stage order
+    replicas: tuple[tuple[int, int], ...]  # (stage, position), in stage order
 
 
-def _tied_variables(stages):
+def _tied_variables(stages: Sequence[Stage]) -> tuple[TiedVariable, ...]:
     """The :class:`TiedVariable` of every variable that more than one of `stages` holds."""
-    held = {}
+    held: dict[int, tuple[str, bool, list[tuple[int, int]]]] = {}
     for stage in stages:
         for trainable, variables in ((True, stage.trainable_variables), (False, stage.non_trainable_variables)):
             for position, v in enumerate(variables):
@@ -357,25 +361,25 @@ class StagedModel:
     """
     model: keras.Model
     keras_graph: KerasGraph
-    boundaries: tuple
-    stages: tuple
-    tied: tuple
+    boundaries: tuple[int, ...]
+    stages: tuple[Stage, ...]
+    tied: tuple[TiedVariable, ...]
 
     @property
-    def graph(self):
+    def graph(self) -> ModelGraph:
         """The cut model's layer graph (a :class:`hetpipe_tf.planning.model_graph.ModelGraph`)."""
         return self.keras_graph.graph
 
     @property
-    def num_stages(self):
+    def num_stages(self) -> int:
         """k, the number of stages."""
         return len(self.stages)
 
-    def input_stages(self):
+    def input_stages(self) -> tuple[int, ...]:
         """Stages that load model inputs from the host."""
         return tuple(s.index for s in self.stages if s.io.loaded)
 
-    def split_inputs(self, x):
+    def split_inputs(self, x: Any) -> dict[int, list[tf.Tensor]]:
         """Model inputs `x` (tensor, list/tuple in model order, or dict by input name) by stage."""
         fn = self.keras_graph.model
         if isinstance(x, dict):
@@ -393,7 +397,7 @@ class StagedModel:
         by_tensor = dict(zip(self.graph.inputs, (tf.convert_to_tensor(v) for v in flat)))
         return {s.index: [by_tensor[t] for t in s.io.loaded] for s in self.stages if s.io.loaded}
 
-    def describe(self):
+    def describe(self) -> str:
         """One line per stage: its device, its layer calls and the tensors it sends."""
         lines = []
         for s in self.stages:
@@ -404,7 +408,7 @@ class StagedModel:
         return "\n".join(lines)
 
 
-def _sub_model(inputs, outputs, name):
+def _sub_model(inputs: Sequence[keras.KerasTensor], outputs: Sequence[keras.KerasTensor], name: str) -> keras.Model:
     """The Keras model from `inputs` to `outputs`, tensors of a model's graph.
 
     Keras 3.15's own way (``keras.Model`` on intermediate tensors, ``clone_graph_nodes``) maps
@@ -418,42 +422,38 @@ def _sub_model(inputs, outputs, name):
     Returns:
         The sub-model.
     """
-    from keras.src.models.functional import (
-        clone_keras_tensors, clone_single_keras_tensor, find_nodes_by_inputs_and_outputs, is_input_keras_tensor)
-    from keras.src.ops.node import Node
-
-    histories = [t._keras_history for t in inputs]
+    histories = [compat.keras_history(t) for t in inputs]
     mapping, replaced, cloned_inputs = {}, {}, []
     for t in inputs:
-        if is_input_keras_tensor(t):
+        if compat.is_input_keras_tensor(t):
             clone = t
         else:
             clone = keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse, name=f"{t.name}CLONE")
-            history = t._keras_history
-            replaced[id(history.operation._inbound_nodes[history.node_index])] = clone._keras_history.operation
+            replaced[id(compat.producing_node(compat.keras_history(t)))] = compat.keras_history(clone).operation
         cloned_inputs.append(clone)
         mapping[id(t)] = clone
     cloned_outputs = []
     for t in outputs:
-        clone = clone_single_keras_tensor(t)
-        clone._keras_history = t._keras_history
+        clone = compat.clone_single_keras_tensor(t)
+        compat.set_keras_history(clone, compat.keras_history(t))
         cloned_outputs.append(clone)
         mapping[id(t)] = clone
-    for node in find_nodes_by_inputs_and_outputs(inputs, outputs):
+    for node in compat.find_nodes_by_inputs_and_outputs(inputs, outputs):
         operation = replaced.get(id(node), node.operation)
-        produced = clone_keras_tensors(node.output_tensors, mapping)
+        produced = compat.clone_keras_tensors(node.output_tensors, mapping)
         if operation is node.operation:
-            Node(operation, call_args=clone_keras_tensors(node.arguments.args, mapping),
-                 call_kwargs=clone_keras_tensors(node.arguments.kwargs, mapping), outputs=produced)
+            compat.Node(operation, call_args=compat.clone_keras_tensors(node.arguments.args, mapping),
+                        call_kwargs=compat.clone_keras_tensors(node.arguments.kwargs, mapping), outputs=produced)
         else:
-            Node(operation, call_args=(), call_kwargs={}, outputs=produced)
+            compat.Node(operation, call_args=(), call_kwargs={}, outputs=produced)
     model = keras.Model(inputs=_one_or_list(cloned_inputs), outputs=_one_or_list(cloned_outputs), name=name)
     for t, history in zip(inputs, histories):
-        t._keras_history = history
+        compat.set_keras_history(t, history)
     return model
 
 
-def split_model(model, boundaries=None, num_stages=None, devices=None, speeds=None):
+def split_model(model: keras.Model, boundaries: Sequence[int] | None = None, num_stages: int | None = None,
+                devices: Sequence[str | None] | None = None, speeds: Sequence[float] | None = None) -> StagedModel:
     """Cuts a Keras model into stages.
 
     Args:

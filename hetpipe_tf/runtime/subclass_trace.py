@@ -30,12 +30,13 @@ import warnings
 import weakref
 from types import FrameType, TracebackType
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
 from keras import tree
-from keras.src.models.functional import Functional
 
+from hetpipe_tf import compat
 from hetpipe_tf.errors import HetPipeUsageError
 
 #: What an inputs' spec may be: a ``keras.Input``, a ``tf.TensorSpec`` (with its batch dimension),
@@ -60,7 +61,7 @@ class UntraceableModelError(HetPipeUsageError, ValueError):
 def is_subclassed(model: keras.Model) -> bool:
     """Whether `model` runs a ``call`` of its own (neither Sequential nor functional)."""
     owner = next(c for c in type(model).__mro__ if "call" in vars(c))
-    return owner not in (keras.Sequential, Functional)
+    return owner not in (keras.Sequential, compat.Functional)
 
 
 def traced(model: keras.Model) -> keras.Model:
@@ -107,9 +108,9 @@ def trace_model(model: keras.Model, input_spec: InputSpec | None = None,
     opened = _layers_to_open(model, open_layers)
     owners = [model, *opened]
     _refuse_own_weights(model, owners)
-    before = {id(layer) for layer in model._flatten_layers(include_self=False)}
+    before = {id(layer) for layer in compat.sublayers(model)}
     attributes = {id(o): _public_attributes(o) for o in owners}
-    losses = {id(o): len(o._losses) for o in owners}
+    losses = {id(o): len(compat.own_losses(o)) for o in owners}
     runs = _runs(model, input_spec, opened, owners)
     _refuse_state(model, owners, attributes, losses)
     _refuse_new_layers(model, runs[0][1], before)
@@ -147,7 +148,7 @@ def _takes_training(model: keras.Model) -> bool:
 
 def _layers_to_open(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
     """The layers of `model` named in `names`, each a user's own Layer subclass."""
-    layers = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
+    layers = {layer.name: layer for layer in compat.sublayers(model)}
     own = sorted(name for name, layer in layers.items() if _is_own(layer))
     unknown = [n for n in names if n not in own]
     if unknown:
@@ -174,7 +175,7 @@ def _is_one_piece(op: keras.Operation) -> bool:
 
 def _refuse_own_weights(model: keras.Model, owners: list[keras.layers.Layer]) -> None:
     for owner in owners:
-        own = list(owner._trainable_variables) + list(owner._non_trainable_variables)
+        own = compat.own_variables(owner)
         if own:
             raise UntraceableModelError(
                 f"model '{model.name}' ({type(model).__name__}): {type(owner).__name__} '{owner.name}' makes weights "
@@ -195,8 +196,8 @@ def _refuse_state(model: keras.Model, owners: list[keras.layers.Layer], attribut
             raise UntraceableModelError(_refusal(
                 model, owner, f"self.{changed[0]}", f"call sets self.{changed[0]}: state kept on the model between "
                 f"calls is not part of a traced graph; compute it inside call, or keep it in a layer's weights"))
-        if len(owner._losses) != losses[id(owner)]:
-            del owner._losses[losses[id(owner)]:]
+        if len(compat.own_losses(owner)) != losses[id(owner)]:
+            del compat.own_losses(owner)[losses[id(owner)]:]
             raise UntraceableModelError(_refusal(
                 model, owner, "add_loss", _ADD_LOSS))
 
@@ -225,8 +226,8 @@ def _operations(outputs: keras.KerasTensor | list | dict) -> list[keras.Operatio
     """The operations whose calls made `outputs` (symbolic tensors), from the outputs back."""
     seen, found, stack = set(), [], list(tree.flatten(outputs))
     while stack:
-        history = stack.pop()._keras_history
-        node = history.operation._inbound_nodes[history.node_index]
+        history = compat.keras_history(stack.pop())
+        node = compat.producing_node(history)
         if id(node) not in seen:
             seen.add(id(node))
             found.append(history.operation)
@@ -236,7 +237,7 @@ def _operations(outputs: keras.KerasTensor | list | dict) -> list[keras.Operatio
 
 def _refuse_unreached(model: keras.Model, graph: keras.Model) -> None:
     reached = {id(v) for v in graph.weights}
-    unreached = [layer for layer in model._flatten_layers(include_self=False, recursive=False)
+    unreached = [layer for layer in compat.sublayers(model, recursive=False)
                  if layer.weights and not any(id(v) in reached for v in layer.weights)]
     if unreached:
         layer = unreached[0]
@@ -270,7 +271,7 @@ def _refusal(model: keras.Model, owner: keras.layers.Layer, needle: str, what: s
 def _symbolic_inputs(model: keras.Model, spec: InputSpec | None) -> keras.KerasTensor | list | dict:
     """``keras.Input``s for `spec`, or for the shape `model` was built with."""
     if spec is None:
-        shapes = getattr(model, "_build_shapes_dict", None)
+        shapes = compat.build_shapes(model)
         if not model.built or not shapes:
             raise UntraceableModelError(
                 f"model '{model.name}' ({type(model).__name__}) is subclassed and not built, and no input spec was "
@@ -317,7 +318,7 @@ def _opened(layers: list[keras.layers.Layer]) -> Iterator[None]:
 
 
 def _open_call(cls: type) -> Callable:
-    def call(self, *args, **kwargs):
+    def call(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
         if not self.built:
             cls.__call__(self, *args, **kwargs)  # builds the layer (its own weights, its layers)
         return cls.call(self, *args, **kwargs)

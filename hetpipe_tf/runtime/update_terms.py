@@ -49,7 +49,7 @@ class UpdateRule:
     global_clipnorm: float | None = None
     loss_scaling: LossScaling | None = None
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return self.global_clipnorm is not None or self.loss_scaling is not None
 
 
@@ -71,7 +71,7 @@ def _rows(g: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     return g.values if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
 
 
-def clip_factor(squared, clipnorm):
+def clip_factor(squared: tf.Tensor, clipnorm: float) -> tf.Tensor:
     """Keras's ``clip_by_global_norm`` factor for a global norm of sqrt(`squared`): NaN when the
     norm is not finite, as Keras's.
 
@@ -96,12 +96,12 @@ def clipped(grads: list[tf.Tensor | tf.IndexedSlices], factor: tf.Tensor) -> lis
 class ScaleState:
     """The first stage's dynamic loss scale and its count of applied minibatches since it last changed."""
 
-    def __init__(self, scaling):
+    def __init__(self, scaling: "LossScaling") -> None:
         self.scaling = scaling
         self.scale = keras.Variable(scaling.initial_scale, dtype="float32", trainable=False, name="loss_scale")
         self.counter = keras.Variable(0, dtype="int32", trainable=False, name="loss_scale_counter")
 
-    def after(self, applied):
+    def after(self, applied: tf.Tensor) -> tf.Tensor:
         """Inside a graph: the scale after a minibatch that was `applied` (a bool tensor), as
         ``LossScaleOptimizer`` moves it; assigns both variables and returns the scale.
 
@@ -115,6 +115,6 @@ class ScaleState:
         self.counter.assign(counter)
         return scale
 
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         """The loss scale's variables: the scale and the count of applied minibatches."""
         return [self.scale, self.counter]

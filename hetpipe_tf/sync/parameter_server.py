@@ -33,7 +33,8 @@ runs in the servers' graph executor, which holds no thread while it waits.
 import functools
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import keras
@@ -88,8 +89,9 @@ class ParameterServers:
         every weight 1, the paper's unweighted sum).
     """
 
-    def __init__(self, model, devices, stages_per_worker, placement="default", layer_devices=None, run=None,
-                 variable_devices=None, push_weights=None):
+    def __init__(self, model: keras.Model, devices: Sequence[str], stages_per_worker: Sequence[int],
+                 placement: str = "default", layer_devices: Mapping[str, str] | None = None, run: str | None = None,
+                 variable_devices: Sequence[str] | None = None, push_weights: Sequence[float] | None = None) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown parameter placement {placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if not devices:
@@ -125,15 +127,16 @@ class ParameterServers:
         weights = (1.0,) * workers if push_weights is None else tuple(float(a) for a in push_weights)
         if len(weights) != workers or not all(a > 0 for a in weights):
             raise ValueError(f"push_weights must be one positive weight per virtual worker ({workers}), got "
-                             f"{list(push_weights)}: give n * b_i / B for minibatch sizes b_i "
+                             f"{list(weights)}: give n * b_i / B for minibatch sizes b_i "
                              f"(hetpipe_tf.planning.uneven.push_weights)")
         stored = GlobalVariable(f"hetpipe/{self.run}/push_weights", tf.constant(weights, tf.float32),
                                 self.devices[0], create=variable_devices is None)
         self.push_weights = tuple(float(a) for a in stored.numpy())
-        self._push_fns = {}
-        self._pull_fns = {}
+        self._push_fns: dict[tuple[str, ...], FirstCallLocked] = {}
+        self._pull_fns: dict[tuple[tuple[str, ...], str | None], FirstCallLocked] = {}
 
-    def _push_graph(self, paths, worker, stage, wave, weight, deltas):
+    def _push_graph(self, paths: tuple[str, ...], worker: tf.Tensor, stage: tf.Tensor, wave: tf.Tensor,
+                    weight: tf.Tensor, deltas: Sequence[tf.Tensor]) -> None:
         updates = []
         weighted = any(a != 1.0 for a in self.push_weights)  # even sizes: the update as it is, bit for bit
         for path, delta in zip(paths, deltas):
@@ -144,7 +147,8 @@ class ParameterServers:
         with tf.control_dependencies(updates):
             self.clock.push_graph(worker, stage, wave)
 
-    def _pull_graph(self, paths, to_device, wave, timeout):
+    def _pull_graph(self, paths: tuple[str, ...], to_device: str | None, wave: tf.Tensor, timeout: tf.Tensor
+                    ) -> tuple[list[tf.Tensor], tf.Tensor]:
         global_clock = self.clock.wait_graph(wave, timeout)
         with tf.control_dependencies([global_clock]):
             clocks, _ = self.clock.clocks_graph()
@@ -159,7 +163,7 @@ class ParameterServers:
                 values.append(value)
         return values, clocks
 
-    def push(self, worker, stage, wave, paths, deltas):
+    def push(self, worker: int, stage: int, wave: int, paths: Sequence[str], deltas: Sequence[tf.Tensor]) -> None:
         """w_global += a_worker · u for these variables (on their servers), then the clock records
         the push."""
         paths = tuple(paths)
@@ -171,7 +175,8 @@ class ParameterServers:
                               tf.constant(wave, tf.int64), tf.constant(self.push_weights[worker], tf.float32),
                               list(deltas))
 
-    def pull(self, paths, wave, timeout, to_device=None):
+    def pull(self, paths: Sequence[str], wave: int, timeout: float, to_device: str | None = None
+             ) -> tuple[list[tf.Tensor], tuple[int, ...]]:
         """Waits until every worker pushed `wave` (none when wave < 0), then reads `paths`; with
         `to_device`, the values arrive there within the same call (one call, not a copy per
         variable when the stage that merges them asks for its inputs).
@@ -187,7 +192,7 @@ class ParameterServers:
         values, clocks = self._pull_fns[key](tf.constant(wave, tf.int64), tf.constant(float(timeout), tf.float32))
         return values, tuple(int(c) for c in clocks.numpy())
 
-    def all_reduce_group(self, compression, timeout_s):
+    def all_reduce_group(self, compression: Any, timeout_s: float) -> Any:
         """The all-reduce group of this run's virtual workers in this process
         (:func:`hetpipe_tf.sync.allreduce.group_of`), for the schemes that all-reduce (Pipe-SGD).
 
@@ -196,7 +201,7 @@ class ParameterServers:
         """
         return group_of(self, compression, timeout_s)
 
-    def abort(self, reason):
+    def abort(self, reason: str) -> None:
         """Ends the run: every pull of it, waiting or later, in any process, fails at once
         naming `reason` (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.abort`). Servers that are
         gone keep no pull waiting, so their error is not raised."""
@@ -205,7 +210,7 @@ class ParameterServers:
         except tf.errors.OpError:
             pass
 
-    def advance_clocks(self, clocks):
+    def advance_clocks(self, clocks: Sequence[int]) -> None:
         """Records that every stage of each worker pushed its first clocks[worker] waves (a
         resumed run's clocks go on from the saved ones)."""
         for worker, clock in enumerate(clocks):
@@ -213,14 +218,14 @@ class ParameterServers:
                 for wave in range(clock):
                     self.clock.push(worker, stage, wave)
 
-    def rejoin(self, workers):
+    def rejoin(self, workers: Iterable[int]) -> None:
         """`workers` start a run together: each holds the global clock back again at once
         (:meth:`hetpipe_tf.ops.wsp_clock.WspClock.retire`), not only when its own run begins, so
         that no worker's pull passes a wave that another, not yet started, has still to push."""
         for worker in workers:
             self.clock.retire(worker, retired=False)
 
-    def variable_devices(self):
+    def variable_devices(self) -> list[str]:
         """Each global variable's server, in the model's order: what another process needs to
         attach (see the `variable_devices` argument).
 
@@ -234,11 +239,11 @@ class ParameterServers:
         return ServerLayout(self.devices, tuple(self.clock.stages_per_worker), run=self.run,
                             variable_devices=tuple(self.variable_devices()))
 
-    def values(self):
+    def values(self) -> dict[str, tf.Tensor]:
         """The global weights, by variable path."""
         return {p: v.read_value() for p, v in self.variables.items()}
 
-    def write_to(self, model):
+    def write_to(self, model: keras.Model) -> None:
         """Puts the global weights (and synchronised state) into the Keras model."""
         for v in synchronised_variables(model.trainable_variables, model.non_trainable_variables):
             v.assign(self.variables[v.path].read_value())
@@ -248,7 +253,7 @@ class GlobalVariable:
     """One global weight: a resource variable on a server device, named so that every process
     of the run finds it (``tf.Variable`` names its resource for its own process only)."""
 
-    def __init__(self, shared_name, like, device, create=True):
+    def __init__(self, shared_name: str, like: Any, device: str, create: bool = True) -> None:
         self.dtype = tf.as_dtype(like.dtype)
         self.shape = tf.TensorShape(like.shape)
         with tf.device(device):
@@ -259,22 +264,23 @@ class GlobalVariable:
             with tf.device(self.device):
                 tf.raw_ops.AssignVariableOp(resource=self.handle, value=tf.convert_to_tensor(like.numpy(), self.dtype))
 
-    def read_value(self):
+    def read_value(self) -> tf.Tensor:
         """The variable's value, read on its server."""
         with tf.device(self.device):
             return tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: tf.Tensor) -> tf.Operation:
         """Adds `delta` to the variable on its server."""
         with tf.device(self.device):
             return tf.raw_ops.AssignAddVariableOp(resource=self.handle, value=delta)
 
-    def numpy(self):
+    def numpy(self) -> Any:
         """The variable's value as a NumPy array."""
         return self.read_value().numpy()
 
 
-def synchronised_variables(trainable, non_trainable):
+def synchronised_variables(trainable: Iterable[keras.Variable],
+                           non_trainable: Iterable[keras.Variable]) -> list[keras.Variable]:
     """What virtual workers synchronise, of a model's or a stage's variables: the trainable
     weights and the floating-point state (BatchNorm's moving statistics, frozen weights), so
     that moving averages take every worker's minibatches; not integer state such as random
@@ -286,6 +292,6 @@ def synchronised_variables(trainable, non_trainable):
     return list(trainable) + [v for v in non_trainable if tf.as_dtype(v.dtype).is_floating]
 
 
-def layer_of(path):
+def layer_of(path: str) -> str:
     """The layer a variable path belongs to ("mlp/dense/kernel" -> "mlp/dense")."""
     return path.rsplit("/", 1)[0]

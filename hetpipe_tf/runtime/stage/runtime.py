@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import keras
 import tensorflow as tf
-from tensorflow.python.eager import context
 
+from hetpipe_tf.compat import eager_context as context
 from hetpipe_tf.ops.weight_stash import WeightStash
 from hetpipe_tf.pipeline.emulation import MemoryAccount
 from hetpipe_tf.pipeline.instructions import (

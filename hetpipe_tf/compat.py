@@ -111,6 +111,9 @@ ClusterResolver = _imported("tensorflow.python.distribute.cluster_resolver.clust
 expand_tasks_per_node = _imported("tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver",
                                   "expand_tasks_per_node", "reads Slurm's SLURM_STEP_TASKS_PER_NODE as its "
                                   "resolver does")
+device_lib = _imported("tensorflow.python.client", "device_lib",
+                       "the memory TensorFlow's allocator may use on each GPU (tf.config gives no such figure "
+                       "before the GPU is in use)")
 
 # Private attributes ------------------------------------------------------------------------------
 _KERAS_HISTORY = _attribute("KerasTensor", "_keras_history",

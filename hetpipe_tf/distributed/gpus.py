@@ -244,10 +244,9 @@ def hide_gpus_here() -> bool:
 def _list_with_tensorflow() -> list[dict[str, object]]:
     """The GPUs of this process's TensorFlow, as :func:`gpus_from_json` reads them (run in a child
     process by :func:`physical_gpus`: listing their memory starts TensorFlow on every GPU)."""
-    import tensorflow as tf
-    from tensorflow.python.client import (
-        device_lib,  # the memory TensorFlow can allocate on each GPU
-    )
+    import tensorflow as tf  # late: only the child process that lists the GPUs starts TensorFlow
+
+    from hetpipe_tf.compat import device_lib  # late: as above; the memory TensorFlow can allocate on each GPU
 
     physical = tf.config.list_physical_devices("GPU")
     for gpu in physical:

@@ -67,7 +67,7 @@ def host_memory() -> int:
 @functools.cache
 def _gpu_memory() -> list[int]:
     """Bytes TensorFlow's allocator may use on each GPU, listed without taking it (memory growth)."""
-    from tensorflow.python.client import device_lib  # TensorFlow's listing with each device's memory limit
+    from hetpipe_tf.compat import device_lib  # late: TensorFlow's listing with each device's memory limit
 
     config = tf.compat.v1.ConfigProto()
     config.gpu_options.allow_growth = True

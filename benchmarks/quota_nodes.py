@@ -27,10 +27,13 @@ Every system runs on the same groups:
   HetPipe run's nodes, removed after the run.
 
 Bounds (:func:`bound`): what the measured speeds allow at D = 0, a step's or a wave's workers all
-waiting for the slowest: n workers x batch / the slowest stage's forward and backward time, a
-stage's time being its segments' host time (the profile) over its device's measured speed.
-HetPipe's workers' stages are the plan's; an all-reduce rank is one stage of the whole model,
-so its bound is n x batch x min(speed) / the whole model's host time. Communication and the
+waiting for the slowest: n workers x batch / the slowest stage's forward and backward time on
+its device, that is its host time over the device's measured speed. One host time for every
+system: the whole model's forward and backward pass as one function, unconstrained (the
+``free_seconds`` the speeds were measured against); an all-reduce rank is one stage of the whole
+model, so its bound is n x batch x min(speed) / that time; a HetPipe stage takes its segments'
+share of it by the profile (the profile times each segment as a call of its own, so its sum over
+a stage overstates a stage's one call: it fixes the shares, not the time). Communication and the
 runtime's own work add to every system's time; each row says the share of its bound it reached,
 and a HetPipe row also the simulator's prediction on the same speeds.
 """
@@ -101,19 +104,25 @@ def _child(kind, config, deadline_s):
     return row
 
 
+def failed_row(system, error):
+    """The row of a system whose run failed: what failed, the end of its stderr (the others still run)."""
+    return {"system": system, "failed": str(error)[-1500:]}
+
+
 def measure_speeds(model, profile_path, seed=0, deadline_s=600):
     """Measures `model`'s profile and every quota type's speed (in a process of its own) and writes
     the profile with the types' times to `profile_path`; returns the speeds line (speed_row)."""
     return speed_row(_child("--speeds", {"model": model, "seed": seed, "profile_path": profile_path}, deadline_s))
 
 
-def hetpipe_row(name, policy, placement, vw_size, epochs, profile_path, speeds, deadline_s=900, seed=0,
+def hetpipe_row(name, policy, placement, vw_size, epochs, profile_path, speeds, whole_pass_s, deadline_s=900, seed=0,
                 num_in_flight=None, model="cnn"):
-    """One HetPipe configuration on the quota nodes (launch "processes"), in a fresh process; its row."""
+    """One HetPipe configuration on the quota nodes (launch "processes"), in a fresh process; its row.
+    `speeds`: each type's measured speed; `whole_pass_s`: the whole model's pass on this host."""
     started = time.perf_counter()
     config = {"name": name, "policy": policy, "placement": placement, "vw_size": vw_size, "epochs": epochs,
               "seed": seed, "num_in_flight": num_in_flight, "profile_path": profile_path, "model": model,
-              "speeds": speeds}
+              "speeds": speeds, "whole_pass_s": whole_pass_s}
     return {**_child("--hetpipe", config, deadline_s), "run_s": round(time.perf_counter() - started, 1)}
 
 
@@ -258,7 +267,7 @@ def _speeds_child(config):
     whole = sum(profile.times["host"].pass_seconds(0, profile.num_segments))
     print(comparison.MARK + json.dumps({
         name: {**dataclasses.asdict(s), "speed": round(s.speed, 4), "share": round(s.share, 4),
-               "whole_pass_ms_host": round(whole * 1e3, 3)} for name, s in speeds.items()}), flush=True)
+               "profile_whole_pass_ms": round(whole * 1e3, 3)} for name, s in speeds.items()}), flush=True)
 
 
 def _hetpipe_child(config):
@@ -297,7 +306,8 @@ def _hetpipe_child(config):
         return
     plan = strategy.plan
     speeds = [[config["speeds"][d.type.name] for d in w.devices] for w in plan.workers]
-    stage_s = [[(f + b) / v for (f, b), v in zip(plan.host_pass_seconds(w), speeds[w])]
+    whole = sum(plan.profile.times["host"].pass_seconds(0, plan.profile.num_segments))
+    stage_s = [[(f + b) / whole * config["whole_pass_s"] / v for (f, b), v in zip(plan.host_pass_seconds(w), speeds[w])]
                for w in range(len(plan.workers))]
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]

@@ -143,6 +143,16 @@ def baselines(text):
     return names
 
 
+def quota_policies(text):
+    """--policies='NP,ED' as those of QUOTA_POLICIES, in its order."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - {p[0] for p in QUOTA_POLICIES})
+    if unknown:
+        raise ValueError(f"--policies={text!r}: {unknown} unknown; give some of "
+                         f"{', '.join(p[0] for p in QUOTA_POLICIES)} separated by commas")
+    return tuple(p for p in QUOTA_POLICIES if p[0] in names)
+
+
 def result_path(path, model, quota):
     """Where a run's --out or --png goes by default: the cnn's name, with _MODEL for another model
     and _quota on CPU-quota nodes (a name given that is not the default is kept)."""
@@ -150,9 +160,19 @@ def result_path(path, model, quota):
     return path.replace(f"/{BENCHMARK}.", f"/{BENCHMARK}{suffix}.")
 
 
-def quota_main(args, candidates, systems):
+def quota_main(args, candidates, systems, policies=QUOTA_POLICIES):
     """The comparison on CPU-quota nodes (see the module docstring and :mod:`benchmarks.quota_nodes`)."""
     from benchmarks import quota_nodes
+    from benchmarks.baselines.processes import BaselineRunError
+
+    def run(system, *a, **k):  # a failed run is tried once more (a port another process took meanwhile), then a row
+        for attempt in (1, 2):
+            try:
+                return (quota_nodes.baseline_row if system in BASELINES else quota_nodes.hetpipe_row)(system, *a, **k)
+            except BaselineRunError as e:
+                print(f"{system}: attempt {attempt} failed: {str(e)[:300]}", file=sys.stderr, flush=True)
+                failed = quota_nodes.failed_row(system if system in BASELINES else f"HetPipe {system}", e)
+        return {**failed, "attempts": 2}
 
     rows = []
     with open(args.out, "w") if args.out else open(os.devnull, "w") as out, \
@@ -164,24 +184,25 @@ def quota_main(args, candidates, systems):
             "label": quota_nodes.LABEL, "model": args.model, "dataset": DATASETS[args.model],
             "batch_size_per_device": comparison.BATCH_SIZE, "staleness_bound": 0, "epochs": args.epochs,
             "emulated": False, "dilation": 1, "nm_candidates": list(candidates), "baselines": list(systems),
+            "policies": [p[0] for p in policies],
             "profile": f"measured with the node speeds before the runs, written to {profile}"})
         speeds = quota_nodes.measure_speeds(args.model, profile, args.seed, args.deadline_s)
         comparison.emit(out, BENCHMARK, **speeds)
         by_type = {t: v["speed"] for t, v in speeds["node_speeds"].items()}
-        for name, policy, placement, vw_size in QUOTA_POLICIES:
-            row = quota_nodes.hetpipe_row(f"{name} (planner's Nm)", policy, placement, vw_size, args.epochs, profile,
-                                          by_type, args.deadline_s, args.seed, model=args.model)
+        whole_pass_s = next(iter(speeds["node_speeds"].values()))["free_seconds"]
+        for name, policy, placement, vw_size in policies:
+            row = run(f"{name} (planner's Nm)", policy, placement, vw_size, args.epochs, profile,
+                                          by_type, whole_pass_s, args.deadline_s, args.seed, model=args.model)
             rows.append({**row, "policy_name": name, "planner_nm": True, "quiet": quota_nodes.quiet()})
             comparison.emit(out, BENCHMARK, **rows[-1])
             for nm in (c for c in candidates if c != row.get("num_in_flight")):
-                rows.append({**quota_nodes.hetpipe_row(f"{name}, Nm={nm}", policy, placement, vw_size, args.epochs,
-                                                       profile, by_type, args.deadline_s, args.seed, num_in_flight=nm,
-                                                       model=args.model),
+                rows.append({**run(f"{name}, Nm={nm}", policy, placement, vw_size, args.epochs,
+                                                       profile, by_type, whole_pass_s, args.deadline_s, args.seed,
+                                                       num_in_flight=nm, model=args.model),
                              "policy_name": name, "quiet": quota_nodes.quiet()})
                 comparison.emit(out, BENCHMARK, **rows[-1])
-        whole_pass_s = next(iter(speeds["node_speeds"].values()))["whole_pass_ms_host"] / 1e3
         for system in systems:
-            rows.append({**quota_nodes.baseline_row(system, args.epochs, whole_pass_s, by_type, args.deadline_s,
+            rows.append({**run(system, args.epochs, whole_pass_s, by_type, args.deadline_s,
                                                     args.seed, args.model), "quiet": quota_nodes.quiet()})
             comparison.emit(out, BENCHMARK, **rows[-1])
         for line in ratios(rows):
@@ -200,11 +221,13 @@ def main():
         "4,8,16", "Nm to run each policy at besides the planner's (its figure is its fastest row); '' for the "
         "planner's only"), "model": ("cnn", "cnn (the digits) or gpt (hetpipe_addition's sums)"),
         "cluster": ("", "'' (4 EMULATED devices) or paper_quota (real compute on CPU-quota nodes)"),
-        "baselines": (",".join(BASELINES), "on paper_quota: the all-reduce baselines to run, of Horovod,MWMS")},
+        "baselines": (",".join(BASELINES), "on paper_quota: the all-reduce baselines to run, of Horovod,MWMS"),
+        "policies": (",".join(p[0] for p in QUOTA_POLICIES), "on paper_quota: the HetPipe policies to run, of NP,HD,ED")},
         beside_in_process=("also ED-local with every stage in one process (launch='in_process'), beside the others"))
     try:
         candidates = nm_candidates(args.nm_candidates)
         systems = baselines(args.baselines)
+        policies = quota_policies(args.policies)
     except ValueError as e:
         sys.exit(str(e))
     if args.model not in DATASETS:
@@ -219,7 +242,7 @@ def main():
         if args.dilation or args.memory or args.profile or args.beside_in_process:
             sys.exit("--cluster=paper_quota runs real compute on the preset's nodes: --dilation, --memory, --profile "
                      "and --beside_in_process are for the emulated devices; leave them out")
-        quota_main(args, candidates, systems)
+        quota_main(args, candidates, systems, policies)
         return
     types = comparison.device_types(TYPES, args.memory)
     rows = []

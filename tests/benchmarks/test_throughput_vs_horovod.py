@@ -125,3 +125,6 @@ def test_quota_results_get_their_own_names_and_the_flags_are_checked():
     assert fig4.baselines("Horovod") == ("Horovod",) and fig4.baselines("") == ()
     with pytest.raises(ValueError, match=r"\['horovod'\] unknown; give some of Horovod, MWMS"):
         fig4.baselines("horovod")
+    assert [p[0] for p in fig4.quota_policies("ED,NP")] == ["NP", "ED"]
+    with pytest.raises(ValueError, match=r"\['XX'\] unknown; give some of NP, HD, ED"):
+        fig4.quota_policies("NP,XX")

@@ -209,11 +209,17 @@ def quota_main(args, candidates, systems, policies=QUOTA_POLICIES):
             comparison.emit(out, BENCHMARK, **line)
         comparison.emit(out, BENCHMARK, **quota_nodes.summary(rows, speeds), best_by_policy=best_by_policy(rows))
     if args.png:
-        names = "/".join(f"{t} {v:.2f}" for t, v in by_type.items())
-        comparison.bar_plot(rows, args.png, f"{args.model} on {DATASETS[args.model]}, D=0: HetPipe policies vs "
-                                            f"Horovod and MWMS, {quota_nodes.LABEL} (paper_quota: 4 nodes x 2 "
-                                            f"devices, measured speeds {names})",
-                            unit="images/s" if args.model == "cnn" else "sequences/s", devices=quota_nodes.LABEL)
+        quota_plot(rows, by_type, args.model, args.png)
+
+
+def quota_plot(rows, speeds, model, path):
+    """The bars of the rows of a run on CPU-quota nodes (`speeds`: each type's measured speed)."""
+    from benchmarks import quota_nodes
+
+    names = "/".join(f"{t} {v:.3f}" for t, v in speeds.items())
+    comparison.bar_plot(rows, path, f"{model} on {DATASETS[model]}, D=0: HetPipe policies vs Horovod and MWMS,\n"
+                                    f"{quota_nodes.LABEL} (paper_quota: 4 nodes x 2 devices; measured speeds {names})",
+                        unit="images/s" if model == "cnn" else "sequences/s", devices=quota_nodes.LABEL)
 
 
 def main():

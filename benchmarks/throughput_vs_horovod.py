@@ -218,7 +218,8 @@ def quota_plot(rows, speeds, model, path):
 
     names = "/".join(f"{t} {v:.3f}" for t, v in speeds.items())
     comparison.bar_plot(rows, path, f"{model} on {DATASETS[model]}, D=0: HetPipe policies vs Horovod and MWMS,\n"
-                                    f"{quota_nodes.LABEL} (paper_quota: 4 nodes x 2 devices; measured speeds {names})",
+                                    f"{quota_nodes.LABEL} (paper_quota: 4 nodes x 2 devices),\n"
+                                    f"measured speeds {names}",
                         unit="images/s" if model == "cnn" else "sequences/s", devices=quota_nodes.LABEL)
 
 

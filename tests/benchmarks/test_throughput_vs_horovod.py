@@ -1,10 +1,15 @@
 """benchmarks/throughput_vs_horovod.py's own logic, without training: the ceiling, the ratios and
-the summary against issue 13's target."""
+the summary against issue 13's target; on CPU-quota nodes (benchmarks/quota_nodes.py) the bounds
+from measured speeds, the summary against its targets and the baselines' flags, and (slow, where
+cgroups can be written) a baseline of real compute whose ranks run in groups of their own."""
+import os
+
 import pytest
 
 from benchmarks import comparison
 from benchmarks import quota_nodes
 from benchmarks import throughput_vs_horovod as fig4
+from tests.helpers.quota import needs_cgroups
 
 
 def row(system, images, faithful=True):
@@ -128,3 +133,25 @@ def test_quota_results_get_their_own_names_and_the_flags_are_checked():
     assert [p[0] for p in fig4.quota_policies("ED,NP")] == ["NP", "ED"]
     with pytest.raises(ValueError, match=r"\['XX'\] unknown; give some of NP, HD, ED"):
         fig4.quota_policies("NP,XX")
+
+
+@pytest.mark.slow
+@needs_cgroups
+def test_a_real_compute_baseline_runs_each_rank_in_its_group_at_its_speed():
+    """MWMS with --real_compute, worker 0 in a group of 0.6 cores and worker 1 of 0.15: nothing
+    paced, the line says so, and the slow rank's compute step takes longer by about the quotas'
+    ratio (each rank's step is timed on the rank). The groups go at the end."""
+    from benchmarks.baselines import mwms
+    from hetpipe_tf.distributed.cgroups import CpuGroups
+
+    groups = CpuGroups()
+    try:
+        made = [groups.create("fast", 0.6), groups.create("slow", 0.15)]
+        line = mwms.run(["--workers=2", "--real_compute", "--epochs=2", "--steps_per_epoch=6", "--deadline_s=600"],
+                        wrap=lambda rank, cmd: made[rank].command(cmd))
+    finally:
+        groups.remove_all()
+    assert line["emulated"] is False and line["speeds"] is None and "overrun_fraction" not in line
+    fast, slow = line["compute_ms_per_step"]
+    assert slow / fast > 2.0, line["compute_ms_per_step"]
+    assert not any(os.path.exists(g.path) for g in made)

@@ -295,7 +295,7 @@ def trace_figures(events, speeds, dilation):
     return {"traced_stage_reference_ms": traced, "stage_busy_fraction": busy}
 
 
-def _task(model, seed):
+def task(model, seed):
     """(train data, built model, loss, metrics) of `model` for a HetPipe run: the ``cnn`` on the
     digits' train split, or the ``gpt`` on MINIBATCHES_PER_EPOCH minibatches of hetpipe_addition's
     sums (the baselines' losses: :mod:`benchmarks.baselines.training`)."""
@@ -333,7 +333,7 @@ def _hetpipe_child(config):
                                num_in_flight=config["num_in_flight"], dilation=config["dilation"], timeout_s=300,
                                profile=given, emulation_references="profile")
     with strategy.scope():
-        train, model, loss, metrics = _task(config["model"], config["seed"])
+        train, model, loss, metrics = task(config["model"], config["seed"])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=metrics)
     seconds, host = [], ranks.emulation.HostCpu()
 
@@ -397,9 +397,10 @@ def ratio(numerator, denominator):
     return round(numerator / denominator, 3)
 
 
-def bar_plot(rows, path, title, label=lambda r: r["system"], unit="images/s"):
+def bar_plot(rows, path, title, label=lambda r: r["system"], unit="images/s", devices="EMULATED devices"):
     """Bars of images/s (examples of another `unit`), one per row, each labelled with its overrun
-    fraction (and NOT faithful where it was not); the title says EMULATED."""
+    fraction (and NOT faithful where it was not), or, for rows of real compute (``"emulated":
+    false``), the share of its bound; `devices` says what ran (the axis and the file's metadata)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -410,18 +411,22 @@ def bar_plot(rows, path, title, label=lambda r: r["system"], unit="images/s"):
     colours = ["tab:grey" if not r["system"].startswith("HetPipe") else "tab:blue" for r in rows]
     bars = ax.bar(range(len(rows)), [r["images_per_s"] for r in rows], color=colours)
     for bar, r in zip(bars, rows):
-        note = f"{r['images_per_s']:.0f}\noverrun {r['overrun_fraction']:.1%}"
-        if not r["emulation_faithful"]:
+        if r.get("emulated") is False:
+            share = r.get("share_of_bound")
+            note = f"{r['images_per_s']:.0f}" + ("" if share is None else f"\n{share:.0%} of bound")
+        else:
+            note = f"{r['images_per_s']:.0f}\noverrun {r['overrun_fraction']:.1%}"
+        if r.get("emulated") is not False and not r["emulation_faithful"]:
             note += "\nNOT faithful"
         ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=7)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([label(r) for r in rows], fontsize=7, rotation=20, ha="right")
-    ax.set_ylabel(f"{unit} (EMULATED devices)")
+    ax.set_ylabel(f"{unit} ({devices})")
     ax.set_ylim(0, 1.25 * max([r["images_per_s"] for r in rows] or [1]))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=130, metadata={"Title": title, "Description": "EMULATED devices"})
+    fig.savefig(path, dpi=130, metadata={"Title": title, "Description": devices})
 
 
 if __name__ == "__main__":

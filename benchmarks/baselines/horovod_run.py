@@ -24,24 +24,28 @@ def missing():
             f"(5 to 9 minutes on a 2-core machine; HOROVOD_VENV=... for another folder)")
 
 
-def command(count, argv):
-    """horovodrun's command line for `count` ranks on localhost and the script's flags `argv`."""
+def command(count, argv, wrap=None):
+    """horovodrun's command line for `count` ranks on localhost and the script's flags `argv`;
+    `wrap(rank_command)`, if given, is what horovodrun starts for every rank instead of the
+    script's command (e.g. in a CPU-quota group by the rank's HOROVOD_RANK:
+    :func:`hetpipe_tf.distributed.cgroups.rank_command`)."""
     bin_dir = os.path.join(venv(), "bin")
+    rank = [os.path.join(bin_dir, "python"), SCRIPT, *argv]
     return [os.path.join(bin_dir, "horovodrun"), "--gloo", "-np", str(count), "-H", f"localhost:{count}",
-            os.path.join(bin_dir, "python"), SCRIPT, *argv]
+            *(wrap(rank) if wrap else rank)]
 
 
-def launch(count, argv, deadline_s=1800):
-    """Runs the baseline on `count` ranks; returns horovodrun's stdout."""
+def launch(count, argv, deadline_s=1800, wrap=None):
+    """Runs the baseline on `count` ranks (`wrap` as :func:`command`'s); returns horovodrun's stdout."""
     reason = missing()
     if reason:
         raise processes.BaselineRunError(reason)
     env = dict(os.environ, PATH=os.path.join(venv(), "bin") + os.pathsep + os.environ.get("PATH", ""),
                TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
-    return processes.run_all([command(count, argv)], deadline_s, [env])[0]
+    return processes.run_all([command(count, argv, wrap)], deadline_s, [env])[0]
 
 
-def run(count, argv, deadline_s=1800):
-    """Runs the baseline on `count` ranks and returns its JSON line as a dict."""
-    (line,) = processes.json_lines(launch(count, argv, deadline_s))
+def run(count, argv, deadline_s=1800, wrap=None):
+    """Runs the baseline on `count` ranks (`wrap` as :func:`command`'s) and returns its JSON line as a dict."""
+    (line,) = processes.json_lines(launch(count, argv, deadline_s, wrap))
     return line

@@ -62,9 +62,11 @@ def _plan(args, model):
     return ranks.plan(args, args.workers, training.model_need(model, args.batch_size))
 
 
-def launch(argv):
+def launch(argv, wrap=None):
     """Starts the admitted workers of `argv` (this script's flags), waits for them and returns
-    worker 0's stdout (the lines about ranks left out and the JSON line)."""
+    worker 0's stdout (the lines about ranks left out and the JSON line). `wrap(rank, command)`,
+    if given, is the command that starts worker `rank` (e.g. in a CPU-quota group:
+    :meth:`hetpipe_tf.distributed.cgroups.CpuGroup.command`)."""
     args = arguments(argv)
     from benchmarks.baselines import training
     plan = _plan(args, training.build_model(args.model))
@@ -74,14 +76,16 @@ def launch(argv):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                    TF_CONFIG=json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
                                          "task": {"type": "worker", "index": index}}))
-        commands.append([sys.executable, os.path.abspath(__file__), *argv, f"--worker_rank={rank}"])
+        command = [sys.executable, os.path.abspath(__file__), *argv, f"--worker_rank={rank}"]
+        commands.append(wrap(rank, command) if wrap else command)
         envs.append(env)
     return processes.run_all(commands, args.deadline_s, envs)[0]
 
 
-def run(argv):
-    """Runs the baseline with `argv` (this script's flags) and returns its JSON line as a dict."""
-    (line,) = processes.json_lines(launch(argv))
+def run(argv, wrap=None):
+    """Runs the baseline with `argv` (this script's flags) and returns its JSON line as a dict;
+    `wrap` as :func:`launch`'s."""
+    (line,) = processes.json_lines(launch(argv, wrap))
     return line
 
 

@@ -105,6 +105,10 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intra_op_threads", type=int, default=1,
                         help="TensorFlow intra-op threads of each rank (1, as hetpipe_tf's stages)")
+    parser.add_argument("--real_compute", action="store_true",
+                        help="no emulation: each step's compute as the rank's process runs it (a rank's speed is "
+                        "its CPU's, e.g. a CPU-quota group's); --speeds, --slowdowns, --dilation and "
+                        "--reference_ms are then not taken")
     parser.add_argument("--out", help="also append the JSON line to this file")
     parser.add_argument("--weights_out", help="a folder where each rank saves its final weights (rank_I.npz)")
     return parser
@@ -126,6 +130,10 @@ def check(args):
         raise BaselineOptionError(f"--lr={args.lr} must be > 0")
     if args.dilation is not None and args.dilation < 1:
         raise BaselineOptionError(f"--dilation={args.dilation} must be >= 1")
+    emulation_flags = [f for f in ("speeds", "slowdowns", "dilation", "reference_ms") if getattr(args, f) is not None]
+    if getattr(args, "real_compute", False) and emulation_flags:
+        raise BaselineOptionError(f"--real_compute runs nothing emulated: leave out "
+                                  f"{', '.join('--' + f for f in emulation_flags)}")
     if args.slowdowns is not None and (args.dilation is not None or args.speeds is not None):
         raise BaselineOptionError("--slowdowns gives both the speeds and the dilation: give it without "
                                   "--speeds and --dilation")
@@ -213,7 +221,8 @@ def host_fields(busy):
 
 def record(system, args, plan, reference_s, report, epoch_seconds, epoch_accuracy, images_per_epoch,
            steps_per_epoch, host_cpu_busy=None, tokens_per_example=None):
-    """The JSON line of one run (a dict); `report` is the training epochs' EmulationReport,
+    """The JSON line of one run (a dict); `report` is the training epochs' EmulationReport (None,
+    with `reference_s` None, for a run of real compute: nothing emulated),
     `host_cpu_busy` the host's busy CPU share over the epochs images/s counts (emulation.HostCpu);
     with `tokens_per_example` (sequences), also tokens/s: images/s times it."""
     wall, elapsed = [], 0.0
@@ -224,13 +233,17 @@ def record(system, args, plan, reference_s, report, epoch_seconds, epoch_accurac
             "ranks_started": plan.started, "speeds": [round(v, 4) for v in plan.speeds],
             "left_out": list(plan.left_out), "model_need_bytes": sum(plan.need.values()), "batch_size_per_rank": args.batch_size,
             "steps_per_epoch": steps_per_epoch, "epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
-            "reference_ms": round(reference_s * 1e3, 3), "reference_measured": args.reference_ms is None,
             "images_per_s": round(images_per_second(images_per_epoch, epoch_seconds, args.warmup_epochs), 2),
-            **report.as_dict(), **host_fields(host_cpu_busy),
+            **host_fields(host_cpu_busy),
             "epoch_test_accuracy": [round(a, 4) for a in epoch_accuracy], "epoch_wall_s": wall}
+    if report is None:  # every rank at its own CPU's speed: none assumed
+        line.update(emulated=False, speeds=None)
+    else:
+        line.update(reference_ms=round(reference_s * 1e3, 3), reference_measured=args.reference_ms is None,
+                    **report.as_dict())
     if tokens_per_example:
         line["tokens_per_s"] = round(line["images_per_s"] * tokens_per_example, 1)
-    warning = report.warning()
+    warning = report.warning() if report is not None else None
     if warning:
         line["warning"] = warning
     return line

@@ -158,6 +158,9 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
     def barrier():
         all_sum([0.0])
 
+    if getattr(args, "real_compute", False):
+        return _real_compute_run(system, args, plan, index, model, compute, apply, all_sum, (x, y, x_test, y_test),
+                                 steps)
     if args.reference_ms is None:
         references = [0.0] * count
         first = epoch_batches(x, y, index, count, args, 0, 1)[0]
@@ -201,6 +204,44 @@ def run(system, args, plan, index, model, compute, apply, all_sum):
     return ranks.record(system, args, plan, reference, report, seconds, accuracies,
                         images_per_epoch=steps * args.batch_size * count, steps_per_epoch=steps,
                         host_cpu_busy=host_busy, tokens_per_example=tokens_per_example(args.model))
+
+
+def _real_compute_run(system, args, plan, index, model, compute, apply, all_sum, data, steps):
+    """:func:`run` with ``--real_compute``: nothing paced, no reference, no dilation; the line also
+    gives every rank's mean compute time of a step (forward and backward, timed on the rank) over
+    the epochs images/s counts, and its share of the rank's wall time."""
+    count = len(plan.speeds)
+    x, y, x_test, y_test = data
+    seconds, accuracies, host = [], [], ranks.emulation.HostCpu()
+    compute_s, measured_s = 0.0, 0.0
+    for epoch in range(args.epochs):
+        batches = epoch_batches(x, y, index, count, args, epoch, steps)
+        all_sum([0.0])
+        if epoch == args.warmup_epochs:
+            host.start()
+        started = time.perf_counter()
+        for batch in batches:
+            step_started = time.perf_counter()
+            gradients = compute(*batch)
+            if epoch >= args.warmup_epochs:
+                compute_s += time.perf_counter() - step_started
+            apply(gradients)
+        all_sum([0.0])
+        seconds.append(time.perf_counter() - started)
+        if epoch >= args.warmup_epochs:
+            measured_s += seconds[-1]
+        if index == 0:
+            accuracies.append(accuracy(model, x_test, y_test))
+    mine = [0.0] * (2 * count)
+    mine[index], mine[count + index] = compute_s, measured_s
+    totals = all_sum(mine)
+    measured_steps = steps * (args.epochs - args.warmup_epochs)
+    line = ranks.record(system, args, plan, None, None, seconds, accuracies,
+                        images_per_epoch=steps * args.batch_size * count, steps_per_epoch=steps,
+                        host_cpu_busy=host.busy_fraction(), tokens_per_example=tokens_per_example(args.model))
+    line["compute_ms_per_step"] = [round(1e3 * c / measured_steps, 2) for c in totals[:count]]
+    line["compute_share_of_wall"] = [round(c / w, 3) for c, w in zip(totals[:count], totals[count:])]
+    return line
 
 
 def save_weights(model, folder, name):

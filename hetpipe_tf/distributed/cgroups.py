@@ -14,7 +14,8 @@ with nothing padded: the one real heterogeneity of compute a single machine has.
   no longer alive (what a reaper that was itself killed left).
 * :class:`CpuGroup`: one group; a process enters it at its start (:meth:`CpuGroup.command`, the
   command wrapped in a shell that writes its own pid, then execs: nothing runs outside first),
-  or is moved into it (:meth:`CpuGroup.add`, :meth:`CpuGroup.holding`).
+  or is moved into it (:meth:`CpuGroup.add`, :meth:`CpuGroup.holding`); :func:`rank_command`
+  starts each rank of a launcher that runs one command for all of them in a group of its own.
 
 The period is :data:`PERIOD_US`, 10 ms: the kernel grants a group its quota per period and
 throttles it for the rest, so with the default 100 ms a group of 0.2 cores would run 20 ms at full
@@ -29,10 +30,11 @@ import dataclasses
 import os
 import re
 import select
+import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from hetpipe_tf.errors import HetPipeRunError
 
@@ -149,11 +151,11 @@ class CpuGroup:
 
     def add(self, pid: int) -> None:
         """Moves process `pid` (every thread of it) into the group."""
-        _write(self.controller.procs(self.path), str(pid))
+        _write(self.procs_file, str(pid))
 
     def pids(self) -> tuple[int, ...]:
         """The processes in the group."""
-        with open(self.controller.procs(self.path)) as f:
+        with open(self.procs_file) as f:
             return tuple(int(line) for line in f.read().split())
 
     def command(self, cmd: list[str]) -> list[str]:
@@ -163,7 +165,12 @@ class CpuGroup:
         Returns:
             The command line to run.
         """
-        return ["sh", "-c", f'echo $$ > "{self.controller.procs(self.path)}" && exec "$@"', "sh", *cmd]
+        return ["sh", "-c", f'echo $$ > {shlex.quote(self.procs_file)} && exec "$@"', "sh", *cmd]
+
+    @property
+    def procs_file(self) -> str:
+        """The file a process writes its pid to, to enter the group."""
+        return self.controller.procs(self.path)
 
     @contextlib.contextmanager
     def holding(self, pid: int) -> Iterator["CpuGroup"]:
@@ -174,6 +181,32 @@ class CpuGroup:
             yield self
         finally:
             _write(self.controller.procs(before), str(pid))
+
+
+def rank_command(groups: Sequence[CpuGroup], cmd: list[str], rank_variable: str) -> list[str]:
+    """`cmd` run, from its first instruction, in ``groups[R]``, R the value of the environment
+    variable `rank_variable` where it starts: one command for every rank of a launcher that tells
+    each rank its number in the environment (``horovodrun``'s ``HOROVOD_RANK``). A shell picks the
+    group, writes its own pid into it, then execs `cmd` (the same pid); a rank without a group
+    exits with status 2 and a line naming the ranks that have one.
+
+    Returns:
+        The command line to give the launcher.
+
+    Raises:
+        CgroupError: no groups, or `rank_variable` is not an environment variable's name.
+    """
+    if not groups:
+        raise CgroupError(f"no groups given to run the ranks of {cmd[:1]} in; give one group per rank")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", rank_variable):
+        raise CgroupError(f"rank_variable={rank_variable!r} is not an environment variable's name (letters, digits "
+                          f"and _, not starting with a digit)")
+    cases = " ".join(f"{rank}) procs={shlex.quote(g.procs_file)};;" for rank, g in enumerate(groups))
+    missing = shlex.quote(f"no CPU-quota group for ${rank_variable}=")
+    script = (f'case "${rank_variable}" in {cases} *) echo {missing}"${rank_variable}" '
+              f'"(ranks 0 to {len(groups) - 1} have one)" >&2; exit 2;; esac; '
+              f'echo $$ > "$procs" && exec "$@"')
+    return ["sh", "-c", script, "sh", *cmd]
 
 
 def current_group(controller: CpuController, pid: int) -> str:
@@ -231,7 +264,7 @@ def group_names(controller: CpuController, owner: int | None = None) -> tuple[st
 
 def reap_orphans(controller: CpuController, grace_s: float = 2.0) -> tuple[str, ...]:
     """Removes the groups of owners that are no longer alive; returns their names."""
-    names = tuple(n for n in group_names(controller) if not _alive(_owner(n)))
+    names = tuple(n for n in group_names(controller) if not _alive(_owner(n) or 0))  # group_names: owned ones
     for name in names:
         _remove(controller, os.path.join(controller.path, name), grace_s)
     return names
@@ -288,7 +321,7 @@ class CpuGroups:
         for name in list(self._groups):
             self.remove(name, grace_s)
 
-    def start_reaper(self) -> subprocess.Popen:
+    def start_reaper(self) -> "subprocess.Popen[bytes]":
         """Starts a process, in a session of its own (a kill of the owner's process group spares it),
         that waits for the owner to end and then removes the owner's groups.
 

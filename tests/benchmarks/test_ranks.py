@@ -104,3 +104,15 @@ def test_horovod_script_flags_and_its_ranks(monkeypatch):
     monkeypatch.setenv("HOROVOD_RANK", "2")
     monkeypatch.setenv("HOROVOD_SIZE", "4")
     assert script.horovod_ranks() == (2, 4)
+
+
+def test_real_compute_takes_no_emulation_flag_and_its_line_says_so():
+    with pytest.raises(ranks.BaselineOptionError, match="--real_compute runs nothing emulated: leave out --speeds, "
+                                                        "--reference_ms"):
+        args("--real_compute", "--speeds=1,0.5", "--reference_ms=3")
+    a = args("--real_compute", "--epochs=2")
+    plan = ranks.plan(a, 2, ranks.model_need(MiB, 0, MiB, 0))
+    line = ranks.record("horovod", a, plan, None, None, [5.0, 2.0], [0.5, 0.6], images_per_epoch=640,
+                        steps_per_epoch=10)
+    assert line["emulated"] is False and line["speeds"] is None and line["images_per_s"] == 320.0
+    assert not any(k in line for k in ("reference_ms", "dilation", "overrun_fraction", "warning"))

@@ -1,9 +1,15 @@
 """benchmarks/throughput_vs_horovod.py's own logic, without training: the ceiling, the ratios and
-the summary against issue 13's target."""
+the summary against issue 13's target; on CPU-quota nodes (benchmarks/quota_nodes.py) the bounds
+from measured speeds, the summary against its targets and the baselines' flags, and (slow, where
+cgroups can be written) a baseline of real compute whose ranks run in groups of their own."""
+import os
+
 import pytest
 
 from benchmarks import comparison
+from benchmarks import quota_nodes
 from benchmarks import throughput_vs_horovod as fig4
+from tests.helpers.quota import needs_cgroups
 
 
 def row(system, images, faithful=True):
@@ -71,3 +77,81 @@ def test_nm_candidates_are_whole_numbers_or_none():
     for bad in ("0", "four", "4,-8"):
         with pytest.raises(ValueError, match="whole numbers >= 1"):
             fig4.nm_candidates(bad)
+
+
+# --cluster=paper_quota: real compute on CPU-quota nodes (benchmarks/quota_nodes.py)
+def _speeds(**speed):
+    return {"node_speeds": {t: {"speed": v, "share": 0.3} for t, v in speed.items()}, "all_within_tolerance": True}
+
+
+def test_the_bound_on_measured_speeds_waits_for_the_slowest_stage():
+    """D = 0: every worker at the slowest stage's pace; an all-reduce rank is one stage of the whole model."""
+    assert quota_nodes.bound([[0.010, 0.020], [0.040]]) == pytest.approx(2 * 32 / 0.040)
+    types = quota_nodes.rank_types(quota_nodes.cluster())
+    assert types == ["V", "V", "R", "R", "G", "G", "Q", "Q"]
+    speeds = {"V": 0.3, "R": 0.2, "G": 0.12, "Q": 0.1}
+    # 8 ranks, each a 10 ms pass on this host, the slowest at 0.1 of it: 8 x 32 / 0.1 s
+    assert quota_nodes.allreduce_bound(0.010, speeds, types) == pytest.approx(2560.0)
+    assert quota_nodes.allreduce_bound(0.010, speeds, ["V", "V", "R"]) == pytest.approx(3 * 32 * 0.2 / 0.010)
+    assert quota_nodes.ceiling(_speeds(**speeds)) == pytest.approx(1.44 / 0.8)
+
+
+def test_each_node_speed_is_judged_against_its_quota_share():
+    row = quota_nodes.speed_row({"V": {"speed": 0.27, "share": 0.3}, "Q": {"speed": 0.08, "share": 0.1}})
+    assert row["node_speeds"]["V"]["within_tolerance"] and row["node_speeds"]["V"]["speed_over_share"] == 0.9
+    assert not row["node_speeds"]["Q"]["within_tolerance"] and not row["all_within_tolerance"]
+
+
+def test_the_quota_summary_against_the_targets():
+    rows = [{"system": "HetPipe NP (planner's Nm)", "images_per_s": 1800.0, "share_of_bound": 0.7},
+            {"system": "HetPipe ED (planner's Nm)", "images_per_s": 3000.0, "share_of_bound": 0.9},
+            {"system": "Horovod", "images_per_s": 2000.0, "share_of_bound": 0.8}, {"system": "MWMS", "skipped": "x"}]
+    s = quota_nodes.summary(rows, _speeds(V=0.3, R=0.2, G=0.12, Q=0.1))
+    assert s["best_policy"] == "HetPipe ED (planner's Nm)" and s["best_over_horovod"] == 1.5
+    assert s["best_share_met"] and s["best_over_horovod_met"] and not s["horovod_share_met"]
+    assert s["short"] == {"best_share": 0.0, "best_over_horovod": 0.0, "horovod_share": 0.05}
+    assert s["emulated"] is False and s["label"] == "real compute, CPU-quota nodes"
+    s = quota_nodes.summary(rows[:2], _speeds(V=0.3, R=0.2, G=0.12, Q=0.1))
+    assert s["best_over_horovod"] is None and not s["best_over_horovod_met"] and not s["horovod_share_met"]
+
+
+def test_the_baselines_run_real_compute_with_each_ranks_memory_its_devices():
+    argv = quota_nodes.baseline_argv(quota_nodes.rank_types(quota_nodes.cluster()), 4, model="gpt")
+    assert "--real_compute" in argv and "--memory=1536M,1536M,3G,3G,768M,768M,1G,1G" in argv
+    assert "--steps_per_epoch=5" in argv and not any(a.startswith(("--speeds", "--dilation")) for a in argv)
+
+
+def test_quota_results_get_their_own_names_and_the_flags_are_checked():
+    path = "benchmarks/results/throughput_vs_horovod.jsonl"
+    assert fig4.result_path(path, "cnn", True) == "benchmarks/results/throughput_vs_horovod_quota.jsonl"
+    assert fig4.result_path(path, "gpt", True) == "benchmarks/results/throughput_vs_horovod_gpt_quota.jsonl"
+    assert fig4.result_path(path, "gpt", False) == "benchmarks/results/throughput_vs_horovod_gpt.jsonl"
+    assert fig4.result_path("/tmp/mine.jsonl", "gpt", True) == "/tmp/mine.jsonl"
+    assert fig4.baselines("Horovod") == ("Horovod",) and fig4.baselines("") == ()
+    with pytest.raises(ValueError, match=r"\['horovod'\] unknown; give some of Horovod, MWMS"):
+        fig4.baselines("horovod")
+    assert [p[0] for p in fig4.quota_policies("ED,NP")] == ["NP", "ED"]
+    with pytest.raises(ValueError, match=r"\['XX'\] unknown; give some of NP, HD, ED"):
+        fig4.quota_policies("NP,XX")
+
+
+@pytest.mark.slow
+@needs_cgroups
+def test_a_real_compute_baseline_runs_each_rank_in_its_group_at_its_speed():
+    """MWMS with --real_compute, worker 0 in a group of 0.6 cores and worker 1 of 0.15: nothing
+    paced, the line says so, and the slow rank's compute step takes longer by about the quotas'
+    ratio (each rank's step is timed on the rank). The groups go at the end."""
+    from benchmarks.baselines import mwms
+    from hetpipe_tf.distributed.cgroups import CpuGroups
+
+    groups = CpuGroups()
+    try:
+        made = [groups.create("fast", 0.6), groups.create("slow", 0.15)]
+        line = mwms.run(["--workers=2", "--real_compute", "--epochs=2", "--steps_per_epoch=6", "--deadline_s=600"],
+                        wrap=lambda rank, cmd: made[rank].command(cmd))
+    finally:
+        groups.remove_all()
+    assert line["emulated"] is False and line["speeds"] is None and "overrun_fraction" not in line
+    fast, slow = line["compute_ms_per_step"]
+    assert slow / fast > 2.0, line["compute_ms_per_step"]
+    assert not any(os.path.exists(g.path) for g in made)

@@ -177,3 +177,51 @@ def test_a_started_clusters_worker_task_runs_in_its_nodes_group_and_its_ps_task_
     finally:
         cluster.stop()
     assert not os.path.exists(group.path)
+
+
+def _fake_groups(tmp_path, n):
+    """Groups whose procs files are plain files: what a rank's command writes, without cgroups."""
+    controller = cgroups.CpuController(str(tmp_path), 1)
+    out = []
+    for i in range(n):
+        (tmp_path / f"g{i}").mkdir()
+        (tmp_path / f"g{i}" / "cgroup.procs").write_text("")
+        out.append(cgroups.CpuGroup(controller, str(tmp_path / f"g{i}"), 0.1, cgroups.PERIOD_US))
+    return out
+
+
+PID = [sys.executable, "-c", "import os; print(os.getpid())"]
+
+
+def test_a_ranks_command_enters_the_group_of_its_rank_before_it_runs(tmp_path):
+    """One command for every rank (horovodrun's): the shell writes its pid, which the exec'd
+    command keeps, into the group of the rank its environment names."""
+    groups = _fake_groups(tmp_path, 3)
+    command = cgroups.rank_command(groups, PID, "HOROVOD_RANK")
+    out = subprocess.run(command, env=dict(os.environ, HOROVOD_RANK="1"), capture_output=True, text=True, check=True)
+    assert (tmp_path / "g1" / "cgroup.procs").read_text().split() == [out.stdout.strip()]
+    assert (tmp_path / "g0" / "cgroup.procs").read_text() == (tmp_path / "g2" / "cgroup.procs").read_text() == ""
+    lost = subprocess.run(command, env=dict(os.environ, HOROVOD_RANK="3"), capture_output=True, text=True)
+    assert lost.returncode == 2 and lost.stdout == ""
+    assert "no CPU-quota group for $HOROVOD_RANK=3 (ranks 0 to 2 have one)" in lost.stderr
+    with pytest.raises(CgroupError, match="is not an environment variable's name"):
+        cgroups.rank_command(groups, PID, "RANK; rm")
+    with pytest.raises(CgroupError, match="no groups given"):
+        cgroups.rank_command([], PID, "HOROVOD_RANK")
+
+
+@needs_cgroups
+def test_a_ranks_command_runs_in_its_real_group():
+    controller = find_cpu_controller()
+    groups = CpuGroups()
+    try:
+        made = [groups.create("rank0", 0.2), groups.create("rank1", 0.3)]
+        where = [sys.executable, "-c", "import os; print(open(f'/proc/{os.getpid()}/cgroup').read())"]
+        out = subprocess.run(cgroups.rank_command(made, where, "HOROVOD_RANK"), capture_output=True, text=True,
+                             env=dict(os.environ, HOROVOD_RANK="1"), check=True)
+        names = {1: lambda n: "cpu" in n.split(","), 2: lambda n: n == ""}[controller.version]
+        line = next(ln for ln in out.stdout.splitlines() if ln and names(ln.split(":")[1]))
+        assert os.path.join(controller.path, line.split(":", 2)[2].lstrip("/")) == made[1].path
+    finally:
+        groups.remove_all()
+    assert not os.path.exists(made[1].path)

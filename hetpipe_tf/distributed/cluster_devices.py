@@ -94,8 +94,11 @@ class ClusterDevices:
 
     def profiling_device(self):
         """Where a profile times the stages: None (this process's CPU) in process; on a cluster, the
-        worker task's CPU of the first node with a host device (an emulated or CPU one), or None."""
+        worker task's CPU of the first node with a host device (an emulated or CPU one) outside a
+        CPU-quota group, or None. A quota node's task is not it: its times are the host's, and a
+        quota type's are its measured speed applied to them
+        (:func:`hetpipe_tf.distributed.node_speed.with_measured_speeds`), not its group's again."""
         if self._local is not None:
             return None
-        host = next((d for d in self.cluster.devices() if d.type.on_host), None)
+        host = next((d for d in self.cluster.devices() if d.type.on_host and d.type.cpu_quota is None), None)
         return None if host is None else self.device(host)

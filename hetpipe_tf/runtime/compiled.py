@@ -26,6 +26,16 @@ from hetpipe_tf.compat import concrete_function as _concrete
 from hetpipe_tf.ops.first_calls import FIRST_CALLS, FirstCallLocked
 
 
+_traced = [0]  # graph functions traced so far (under FIRST_CALLS)
+
+
+def traces_made() -> int:
+    """How many graph functions this process's compiled calls and split passes have traced: a
+    stage traces each shape of task once, on its first call, and keeps it for every later
+    ``fit``, ``train`` or ``evaluate`` of its virtual worker."""
+    return _traced[0]
+
+
 def batch_relaxed(spec: tf.TensorSpec) -> tf.TensorSpec:
     """`spec` with an unknown first dimension: one trace serves every minibatch size."""
     if spec.shape.rank:
@@ -79,6 +89,7 @@ class CompiledCall:
         holding :data:`hetpipe_tf.ops.first_calls.FIRST_CALLS`, as its first run does."""
         with FIRST_CALLS, tf.device(self.device):
             concrete = tf.function(self._fn, jit_compile=self._jit, autograph=False).get_concrete_function(*specs)
+            _traced[0] += 1
         atomic, captured = concrete._inference_function, list(concrete.captured_inputs)
         pack = packer(concrete.structured_outputs)
         device = self.device
@@ -112,6 +123,7 @@ class SplitPass:
         with FIRST_CALLS:  # every graph function of the pass is made here
             with tf.device(device):
                 concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
+            _traced[0] += 1
             self.num_outputs = len(concrete.outputs)
             self._num_inputs = len(tf.nest.flatten(specs, expand_composites=True))
             self._captured = list(concrete.captured_inputs)  # before the tape's functions capture more

@@ -350,8 +350,11 @@ class VirtualWorker:
     # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.Runner) ------------------------
     num_workers = 1
 
-    def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
-        self._fit_data = iter(skip_consumed(shards, positions)[0])
+    def begin_fit(self, shards: Sequence[tf.data.Dataset], positions: Sequence[int]) -> None:
+        # The next minibatch is made while the first stage runs the last one's passes: the first
+        # stage's thread then takes a minibatch that is ready instead of waiting, on every
+        # minibatch, for the input pipeline's threads to make it.
+        self._fit_data = iter(skip_consumed(shards, positions)[0].prefetch(1))
 
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:

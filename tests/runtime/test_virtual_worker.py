@@ -8,12 +8,13 @@ import tensorflow as tf
 from hetpipe_tf.api.callbacks import PipelineTensorBoard
 from hetpipe_tf.pipeline.instructions import Backward, Forward
 from hetpipe_tf.runtime.checkpoint import Checkpoints
+from hetpipe_tf.runtime.compiled import traces_made
 from hetpipe_tf.runtime.fit_loop import FitOptions, fit
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.virtual_worker import Dilation, VirtualWorker
 from tests.helpers import models
 from tests.helpers.models import LOSS
-from tests.helpers.references import stale_sgd_reference
+from tests.helpers.references import clone, stale_sgd_reference
 
 
 def _dataset(n_batches, batch=8, seed=0):
@@ -182,3 +183,24 @@ def test_checkpoints_are_refused_without_global_weights(tmp_path):
     vw = VirtualWorker(models.mlp(), "cpu,cpu", loss=LOSS)
     with pytest.raises(ValueError, match="a VirtualWorker has no global weights to save"):
         fit(vw, _dataset(2), FitOptions(checkpoints=Checkpoints(str(tmp_path)), verbose=0))
+
+
+def test_a_second_fit_traces_nothing_and_goes_on_like_keras():
+    # Nm = 1 trains as Keras does; the momentum and the optimizers' iterations carry over from
+    # the first call to the second in both.
+    keras.utils.set_random_seed(3)
+    model = models.mlp()
+    ref = clone(model)
+    ref.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS, jit_compile=False)
+    vw = VirtualWorker(model, "cpu,cpu,cpu", num_in_flight=1, optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                       loss=LOSS, timeout_s=60)
+    first = vw.fit(_dataset(6), epochs=1, verbose=0).history["loss"]
+    traced = traces_made()
+    assert traced > 0  # the first call traced the stages' tasks
+    second = vw.fit(_dataset(6, seed=2), epochs=2, verbose=0).history["loss"]
+    assert traces_made() == traced, "a second fit traced again what the first had traced"
+    want_first = ref.fit(_dataset(6), epochs=1, verbose=0, shuffle=False).history["loss"]
+    want_second = ref.fit(_dataset(6, seed=2), epochs=2, verbose=0, shuffle=False).history["loss"]
+    np.testing.assert_allclose(first + second, want_first + want_second, rtol=1e-5)
+    for got, want in zip(model.weights, ref.weights):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, err_msg=got.path)

@@ -76,7 +76,11 @@ def _gpu_memory() -> list[int]:
 
 def physical_devices() -> list[PhysicalDevice]:
     """This machine's host CPU and GPUs, as TensorFlow lists and describes them (the one place that
-    asks it: a test replaces this function to describe GPUs that are not here)."""
+    asks it: a test replaces this function to describe GPUs that are not here).
+
+    Returns:
+        The devices, the host CPU first.
+    """
     devices = [PhysicalDevice("CPU", 0, host_name(), None, host_memory(), HOST_DEVICE)]
     gpus = tf.config.list_physical_devices("GPU")
     memory = _gpu_memory() if gpus else []
@@ -97,7 +101,11 @@ def _label(device: PhysicalDevice) -> str:
 
 def discover_cluster(devices: Sequence[PhysicalDevice] | None = None) -> Cluster:
     """This machine's devices (`devices`: :func:`physical_devices`') as a cluster (see the module
-    docstring): a node per GPU type, or the host CPU alone where there is no GPU."""
+    docstring): a node per GPU type, or the host CPU alone where there is no GPU.
+
+    Returns:
+        The cluster of this machine's devices.
+    """
     devices = list(physical_devices() if devices is None else devices)
     gpus = [d for d in devices if d.kind == "GPU"]
     kinds: dict[tuple[str, tuple[int, int] | None], list[PhysicalDevice]] = {}
@@ -132,7 +140,14 @@ def describe_discovered(cluster: Cluster) -> str:
 def cluster_for(name_or_path: str | dict[str, Any] | Cluster, launch: str | None = None) -> Cluster:
     """The cluster `name_or_path` names (:func:`hetpipe_tf.planning.cluster.load_cluster`), or for
     ``"discover"`` this machine's (:func:`discover_cluster`, said in one line). `launch`: where the
-    tasks run; ``"tf_config"`` (other machines) cannot take ``discover``."""
+    tasks run; ``"tf_config"`` (other machines) cannot take ``discover``.
+
+    Returns:
+        The cluster.
+
+    Raises:
+        ClusterError: discover under launch='tf_config', or what loading the description raises.
+    """
     if not (isinstance(name_or_path, str) and name_or_path == DISCOVER):
         return load_cluster(name_or_path)
     if launch == "tf_config":
@@ -147,7 +162,14 @@ def cluster_for(name_or_path: str | dict[str, Any] | Cluster, launch: str | None
 
 def local_device(device_type: DeviceType, devices: Sequence[PhysicalDevice]) -> PhysicalDevice:
     """The device of this machine the speed of `device_type` is measured on: the host CPU for a host
-    type, else the first GPU whose device_name is the type's; a ClusterError where there is none."""
+    type, else the first GPU whose device_name is the type's; a ClusterError where there is none.
+
+    Returns:
+        The device.
+
+    Raises:
+        ClusterError: this machine has no device of the type.
+    """
     if device_type.on_host:
         return next(d for d in devices if d.kind == "CPU")
     found = [d for d in devices if d.kind == "GPU" and d.name == device_type.device_name]
@@ -184,7 +206,11 @@ class DeviceSpeed:
 def _passes_on(model: keras.Model, loss: str | keras.losses.Loss, sample: tuple[Batch, Batch],
                device: str, copy: bool) -> Callable[[], None]:
     """The model's passes on `sample` traced on `device`; with `copy`, on a copy of the model made
-    there, whose weights live on the device (a subclassed model, which Keras cannot copy, runs as it is)."""
+    there, whose weights live on the device (a subclassed model, which Keras cannot copy, runs as it is).
+
+    Returns:
+        The traced passes: a call that runs them.
+    """
     with tf.device(device):
         placed = model
         if copy:
@@ -210,7 +236,11 @@ def measure_device_speeds(model: keras.Model, sample: tuple[Batch, Batch], types
     """Each of `types`: its :class:`DeviceSpeed` on `model`'s passes on `sample` (x, y), timed on
     one of its devices of this machine (`devices`: :func:`physical_devices`'; a GPU's passes on a
     copy of the model made there) and on the host CPU, each the least of :data:`RUNS` runs of at
-    least `seconds`. The model's non-trainable state is restored afterwards."""
+    least `seconds`. The model's non-trainable state is restored afterwards.
+
+    Returns:
+        Type name -> its DeviceSpeed.
+    """
     devices = list(physical_devices() if devices is None else devices)
     on = {t.name: local_device(t, devices) for t in types}  # refused before anything is timed
     state = [v.numpy() for v in model.non_trainable_variables]
@@ -227,7 +257,14 @@ def measure_device_speeds(model: keras.Model, sample: tuple[Batch, Batch], types
 
 def speeds_profile(profile: Profile, speeds: dict[str, DeviceSpeed]) -> Profile:
     """`profile` with the times of every type of `speeds` that is not the host's: its host times
-    (key ``"host"``) divided by the type's speed."""
+    (key ``"host"``) divided by the type's speed.
+
+    Returns:
+        The profile with those times.
+
+    Raises:
+        ValueError: `profile` has no host times to divide.
+    """
     host = profile.times.get("host")
     if host is None:
         raise ValueError(f"the profile of {profile.model} has no times measured on this host (it has "
@@ -245,7 +282,11 @@ def with_device_speeds(profile: Profile, model: keras.Model, sample: Callable[[]
     """`profile` with every measured device type of `cluster` timed (:func:`measure_device_speeds`
     on the minibatch `sample()` gives, then :func:`speeds_profile`), each said in one line; a
     discovered cluster's host CPU is timed too, to say its pass. As it is where nothing is to be
-    measured (the profile has the types' times: one given, measured with them)."""
+    measured (the profile has the types' times: one given, measured with them).
+
+    Returns:
+        The profile, timed for every measured type of `cluster`.
+    """
     types = [t for t in cluster.device_types.values()
              if (t.measured and t.name not in profile.times) or (cluster.discovered and t.host_cpu)]
     if not types:
@@ -259,7 +300,14 @@ def with_device_speeds(profile: Profile, model: keras.Model, sample: Callable[[]
 def spec_device_type(spec: DeviceSpec, devices: Sequence[PhysicalDevice] | None = None) -> dict[str, Any]:
     """A real device spec's type as a cluster file describes it (``from_device_specs``' `real`): the
     host CPU as it is (``cpu``), or a GPU of this machine measured by its device name (``gpu:I``,
-    its memory the spec's limit or the GPU's)."""
+    its memory the spec's limit or the GPU's).
+
+    Returns:
+        The device type's description, as a cluster file's device_types entry.
+
+    Raises:
+        DeviceSpecError: the spec names a GPU this machine does not have.
+    """
     devices = list(physical_devices() if devices is None else devices)
     if spec.kind == "cpu":
         cpu = next(d for d in devices if d.kind == "CPU")

@@ -35,8 +35,10 @@ def _mentions(pattern: str) -> dict[str, list[str]]:
 
 
 def _defined_flags() -> set[str]:
-    """Every absl flag and argparse option defined in the package, and those of tests/wheel_check.py."""
-    sources = [*sorted((ROOT / "hetpipe_tf").rglob("*.py")), ROOT / "tests" / "wheel_check.py"]
+    """Every absl flag and argparse option defined in the package, and those of tests/wheel_check.py
+    and of the benchmark scripts the pages tell users to run."""
+    sources = [*sorted((ROOT / "hetpipe_tf").rglob("*.py")), ROOT / "tests" / "wheel_check.py",
+               *sorted((ROOT / "benchmarks").glob("*.py"))]
     text = "\n".join(p.read_text() for p in sources)
     return set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", text)) | set(re.findall(r"add_argument\(\s*\"--(\w+)\"", text))
 

@@ -214,11 +214,13 @@ class RunProgress:
     """How far a run is: its minibatches completed by every worker together, and the seconds since
     :meth:`start` (thread-safe; one per run, kept across a change of plan)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, record: bool = False) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._minibatches = 0
         self._started: float | None = None
+        #: When each minibatch was counted (clock times), with `record` (a run's images/s over time).
+        self.completions: list[float] | None = [] if record else None
 
     def start(self) -> "RunProgress":
         """Starts the run's clock (once: a later call keeps the first start)."""
@@ -230,6 +232,8 @@ class RunProgress:
     def minibatch_done(self, count: int = 1) -> None:
         with self._lock:
             self._minibatches += count
+            if self.completions is not None:
+                self.completions.extend([self._clock()] * count)
 
     @property
     def minibatches(self) -> int:

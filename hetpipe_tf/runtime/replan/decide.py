@@ -29,18 +29,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.planning.cluster import Device
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
 from hetpipe_tf.planning.partitioner import partition_of
 from hetpipe_tf.planning.planner import Plan, PlanError, plan, predict
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.replan.watch import Slowed
-
-
-class ReplanError(HetPipeUsageError, ValueError):
-    """Re-planning cannot serve this run (its devices, its minibatch sizes or its launch): the
-    message names what was given and what re-planning takes."""
 
 
 def with_speeds(devices: Sequence[Device], speeds: Mapping[str, float]) -> tuple[Device, ...]:
@@ -52,13 +46,20 @@ def with_speeds(devices: Sequence[Device], speeds: Mapping[str, float]) -> tuple
             out.append(d)
             continue
         if not d.type.emulated:
-            raise ReplanError(f"device {d.name} is of type {d.type.name!r}, not emulated: re-planning re-plans with "
+            raise PlanError(f"device {d.name} is of type {d.type.name!r}, not emulated: re-planning re-plans with "
                               f"the measured speeds of emulated devices only")
         speed = float(speeds[d.name])
         kind = dataclasses.replace(d.type, name=f"{d.type.name}@{d.name}", emulated_speed=speed,
                                    label=f"{d.type.label} measured at speed {speed:.3g}")
         out.append(dataclasses.replace(d, type=kind))
     return tuple(out)
+
+
+def nominal_devices(p: Plan, worker: int) -> tuple[Device, ...]:
+    """Worker `worker`'s devices of plan `p` in stage order as its cluster describes them (a re-plan's
+    devices carry their measured speeds: what serves them is the cluster's device, at its own)."""
+    own = {d.name: d for d in p.cluster.devices()}
+    return tuple(own[d.name] for d in p.workers[worker].devices)
 
 
 def predicted_images_per_s(p: Plan, speeds: Mapping[str, float], dilation: float, optimizer_slots: int = 1,
@@ -80,7 +81,7 @@ def replanned(p: Plan, request: PlanRequest, speeds: Mapping[str, float], dilati
     """The plan of `request` for `p`'s virtual workers (the same devices each) with the devices of
     `speeds` at those speeds, at `dilation` (see the module docstring)."""
     if p.minibatch_sizes:
-        raise ReplanError(f"the run trains uneven minibatches {list(p.minibatch_sizes)}: re-planning keeps every "
+        raise PlanError(f"the run trains uneven minibatches {list(p.minibatch_sizes)}: re-planning keeps every "
                           f"worker's shard of the data and re-plans even minibatches only; give "
                           f"uneven_minibatches=False or replan='off'")
     workers = tuple(with_speeds(w.devices, speeds) for w in p.workers)

@@ -168,5 +168,7 @@ def test_no_switch_when_nothing_better_is_found(planned):
 def test_uneven_runs_are_refused(planned):
     p, request = planned
     uneven = dataclasses.replace(p, minibatch_sizes=(10, 6))
-    with pytest.raises(match="uneven minibatches"):
-        decide(uneven, request, _slowed(1 / 3), {}, 1000, 1.0, 1.0)
+    with pytest.raises(PlanError, match="uneven minibatches"):
+        replanned(uneven, request, {"host-F:1": 1 / 3}, 1.0)
+    d = decide(uneven, request, _slowed(1 / 3), {}, 1000, 1.0, 1.0)
+    assert not d.switch and "uneven minibatches" in d.reason

@@ -154,9 +154,9 @@ def decide(current: Plan, request: PlanRequest, slowed: Sequence[Slowed], known:
     new = predicted_images_per_s(new_plan, speeds, dilation, optimizer_slots, links)
     gain = remaining_images / now - remaining_images / new if now > 0 and new > 0 else 0.0
     same = all(new_plan.node_boundaries(w) == current.node_boundaries(w) for w in range(len(current.workers))) \
-        and new_plan.num_in_flight == current.num_in_flight
+        and new_plan.num_in_flight == current.num_in_flight and new_plan.placement == current.placement
     if same:
-        why, switch = "the measured speeds give the same cuts and Nm", False
+        why, switch = "the measured speeds give the same cuts, Nm and placement", False
     elif new < (1 + rule.min_gain) * now:
         why, switch = f"the new plan gains less than {rule.min_gain:.0%} ({new:.1f} vs {now:.1f} images/s)", False
     elif gain < rule.payback * switch_cost_s:

@@ -15,6 +15,8 @@ its end the faster ones have waited, as at an epoch's end.
 :class:`hetpipe_tf.runtime.replan.watch.StageWatch` of the current plan.
 
 **Switching.** At a chunk's end where the watch found devices slowed for good, the run decides
+(at an epoch's last chunk: before the next epoch trains, once the epoch's callbacks ran and its
+checkpoint, if due, is saved from the plan the epoch trained under)
 (:func:`hetpipe_tf.runtime.replan.decide.decide`) and, if it switches: takes its state in memory
 as a checkpoint would (:meth:`WSPRunner.run_state`: the Keras model's global weights, every
 worker's optimizer state per model variable, the clocks), builds the runner of the new plan
@@ -120,16 +122,18 @@ class ReplanningRunner:
         self.runner = make_runner(plan, config)
         self._build_s = time.perf_counter() - started  # the runner's construction
         self._first_update_s: float | None = None  # from the first chunk's start to its first update
-        self._plan_dilation = request.planned_dilation
         self._known: dict[str, float] = {}  # devices' speeds measured so far
         self._watch: StageWatch | None = None
         self._lock = threading.Lock()
         self._chunk: _Chunk | None = None
         self._trace: TraceRecorder | None = None
         self._fit_left: int | None = None  # minibatches of every worker still to train in the fit
+        self._decide_next = False  # an epoch ended: decide before the next one trains
         self.decisions: list[dict[str, Any]] = []
         self.switches: list[dict[str, Any]] = []
         self.positions: list[int] = []
+        #: Every chunk trained: (Nm, minibatches of each worker).
+        self.chunk_log: list[tuple[int, list[int]]] = []
 
     # The run under its current plan -------------------------------------------------------
     @property
@@ -165,6 +169,9 @@ class ReplanningRunner:
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
         left = list(steps)
+        if self._decide_next:  # found at the last epoch's end: decided here, after its callbacks and checkpoint
+            self._decide_next = False
+            self._maybe_switch(sum(steps) if self._fit_left is None else self._fit_left)
         if trace and self._trace is None:
             self._trace = TraceRecorder(metadata={"hetpipe_tf": "re-planning run"})
         while any(left):
@@ -172,12 +179,15 @@ class ReplanningRunner:
             last = not self.options.enabled or min(left) <= size + self.config.num_in_flight
             chunk = list(left) if last else [size] * len(left)
             self._train_chunk(chunk, events, first and left == list(steps), trace)
+            self.chunk_log.append((self.config.num_in_flight, list(chunk)))
             left = [a - b for a, b in zip(left, chunk)]
             self.positions = [p + n for p, n in zip(self.positions, chunk)]
             if self._fit_left is not None:
                 self._fit_left -= sum(chunk)
-            if self.options.enabled and (any(left) or (self._fit_left or 0) > 0):
+            if self.options.enabled and any(left):
                 self._maybe_switch(sum(left) if self._fit_left is None else self._fit_left)
+            elif self.options.enabled and (self._fit_left or 0) > 0:
+                self._decide_next = True
 
     def _train_chunk(self, chunk: Sequence[int], events: Events, first: bool, trace: bool) -> None:
         runner, k = self.runner, self.num_workers
@@ -231,18 +241,20 @@ class ReplanningRunner:
             self.switches[-1]["rebuild_s"] = round(self.switches[-1].pop("_built_s") + seconds, 4)
 
     def _new_watch(self, host_factor: float | None) -> StageWatch:
-        """The watch of the current plan: each stage's forward and backward time as planned, at
-        the run's dilation."""
+        """The watch of the current plan: each stage's forward and backward passes as the plan's
+        profile times them on this host, on its device at the speed planned, at the run's
+        dilation (what an emulated device is paced to, :mod:`hetpipe_tf.pipeline.emulation`)."""
         report = self.runner.emulation_report()
         dilation = report.dilation if report is not None else 1.0
-        scale = dilation / self._plan_dilation
+        times = self.plan.profile.times.get("host")
         expected: dict[StageKey, float] = {}
         devices: dict[StageKey, tuple[str, float]] = {}
         for w, worker in enumerate(self.plan.workers):
             for q, (st, d) in enumerate(zip(worker.partition.stages, worker.devices)):
-                if d.type.emulated:
-                    expected[(w, q)] = (st.forward + st.backward) * scale
-                    devices[(w, q)] = (d.name, float(d.type.emulated_speed))
+                if d.type.emulated and times is not None:
+                    speed = float(d.type.emulated_speed)
+                    expected[(w, q)] = sum(times.pass_seconds(*st.segments)) * dilation / speed
+                    devices[(w, q)] = (d.name, speed)
         return StageWatch(expected, devices, self.options.watch, host_factor)
 
     # Deciding and switching ---------------------------------------------------------------
@@ -289,9 +301,9 @@ class ReplanningRunner:
         t1 = time.perf_counter()
         self.runner = self.switched_runner(old, decision.plan, state, dilation)
         self.plan = decision.plan
-        self._plan_dilation = dilation
         self._watch = self._new_watch(host_factor)
-        self.switches.append({"positions": list(self.positions), "drain_s": round(drain_s, 4),
+        self.switches.append({"positions": list(self.positions), "after_chunks": len(self.chunk_log),
+                              "drain_s": round(drain_s, 4),
                               "plan_s": round(plan_s, 4), "state_s": round(state_s, 4),
                               "_built_s": time.perf_counter() - t1, "num_in_flight": decision.plan.num_in_flight,
                               "boundaries": [list(decision.plan.node_boundaries(w))

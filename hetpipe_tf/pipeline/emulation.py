@@ -285,16 +285,21 @@ class PersistentSlowdown:
         takes it (minibatch id -> factor; several on one device multiply), or None."""
         out: list[Callable[[int], float] | None] = []
         for name in devices:
-            mine = [s for s in slowdowns if s.device == name]
-            out.append(None if not mine else (lambda p, mine=mine: _product(s.factor_now(p) for s in mine)))
+            mine = tuple(s for s in slowdowns if s.device == name)
+            out.append(_DeviceSlowdowns(mine) if mine else None)
         return tuple(out)
 
 
-def _product(factors: Iterable[float]) -> float:
-    out = 1.0
-    for f in factors:
-        out *= f
-    return out
+@dataclass(frozen=True)
+class _DeviceSlowdowns:
+    """One device's persistent slowdowns as a Pacer takes them: minibatch id -> their factors' product."""
+    slowdowns: tuple[PersistentSlowdown, ...]
+
+    def __call__(self, minibatch: int) -> float:
+        out = 1.0
+        for s in self.slowdowns:
+            out *= s.factor_now(minibatch)
+        return out
 
 
 class HostCpu:

@@ -27,12 +27,14 @@ no flapping between two plans.
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from hetpipe_tf.planning.cluster import Device
+from hetpipe_tf.pipeline.schedule import PipelineSchedule, SyncScheme
+from hetpipe_tf.planning.cluster import Cluster, Device
 from hetpipe_tf.planning.cost_model import CostModel, LinkModel, link_flows
-from hetpipe_tf.planning.partitioner import partition_of
-from hetpipe_tf.planning.planner import Plan, PlanError, plan, predict
+from hetpipe_tf.planning.partitioner import Partition, partition_of
+from hetpipe_tf.planning.planner import Plan, PlanError, WorkerPlan, plan, predict
+from hetpipe_tf.planning.profile import AnalyticAssumptions, Profile
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.replan.watch import Slowed
 
@@ -55,23 +57,36 @@ def with_speeds(devices: Sequence[Device], speeds: Mapping[str, float]) -> tuple
     return tuple(out)
 
 
+def _cluster(p: Plan) -> Cluster:
+    return cast(Cluster, p.cluster)
+
+
+def _profile(p: Plan) -> Profile:
+    return cast(Profile, p.profile)
+
+
+def _workers(p: Plan) -> tuple[WorkerPlan, ...]:
+    return cast("tuple[WorkerPlan, ...]", p.workers)
+
+
 def nominal_devices(p: Plan, worker: int) -> tuple[Device, ...]:
     """Worker `worker`'s devices of plan `p` in stage order as its cluster describes them (a re-plan's
     devices carry their measured speeds: what serves them is the cluster's device, at its own)."""
-    own = {d.name: d for d in p.cluster.devices()}
-    return tuple(own[d.name] for d in p.workers[worker].devices)
+    own = {d.name: d for d in _cluster(p).devices()}
+    return tuple(own[d.name] for d in _workers(p)[worker].devices)
 
 
 def predicted_images_per_s(p: Plan, speeds: Mapping[str, float], dilation: float, optimizer_slots: int = 1,
                            links: LinkModel | None = None) -> float:
     """Images/s of plan `p` (its workers' devices, cuts and Nm) with the devices in `speeds` at those
     speeds, at `dilation`, by the simulation of its schedules (:func:`predict`)."""
-    workers = [with_speeds(w.devices, speeds) for w in p.workers]
-    model = CostModel(p.profile, p.cluster, links=links or LinkModel(), dilation=dilation,
-                      optimizer_slots=optimizer_slots, schedule=p.schedule, sync=p.sync, analytic=p.analytic,
+    workers = [with_speeds(w.devices, speeds) for w in _workers(p)]
+    model = CostModel(_profile(p), _cluster(p), links=links or LinkModel(), dilation=dilation,
+                      optimizer_slots=optimizer_slots, schedule=cast(PipelineSchedule, p.schedule),
+                      sync=cast(SyncScheme, p.sync), analytic=cast("AnalyticAssumptions | None", p.analytic),
                       link_flows=link_flows(workers))
-    parts = [partition_of(model, devices, w.partition.boundaries, p.num_in_flight)
-             for devices, w in zip(workers, p.workers)]
+    parts = [partition_of(model, devices, cast(Partition, w.partition).boundaries, p.num_in_flight)
+             for devices, w in zip(workers, _workers(p))]
     _, per = predict(model, parts, p.num_in_flight, p.staleness_bound, p.placement)
     return float(sum(rate * size for rate, size in zip(per, p.sizes)))
 
@@ -84,16 +99,16 @@ def replanned(p: Plan, request: PlanRequest, speeds: Mapping[str, float], dilati
         raise PlanError(f"the run trains uneven minibatches {list(p.minibatch_sizes)}: re-planning keeps every "
                           f"worker's shard of the data and re-plans even minibatches only; give "
                           f"uneven_minibatches=False or replan='off'")
-    workers = tuple(with_speeds(w.devices, speeds) for w in p.workers)
+    workers = tuple(with_speeds(w.devices, speeds) for w in _workers(p))
     asked = dataclasses.replace(request, workers=workers, time_budget_s=None, dilation=dilation,
                                 placement=p.placement, minibatch_sizes=None)
     try:
-        return plan(p.profile, p.cluster, asked, links=links, optimizer_slots=optimizer_slots)
+        return plan(_profile(p), _cluster(p), asked, links=links, optimizer_slots=optimizer_slots)
     except PlanError:
         if p.placement == "default":
             raise
         # local placement needs equal workers, which a slowed device makes unequal
-        return plan(p.profile, p.cluster, dataclasses.replace(asked, placement="default"), links=links,
+        return plan(_profile(p), _cluster(p), dataclasses.replace(asked, placement="default"), links=links,
                     optimizer_slots=optimizer_slots)
 
 

@@ -117,7 +117,8 @@ def run_one(kind, setup_, minibatches, dilation, options_on):
     if kind == "oracle":
         plan = replanned(static, request, {SLOWED: 1.0 / FACTOR}, dilation, slots)
     fresh = keras.optimizers.SGD(0.01, momentum=0.9)
-    config = assembly.resolved_config(request, plan, PlanCuts.of_plan(plan), dataclasses.replace(training, optimizer=fresh))
+    config = assembly.resolved_config(request, plan, PlanCuts.of_plan(plan),
+                                      dataclasses.replace(training, optimizer=fresh))
     options = ReplanOptions(enabled=(kind == "replan"), **options_on)
     runner = ReplanningRunner(plan, request, config, make_factory(model, devices, slow), options, slots, progress)
     workers = len(plan.workers)
@@ -173,7 +174,8 @@ def main():
 
     switches = [s for x in rows["replan"] for s in x["switches"]]
     parts = ("drain_s", "plan_s", "state_s", "rebuild_s")
-    _emit(summary=True, replan_steady_over_oracle=mean("replan", "steady_images_per_s") / mean("oracle", "steady_images_per_s"),
+    _emit(summary=True,
+          replan_steady_over_oracle=mean("replan", "steady_images_per_s") / mean("oracle", "steady_images_per_s"),
           replan_over_static=mean("replan", "images_per_s") / mean("static", "images_per_s"),
           oracle_over_static=mean("oracle", "images_per_s") / mean("static", "images_per_s"),
           switch_s=[round(sum(s.get(p, 0.0) for p in parts), 3) for s in switches],

@@ -29,8 +29,8 @@ or seen twice. The Keras loop sees one run: the same events, epochs and callback
 
 Every decision, with its figures, goes to the log (a line on stdout), the trace (a span of
 category ``Replan``, when the fit is traced) and :meth:`stats`; a switch adds its wall time by
-parts: `drain_s` (from the first worker's last update of the chunk to the chunk's end: the pipelines empty, the faster workers
-wait), `plan_s` (watch, planner, simulator), `state_s` (the state in memory), `rebuild_s` (the new
+parts: `drain_s` (from the first worker's last update of the chunk to the chunk's end: the
+pipelines empty, the faster workers wait), `plan_s` (watch, planner, simulator), `state_s` (the state in memory), `rebuild_s` (the new
 runner and its servers, then to its first update: its workers built, their stages' functions
 traced, their pipelines filled). The switch's cost that a decision weighs is predicted from the
 run's own start: its runner's construction and the time to its first update, and the drain.
@@ -272,8 +272,9 @@ class ReplanningRunner:
         batch = self.plan.profile.batch_size
         ends = list(self._chunk.last_done.values()) if self._chunk else []
         drain_s = (t0 - min(ends)) if ends else 0.0
-        decision = decide(self.plan, self.request, slowed, self._known, remaining_minibatches * batch,
-                          self._build_s + (self._first_update_s or 0.0) + drain_s, dilation, self.optimizer_slots, self.options.switch)
+        cost = self._build_s + (self._first_update_s or 0.0) + drain_s
+        decision = decide(self.plan, self.request, slowed, self._known, remaining_minibatches * batch, cost, dilation,
+                          self.optimizer_slots, self.options.switch)
         plan_s = time.perf_counter() - t0
         self._known.update({s.device: s.measured_speed for s in slowed})
         figures = dict(decision.as_dict(), positions=list(self.positions), plan_s=round(plan_s, 4))

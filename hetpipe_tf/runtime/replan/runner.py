@@ -31,9 +31,10 @@ Every decision, with its figures, goes to the log (a line on stdout), the trace 
 category ``Replan``, when the fit is traced) and :meth:`stats`; a switch adds its wall time by
 parts: `drain_s` (from the first worker's last update of the chunk to the chunk's end: the
 pipelines empty, the faster workers wait), `plan_s` (watch, planner, simulator), `state_s` (the
-state in memory), `rebuild_s` (the new runner and its servers, then to its first update: its workers built, their stages' functions
-traced, their pipelines filled). The switch's cost that a decision weighs is predicted from the
-run's own start: its runner's construction and the time to its first update, and the drain.
+state in memory), `rebuild_s` (the new runner and its servers, then to its first update: its
+workers built, their stages' functions traced, their pipelines filled). The switch's cost that a
+decision weighs is predicted from the run's own start: its runner's construction and the time
+to its first update, and the drain.
 """
 import threading
 import time

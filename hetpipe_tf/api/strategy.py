@@ -145,8 +145,9 @@ class HetPipeStrategy:
         times over the plan's, :mod:`hetpipe_tf.runtime.replan.watch`), plan again with its measured
         speed and switch to the new plan at a drained wave boundary when the predicted gain over the
         rest of the fit pays for the switch (:mod:`hetpipe_tf.runtime.replan.runner`); launch
-        "in_process" only, even minibatches only. Off by default: the run then trains in chunks
-        that drain between them, which costs throughput when no device slows down.
+        "in_process" only, even minibatches only. Off by default: a switch's gain rests on the
+        planner's and simulator's predictions, a switch rebuilds and retraces every worker, and the
+        run trains in chunks that drain between them (a little throughput when nothing slows down).
       cluster_resolver: TensorFlow's ``TFConfigClusterResolver``, ``SlurmClusterResolver`` or
         ``KubernetesClusterResolver`` giving the cluster's tasks; the run is then launch="tf_config"'s
         on them, mapped to the description's nodes by :mod:`hetpipe_tf.distributed.resolvers`' rule.

@@ -82,6 +82,8 @@ from hetpipe_tf.planning.cluster import load_cluster
 from hetpipe_tf.planning.request import PlanRequest
 
 EMULATION_REFERENCES = ("measured", "profile")
+#: What ``replan`` takes: never, or when a device slows down for good (:mod:`hetpipe_tf.runtime.replan`).
+REPLAN = ("off", "auto")
 #: The least time a task gets to start (importing TensorFlow on a busy machine takes a while).
 START_TIMEOUT_S = 120.0
 _FIT_ARGS = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
@@ -147,6 +149,13 @@ class HetPipeStrategy:
         in its worker's process before training; "profile", each stage's passes as the plan's profile
         times them (:meth:`hetpipe_tf.planning.planner.Plan.host_pass_seconds`), so that runs given one
         profile emulate the same devices whatever the load of the moment (the benchmarks' comparisons).
+      replan: "off" (default) or "auto": when a device slows down for good (its stages' measured
+        times over the plan's, :mod:`hetpipe_tf.runtime.replan.watch`), plan again with its measured
+        speed and switch to the new plan at a drained wave boundary when the predicted gain over the
+        rest of the fit pays for the switch (:mod:`hetpipe_tf.runtime.replan.runner`); launch
+        "in_process" only, even minibatches only. Off by default: a switch's gain rests on the
+        planner's and simulator's predictions, a switch rebuilds and retraces every worker, and the
+        run trains in chunks that drain between them (a little throughput when nothing slows down).
       cluster_resolver: TensorFlow's ``TFConfigClusterResolver``, ``SlurmClusterResolver`` or
         ``KubernetesClusterResolver`` giving the cluster's tasks; the run is then launch="tf_config"'s
         on them, mapped to the description's nodes by :mod:`hetpipe_tf.distributed.resolvers`' rule.
@@ -156,7 +165,7 @@ class HetPipeStrategy:
                  vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
                  checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
                  on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured",
-                 cluster_resolver=None):
+                 cluster_resolver=None, replan="off"):
         from hetpipe_tf.distributed.cluster_devices import LAUNCHES  # late: defers TensorFlow
         from hetpipe_tf.runtime.checkpoint import Checkpoints  # late: defers TensorFlow
         from hetpipe_tf.runtime.discovery import cluster_for  # late: defers TensorFlow
@@ -204,6 +213,16 @@ class HetPipeStrategy:
             raise ValueError("emulation_references='profile' scales every stage from the profile's minibatch size; "
                              "with uneven_minibatches the workers train others: use emulation_references='measured'")
         self.emulation_references = emulation_references
+        if replan not in REPLAN:
+            raise ValueError(f"unknown replan {replan!r}; allowed: {', '.join(map(repr, REPLAN))}")
+        if replan == "auto" and launch != "in_process":
+            raise ValueError(f"replan='auto' switches plans within a run of launch='in_process' only; launch={launch!r} "
+                             f"re-plans by hand (stop, plan again, resume from checkpoint_dir): use "
+                             f"launch='in_process' or replan='off'")
+        if replan == "auto" and self.request.minibatch_sizes:
+            raise ValueError("replan='auto' keeps every worker's shard of the data and re-plans even minibatches "
+                             "only: give uneven_minibatches=False or replan='off'")
+        self.replan = replan
         self.profile = loaded_profile(profile)
         self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
         self._resume = bool(resume)
@@ -313,6 +332,10 @@ class HetPipeStrategy:
             self._resume = False
         from hetpipe_tf.runtime.fit_loop import FitOptions, fit  # late: defers TensorFlow
 
+        if self.replan == "auto":
+            from hetpipe_tf.runtime.worker_data import epoch_steps
+
+            runner.set_fit_length((epochs - initial_epoch) * (steps_per_epoch or epoch_steps(data)))
         try:
             return fit(runner, data, FitOptions(
                 epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=verbose,
@@ -372,12 +395,39 @@ class HetPipeStrategy:
             self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], self.run_config,
                                         self._devices.ps, [n for _, n in workers],
                                         [self._devices.home_node(w.devices) for w in self.plan.workers])
+        elif self.replan == "auto":
+            self.runner = self._replanning_runner(model, [spec for spec, _ in workers], training)
         else:
             from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
 
             self.runner = WSPRunner(model, [spec for spec, _ in workers], self.run_config, self._devices.ps)
         self._runner_key = key
         return self.runner
+
+    def _replanning_runner(self, model: Any, first_specs: Sequence[Any], training: Any) -> Any:
+        """The in-process runner that re-plans (:mod:`hetpipe_tf.runtime.replan.runner`): first at the
+        run's cuts (`first_specs`), then at each new plan's, on the cluster's devices.
+
+        Returns:
+            The runner.
+        """
+        from hetpipe_tf.runtime.optimizers import slots_per_weight  # late: defers TensorFlow
+        from hetpipe_tf.runtime.replan.decide import nominal_devices  # late: defers TensorFlow
+        from hetpipe_tf.runtime.replan.runner import ReplanningRunner  # late: defers TensorFlow
+        from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
+
+        def make(plan: Any, config: Any) -> Any:
+            if plan is self.plan:
+                specs = first_specs
+            else:
+                profile = self.emulation_references == "profile"
+                specs = [self._devices.worker(w, nominal_devices(plan, w), plan.node_boundaries(w),
+                                              plan.host_pass_seconds(w) if profile else None)[0]
+                         for w in range(len(plan.workers))]
+            return WSPRunner(model, specs, config, self._devices.ps)
+
+        return ReplanningRunner(self.plan, self.request, self.run_config, make,
+                                optimizer_slots=slots_per_weight(training.optimizer))
 
     def _worker_spec(self, w: int) -> Any:
         """Worker w's WorkerSpec and how many of its devices its own process holds

@@ -141,7 +141,8 @@ def _train_virtual_workers(cluster: Cluster) -> None:
     strategy = HetPipeStrategy(cluster=cluster, **plan_flags.request_arguments(FLAGS), launch=FLAGS.launch,
                                timeout_s=FLAGS.timeout_s, emulate_links=FLAGS.emulate_links,
                                checkpoint_dir=FLAGS.checkpoint_dir, save_every_epochs=FLAGS.save_every_epochs,
-                               resume=FLAGS.resume, on_worker_failure=FLAGS.on_worker_failure, profile=FLAGS.profile)
+                               resume=FLAGS.resume, on_worker_failure=FLAGS.on_worker_failure, profile=FLAGS.profile,
+                               replan=FLAGS.replan)
     with strategy.scope():
         train, test, model = _data_and_model()
         loss, metrics = _loss_and_metrics()

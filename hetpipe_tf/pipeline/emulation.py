@@ -30,6 +30,14 @@ the device back waits for the device first (:meth:`Pacer.wait_idle`), as a host 
 tensor does. A runner whose next step needs its device's result at once (a baseline's
 all-reduce of the gradients) therefore waits as if it had slept: :meth:`Pacer.pace`.
 
+Persistent slowdowns. A :class:`PersistentSlowdown` makes one emulated device (by its name in the
+cluster description) ``factor`` times slower from a point of the run on, for good: from a count of
+minibatches completed by all workers together, or from a number of seconds after the run started,
+both read from the run's :class:`RunProgress`. It is attached to the device, not to a worker's
+minibatch ids, so it stays with the device whatever plan the run trains under (a re-plan moves
+layers, not devices). A worker's :class:`Pacer` of that device takes the factor the slowdown gives
+at each task (``WorkerSpec.slowdown``: one per stage, :meth:`PersistentSlowdown.for_devices`).
+
 Memory rule. Each emulated device has a capacity; what a stage holds (weights,
 optimizer slots, stashed versions, activations in flight) is accounted, and an
 allocation past the capacity fails like an out-of-memory on a real card.
@@ -230,6 +238,108 @@ class Pacer:
         """The device's report so far: its tasks and how many overran."""
         with self._lock:
             return EmulationReport(self.dilation, self.tasks, self.overran)
+
+
+class RunProgress:
+    """How far a run is: its minibatches completed by every worker together, and the seconds since
+    :meth:`start` (thread-safe; one per run, kept across a change of plan)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, record: bool = False) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._minibatches = 0
+        self._started: float | None = None
+        #: When each minibatch was counted (clock times), with `record` (a run's images/s over time).
+        self.completions: list[float] | None = [] if record else None
+
+    def start(self) -> "RunProgress":
+        """Starts the run's clock (once: a later call keeps the first start)."""
+        with self._lock:
+            if self._started is None:
+                self._started = self._clock()
+        return self
+
+    def minibatch_done(self, count: int = 1) -> None:
+        """Counts `count` more minibatches done by the run's workers."""
+        with self._lock:
+            self._minibatches += count
+            if self.completions is not None:
+                self.completions.extend([self._clock()] * count)
+
+    @property
+    def minibatches(self) -> int:
+        """The minibatches done so far, every worker's together."""
+        with self._lock:
+            return self._minibatches
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since :meth:`start` (0 before it)."""
+        with self._lock:
+            return 0.0 if self._started is None else self._clock() - self._started
+
+
+@dataclass(frozen=True)
+class PersistentSlowdown:
+    """Device `device` (a cluster device's name, e.g. ``host-F:1``) is `factor` times slower from
+    the moment `progress` has counted `after_minibatches` minibatches of the run (all workers
+    together), or `after_s` seconds since it started (exactly one of the two), to the run's end."""
+    device: str
+    factor: float
+    progress: RunProgress
+    after_minibatches: int | None = None
+    after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ValueError(f"a persistent slowdown's factor must be >= 1, got {self.factor!r}")
+        if (self.after_minibatches is None) == (self.after_s is None):
+            raise ValueError(f"a persistent slowdown starts after a count of minibatches or a number of seconds: "
+                             f"give exactly one, got after_minibatches={self.after_minibatches!r}, "
+                             f"after_s={self.after_s!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether the device is slowed now."""
+        if self.after_minibatches is not None:
+            return self.progress.minibatches >= self.after_minibatches
+        return self.after_s is not None and self.progress.seconds >= self.after_s
+
+    def factor_now(self, minibatch: int | None = None) -> float:
+        """The device's factor now (`minibatch`, the task's id in its worker, plays no part:
+        the slowdown belongs to the device and the run's progress).
+
+        Returns:
+            `factor` once the slowdown has begun, else 1.
+        """
+        return self.factor if self.active else 1.0
+
+    @staticmethod
+    def for_devices(slowdowns: Sequence["PersistentSlowdown"], devices: Sequence[str]
+                    ) -> tuple[Callable[[int], float] | None, ...]:
+        """Per device of `devices` (a worker's, in stage order): its slowdown's factor as a Pacer
+        takes it (minibatch id -> factor; several on one device multiply), or None.
+
+        Returns:
+            One factor function or None per device.
+        """
+        out: list[Callable[[int], float] | None] = []
+        for name in devices:
+            mine = tuple(s for s in slowdowns if s.device == name)
+            out.append(_DeviceSlowdowns(mine) if mine else None)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class _DeviceSlowdowns:
+    """One device's persistent slowdowns as a Pacer takes them: minibatch id -> their factors' product."""
+    slowdowns: tuple[PersistentSlowdown, ...]
+
+    def __call__(self, minibatch: int) -> float:
+        out = 1.0
+        for s in self.slowdowns:
+            out *= s.factor_now(minibatch)
+        return out
 
 
 class HostCpu:

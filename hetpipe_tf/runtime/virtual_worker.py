@@ -70,7 +70,9 @@ class VirtualWorker:
         :meth:`hetpipe_tf.planning.planner.Plan.host_pass_seconds` gives from a profile. None
         (default): each stage's passes are timed alone before training (:meth:`prepare`).
       slowdown: minibatch id -> factor >= 1 by which every emulated device of this worker is
-        slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.pipeline.emulation.Pacer`).
+        slower for that minibatch (a transient straggler; see :class:`hetpipe_tf.pipeline.emulation.Pacer`),
+        or a tuple of such (or None), one per device in stage order (a device's own slowdown:
+        :meth:`hetpipe_tf.pipeline.emulation.PersistentSlowdown.for_devices`).
     """
 
     def __init__(self, model, devices, num_in_flight=None, boundaries=None, optimizer="sgd",
@@ -255,8 +257,9 @@ class VirtualWorker:
 
     def _run(self, iterator, steps, dilation, trace=False, on_minibatch_done=None, snapshot_after=(),
              on_snapshot=None, executor_hook=None, synchronised=True, dry=False):
-        self._pacers = [Pacer(d.speed, dilation.value, slowdown=self.slowdown) if d.emulated else None
-                        for d in self.device_specs]
+        slowdowns = self.slowdown if isinstance(self.slowdown, tuple) else (self.slowdown,) * len(self.device_specs)
+        self._pacers = [Pacer(d.speed, dilation.value, slowdown=f) if d.emulated else None
+                        for d, f in zip(self.device_specs, slowdowns)]
         recorder = None
         if trace:
             recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder(

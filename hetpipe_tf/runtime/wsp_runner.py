@@ -166,6 +166,12 @@ class BoundWorkers:
         self.finish()
         return reports
 
+    def stage_compute_s(self, i: int) -> list[float]:
+        """Worker `i`'s seconds of device compute per stage in the current run so far (each stage's
+        passes on its device: an emulated device's paced times); empty before the run starts."""
+        ex = self._executors.get(i)
+        return [report.compute_s for report in ex.reports] if ex is not None else []
+
     def images_per_s(self) -> float:
         """Images per second of the current (or last) run, every worker together: the samples of
         the updates completed so far over the time since the run started."""
@@ -416,6 +422,15 @@ class WSPRunner:
 
     def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._fit_data = [iter(s) for s in skip_consumed(shards, positions)]
+
+    def fit_data(self) -> list[Iterator[Minibatch]]:
+        """Each worker's stream of the fit's minibatches, where it is now (:meth:`begin_fit`)."""
+        return list(self._fit_data or ())
+
+    def continue_fit(self, data: Sequence[Iterator[Minibatch]]) -> None:
+        """Takes over another runner's fit where its workers are in their streams (`data`: its
+        :meth:`fit_data`), a run that goes on under this runner's plan."""
+        self._fit_data = list(data)
 
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:

@@ -97,6 +97,9 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
     ({"emulation_references": "profile", "uneven_minibatches": True},
      "with uneven_minibatches the workers train others: use emulation_references='measured'"),
     ({"profile": "nowhere.json"}, "profile='nowhere.json': give a Profile or the path of one's JSON"),
+    ({"replan": "always"}, "unknown replan 'always'; allowed: 'off', 'auto'"),
+    ({"replan": "auto", "launch": "processes"}, "replan='auto' switches plans within a run of launch='in_process' only"),
+    ({"replan": "auto", "uneven_minibatches": True}, "replan='auto' keeps every worker's shard of the data"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -145,3 +148,18 @@ def test_a_transformers_profile_is_taken_for_the_same_model_built_again():
     assert checked_profile(profile, gpt(11, 12), 32) is profile
     with pytest.raises(ValueError, match="give the profile of this model and batch size"):
         checked_profile(profile, gpt(11, 12, blocks=1), 32)
+
+
+@pytest.mark.slow
+def test_replan_auto_trains_as_one_run_and_reports_its_decisions():
+    """replan='auto' without a slowed device (slow: it trains the digits in chunks on the local
+    cluster; the switch itself is covered by tests/runtime/test_replan_switch.py): the run trains
+    every step of every epoch in chunks, decides nothing, and stats() carry its (empty) decisions."""
+    strategy = HetPipeStrategy(cluster="local", policy="ed", launch="in_process", dilation=1, replan="auto")
+    train, test, model = compiled_digits(strategy)
+    counter = Counter()
+    history = model.fit(train, epochs=2, steps_per_epoch=12, callbacks=[counter], verbose=0)
+    assert len(counter.epochs) == 2 and counter.batches == 24 and history.history["plan_switches"] == [0, 0]
+    assert strategy.runner.positions == [12, 12] and strategy.runner.plan is strategy.plan
+    stats = strategy.stats()
+    assert [s["worker"] for s in stats] == [0, 1] and all(s["replan_decisions"] == [] for s in stats)

@@ -1,0 +1,168 @@
+"""A run that re-plans in this process (slow: each builds and traces its virtual workers two to four
+times on the emulated ``local`` cluster, a minute or more on a loaded machine; CI's subset runs the
+pure parts in test_replan_decide.py).
+
+Covered here: a switch (a device 3x slower for good, found by the watch, decided by the planner and
+simulator) ends within 1e-6 of the same run checkpointed on disk at the switch's drained point and
+resumed under the new plan (the in-memory state, the handed-over data streams and the new plan's
+runner against Checkpoints and Dataset.skip); every worker's share of every epoch trained once and
+every wave pushed once (the servers' clocks); Keras's callbacks see one run of every batch and
+epoch; a trigger found at an epoch's end is decided before the next epoch (after its callbacks and
+checkpoint); a re-plan that finds nothing better leaves the run on its plan and is not decided
+again for the same slowdown."""
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetpipe_tf.distributed.cluster_devices import ClusterDevices
+from hetpipe_tf.pipeline.emulation import PersistentSlowdown, RunProgress
+from hetpipe_tf.planning.cluster import load_cluster
+from hetpipe_tf.planning.request import PlanRequest
+from hetpipe_tf.runtime import plan_assembly as assembly
+from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, epoch_shares
+from hetpipe_tf.runtime.fit_loop import FitOptions, fit
+from hetpipe_tf.runtime.replan.decide import SwitchRule, nominal_devices
+from hetpipe_tf.runtime.replan.runner import ReplanningRunner, ReplanOptions
+from hetpipe_tf.runtime.replan.watch import WatchRule
+from hetpipe_tf.runtime.worker_data import worker_shards
+from hetpipe_tf.runtime.wsp_runner import WSPRunner
+
+BATCH, STEPS, EPOCHS, SLOWED = 32, 56, 2, "host-F:1"
+
+
+def _model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(512, activation="relu") for _ in range(6)]
+                            + [keras.layers.Dense(4)])
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((STEPS * BATCH, 16)).astype("float32")
+    y = rng.integers(0, 4, STEPS * BATCH)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True).repeat()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cluster = load_cluster("local")
+    devices = ClusterDevices(cluster, "in_process")
+    model = _model()
+    training = assembly.Training(keras.optimizers.SGD(0.05, momentum=0.9),
+                                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    profile = assembly.workload_profile(model, BATCH, None, training, lambda: next(iter(_data())))
+    request = PlanRequest(policy="ed", staleness_bound=0, dilation=1.0)
+    plan = assembly.assemble_plan(cluster, request, training.optimizer, profile)
+    return model, [v.numpy() for v in model.variables], devices, request, plan, training
+
+
+def _factory(model, devices, slowdowns):
+    def make(plan, config):
+        specs = []
+        for w in range(len(plan.workers)):
+            own = nominal_devices(plan, w)
+            spec, _ = devices.worker(w, own, plan.node_boundaries(w), plan.host_pass_seconds(w))
+            specs.append(dataclasses.replace(spec, slowdown=PersistentSlowdown.for_devices(slowdowns,
+                                                                                         [d.name for d in own])))
+        return WSPRunner(model, specs, config, devices.ps)
+    return make
+
+
+def _config(request, plan, training):
+    return assembly.resolved_config(request, plan, PlanCuts.of_plan(plan), dataclasses.replace(
+        training, optimizer=keras.optimizers.SGD(0.05, momentum=0.9), timeout_s=120))
+
+
+def _replanning(setup, factor, after, options):
+    model, initial, devices, request, plan, training = setup
+    for v, value in zip(model.variables, initial):
+        v.assign(value)
+    progress = RunProgress()
+    slow = [PersistentSlowdown(SLOWED, factor, progress, after_minibatches=after)]
+    runner = ReplanningRunner(plan, request, _config(request, plan, training), _factory(model, devices, slow),
+                              options, progress=progress)
+    runner.set_fit_length(STEPS * EPOCHS)
+    return runner, slow
+
+
+class _Seen(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = 0, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+
+OPTIONS = ReplanOptions(watch=WatchRule(window_waves=2, baseline_waves=1), switch=SwitchRule(min_gain=0.0, payback=0.0),
+                        chunk_minibatches=4)
+
+
+@pytest.mark.slow
+def test_a_switch_ends_as_a_checkpoint_resumed_under_the_new_plan_and_applies_each_update_once(setup, tmp_path):
+    model, initial, devices, request, plan, training = setup
+    runner, _ = _replanning(setup, 3.0, 14, OPTIONS)
+    seen = _Seen()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=training.loss)
+    history = fit(runner, _data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, callbacks=[seen]))
+    [switch] = runner.switches
+    assert runner.decisions[0]["switch"] and runner.decisions[0]["slowed"][0]["device"] == SLOWED
+    assert set(switch) >= {"drain_s", "plan_s", "state_s", "rebuild_s"}
+    new_plan = runner.plan
+    assert PlanCuts.of_plan(new_plan) != PlanCuts.of_plan(plan)
+    # Keras saw one run; every worker trained its share of every epoch, no more, no less
+    assert seen.batches == STEPS * EPOCHS and seen.epochs == list(range(EPOCHS)) and len(history.epoch) == EPOCHS
+    assert runner.positions == epoch_shares(EPOCHS, STEPS, 2)
+    # each wave's update pushed once: every worker's clock is its chunks' waves under their plans' Nm
+    waves = [sum(-(-n[w] // nm) for nm, n in runner.chunk_log) for w in range(2)]
+    assert list(runner.runner.servers.clock.clocks()[0]) == waves
+    before, after = runner.chunk_log[:switch["after_chunks"]], runner.chunk_log[switch["after_chunks"]:]
+    assert [sum(n[w] for _, n in before) for w in range(2)] == switch["positions"]
+    assert {nm for nm, _ in after} == {new_plan.num_in_flight}
+    switched = [v.numpy() for v in model.variables]
+
+    # The same run, checkpointed on disk at the switch's drained point and resumed under the new plan
+    for v, value in zip(model.variables, initial):
+        v.assign(value)
+    progress = RunProgress()
+    slow = [PersistentSlowdown(SLOWED, 3.0, progress, after_minibatches=14)]
+    make = _factory(model, devices, slow)
+    shards = worker_shards(_data(), 2)
+    first = make(plan, _config(request, plan, training))
+    first.begin_fit(shards, [0, 0])
+    for nm, chunk in before:
+        first.train(first.fit_data(), list(chunk))
+        first.drain()
+    done = switch["positions"]
+    saved = Checkpoints(tmp_path)
+    saved.save(first.run_state(0, done, PlanCuts.of_plan(plan)))
+    state = saved.restore_model(model)
+    config = runner.config
+    second = make(new_plan, config)
+    second.begin_fit(shards, state.positions)
+    second.resume(state)
+    for nm, chunk in after:
+        second.train(second.fit_data(), list(chunk))
+        second.drain()
+    for a, b in zip(switched, [v.numpy() for v in model.variables]):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_replan_that_finds_nothing_better_leaves_the_run_as_it_was(setup):
+    model, initial, devices, request, plan, training = setup
+    options = dataclasses.replace(OPTIONS, switch=SwitchRule(min_gain=1.0))  # nothing is twice as fast
+    runner, _ = _replanning(setup, 1.6, 14, options)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=training.loss)
+    fit(runner, _data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0))
+    assert runner.decisions and not any(d["switch"] for d in runner.decisions)
+    assert len(runner.decisions) == 1  # the same slowdown is decided once (the watch knows it)
+    assert runner.switches == [] and runner.plan is plan and runner.positions == epoch_shares(EPOCHS, STEPS, 2)
+    assert runner.stats()[0]["replan_decisions"] == runner.decisions
+

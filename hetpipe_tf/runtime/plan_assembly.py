@@ -25,7 +25,7 @@ from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.checkpoint import PlanCuts
 from hetpipe_tf.runtime.optimizers import slots_per_weight
-from hetpipe_tf.runtime.run_config import RunConfig
+from hetpipe_tf.runtime.run_config import LossArgument, LossWeightsArgument, MetricsArgument, RunConfig
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class Training:
     weights (as given to ``compile``), and the run's own options: its timeout and what a lost worker's
     process does (see :class:`hetpipe_tf.runtime.run_config.RunConfig`)."""
     optimizer: keras.optimizers.Optimizer | str
-    loss: object = None
-    metrics: object = ()
-    loss_weights: object = None
+    loss: LossArgument = None
+    metrics: MetricsArgument = ()
+    loss_weights: LossWeightsArgument = None
     timeout_s: float = 300.0
     on_worker_failure: str = "stop"
 

@@ -92,7 +92,7 @@ class ClusterDevices:
         return WorkerSpec(tuple(specs), tuple(names), boundaries=tuple(boundaries), stage_servers=tuple(servers),
                           references=references), local
 
-    def profiling_device(self):
+    def profiling_device(self) -> str | None:
         """Where a profile times the stages: None (this process's CPU) in process; on a cluster, the
         worker task's CPU of the first node with a host device (an emulated or CPU one) outside a
         CPU-quota group, or None. A quota node's task is not it: its times are the host's, and a

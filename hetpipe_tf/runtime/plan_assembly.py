@@ -57,7 +57,7 @@ def checked_profile(profile: Profile, model: keras.Model, batch_size: int) -> Pr
     """`profile` if it describes `model`'s segments at `batch_size`, else a ValueError saying how it differs."""
     from hetpipe_tf.runtime.profiler import model_profile
 
-    def shape(p):  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
+    def shape(p: Profile) -> tuple[int, int, int, float]:  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
         return p.batch_size, len(p.layer_names), p.total_weight_bytes, sum(p.forward_flops)
 
     own = model_profile(model, batch_size)  # as measured profiles count attention and lookups

@@ -339,7 +339,7 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.fit_loop import FitOptions, fit  # late: defers TensorFlow
 
         if self.replan == "auto":
-            from hetpipe_tf.runtime.worker_data import epoch_steps
+            from hetpipe_tf.runtime.worker_data import epoch_steps  # late: defers TensorFlow
 
             runner.set_fit_length((epochs - initial_epoch) * (steps_per_epoch or epoch_steps(data)))
         try:

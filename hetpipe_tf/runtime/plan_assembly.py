@@ -25,6 +25,7 @@ from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.checkpoint import PlanCuts
 from hetpipe_tf.runtime.optimizers import slots_per_weight
+from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers, model_profile
 from hetpipe_tf.runtime.run_config import LossArgument, LossWeightsArgument, MetricsArgument, RunConfig
 
 
@@ -55,8 +56,6 @@ def loaded_profile(profile: Profile | str | None) -> Profile | None:
 
 def checked_profile(profile: Profile, model: keras.Model, batch_size: int) -> Profile:
     """`profile` if it describes `model`'s segments at `batch_size`, else a ValueError saying how it differs."""
-    from hetpipe_tf.runtime.profiler import model_profile
-
     def shape(p: Profile) -> tuple[int, int, int, float]:  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
         return p.batch_size, len(p.layer_names), p.total_weight_bytes, sum(p.forward_flops)
 
@@ -78,8 +77,6 @@ def workload_profile(model: keras.Model, batch_size: int, given: Profile | None,
     (None: this process's CPU)."""
     if given is not None:
         return checked_profile(given, model, batch_size)
-    from hetpipe_tf.runtime.profiler import measure_profile
-
     return measure_profile(model, batch_size, loss=training.loss, optimizer=training.optimizer,
                            sample=sample() if sample else None, stage_device=stage_device)
 
@@ -87,8 +84,6 @@ def workload_profile(model: keras.Model, batch_size: int, given: Profile | None,
 def calibrated_links(cluster: Cluster, src: str, dst: str) -> LinkModel:
     """The cluster's links fitted to transfers measured between this process's TensorFlow devices
     `src` and `dst` (§7's synthetic transfer benchmark), for devices that all live on this host."""
-    from hetpipe_tf.runtime.profiler import measure_transfers
-
     samples = measure_transfers(src, dst)
     return LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
 

@@ -25,7 +25,7 @@ from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.checkpoint import PlanCuts
 from hetpipe_tf.runtime.optimizers import slots_per_weight
-from hetpipe_tf.runtime.profiler import measure_profile, measure_transfers, model_profile
+from hetpipe_tf.runtime.profiler import Batch, measure_profile, measure_transfers, model_profile
 from hetpipe_tf.runtime.run_config import LossArgument, LossWeightsArgument, MetricsArgument, RunConfig
 
 
@@ -70,7 +70,7 @@ def checked_profile(profile: Profile, model: keras.Model, batch_size: int) -> Pr
 
 
 def workload_profile(model: keras.Model, batch_size: int, given: Profile | None, training: Training,
-                     sample: Callable[[], object] | None = None, stage_device: str | None = None) -> Profile:
+                     sample: Callable[[], tuple[Batch, Batch]] | None = None, stage_device: str | None = None) -> Profile:
     """What the planner knows of `model` at `batch_size`: the profile `given` (checked to be of this
     model and batch size), else one measured on this host (cached; §7) with `training`'s optimizer
     and loss, on a minibatch `sample()` gives (None: random data), its stages timed on `stage_device`

@@ -78,7 +78,10 @@ from hetpipe_tf.api import compile_hook
 from hetpipe_tf.distributed.heartbeat import TaskLostError
 from hetpipe_tf.distributed.launch import ClusterConfigError, join_cluster
 from hetpipe_tf.distributed.resolvers import launch_for
-from hetpipe_tf.planning.cluster import load_cluster
+from hetpipe_tf.pipeline.schedule import PipelineSchedule, SyncScheme
+from hetpipe_tf.planning.cluster import Cluster, load_cluster
+from hetpipe_tf.planning.profile import Profile
+
 from hetpipe_tf.planning.request import PlanRequest
 
 EMULATION_REFERENCES = ("measured", "profile")
@@ -161,11 +164,14 @@ class HetPipeStrategy:
         on them, mapped to the description's nodes by :mod:`hetpipe_tf.distributed.resolvers`' rule.
     """
 
-    def __init__(self, cluster="local", policy="ed", num_in_flight=None, staleness_bound=0, placement=None,
-                 vw_size=None, dilation=None, launch="processes", timeout_s=300.0, log_dir=None, emulate_links=None,
-                 checkpoint_dir=None, save_every_epochs=1, resume=False, schedule="hetpipe", sync="wsp",
-                 on_worker_failure="stop", uneven_minibatches=False, profile=None, emulation_references="measured",
-                 cluster_resolver=None, replan="off"):
+    def __init__(self, cluster: str | dict[str, Any] | Cluster = "local", policy: str = "ed",
+                 num_in_flight: int | None = None, staleness_bound: int = 0, placement: str | None = None,
+                 vw_size: int | None = None, dilation: float | None = None, launch: str = "processes",
+                 timeout_s: float = 300.0, log_dir: str | None = None, emulate_links: bool | None = None,
+                 checkpoint_dir: str | None = None, save_every_epochs: int = 1, resume: bool = False,
+                 schedule: PipelineSchedule | str = "hetpipe", sync: SyncScheme | str = "wsp",
+                 on_worker_failure: str = "stop", uneven_minibatches: bool = False, profile: Profile | str | None = None,
+                 emulation_references: str = "measured", cluster_resolver: Any = None, replan: str = "off") -> None:
         from hetpipe_tf.distributed.cluster_devices import LAUNCHES  # late: defers TensorFlow
         from hetpipe_tf.runtime.checkpoint import Checkpoints  # late: defers TensorFlow
         from hetpipe_tf.runtime.discovery import cluster_for  # late: defers TensorFlow
@@ -333,7 +339,7 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.fit_loop import FitOptions, fit  # late: defers TensorFlow
 
         if self.replan == "auto":
-            from hetpipe_tf.runtime.worker_data import epoch_steps
+            from hetpipe_tf.runtime.worker_data import epoch_steps  # late: defers TensorFlow
 
             runner.set_fit_length((epochs - initial_epoch) * (steps_per_epoch or epoch_steps(data)))
         try:

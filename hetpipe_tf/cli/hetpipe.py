@@ -23,42 +23,52 @@ pictures (:mod:`hetpipe_tf.cli.plots`; needs matplotlib: ``pip install 'hetpipe_
 Exit status: 2 for a usage error, 1 for a failed run, each in one line; --verbosity=1 or
 HETPIPE_TRACEBACK=1 adds the traceback (:mod:`hetpipe_tf.cli.errors`).
 """
+import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from absl import app, flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up banners
 
-from hetpipe_tf.cli import errors, hetpipe_flags, plan_flags  # noqa: E402 - after the environment TensorFlow reads
+from hetpipe_tf.cli import errors, hetpipe_flags, models, plan_flags  # noqa: E402 - after the environment TensorFlow reads
+from hetpipe_tf.cli.plots import plot_plan, plot_trace  # noqa: E402 - after the environment TensorFlow reads
+
+if TYPE_CHECKING:
+    import keras
+
+    from hetpipe_tf.planning.cluster import Cluster
+    from hetpipe_tf.planning.planner import Plan
+    from hetpipe_tf.planning.profile import Profile
 
 hetpipe_flags.define_flags()
 FLAGS = flags.FLAGS
 COMMANDS = "plan, simulate, launch -- COMMAND [ARGS...], trace plot TRACE.json [-o PNG]"
 
 
-def build_transformer(name):
+def build_transformer(name: str) -> "keras.Model":
     """A GPT-2-sized language model (about 355M parameters for gpt2_medium): keras_hub's GPT2Backbone
     from its config in hetpipe_flags.TRANSFORMERS (random weights, nothing downloaded), with a Dense
     head over the vocabulary on its output (logits per position); its TransformerDecoder layers
     are atomic, so stages are cut between them."""
-    import keras
-    import keras_hub
+    import keras  # late: defers TensorFlow
+    import keras_hub  # late: optional dependency (and defers TensorFlow)
 
     backbone = keras_hub.models.GPT2Backbone(**hetpipe_flags.TRANSFORMERS[name])
     logits = keras.layers.Dense(hetpipe_flags.TRANSFORMERS[name]["vocabulary_size"], name="lm_head")(backbone.output)
     return keras.Model(backbone.input, logits, name=name)
 
 
-def make_plan():
+def make_plan() -> "Plan":
     """The plan the flags ask for: the plan assembly of every run (:mod:`hetpipe_tf.runtime.plan_assembly`),
     so that the flags of a hetpipe-train run (and its --profile) give that run's plan."""
-    import dataclasses
-
-    from hetpipe_tf.runtime import plan_assembly as assembly
-    from hetpipe_tf.runtime.discovery import cluster_for
-    from hetpipe_tf.runtime.optimizers import by_name
+    from hetpipe_tf.runtime import plan_assembly as assembly  # late: defers TensorFlow
+    from hetpipe_tf.runtime.discovery import cluster_for  # late: defers TensorFlow
+    from hetpipe_tf.runtime.optimizers import by_name  # late: defers TensorFlow
 
     cluster = cluster_for(FLAGS.cluster)
     request = dataclasses.replace(plan_flags.plan_request(FLAGS), method=FLAGS.method,
@@ -68,7 +78,7 @@ def make_plan():
     return assembly.assemble_plan(cluster, request, optimizer, profile)
 
 
-def _model_profile(cluster, optimizer):
+def _model_profile(cluster: "Cluster", optimizer: "keras.optimizers.Optimizer") -> "Profile":
     """The profile of the model the flags name: measured on this host for a cluster whose devices this
     host serves or measures (as hetpipe-train measures it), else read from the model's graph (analytic
     times)."""
@@ -76,9 +86,8 @@ def _model_profile(cluster, optimizer):
     if measured and FLAGS.model in hetpipe_flags.TRANSFORMERS:
         raise app.UsageError(f"--model={FLAGS.model} can be planned for real GPUs (a cluster file or the paper "
                              f"preset), not for cluster '{cluster.name}', whose devices this host serves and measures")
-    from hetpipe_tf.cli import models
-    from hetpipe_tf.runtime import plan_assembly as assembly
-    from hetpipe_tf.runtime.profiler import model_profile
+    from hetpipe_tf.runtime import plan_assembly as assembly  # late: defers TensorFlow
+    from hetpipe_tf.runtime.profiler import model_profile  # late: defers TensorFlow
 
     if FLAGS.model in hetpipe_flags.TRANSFORMERS:
         model = build_transformer(FLAGS.model)
@@ -88,13 +97,11 @@ def _model_profile(cluster, optimizer):
         classes = FLAGS.num_classes or (1000 if big else 10)
         model = models.build_model(FLAGS.model, shape, classes)
     if measured:
-        import keras
+        import keras  # late: defers TensorFlow
 
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         profile = assembly.workload_profile(model, FLAGS.batch_size, None, assembly.Training(optimizer, loss))
-        import numpy as np
-
-        from hetpipe_tf.distributed.node_speed import with_measured_speeds
+        from hetpipe_tf.distributed.node_speed import with_measured_speeds  # late: defers TensorFlow
 
         rng = np.random.default_rng(0)
         return with_measured_speeds(profile, model, lambda: (rng.random((FLAGS.batch_size, *shape), dtype="float32"),
@@ -103,28 +110,27 @@ def _model_profile(cluster, optimizer):
     return model_profile(model, FLAGS.batch_size, sequence_length=length)
 
 
-def simulate_plan(p, steps):
+def simulate_plan(p: "Plan", steps: int) -> dict[str, Any]:
     """Simulation of a plan: throughput, busy fractions, per-worker wait and idle (§8.4)."""
-    from hetpipe_tf.planning.planner import simulate_plan as run
+    from hetpipe_tf.planning.planner import simulate_plan as run  # late: loads for this command only (fast usage errors)
     return run(p, steps)
 
 
-def trace_plot(trace_path):
+def trace_plot(trace_path: str) -> None:
     """`hetpipe trace plot`: the trace as a Gantt chart, into -o or beside the trace."""
-    from hetpipe_tf.cli.plots import plot_trace
     output = FLAGS.output or os.path.splitext(trace_path)[0] + ".png"
     drawn = plot_trace(trace_path, output)
     print(f"timeline of {drawn['spans']} spans on {len(drawn['rows'])} rows, {drawn['duration_s']:.2f} s"
           f"{' (EMULATED devices)' if drawn['emulated'] else ''}, written to {output}")
 
 
-def main(argv):
+def main(argv: Sequence[str]) -> None:
     command = argv[1:]
     if command[:1] == ["launch"]:
         if len(command) < 2:
             raise app.UsageError("launch needs the command to run after --: hetpipe launch --cluster=... -- "
                                  "COMMAND [ARGS...]")
-        from hetpipe_tf.distributed.launch import launch
+        from hetpipe_tf.distributed.launch import launch  # late: loads for this command only (fast usage errors)
         sys.exit(launch(FLAGS.cluster, command[1:], log_dir=FLAGS.task_log_dir, host=FLAGS.host,
                         timeout_s=FLAGS.timeout_s, emulate_links=FLAGS.emulate_links))
     if command[:2] == ["trace", "plot"]:
@@ -140,7 +146,6 @@ def main(argv):
     if command == ["plan"]:
         print(json.dumps(p.to_dict(), indent=1) if FLAGS.json else p.format())
         if FLAGS.png:
-            from hetpipe_tf.cli.plots import plot_plan
             plot_plan(p, FLAGS.png)
             print(f"plan drawn to {FLAGS.png}")
         return
@@ -157,7 +162,8 @@ def main(argv):
               f"idle {w['average_idle_s'] * 1e3:.1f} ms per wave")
 
 
-def run():
+def run() -> None:
+
     errors.run(main, "hetpipe")
 
 

@@ -4,9 +4,12 @@ arguments), and the one function that makes the request of them (:func:`plan_req
 ``hetpipe plan`` with a ``hetpipe-train`` run's flags plans that run."""
 from absl import flags
 
-from hetpipe_tf.pipeline.schedule import SyncScheme
+import hetpipe_tf.pipeline  # noqa: F401 - registers the schedules
+import hetpipe_tf.sync  # noqa: F401 - registers the schemes
+from hetpipe_tf.pipeline.schedule import SyncScheme, check_combination
 from hetpipe_tf.planning.allocation import POLICIES
 from hetpipe_tf.planning.request import PlanRequest
+from hetpipe_tf.sync.pipe_sgd import PipeSGD
 from hetpipe_tf.sync.wsp import PLACEMENTS
 
 
@@ -54,10 +57,6 @@ def define_plan_flags() -> None:
 
 
 def _registered_combination(values: dict) -> bool:
-    import hetpipe_tf.pipeline  # noqa: F401 - registers the schedules
-    import hetpipe_tf.sync  # noqa: F401 - registers the schemes
-    from hetpipe_tf.pipeline.schedule import check_combination
-
     try:
         check_combination(values["schedule"], values["sync"])[1].checked_bound(values["staleness_bound"])
     except ValueError as exc:
@@ -70,8 +69,6 @@ def chosen_sync(values: flags.FlagValues) -> str | SyncScheme:
     """The synchronisation scheme the flags name: --sync, with Pipe-SGD's k and compression."""
     if values.sync != "pipe-sgd":
         return values.sync
-    from hetpipe_tf.sync.pipe_sgd import PipeSGD
-
     return PipeSGD(staleness=values.pipe_sgd_staleness, compression=values.compression)
 
 

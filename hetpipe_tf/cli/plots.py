@@ -19,9 +19,12 @@ import json
 import os
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetpipe_tf.errors import HetPipeRunError, HetPipeUsageError
+
+if TYPE_CHECKING:
+    from hetpipe_tf.planning.planner import Plan
 
 INSTALL_COMMAND = "pip install 'hetpipe_tf[plot]'"
 
@@ -168,7 +171,7 @@ def _kind_colours(bars: Mapping[tuple[Any, str], Sequence[Any]]) -> dict[str, tu
 
 
 # Plans -----------------------------------------------------------------------------------
-def plot_plan(plan: Mapping[str, Any], output_path: str | os.PathLike[str]) -> dict[str, Any]:
+def plot_plan(plan: "Plan", output_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Draws a :class:`hetpipe_tf.planning.planner.Plan` into the PNG `output_path`: per virtual worker,
     each stage's predicted time (left) and predicted memory against capacity (right).
 

@@ -21,6 +21,7 @@ from hetpipe_tf.distributed.launch import ps_device, worker_device
 from hetpipe_tf.distributed.protocol import local_device
 from hetpipe_tf.planning.cluster import Cluster
 from hetpipe_tf.planning.devices import DeviceSpec
+from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.run_config import WorkerSpec
 
 #: Where a run's tasks run (see the module docstring).
@@ -50,8 +51,6 @@ class ClusterDevices:
         self._nodes = [n.name for n in cluster.nodes]
         self._local = None  # in_process: this process's logical device of every cluster device, in order
         if launch == "in_process":
-            from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
-
             self._local = configure_tensorflow_devices([device_spec(d) for d in cluster.devices()])
             flat = [(n, i) for n, node in enumerate(cluster.nodes) for i in range(node.count)]
             self._index = {key: i for i, key in enumerate(flat)}
@@ -92,7 +91,7 @@ class ClusterDevices:
         return WorkerSpec(tuple(specs), tuple(names), boundaries=tuple(boundaries), stage_servers=tuple(servers),
                           references=references), local
 
-    def profiling_device(self):
+    def profiling_device(self) -> str | None:
         """Where a profile times the stages: None (this process's CPU) in process; on a cluster, the
         worker task's CPU of the first node with a host device (an emulated or CPU one) outside a
         CPU-quota group, or None. A quota node's task is not it: its times are the host's, and a

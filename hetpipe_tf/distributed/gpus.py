@@ -232,7 +232,7 @@ def gpu_layout(cluster: Cluster, gpus: Sequence[PhysicalGPU] | None = None,
 def hide_gpus_here() -> bool:
     """Hides every GPU from this process's TensorFlow (a chief or a virtual worker's process: the
     GPUs are the nodes' worker tasks'); False when TensorFlow had already started and keeps them."""
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     try:
         tf.config.set_visible_devices([], "GPU")

@@ -16,6 +16,7 @@ processes) on a given node: LocalCluster itself, TFConfigCluster through that no
 worker task (:mod:`hetpipe_tf.distributed.starter`).
 """
 import abc
+import atexit
 import contextlib
 import functools
 import json
@@ -24,9 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, TextIO
 
 from hetpipe_tf.distributed.cgroups import (
     CGROUP_ROOT,
@@ -37,6 +38,8 @@ from hetpipe_tf.distributed.cgroups import (
 )
 from hetpipe_tf.distributed.gpus import NO_GPU, GPULayout, gpu_layout, hide_gpus_here
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
+from hetpipe_tf.distributed.netlinks import EmulatedLinks
+from hetpipe_tf.distributed.resolvers import chief_environ
 from hetpipe_tf.distributed.starter import (
     AUTHKEY_ENV,
     ClusterStartError,
@@ -48,13 +51,10 @@ from hetpipe_tf.distributed.starter import (
     wait_ready,
 )
 from hetpipe_tf.errors import HetPipeUsageError
-
-if TYPE_CHECKING:
-    from hetpipe_tf.distributed.netlinks import EmulatedLinks
-    from hetpipe_tf.planning.cluster import Cluster
+from hetpipe_tf.planning.cluster import Cluster, load_cluster
 
 
-def use_parallel_remote_ops():
+def use_parallel_remote_ops() -> None:
     """Lets this process's threads run ops on one remote task at the same time.
 
     By default TensorFlow's eager client streams every op for a task through one gRPC
@@ -67,12 +67,12 @@ def use_parallel_remote_ops():
     os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "0"
 
 
-def ps_device(task):
+def ps_device(task: int) -> str:
     """The TensorFlow device of parameter-server task `task` (its CPU)."""
     return f"/job:ps/task:{task}/device:CPU:0"
 
 
-def worker_device(task, kind, index):
+def worker_device(task: int, kind: str, index: int) -> str:
     """The TensorFlow device `kind`:`index` ("CPU" or "GPU") of worker task `task` (one per node)."""
     return f"/job:worker/task:{task}/device:{kind}:{index}"
 
@@ -94,39 +94,39 @@ class ChiefCluster(abc.ABC):
     node), the tasks found lost, and forgetting a lost one. :class:`LocalCluster` and
     :class:`TFConfigCluster` are the two kinds."""
 
-    def __init__(self, spec, timeout_s, start_timeout):
+    def __init__(self, spec: dict[str, list[str]], timeout_s: float, start_timeout: float) -> None:
         self.spec = spec  # {job: [address, ...]} of the ps, worker and chief tasks
         self.timeout_s = float(timeout_s)
         self.start_timeout = float(start_timeout)
-        self.monitor = None  # the HeartbeatMonitor of the tasks watched
-        self._addresses = {}  # (job, index) -> address of the tasks the chief started
-        self._on_lost = []
+        self.monitor: HeartbeatMonitor | None = None  # the HeartbeatMonitor of the tasks watched
+        self._addresses: dict[tuple[str, int], str] = {}  # (job, index) -> address of the tasks the chief started
+        self._on_lost: list[Callable[[LostTask], object]] = []
 
-    def address(self, job, index):
+    def address(self, job: str, index: int) -> str:
         """The TensorFlow address of task (job, index)."""
         return self.spec[job][index] if job in self.spec else self._addresses[(job, index)]
 
-    def host(self, node):
+    def host(self, node: int) -> str:
         """The machine whose cores node `node`'s tasks share: its worker task's host."""
         return self.spec["worker"][node].rsplit(":", 1)[0]
 
-    def on_lost(self, callback):
+    def on_lost(self, callback: Callable[[LostTask], object]) -> None:
         """Calls callback(LostTask) when a watched task is lost."""
         self._on_lost.append(callback)
 
-    def lost_task(self, job, index, wait_s=0.0):
+    def lost_task(self, job: str, index: int, wait_s: float = 0.0) -> LostTask | None:
         """The :class:`hetpipe_tf.distributed.heartbeat.LostTask` of task (job, index), waiting up
         to `wait_s` for its heartbeat to say so (how it ended, or why it was given up), or None."""
         return poll(lambda: self.monitor.reported(job, index) if self.monitor else None, wait_s, 0.05)
 
-    def _connect_as_chief(self):
-        import tensorflow as tf
+    def _connect_as_chief(self) -> None:
+        import tensorflow as tf  # late: defers TensorFlow
 
         use_parallel_remote_ops()
         tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(self.spec), job_name="chief", task_index=0,
                                                   make_master_device_default=False)
 
-    def _told_lost(self, lost):
+    def _told_lost(self, lost: LostTask) -> None:
         """Tells the other tasks and calls the callbacks (which stop training, or go on without a
         virtual worker's process)."""
         self.monitor.tell_lost(lost)
@@ -134,20 +134,20 @@ class ChiefCluster(abc.ABC):
             callback(lost)
 
     @abc.abstractmethod
-    def connect(self):
+    def connect(self) -> "ChiefCluster":
         """Makes this process the chief of the cluster (once per process); returns the cluster."""
 
     @abc.abstractmethod
-    def start_tasks(self, tasks):
+    def start_tasks(self, tasks: Sequence[tuple[str, int, int, str, list[str]]]) -> None:
         """Starts tasks, each (job, index, node, module, args), on node `node`; waits until every
         one is ready and watches their heartbeats."""
 
     @abc.abstractmethod
-    def forget(self, job, index):
+    def forget(self, job: str, index: int) -> None:
         """Ends task (job, index) if it still runs and forgets it: it no longer counts as lost."""
 
     @abc.abstractmethod
-    def find_lost(self, wait_s=2.0):
+    def find_lost(self, wait_s: float = 2.0) -> LostTask | None:
         """The task found lost (a LostTask), or None, waiting up to `wait_s` for it to show."""
 
 
@@ -185,7 +185,7 @@ class LocalCluster(ChiefCluster):
 
     def __init__(self, num_ps: int, worker_cpus: Sequence[int], host: str | dict[str, list[str]] = "127.0.0.1",
                  log_dir: str | None = None, start_timeout: float = 120.0, timeout_s: float = 300.0,
-                 task_starters: bool = False, links: "EmulatedLinks | None" = None,
+                 task_starters: bool = False, links: EmulatedLinks | None = None,
                  cpu_quotas: Sequence[float | None] | None = None, cgroup_root: str = CGROUP_ROOT,
                  gpus: GPULayout | None = None) -> None:
         self.worker_cpus = list(worker_cpus)
@@ -195,10 +195,10 @@ class LocalCluster(ChiefCluster):
         self.gpus = gpus
         self.links = links
         self.cpu_quotas = self._checked_quotas(cpu_quotas)
-        self.cgroups = None  # CpuGroups, made with the first task of a node that has a quota
+        self.cgroups: CpuGroups | None = None  # made with the first task of a node that has a quota
         self._cgroup_root = cgroup_root
-        self._node_hosts = []
-        self._ports = {}  # ports given out per namespace address
+        self._node_hosts: list[str] = []
+        self._ports: dict[str, int] = {}  # ports given out per namespace address
         if links is not None:
             if not num_ps == len(self.worker_cpus) == links.num_nodes:
                 raise ValueError(f"emulated links join {links.num_nodes} nodes, one ps and one worker task each; "
@@ -214,8 +214,8 @@ class LocalCluster(ChiefCluster):
         os.makedirs(self.log_dir, exist_ok=True)
         self.authkey = os.urandom(16)  # the cluster's key (hetpipe_tf.distributed.starter)
         self.task_starters = task_starters
-        self._procs = {}
-        self._heartbeats = {}
+        self._procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self._heartbeats: dict[tuple[str, int], str] = {}
         self._connected = False
 
     def _checked_quotas(self, cpu_quotas: Sequence[float | None] | None) -> list[float | None]:
@@ -248,7 +248,7 @@ class LocalCluster(ChiefCluster):
             self.cgroups = groups
         return self.cgroups[f"node{node}"]
 
-    def free_address(self, host):
+    def free_address(self, host: str) -> str:
         """A TensorFlow address HOST:PORT with a port free on `host`. An emulated node's
         namespace is a port space of its own, which only this cluster's tasks use."""
         if host not in self._node_hosts:
@@ -256,24 +256,24 @@ class LocalCluster(ChiefCluster):
         self._ports[host] = self._ports.get(host, 20000) + 1
         return f"{host}:{self._ports[host]}"
 
-    def host(self, node):
+    def host(self, node: int) -> str:
         """This machine: every task of a local cluster runs here, in a node's network namespace or not."""
         return "localhost"
 
-    def node_host(self, node):
+    def node_host(self, node: int) -> str:
         """The address that node `node`'s tasks bind: its namespace's with emulated links,
         else the workers' host."""
         return self._node_hosts[node] if self._node_hosts else self.spec["worker"][node].rsplit(":", 1)[0]
 
     @property
-    def tasks(self):
+    def tasks(self) -> list[tuple[str, int]]:
         """(job, index) of every task, ps tasks first."""
         return list(self._procs)
 
-    def pid(self, job, index):
+    def pid(self, job: str, index: int) -> int:
         return self._procs[(job, index)].pid
 
-    def exit_status(self, job, index):
+    def exit_status(self, job: str, index: int) -> str | None:
         """How task (job, index) ended ("exited with status 1", "killed by signal 9"), or None
         while it runs."""
         code = self._procs[(job, index)].poll()
@@ -281,7 +281,7 @@ class LocalCluster(ChiefCluster):
             return None
         return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
-    def task_log(self, job, index):
+    def task_log(self, job: str, index: int) -> str:
         return os.path.join(self.log_dir, f"{job}-{index}.log")
 
     def task_commands(self) -> list[TaskCommand]:
@@ -342,7 +342,7 @@ class LocalCluster(ChiefCluster):
                                           env=dict(env, **({AUTHKEY_ENV: self.authkey.hex()} if keyed else {})),
                                           chief_timeout_s=self.timeout_s, wrap=wrap)
 
-    def _wait_ready(self, job, i):
+    def _wait_ready(self, job: str, i: int) -> None:
         try:
             self._heartbeats[(job, i)] = wait_ready(self._procs[(job, i)], self.task_log(job, i), f"{job}:{i}",
                                                     self.start_timeout)
@@ -350,7 +350,7 @@ class LocalCluster(ChiefCluster):
             self.stop()
             raise
 
-    def connect(self):
+    def connect(self) -> "LocalCluster":
         """Makes this process the chief of the cluster (once per process)."""
         if not self._connected:
             self._connect_as_chief()
@@ -358,18 +358,18 @@ class LocalCluster(ChiefCluster):
             self.watch()
         return self
 
-    def watch(self):
+    def watch(self) -> "LocalCluster":
         """Starts watching every task's heartbeats (once; the chief's connect does it)."""
         if self.monitor is None:
             self.monitor = HeartbeatMonitor([self._watched(job, i) for job, i in self._procs], self.timeout_s,
                                             self._lost, exit_status=self.exit_status).start()
         return self
 
-    def _watched(self, job, i):
+    def _watched(self, job: str, i: int) -> Watched:
         return Watched(job, i, self.address(job, i), self._heartbeats[(job, i)])
 
     @property
-    def lost(self):
+    def lost(self) -> LostTask | None:
         """The first task found lost (a :class:`hetpipe_tf.distributed.heartbeat.LostTask`), or
         None. A task that exited counts even before its heartbeat connection says so: a call
         to it may fail first."""
@@ -381,12 +381,12 @@ class LocalCluster(ChiefCluster):
                 return LostTask(job, i, self.address(job, i), status)
         return None
 
-    def find_lost(self, wait_s=2.0):
+    def find_lost(self, wait_s: float = 2.0) -> LostTask | None:
         """:attr:`lost`, waiting up to `wait_s` for it to show: a call to a task that was just
         killed can fail (its sockets close) before its exit can be seen."""
         return poll(lambda: self.lost, wait_s, 0.1)
 
-    def forget(self, job, index):
+    def forget(self, job: str, index: int) -> None:
         """Ends task (job, index) if it still runs and forgets it: it no longer counts as lost
         (:attr:`lost`), and a task started for it anew is watched afresh (a virtual worker's
         process the run went on without, :class:`hetpipe_tf.distributed.process_runner.ProcessRunner`)."""
@@ -397,7 +397,7 @@ class LocalCluster(ChiefCluster):
             proc.kill()
             proc.wait()
 
-    def _lost(self, lost):
+    def _lost(self, lost: LostTask) -> None:
         """A task is lost: says so in one line, ends it (gRPC calls waiting on a stopped task
         then fail instead of hanging), tells the other tasks, and calls the callbacks (which
         stop training, or go on without a virtual worker's process)."""
@@ -407,13 +407,13 @@ class LocalCluster(ChiefCluster):
             proc.kill()
         self._told_lost(lost)
 
-    def ps_devices(self):
+    def ps_devices(self) -> list[str]:
         return [ps_device(i) for i in range(len(self.spec["ps"]))]
 
-    def worker_devices(self, worker, kind="CPU"):
+    def worker_devices(self, worker: int, kind: str = "CPU") -> list[str]:
         return [worker_device(worker, kind, j) for j in range(self.worker_cpus[worker])]
 
-    def tf_config(self):
+    def tf_config(self) -> str:
         """TF_CONFIG for the chief (to hand to a program that connects itself)."""
         return json.dumps({"cluster": self.spec, "task": {"type": "chief", "index": 0}})
 
@@ -440,10 +440,10 @@ class LocalCluster(ChiefCluster):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(starter_file(address))
 
-    def __enter__(self):
+    def __enter__(self) -> "LocalCluster":
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -475,7 +475,8 @@ class TFConfigCluster(ChiefCluster):
             not name this process its chief, or ``HETPIPE_AUTHKEY`` is not set.
     """
 
-    def __init__(self, num_ps, num_workers, timeout_s=300.0, start_timeout=120.0, environ=None):
+    def __init__(self, num_ps: int, num_workers: int, timeout_s: float = 300.0, start_timeout: float = 120.0,
+                 environ: Mapping[str, str] | None = None) -> None:
         environ = environ if environ is not None else os.environ
         text = environ.get("TF_CONFIG")
         if not text:
@@ -501,18 +502,18 @@ class TFConfigCluster(ChiefCluster):
                                      f"every task and the chief)")
         super().__init__(spec, timeout_s, start_timeout)
         self._environ = environ
-        self._starters = {}  # node -> StarterClient
-        self._started_by = {}  # (job, index) -> node
+        self._starters: dict[int, StarterClient] = {}  # node -> StarterClient
+        self._started_by: dict[tuple[str, int], int] = {}  # (job, index) -> node
 
-    def connect(self):
+    def connect(self) -> "TFConfigCluster":
         """Makes this process the chief of the cluster (once per process)."""
         self._connect_as_chief()
         return self
 
-    def _starter(self, node):
+    def _starter(self, node: int) -> StarterClient:
         """The task starter of node `node`'s worker task, its address read on that host through
         TensorFlow (:func:`hetpipe_tf.distributed.starter.starter_file`)."""
-        import tensorflow as tf
+        import tensorflow as tf  # late: defers TensorFlow
 
         if node not in self._starters:
             address = self.spec["worker"][node]
@@ -525,7 +526,7 @@ class TFConfigCluster(ChiefCluster):
             self._starters[node] = StarterClient(starter, self.authkey, self.timeout_s)
         return self._starters[node]
 
-    def start_tasks(self, tasks):
+    def start_tasks(self, tasks: Sequence[tuple[str, int, int, str, list[str]]]) -> None:
         """Starts tasks, each (job, index, node, module, args), by node `node`'s worker task:
         ``python -m module args --address=HOST:PORT`` on its host; waits until every one is
         ready, and watches their heartbeats."""
@@ -540,7 +541,7 @@ class TFConfigCluster(ChiefCluster):
             else:
                 self.monitor.add(watched)
 
-    def _lost(self, lost):
+    def _lost(self, lost: LostTask) -> None:
         """As :meth:`LocalCluster._lost`: one line; the task ended by the worker task that started
         it; the others told; the callbacks called."""
         print(f"hetpipe: {lost}", file=sys.stderr, flush=True)
@@ -551,7 +552,7 @@ class TFConfigCluster(ChiefCluster):
                   file=sys.stderr, flush=True)
         self._told_lost(lost)
 
-    def forget(self, job, index):
+    def forget(self, job: str, index: int) -> None:
         """As :meth:`LocalCluster.forget`: the task is ended by the worker task that started it."""
         if self.monitor is not None:
             self.monitor.forget(job, index)
@@ -560,13 +561,13 @@ class TFConfigCluster(ChiefCluster):
             with contextlib.suppress(OSError, EOFError, TimeoutError):
                 self._starters[node].end(job, index)
 
-    def find_lost(self, wait_s=2.0):
+    def find_lost(self, wait_s: float = 2.0) -> LostTask | None:
         """The task lost, or None: one that ``hetpipe launch`` reported (a ps or worker task:
         the cause when the processes it started were lost with it), else one of this chief's."""
         return reported_lost(self._environ, wait_s) or (self.monitor.lost if self.monitor else None)
 
 
-def local_gpus(description: "Cluster") -> GPULayout:
+def local_gpus(description: Cluster) -> GPULayout:
     """The GPUs of `description`'s nodes on this machine (:func:`hetpipe_tf.distributed.gpus.gpu_layout`),
     said on stderr when some node has GPUs."""
     layout = gpu_layout(description)
@@ -576,11 +577,12 @@ def local_gpus(description: "Cluster") -> GPULayout:
 
 
 #: This process as a cluster's chief: TensorFlow connects a process to one cluster only.
-_chief = {}
+_chief: dict[str, Any] = {}
 
 
-def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, emulate_links=False, on_lost=None,
-                 resolver=None):
+def join_cluster(description: Cluster, launch: str, timeout_s: float, start_timeout: float,
+                 log_dir: str | None = None, emulate_links: bool = False,
+                 on_lost: Callable[[LostTask], object] | None = None, resolver: Any = None) -> ChiefCluster:
     """Starts (launch "processes": a :class:`LocalCluster` here, with emulated links between its
     nodes if `emulate_links`) or joins (launch "tf_config": :class:`TFConfigCluster`, of TF_CONFIG
     or of TensorFlow's cluster `resolver`, :mod:`hetpipe_tf.distributed.resolvers`) the cluster of
@@ -600,10 +602,6 @@ def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, em
     if launch == "processes":
         links = None
         if emulate_links:
-            import atexit
-
-            from hetpipe_tf.distributed.netlinks import EmulatedLinks
-
             links = EmulatedLinks(shape[0], 8 * description.inter_node_bandwidth,
                                   description.inter_node_latency).start()
             atexit.register(links.stop)  # after the tasks, which end with this process
@@ -619,7 +617,6 @@ def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, em
     else:
         environ = None
         if resolver is not None:
-            from hetpipe_tf.distributed.resolvers import chief_environ
 
             environ = chief_environ(resolver, description)
         cluster = TFConfigCluster(num_ps=shape[0], num_workers=shape[0], timeout_s=timeout_s,
@@ -633,7 +630,7 @@ def join_cluster(description, launch, timeout_s, start_timeout, log_dir=None, em
 LOST_TASK_FILE_ENV = "HETPIPE_LOST_TASK_FILE"
 
 
-def reported_lost(environ=None, wait_s=2.0):
+def reported_lost(environ: Mapping[str, str] | None = None, wait_s: float = 2.0) -> LostTask | None:
     """The task that `hetpipe launch` found lost (a LostTask), or None: read from the file
     named by HETPIPE_LOST_TASK_FILE, waiting up to `wait_s` for it (a call to a dead task may
     fail before the launcher's heartbeat says so)."""
@@ -651,8 +648,9 @@ def reported_lost(environ=None, wait_s=2.0):
             time.sleep(0.1)
 
 
-def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0, timeout_s=300.0,
-           out=sys.stdout, emulate_links=None):
+def launch(cluster: str | Cluster, command: Sequence[str], log_dir: str | None = None, host: str = "127.0.0.1",
+           start_timeout: float = 120.0, timeout_s: float = 300.0, out: TextIO = sys.stdout,
+           emulate_links: bool | None = None) -> int:
     """Runs `command` as the chief of a cluster started here for `cluster` (a description).
 
     Starts one ps and one worker task per node of the description (the worker with a
@@ -666,8 +664,6 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
     (:mod:`hetpipe_tf.distributed.netlinks`), and `host` is not used. A node of GPUs gets them as
     under launch="processes" (:mod:`hetpipe_tf.distributed.gpus`). Returns the command's exit status.
     """
-    from hetpipe_tf.distributed.netlinks import EmulatedLinks
-    from hetpipe_tf.planning.cluster import load_cluster
 
     description = load_cluster(cluster)
     nodes = description.nodes
@@ -680,16 +676,17 @@ def launch(cluster, command, log_dir=None, host="127.0.0.1", start_timeout=120.0
         return _launch(description, command, links, log_dir, host, start_timeout, timeout_s, out)
 
 
-def _launch(description, command, links, log_dir, host, start_timeout, timeout_s, out):
+def _launch(description: Cluster, command: Sequence[str], links: EmulatedLinks | None, log_dir: str | None,
+            host: str, start_timeout: float, timeout_s: float, out: TextIO) -> int:
     nodes = description.nodes
     local = LocalCluster(num_ps=len(nodes), worker_cpus=[n.count for n in nodes], host=host, log_dir=log_dir,
                          start_timeout=start_timeout, timeout_s=timeout_s, task_starters=True, links=links,
                          cpu_quotas=description.node_quotas(), gpus=local_gpus(description))
     local.start()
     lost_file = os.path.join(local.log_dir, "lost-task.json")
-    lost_at = []
+    lost_at: list[float] = []
 
-    def report(lost):
+    def report(lost: LostTask) -> None:
         with open(lost_file + ".tmp", "w") as f:
             json.dump({"job": lost.job, "index": lost.index, "address": lost.address, "reason": lost.reason}, f)
         os.replace(lost_file + ".tmp", lost_file)
@@ -702,7 +699,7 @@ def _launch(description, command, links, log_dir, host, start_timeout, timeout_s
           file=out, flush=True)
     chief = subprocess.Popen(command, env=dict(os.environ, TF_CONFIG=local.tf_config(),
                                                **{LOST_TASK_FILE_ENV: lost_file, AUTHKEY_ENV: local.authkey.hex()}))
-    reported = set()
+    reported: set[tuple[str, int]] = set()
     try:
         while chief.poll() is None:
             if lost_at and time.monotonic() - lost_at[0] > 10.0:
@@ -729,7 +726,7 @@ def _launch(description, command, links, log_dir, host, start_timeout, timeout_s
         local.stop()
 
 
-def _end(proc):
+def _end(proc: "subprocess.Popen[bytes]") -> None:
     """SIGTERM, then SIGKILL after 10 s."""
     proc.terminate()
     try:

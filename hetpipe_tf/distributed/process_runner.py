@@ -33,15 +33,18 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+import keras
 import tensorflow as tf
 
 from hetpipe_tf.distributed import protocol
 from hetpipe_tf.distributed.protocol import job_name
 from hetpipe_tf.distributed.dataset_transfer import dataset_to_bytes
-from hetpipe_tf.distributed.heartbeat import call_with_deadline
-from hetpipe_tf.distributed.lost_workers import LostWorkers
+from hetpipe_tf.distributed.heartbeat import LostTask, call_with_deadline
+from hetpipe_tf.distributed.launch import ChiefCluster
+from hetpipe_tf.distributed.lost_workers import LostWorker, LostWorkers
 from hetpipe_tf.distributed.starter import ClusterStartError
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.executor import PipelineError
@@ -53,8 +56,13 @@ from hetpipe_tf.runtime.model_transport import pack_model
 from hetpipe_tf.runtime.stage_rewrite import split_model
 from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
-from hetpipe_tf.runtime.virtual_worker import decide_dilation
+from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
+from hetpipe_tf.runtime.virtual_worker import Dilation, decide_dilation
 from hetpipe_tf.runtime.wsp_runner import server_layout
+
+if TYPE_CHECKING:
+    import numpy as np
+
 
 
 class WorkerProcessError(PipelineError):
@@ -66,18 +74,19 @@ class _Connection:
     hands the training messages (and :class:`protocol.Lost` when the connection ends: the process
     is gone) to `on_training` and keeps the answers to orders for :meth:`answer`."""
 
-    def __init__(self, worker, conn, on_training):
+    def __init__(self, worker: int, conn: multiprocessing.connection.Connection,
+                 on_training: Callable[[int, Any], None]) -> None:
         self.worker = worker
         self.conn = conn
         self.ended = False  # the connection ended: the process is gone
         self.left = False  # the chief went on without the process: the connection's end is no news
         self.leaving = threading.Lock()  # orders `left` and the report of the connection's end
         self.lock = threading.Lock()
-        self.answers = queue.Queue()
+        self.answers: queue.Queue[Any] = queue.Queue()
         self.on_training = on_training
         threading.Thread(target=self._read, name=f"hetpipe-vw{worker}-reader", daemon=True).start()
 
-    def send(self, order):
+    def send(self, order: Any) -> bool:
         """Sends an order; False if the process is gone (its loss is reported by the reader)."""
         try:
             with self.lock:
@@ -86,7 +95,7 @@ class _Connection:
         except OSError:
             return False
 
-    def _read(self):
+    def _read(self) -> None:
         while True:
             try:
                 message = self.conn.recv()
@@ -103,7 +112,7 @@ class _Connection:
             else:
                 self.answers.put(message)
 
-    def answer(self, timeout_s, order):
+    def answer(self, timeout_s: float, order: Any) -> Any:
         """The answer to the last `order` sent (of the order's answer type); raises the process's error."""
         try:
             message = self.answers.get(timeout=timeout_s)
@@ -117,13 +126,13 @@ class _Connection:
                                      f"{type(message).__name__}, not {order.answer.__name__}")
         return message
 
-    def ask(self, timeout_s, order):
+    def ask(self, timeout_s: float, order: Any) -> Any:
         """Sends an order and returns its answer."""
         self.send(order)
         return self.answer(timeout_s, order)
 
 
-def _error(worker, message):
+def _error(worker: int, message: protocol.Error | protocol.Failed | protocol.Lost) -> WorkerProcessError:
     """The chief's exception for a worker process's :class:`protocol.Error`, ``Failed`` or ``Lost``
     (a non-finite loss keeps its cause, whose logs TerminateOnNaN reads)."""
     error = WorkerProcessError(f"virtual worker {worker}'s process failed: {message.kind}: {message.message}")
@@ -152,7 +161,8 @@ class ProcessRunner:
         whose address the process binds.
     """
 
-    def __init__(self, model, cluster, workers, config, ps_devices, local_devices, home_nodes):
+    def __init__(self, model: keras.Model, cluster: ChiefCluster, workers: Sequence[WorkerSpec], config: RunConfig,
+                 ps_devices: Sequence[str], local_devices: Sequence[int], home_nodes: Sequence[int]) -> None:
         config.check_picklable()  # before any process starts
         self._model_text = pack_model(model)  # refuses a layer class a worker cannot rebuild, before any process starts
         check_for_workers(config.optimizer, len(workers))
@@ -163,7 +173,7 @@ class ProcessRunner:
         self.home_nodes = list(home_nodes)
         self.local_devices = list(local_devices)
         self.ps_devices = list(ps_devices)
-        self._dilation = None  # the run's, decided at the first fit (calibrated when the config gives none)
+        self._dilation: Dilation | None = None  # the run's, decided at the first fit (calibrated when the config gives none)
         # Under "continue" a worker waits twice as long for the others (pulls, its pipeline's
         # watchdog) as the heartbeats take to give up a stopped one, which is then retired first.
         self._worker_config = config.replace(
@@ -175,35 +185,36 @@ class ProcessRunner:
         self.layout = server_layout(staged, self.workers[0], config, ps_devices, stages)
         self.servers = self.layout.servers(model)
         self.lost = LostWorkers(cluster, self.servers.clock, config.timeout_s)
-        self.aborted = None  # why the last run was aborted, if it was
-        self.trace = None
-        self.batch_size = None
-        self.descriptions = []
-        self._conns = []
-        self._events = None
+        self.aborted: str | None = None  # why the last run was aborted, if it was
+        self.trace: TraceRecorder | None = None
+        self.batch_size: int | None = None
+        self.descriptions: list[str | None] = []
+        self._conns: list[_Connection] = []
+        self._events: Events | None = None
         self._report_started = True
-        self._optimizer_states = None  # a resumed run's, to give the workers' stages once built
-        self._finished = queue.Queue()
-        self._segment = {"steps": [0] * self.num_workers, "done": {}, "started": set()}  # the current train's
-        self._shards = None  # each worker's whole shard (repeated), to restart one
-        self._restarted = {}  # the shards of workers restarted at the last epoch's end
+        self._optimizer_states: list[protocol.OptimizerStateDict | None] | None = None  # a resumed run's
+        self._finished: queue.Queue[tuple[int, Any]] = queue.Queue()
+        # the current train's
+        self._segment: dict[str, Any] = {"steps": [0] * self.num_workers, "done": {}, "started": set()}
+        self._shards: Sequence[Iterable] | None = None  # each worker's whole shard (repeated), to restart one
+        self._restarted: dict[int, protocol.DatasetBytes] = {}  # the shards of workers restarted at the epoch's end
         self._learning_rate = _LearningRate(self, float(check_optimizer(config.optimizer).learning_rate))
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         return len(self.workers)
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         return any(d.emulated for w in self.workers for d in w.devices)
 
     @property
-    def lost_workers(self):
+    def lost_workers(self) -> list[LostWorker]:
         """Every virtual worker lost in this runner's fits (:class:`hetpipe_tf.distributed.lost_workers.LostWorker`)."""
         return self.lost.records
 
     # Starting --------------------------------------------------------------------------
-    def _start_processes(self, workers):
+    def _start_processes(self, workers: Iterable[int]) -> list[_Connection]:
         """Starts the processes of `workers` on their home nodes; returns every worker's
         connection (the new ones in place of the old)."""
         host = self.cluster.address("chief", 0).rsplit(":", 1)[0]
@@ -222,7 +233,8 @@ class ProcessRunner:
                 conns[hello.worker] = _Connection(hello.worker, conn, self._on_training)
         return [conns[w] for w in range(self.num_workers)]
 
-    def _send_jobs(self, shards, workers=None, weights=None):
+    def _send_jobs(self, shards: Mapping[int, protocol.DatasetBytes] | Sequence[protocol.DatasetBytes],
+                   workers: Iterable[int] | None = None, weights: "list[np.ndarray] | None" = None) -> None:
         """Sends the process of each of `workers` (default: all) its :class:`protocol.Job` (the
         model with `weights`, default the Keras model's; its place in the plan; its data; the run's
         servers) and waits until it is built."""
@@ -238,7 +250,7 @@ class ProcessRunner:
                 w, self.workers[w], self._worker_config, model_json, weights, layout, shards[w]))
             self.batch_size, self.descriptions[w] = ready.batch_size, ready.description
 
-    def _probe(self, dilation):
+    def _probe(self, dilation: float) -> EmulationReport:
         """One calibration probe of every worker at once at `dilation`, each in its own process (the
         dilation is calibrated for the multi-process runtime that then runs); their report."""
         order = protocol.Probe(dilation, self.num_workers)
@@ -247,7 +259,7 @@ class ProcessRunner:
         return EmulationReport.combine(c.answer(self.config.timeout_s, order).report for c in self._live())
 
     # Training --------------------------------------------------------------------------
-    def _on_training(self, worker, message):
+    def _on_training(self, worker: int, message: Any) -> None:
         if isinstance(message, protocol.Started):
             self._segment["started"].add(worker)
             if self._report_started:  # once per fit, not per epoch of a checkpointing one
@@ -258,16 +270,16 @@ class ProcessRunner:
         else:
             self._finished.put((worker, message))
 
-    def _live(self):
+    def _live(self) -> list[_Connection]:
         """The connections of the workers whose process runs (not lost)."""
         return [c for c in self._conns if c.worker not in self.lost.gone]
 
-    def broadcast(self, order):
+    def broadcast(self, order: Any) -> None:
         """Sends an order to every worker's process."""
         for c in self._live():
             c.send(order)
 
-    def task_lost(self, lost):
+    def task_lost(self, lost: LostTask) -> None:
         """The cluster lost a task (a :class:`hetpipe_tf.distributed.heartbeat.LostTask`): the run
         is aborted, unless it is a virtual worker's process and on_worker_failure is "continue"
         (the cluster ended the process; its connection's end then retires it, :meth:`_collect`)."""
@@ -275,7 +287,7 @@ class ProcessRunner:
             return
         self.abort(str(lost))
 
-    def _skip(self, worker, missing):
+    def _skip(self, worker: int, missing: int) -> None:
         """Tells fit that `missing` minibatches of `worker` will not be trained (steps without an
         update) and, if it had not said so, that it started."""
         if self._report_started and worker not in self._segment["started"]:
@@ -283,14 +295,14 @@ class ProcessRunner:
         for _ in range(missing):
             self._events.put("done", (None, time.perf_counter()))
 
-    def _lose(self, worker):
+    def _lose(self, worker: int) -> None:
         """Goes on without `worker`, whose process is gone (:meth:`LostWorkers.lose`); the
         minibatches it had still to train in this epoch count as steps without an update."""
         missing = self._segment["steps"][worker] - self._segment["done"].get(worker, 0)
         self.lost.lose(worker, job_name(worker), missing, self.num_workers)
         self._skip(worker, missing)
 
-    def _restart_lost(self, positions):
+    def _restart_lost(self, positions: Sequence[int]) -> dict[int, protocol.DatasetBytes]:
         """Starts a new process for every lost worker (between epochs: every other worker
         drained): it takes the global weights, its shard from `positions`, and rejoins the WSP
         clock at the global clock. A worker whose process cannot start stays lost (one line).
@@ -307,7 +319,7 @@ class ProcessRunner:
         self.lost.rejoined(lost, [w for w in range(self.num_workers) if w not in self.lost.gone])
         return shards
 
-    def _global_weights(self):
+    def _global_weights(self) -> "list[np.ndarray]":
         """The Keras model's weights with the global ones (the servers') in place."""
         values = self.servers.values()
         return [values[v.path].numpy() if v.path in values else v.numpy() for v in self.model.weights]
@@ -382,7 +394,7 @@ class ProcessRunner:
                     raise
                 self._go_on_without(c)
 
-    def _go_on_without(self, c):
+    def _go_on_without(self, c: _Connection) -> None:
         """Loses the worker of connection `c` between segments: the report of its connection's end,
         sent or to come, is dropped, so that no later :meth:`_collect` takes it for the process that
         restarts in its place."""
@@ -423,7 +435,7 @@ class ProcessRunner:
     def end_fit(self) -> None:
         self.servers.write_to(self.model)
 
-    def _collect(self, traced):
+    def _collect(self, traced: bool) -> None:
         """Waits until every worker's process finished training, gathers their traces into one,
         and raises the first failure. Under "continue" a worker whose process is lost is retired
         and the others go on (:meth:`_lose`)."""
@@ -446,7 +458,7 @@ class ProcessRunner:
                 origin, events = message.trace
                 self.trace.add_events(events, origin)
 
-    def _await_ends(self, finished):
+    def _await_ends(self, finished: set[int]) -> None:
         """Waits (up to timeout_s) until the workers not in `finished` report their run's end, so
         that no message of an aborted run reaches the next."""
         deadline = time.monotonic() + self.config.timeout_s
@@ -464,7 +476,7 @@ class ProcessRunner:
             self.servers.abort(reason)
         self.broadcast(protocol.Abort())
 
-    def stats(self, since=None):
+    def stats(self, since: float | None = None) -> list[dict[str, Any]]:
         """Per worker, as :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stats` (asked of each
         worker's process; `since` is a time.perf_counter() value of this host)."""
         return [st for c in self._live() for st in c.ask(self.config.timeout_s, protocol.GetStats(since)).stats]
@@ -484,21 +496,21 @@ class _LearningRate:
     (:class:`hetpipe_tf.runtime.fit_loop.LearningRateFollower`): a value set is sent to every
     worker's process, whose stages take it."""
 
-    def __init__(self, runner, value):
+    def __init__(self, runner: ProcessRunner, value: float) -> None:
         self.runner = runner
         self.value = value
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> float:
         return self.value
 
     @learning_rate.setter
-    def learning_rate(self, value):
+    def learning_rate(self, value: float) -> None:
         self.value = float(value)
         self.runner.broadcast(protocol.SetLearningRate(self.value))
 
 
-def _accept(listener, timeout_s):
+def _accept(listener: multiprocessing.connection.Listener, timeout_s: float) -> multiprocessing.connection.Connection:
     """The next connection to `listener`, or WorkerProcessError after `timeout_s` (a worker's
     process that ended before connecting)."""
     try:

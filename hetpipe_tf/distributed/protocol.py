@@ -8,20 +8,32 @@ or :class:`Failed`. The connection is ``multiprocessing.connection`` authenticat
 cluster's key; messages are pickled, so every value here pickles.
 """
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from hetpipe_tf.pipeline.emulation import EmulationReport
+from hetpipe_tf.pipeline.trace import Event
 
 if TYPE_CHECKING:  # a worker's process imports TensorFlow only once it has started its heartbeat
+    import numpy as np
+
     from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
     from hetpipe_tf.runtime.virtual_worker import Dilation
     from hetpipe_tf.sync.parameter_server import ServerLayout
 
 
-def job_name(worker):
+#: A worker's optimizer state per model variable (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`).
+OptimizerStateDict = dict[str, Any]
+
+#: A dataset as :func:`hetpipe_tf.distributed.dataset_transfer.dataset_to_bytes` sends it: (graph, element spec).
+DatasetBytes = tuple[bytes, bytes]
+
+
+def job_name(worker: int) -> str:
     """The TensorFlow job of the process that drives virtual worker `worker`."""
     return f"vw{worker}"
 
 
-def local_device(worker, index):
+def local_device(worker: int, index: int) -> str:
     """The TensorFlow name of logical CPU `index` of the process driving `worker`."""
     return f"/job:{job_name(worker)}/replica:0/task:0/device:CPU:{index}"
 
@@ -44,7 +56,7 @@ class Ready:
 @dataclass(frozen=True)
 class Probed:
     """A :class:`Probe`'s :class:`hetpipe_tf.pipeline.emulation.EmulationReport`."""
-    report: object
+    report: EmulationReport
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,7 @@ class Drained:
 class OptimizerState:
     """The worker's optimizer state per model variable
     (:func:`hetpipe_tf.runtime.checkpoint.stage_optimizer_state`)."""
-    state: object
+    state: OptimizerStateDict
 
 
 @dataclass(frozen=True)
@@ -67,13 +79,13 @@ class OptimizerStateSet:
 @dataclass(frozen=True)
 class Stats:
     """The worker's :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stats`."""
-    stats: list
+    stats: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Report:
     """The worker's emulation report (None without emulated devices)."""
-    report: object
+    report: EmulationReport | None
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,7 @@ class Error:
     for ``TerminateOnNaN``), its message."""
     kind: str
     message: str
-    logs: dict = None
+    logs: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,14 +106,14 @@ class Started:
 @dataclass(frozen=True)
 class Done:
     """A minibatch's update is in: its logs (floats) and when it completed."""
-    logs: dict
+    logs: dict[str, float]
     time: float
 
 
 @dataclass(frozen=True)
 class Finished:
     """Training ended: the trace's origin and events, or None when not traced."""
-    trace: tuple = None
+    trace: tuple[float | None, list[Event]] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,7 @@ class Failed:
     """Training failed (as :class:`Error`)."""
     kind: str
     message: str
-    logs: dict = None
+    logs: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,7 @@ class Lost:
     """The chief's own message when a worker's connection ended: its process is gone."""
     kind: str
     message: str
-    logs: dict = None
+    logs: dict[str, float] | None = None
 
 
 #: What a worker's process sends while it trains (not an answer to an order).
@@ -136,9 +148,9 @@ class Job:
     spec: "WorkerSpec"
     config: "RunConfig"
     model_json: str
-    weights: list = field(repr=False)
+    weights: "list[np.ndarray]" = field(repr=False)
     servers: "ServerLayout"
-    data: tuple = field(repr=False)
+    data: DatasetBytes = field(repr=False)
     answer = Ready
 
 
@@ -154,7 +166,7 @@ class Probe:
 class Train:
     """Train `steps` minibatches of `data` (None: where the last train ended) at the run's
     `dilation`; answered by the training messages, not by an answer."""
-    data: tuple
+    data: DatasetBytes | None
     steps: int
     dilation: "Dilation"
     trace: bool
@@ -174,7 +186,7 @@ class GetOptimizerState:
 
 @dataclass(frozen=True)
 class SetOptimizerState:
-    state: object
+    state: OptimizerStateDict | None
     answer = OptimizerStateSet
 
 
@@ -200,7 +212,8 @@ class SetLearningRate:
 @dataclass(frozen=True)
 class GetStats:
     """The worker's stats over what came after `since` (``time.perf_counter()`` of this host)."""
-    since: float = None
+    since: float | None = None
+
     answer = Stats
 
 

@@ -49,7 +49,7 @@ def server_config(logical_cpus: int, intra_op_threads: int, gpu_memory_mb: list[
     """The config the task's server builds its devices from (not from tf.config's logical
     devices): `logical_cpus` CPU devices, and, per GPU it sees, memory that grows as needed up to
     `gpu_memory_mb[i]` MiB (none given: TensorFlow's defaults)."""
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow
 
     config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus}, intra_op_parallelism_threads=intra_op_threads,
                                       inter_op_parallelism_threads=max(2, logical_cpus + 1))

@@ -36,13 +36,22 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from absl import app, flags
 
 from hetpipe_tf.distributed import protocol
 from hetpipe_tf.distributed.protocol import job_name
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
+from hetpipe_tf.distributed.launch import use_parallel_remote_ops
 from hetpipe_tf.distributed.starter import AUTHKEY_ENV
+from hetpipe_tf.ops.loader import load_ops
+from hetpipe_tf.planning.devices import DeviceSpec
+from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
+
+if TYPE_CHECKING:
+    from hetpipe_tf.runtime.wsp_runner import BoundWorkers
 
 flags.DEFINE_string("chief", None, "The chief's order connection, HOST:PORT.")
 flags.DEFINE_integer("worker", None, "The virtual worker this process drives (its index in the run).")
@@ -59,22 +68,22 @@ FLAGS = flags.FLAGS
 class _Worker:
     """The process's state: its runner, data and the training thread."""
 
-    def __init__(self, conn):
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
-        self.runner = None
-        self.first = None
-        self.data = None  # the iterator of the last train's data
+        self.runner: "BoundWorkers | None" = None
+        self.first: Any = None  # the job's first minibatch (inputs, labels)
+        self.data: Iterator[Any] | None = None  # the iterator of the last train's data
 
-    def send(self, message):
+    def send(self, message: Any) -> None:
         with self.lock:
             self.conn.send(message)
 
-    def build(self, job):
-        from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
-        from hetpipe_tf.runtime.model_transport import unpack_model
-        from hetpipe_tf.runtime.virtual_worker import VirtualWorker
-        from hetpipe_tf.runtime.wsp_runner import BoundWorkers
+    def build(self, job: protocol.Job) -> protocol.Ready:
+        from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes  # late: defers TensorFlow
+        from hetpipe_tf.runtime.model_transport import unpack_model  # late: defers TensorFlow
+        from hetpipe_tf.runtime.virtual_worker import VirtualWorker  # late: defers TensorFlow
+        from hetpipe_tf.runtime.wsp_runner import BoundWorkers  # late: defers TensorFlow
 
         model = unpack_model(job.model_json)
         model.set_weights(job.weights)
@@ -84,13 +93,13 @@ class _Worker:
         vw = self.runner.vws[0]
         return protocol.Ready(vw.prepare(*self.first), vw.describe())
 
-    def train(self, order):
-        from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes
+    def train(self, order: protocol.Train) -> None:
+        from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes  # late: defers TensorFlow
 
         if order.data is not None:
             self.data = iter(dataset_from_bytes(*order.data))
 
-        def run():
+        def run() -> None:
             try:
                 self.runner.train([self.data], order.steps, order.dilation, trace=order.trace,
                                   on_minibatch_done=lambda w, p, logs: self.send(protocol.Done(
@@ -103,11 +112,11 @@ class _Worker:
 
         threading.Thread(target=run, name="hetpipe-train", daemon=True).start()
 
-    def set_learning_rate(self, order):
+    def set_learning_rate(self, order: protocol.SetLearningRate) -> None:
         for optimizer in self.runner.stage_optimizers():
             optimizer.learning_rate = order.value
 
-    def serve(self, order):
+    def serve(self, order: Any) -> None:
         """Carries out one order of the chief; sends its answer, if it has one."""
         handlers = {
             protocol.Job: self.build,
@@ -132,10 +141,10 @@ class _Worker:
             self.send(answer)
 
 
-def describe_error(exc):
+def describe_error(exc: BaseException) -> tuple[str, str, dict[str, float] | None]:
     """(kind, message, logs) of a failure, for the chief: kind is the exception's class name, or
     ``NonFiniteError`` (with the minibatch's logs) when a non-finite loss caused it."""
-    from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
+    from hetpipe_tf.runtime.stage.verdicts import NonFiniteError  # late: defers TensorFlow
 
     cause = exc if isinstance(exc, NonFiniteError) else exc.__cause__
     if isinstance(cause, NonFiniteError):
@@ -143,7 +152,7 @@ def describe_error(exc):
     return type(exc).__name__, str(exc) or repr(exc), None
 
 
-def intra_op_threads(cores, processes_on_host):
+def intra_op_threads(cores: int, processes_on_host: int) -> int:
     """The intra-op threads of one of `processes_on_host` virtual workers' processes on a machine
     of `cores` cores: its share, at least one. In one process the workers' stages share one pool
     of the cores' threads; a pool of every core per process would put more threads than cores
@@ -151,7 +160,7 @@ def intra_op_threads(cores, processes_on_host):
     return max(1, cores // processes_on_host)
 
 
-def main(argv):
+def main(argv: Sequence[str]) -> None:
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # No GPU, before TensorFlow starts CUDA: the GPUs of this host are its nodes' worker tasks'
@@ -160,19 +169,15 @@ def main(argv):
     end_with_parent(FLAGS.parent_pid or os.getppid())
     name = f"{job_name(FLAGS.worker)} (virtual worker {FLAGS.worker})"
 
-    def end(message, failed):
+    def end(message: str, failed: bool) -> NoReturn:
         print(f"hetpipe_tf {name}: ending: {message}", flush=True)
         os._exit(1 if failed else 0)  # TensorFlow cannot disconnect a client
 
     host = FLAGS.address.rsplit(":", 1)[0]
     heartbeat = HeartbeatResponder(host, 0, chief_timeout_s=FLAGS.chief_timeout_s or None, on_end=end,
                                    on_lost_task=lambda m: print(f"hetpipe_tf {name}: {m}", flush=True)).start()
-    import tensorflow as tf
+    import tensorflow as tf  # late: defers TensorFlow (the heartbeat answers while it loads)
 
-    from hetpipe_tf.distributed.launch import use_parallel_remote_ops
-    from hetpipe_tf.ops.loader import load_ops
-    from hetpipe_tf.planning.devices import DeviceSpec
-    from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
     tf.config.threading.set_intra_op_parallelism_threads(
         intra_op_threads(len(os.sched_getaffinity(0)), FLAGS.processes_on_host))

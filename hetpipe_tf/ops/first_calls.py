@@ -11,6 +11,7 @@ holds it.
 """
 import threading
 from collections.abc import Callable
+from typing import Any
 
 #: Held while a graph function is traced, and while a function that waits for no one runs the first time.
 FIRST_CALLS = threading.RLock()
@@ -26,7 +27,7 @@ class FirstCallLocked:
         self._waits = waits
         self._warm = False
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._warm:
             return self._fn(*args, **kwargs)
         if self._waits:

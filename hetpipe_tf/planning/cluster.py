@@ -43,7 +43,7 @@ machine's emulated devices), ``local_cpu`` (this machine's CPU as four devices) 
 """
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,7 @@ class ClusterError(HetPipeUsageError, ValueError):
     """A cluster description that is malformed or inconsistent."""
 
 
-def _bytes(text, where):
+def _bytes(text: str | int | float, where: str) -> int:
     try:
         return parse_bytes(text)
     except DeviceSpecError as e:
@@ -96,7 +96,7 @@ class DeviceType:
         return not self.on_host and self.peak_tflops is None
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         """Whether the type is emulated on this host."""
         return self.emulated_speed is not None
 
@@ -113,7 +113,7 @@ class DeviceType:
         return None
 
     @property
-    def on_host(self):
+    def on_host(self) -> bool:
         """Whether this host serves the device (logical CPUs of its tasks) rather than an accelerator."""
         return self.host_speed is not None
 
@@ -144,7 +144,7 @@ class Device:
     type: DeviceType
 
     @property
-    def name(self):
+    def name(self) -> str:
         """``node:index``, the device's name in plans."""
         return f"{self.node}:{self.index}"
 
@@ -166,8 +166,8 @@ class Cluster:
             (:mod:`hetpipe_tf.distributed.netlinks`).
     """
     name: str
-    device_types: dict
-    nodes: tuple
+    device_types: dict[str, DeviceType]
+    nodes: tuple[Node, ...]
     intra_node_bandwidth: float  # bytes/s
     inter_node_bandwidth: float  # bytes/s
     inter_node_latency: float = 0.0  # seconds, one way
@@ -185,11 +185,11 @@ class Cluster:
         return any(t.measured for t in self.device_types.values())
 
     @property
-    def on_host(self):
+    def on_host(self) -> bool:
         """Whether this host serves some of the devices (emulated ones or its CPU)."""
         return any(t.on_host for t in self.device_types.values())
 
-    def devices(self):
+    def devices(self) -> tuple[Device, ...]:
         """Every device, node by node."""
         return tuple(Device(n.name, i, self.device_types[n.device_type])
                      for n in self.nodes for i in range(n.count))
@@ -206,7 +206,7 @@ class Cluster:
             pools.setdefault(d.type.name, []).append(d)
         return [pools[t].pop(0) for t in _spec_types(specs, real)[0]]
 
-    def bandwidth(self, a, b):
+    def bandwidth(self, a: Device, b: Device) -> float:
         """Bytes/s between devices `a` and `b` (Device objects)."""
         return self.intra_node_bandwidth if a.node == b.node else self.inter_node_bandwidth
 
@@ -217,20 +217,20 @@ class Cluster:
         Returns:
             The cores per node.
         """
-        quotas = []
+        quotas: list[float | None] = []
         for n in self.nodes:
             quota = self.device_types[n.device_type].cpu_quota
             quotas.append(None if quota is None else quota * n.count)
         return tuple(quotas)
 
-    def describe(self):
+    def describe(self) -> str:
         """One line: every node's devices."""
         parts = [f"{n.count}x {self.device_types[n.device_type].label} ({n.device_type}) on {n.name}"
                  for n in self.nodes]
         return f"cluster '{self.name}': " + ", ".join(parts)
 
 
-def _flag(spec, key, where):
+def _flag(spec: Mapping[str, Any], key: str, where: str) -> bool:
     """spec[key] as a bool (default False), or a ClusterError naming `where` + key."""
     value = spec.get(key, False)
     if not isinstance(value, bool):
@@ -238,7 +238,7 @@ def _flag(spec, key, where):
     return value
 
 
-def _node_gpus(spec: dict, device_type: DeviceType, at: str) -> tuple[int, ...] | None:
+def _node_gpus(spec: dict[str, Any], device_type: DeviceType, at: str) -> tuple[int, ...] | None:
     """The GPU indices node `spec` names (its ``gpus``), checked: distinct integers >= 0, one per
     device, on a node of a real accelerator type.
 
@@ -279,7 +279,7 @@ def _check_gpus_once(nodes: list[Node], where: str) -> None:
             owner[g] = node.name
 
 
-def from_dict(spec: dict, where: str = "cluster") -> Cluster:
+def from_dict(spec: dict[str, Any], where: str = "cluster") -> Cluster:
     """A validated :class:`Cluster` from its JSON-like description."""
     if not isinstance(spec, dict):
         raise ClusterError(f"{where}: a cluster description is a JSON object, got {type(spec).__name__}")
@@ -429,7 +429,7 @@ PRESETS = {
 DISCOVER = "discover"
 
 
-def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
+def load_cluster(name_or_path: str | dict[str, Any] | Cluster) -> Cluster:
     """A preset by name (``paper``, ``local``, ``local_cpu``, ``paper_quota``) or a JSON file's path."""
     if isinstance(name_or_path, Cluster):
         return name_or_path
@@ -451,7 +451,8 @@ def load_cluster(name_or_path: str | dict | Cluster) -> Cluster:
     return from_dict(spec, where=str(name_or_path))
 
 
-def with_device_types(name_or_path, types):
+def with_device_types(name_or_path: str, types: str) -> Cluster:
+
     """The cluster (a preset's name or a file) with only the nodes of the device types named in
     `types` (e.g. ``"VR"``), as the paper's Table 4 runs on 1, 2, 3 or 4 of its node types.
 

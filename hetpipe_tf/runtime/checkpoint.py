@@ -39,13 +39,30 @@ are kept.
 import json
 import os
 import queue
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from hetpipe_tf.planning.planner import Plan
+
+if TYPE_CHECKING:
+    from hetpipe_tf.runtime.stage.runtime import StageRuntime
+
+#: A worker's optimizer state as :func:`stage_optimizer_state` gives it:
+#: ``{"scalars": {name: value}, "slots": {position: {slot: value}}}``.
+WorkerOptimizerState = dict[str, dict[Any, Any]]
+
+
+class SegmentEvents(Protocol):
+    """What an epoch-by-epoch fit reports its segments through (:class:`hetpipe_tf.runtime.fit_loop.Events`)."""
+
+    def put(self, kind: str, payload: Any = None) -> None: ...  # noqa: D102
+
+    def get(self, kind: str) -> Any: ...  # noqa: D102
 
 #: The checkpoint format this module writes and reads.
 FORMAT = 2
@@ -104,10 +121,10 @@ class RunState:
     clock; `positions`: the minibatches each worker has consumed of its shard; `plan`: the run's
     :class:`PlanCuts`."""
     epoch: int
-    weights: list
-    optimizers: list
-    clocks: list
-    positions: list
+    weights: list[np.ndarray]
+    optimizers: list[WorkerOptimizerState | None]
+    clocks: list[int]
+    positions: list[int]
     plan: PlanCuts
 
 
@@ -115,7 +132,7 @@ class RunState:
 _REGISTRIES = ("_variables", "_trainable_variables")
 
 
-def _optimizer_keys(runtime, model):
+def _optimizer_keys(runtime: "StageRuntime", model: keras.Model) -> list[str | tuple[int, str]]:
     """What each optimizer variable of a stage runtime is, so that a stage of another cut, worker or
     process finds it: (the model variable's position among `model`'s trainable ones, slot name)
     for a slot; a name for the optimizer's own variables. Positions, not paths, which a model
@@ -159,14 +176,14 @@ def _optimizer_keys(runtime, model):
     return keys
 
 
-def stage_optimizer_state(runtimes, model):
+def stage_optimizer_state(runtimes: Sequence["StageRuntime"], model: keras.Model) -> WorkerOptimizerState:
     """A worker's optimizer state from its stages (`runtimes`, StageRuntimes of `model`), per model
     variable: ``{"scalars": {name: value}, "slots": {position: {slot: value}}}`` (a variable's
     position among the model's trainable ones); the scalars
     (iterations, learning rate) are every stage's, which all apply every minibatch. With loss
     scaling, the worker's one dynamic scale and its count of clean minibatches are scalars too
     (``loss_scale``, ``loss_scale_counter``: the first stage's, which moves them)."""
-    state = {"scalars": {}, "slots": {}}
+    state: WorkerOptimizerState = {"scalars": {}, "slots": {}}
     for rt in runtimes:
         for key, v in zip(_optimizer_keys(rt, model), rt.optimizer.variables):
             if isinstance(key, str):
@@ -179,7 +196,8 @@ def stage_optimizer_state(runtimes, model):
     return state
 
 
-def set_stage_optimizer_state(runtimes, state, model):
+def set_stage_optimizer_state(runtimes: Sequence["StageRuntime"], state: WorkerOptimizerState | None,
+                              model: keras.Model) -> None:
     """Gives each of `runtimes` its variables' saved optimizer state (`state` as
     :func:`stage_optimizer_state` gives it, wherever the stages' cuts then were; None: leave
     them fresh)."""
@@ -200,7 +218,7 @@ def set_stage_optimizer_state(runtimes, state, model):
     _set_loss_scale(runtimes, state["scalars"])
 
 
-def _set_loss_scale(runtimes, scalars):
+def _set_loss_scale(runtimes: Sequence["StageRuntime"], scalars: dict[str, Any]) -> None:
     """The saved loss scale on the stages that hold it (the first moves it, the last scales its
     loss by it); a checkpoint without one (saved without loss scaling) leaves the initial scale."""
     if "loss_scale" not in scalars:
@@ -213,7 +231,7 @@ def _set_loss_scale(runtimes, scalars):
             rt.loss_scale.assign(scalars["loss_scale"])
 
 
-def for_workers(state, workers, steps_per_epoch):
+def for_workers(state: RunState, workers: int, steps_per_epoch: int) -> RunState:
     """`state` (a :class:`RunState`) for a run of `workers` virtual workers. With the saved number,
     itself. Otherwise each new worker starts from the mean of the saved workers' optimizer state
     (every slot and iteration count averaged: each saved worker's slots estimate the same moments
@@ -224,7 +242,7 @@ def for_workers(state, workers, steps_per_epoch):
     if len(state.clocks) == workers:
         return state
     saved = [o for o in state.optimizers if o is not None]
-    mean = None
+    mean: WorkerOptimizerState | None = None
     if saved:
         mean = {"scalars": {k: _mean([o["scalars"][k] for o in saved]) for k in saved[0]["scalars"]},
                 "slots": {p: {s: _mean([o["slots"][p][s] for o in saved]) for s in slots}
@@ -234,14 +252,14 @@ def for_workers(state, workers, steps_per_epoch):
                     positions=epoch_shares(state.epoch, steps_per_epoch, workers), plan=state.plan)
 
 
-def _mean(values):
+def _mean(values: Sequence[np.ndarray]) -> np.ndarray:
     """The elementwise mean of `values`, in their dtype (integers rounded)."""
     values = np.asarray(values)
     mean = values.mean(axis=0)
     return np.rint(mean).astype(values.dtype) if np.issubdtype(values.dtype, np.integer) else mean.astype(values.dtype)
 
 
-def skip_consumed(shards, positions):
+def skip_consumed(shards: Sequence[tf.data.Dataset], positions: Sequence[int]) -> list[tf.data.Dataset]:
     """Each worker's shard (a repeated tf.data.Dataset) after the minibatches it consumed."""
     return [s.skip(int(p)) if p else s for s, p in zip(shards, positions)]
 
@@ -255,7 +273,7 @@ def epoch_shares(epoch: int, steps_per_epoch: int, workers: int) -> list[int]:
     return [-(-(consumed - w) // workers) for w in range(workers)]
 
 
-def _flat_keys(worker):
+def _flat_keys(worker: WorkerOptimizerState | None) -> list[list[Any]]:
     """A worker's optimizer state's entries as JSON keys: ["scalar", name], ["slot", position, slot]."""
     if worker is None:
         return []
@@ -263,7 +281,7 @@ def _flat_keys(worker):
             + [["slot", p, s] for p, slots in worker["slots"].items() for s in slots])
 
 
-def _value(worker, key):
+def _value(worker: WorkerOptimizerState, key: Sequence[Any]) -> Any:
     return worker["scalars"][key[1]] if key[0] == "scalar" else worker["slots"][key[1]][key[2]]
 
 
@@ -277,7 +295,7 @@ class Checkpoints:
       max_to_keep: how many of the newest to keep.
     """
 
-    def __init__(self, directory, save_every_epochs=1, max_to_keep=2):
+    def __init__(self, directory: str | os.PathLike[str], save_every_epochs: int = 1, max_to_keep: int = 2) -> None:
         if not isinstance(save_every_epochs, int) or isinstance(save_every_epochs, bool) or save_every_epochs < 1:
             raise ValueError(f"save_every_epochs must be an integer >= 1, got {save_every_epochs!r}")
         if not directory:
@@ -286,11 +304,11 @@ class Checkpoints:
         self.save_every_epochs = save_every_epochs
         self.max_to_keep = max_to_keep
 
-    def due(self, epoch, epochs):
+    def due(self, epoch: int, epochs: int) -> bool:
         """Whether the end of `epoch` (counted from 0) of a fit of `epochs` is saved."""
         return (epoch + 1) % self.save_every_epochs == 0 or epoch + 1 == epochs
 
-    def save(self, state):
+    def save(self, state: RunState) -> str:
         """Writes `state` as the newest checkpoint; returns its path."""
         keys = [_flat_keys(worker) for worker in state.optimizers]
         optimizers = [np.asarray(_value(worker, key)) for worker, ks in zip(state.optimizers, keys) for key in ks]
@@ -306,11 +324,11 @@ class Checkpoints:
                                              checkpoint_name=_PREFIX)
         return manager.save(checkpoint_number=state.epoch)
 
-    def latest_path(self):
+    def latest_path(self) -> str | None:
         """The newest complete checkpoint's path, or None."""
         return tf.train.latest_checkpoint(self.directory) if os.path.isdir(self.directory) else None
 
-    def latest(self):
+    def latest(self) -> RunState:
         """The newest complete checkpoint as a :class:`RunState`; a clear error if there is none."""
         path = self.latest_path()
         if path is None:
@@ -325,7 +343,7 @@ class Checkpoints:
                              f"{FORMAT}")
         weights = [reader.get_tensor(_KEY.format(f"weights/{i}")) for i in range(len(meta["weights"]))]
         flat = iter(range(sum(len(ks or ()) for ks in meta["optimizers"])))
-        optimizers = []
+        optimizers: list[WorkerOptimizerState | None] = []
         for ks in meta["optimizers"]:
             worker = None if ks is None else {"scalars": {}, "slots": {}}
             for key in ks or ():
@@ -338,7 +356,7 @@ class Checkpoints:
         return RunState(epoch=meta["epoch"], weights=weights, optimizers=optimizers, clocks=meta["clocks"],
                         positions=meta["positions"], plan=PlanCuts.from_dict(meta["plan"]))
 
-    def restore_model(self, model):
+    def restore_model(self, model: keras.Model) -> RunState:
         """Reads the newest checkpoint, puts its weights into `model` (checked to be the model
         it was saved from: the same variables' shapes and dtypes in the same order) and returns
         the :class:`RunState`."""
@@ -372,7 +390,8 @@ class EpochSegments:
       positions: the minibatches each worker has consumed of its shard when the fit starts.
     """
 
-    def __init__(self, checkpoints, steps_per_epoch, workers, initial_epoch, epochs, positions):
+    def __init__(self, checkpoints: Checkpoints | None, steps_per_epoch: int, workers: int, initial_epoch: int,
+                 epochs: int, positions: Sequence[int]) -> None:
         if steps_per_epoch < workers:
             raise ValueError(f"steps_per_epoch={steps_per_epoch} is fewer than the {workers} virtual workers: a run "
                              f"that drains at every epoch's end (checkpoint_dir, or on_worker_failure='continue') "
@@ -384,9 +403,9 @@ class EpochSegments:
         self.initial_epoch = initial_epoch
         self.epochs = epochs
         self.positions = list(positions)
-        self._gate = queue.Queue()
+        self._gate: queue.Queue[bool] = queue.Queue()
 
-    def train(self, events, train_epoch):
+    def train(self, events: SegmentEvents, train_epoch: Callable[[list[int], bool], None]) -> None:
         """On the training thread: train_epoch(steps, first) trains each worker's share of the epoch
         (`steps`, one count per worker: :func:`epoch_shares`) and drains (`first`: the fit's first
         epoch)."""
@@ -400,7 +419,8 @@ class EpochSegments:
             if self._gate.get():
                 return
 
-    def epoch_end(self, epoch, stopped, events, state, drained=None):
+    def epoch_end(self, epoch: int, stopped: bool, events: SegmentEvents, state: Callable[[int, list[int]], RunState],
+                  drained: Callable[[list[int]], None] | None = None) -> None:
         """On the caller's thread, at `epoch`'s end: waits for the drain, calls drained(positions)
         (if given) and saves when due; state(epoch, positions) -> the :class:`RunState` to save. A
         stopped epoch (its share not trained) is not saved."""
@@ -412,10 +432,11 @@ class EpochSegments:
         if self.checkpoints is not None and self.checkpoints.due(epoch, self.epochs):
             self.checkpoints.save(state(epoch + 1, self.positions))
 
-    def after_epoch(self, epoch, stopped):
+    def after_epoch(self, epoch: int, stopped: bool) -> None:
         """The epoch's callbacks have run: the training thread goes on (or ends, if `stopped`)."""
         self._gate.put(stopped)
 
-    def release(self):
+    def release(self) -> None:
+
         """Lets a waiting training thread end (fit failed)."""
         self._gate.put(True)

@@ -19,6 +19,7 @@ against TensorFlow 2.21, whose version :mod:`hetpipe_tf.ops.loader` checks), so 
 gradients are exactly those of ``tf.GradientTape``.
 """
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -45,7 +46,7 @@ def batch_relaxed(spec: tf.TensorSpec) -> tf.TensorSpec:
 
 def spec_of(value, relax_batch: bool = False):
     """The (nested) TensorSpec of `value`, its first dimension unknown with `relax_batch`."""
-    def one(t):
+    def one(t: Any) -> Any:
         spec = tf.type_spec_from_value(t)
         return batch_relaxed(spec) if relax_batch and isinstance(spec, tf.TensorSpec) else spec
     return tf.nest.map_structure(one, value)
@@ -94,14 +95,14 @@ class CompiledCall:
         pack = packer(concrete.structured_outputs)
         device = self.device
 
-        def call(flat):
+        def call(flat: Sequence[Any]) -> Any:
             with tf.device(device):
                 out = atomic.call_flat(*flat, *captured)
             return pack(iter(out or ()))
 
         self._call = FirstCallLocked(call)  # its first run instantiates it
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         if self._call is None:
             self.trace(tuple(spec_of(a) for a in args))
         return self._call(tf.nest.flatten(args, expand_composites=True))
@@ -135,7 +136,7 @@ class SplitPass:
         #: The specs of a record (unknown dimensions where the inputs' specs have them).
         self.record_specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._functions._forward_graph.outputs]
 
-    def forward(self, *inputs):
+    def forward(self, *inputs: Any) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         """(outputs, record) of the forward pass on `inputs`: run now on the device, or added to the
         graph function being traced."""
         flat = tf.nest.flatten(inputs, expand_composites=True)

@@ -28,9 +28,10 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
 
 import keras
 import tensorflow as tf
@@ -52,21 +53,22 @@ ABORT_GRACE_S = 5.0
 class Events:
     """Events from training threads, taken by kind; other kinds wait their turn."""
 
-    def __init__(self, producers=1):
-        self._queue = queue.Queue()
-        self._pending = collections.defaultdict(collections.deque)
+    def __init__(self, producers: int = 1) -> None:
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._pending: collections.defaultdict[str, collections.deque[Any]] = collections.defaultdict(
+            collections.deque)
         self._producers = producers
         self._finished = 0
-        self.errors = []
+        self.errors: list[BaseException] = []
 
-    def put(self, kind, payload=None):
+    def put(self, kind: str, payload: Any = None) -> None:
         self._queue.put((kind, payload))
 
-    def finished(self, error=None):
+    def finished(self, error: BaseException | None = None) -> None:
         """A training thread ends (with its error, if any)."""
         self._queue.put(("finished", error))
 
-    def get(self, kind):
+    def get(self, kind: str) -> Any:
         """The payload of the next `kind` event; raises a training thread's error, or if every
         thread finished without one."""
         while True:
@@ -83,11 +85,11 @@ class Events:
                 continue
             self._pending[got].append(payload)
 
-    def forgive(self, error):
+    def forgive(self, error: BaseException) -> None:
         """`error` was handled by the caller: wait_finished no longer raises it."""
         self.errors.remove(error)
 
-    def wait_finished(self, timeout):
+    def wait_finished(self, timeout: float) -> None:
         """Waits for every training thread to finish, keeping their other events; re-raises the
         first error, or raises TimeoutError when they did not finish within `timeout` seconds."""
         while self._finished < self._producers:
@@ -270,7 +272,7 @@ class RunnerTraining:
             return
         self.segments.train(events, lambda steps, first: self._train_epoch(events, steps, first))
 
-    def _train_epoch(self, events, steps, first):
+    def _train_epoch(self, events: Events, steps: Sequence[int], first: bool) -> None:
         """Each worker goes on in its data where the last epoch ended, then drains."""
         self.runner.train_segment(steps, events, first, self.traced, ())
         self.runner.drain()
@@ -306,13 +308,13 @@ class RunnerTraining:
         self.runner.abort()
 
 
-def done_event(events):
+def done_event(events: Events) -> Callable[..., None]:
     """What reports a minibatch done to `events`: on_minibatch_done(..., logs) -> a "done" event
     with its logs and when it completed."""
     return lambda *where_and_logs: events.put("done", (where_and_logs[-1], time.perf_counter()))
 
 
-def warn_if_not_faithful(report):
+def warn_if_not_faithful(report: EmulationReport | None) -> None:
     """Prints the emulation's warning line to stderr when `report` (or None) was not faithful."""
     line = report.warning() if report is not None else None
     if line:
@@ -353,7 +355,7 @@ class KerasLoop:
         self.model.stop_training = False
         self.callbacks.on_train_begin()
         start_thread(self._train, "hetpipe-fit")
-        history_logs = {}
+        history_logs: dict[str, float] = {}
         try:
             t_epoch = min(self.events.get("started") for _ in range(self.training.workers))
             for epoch in range(self.options.initial_epoch, self.options.epochs):
@@ -374,7 +376,7 @@ class KerasLoop:
         self.callbacks.on_train_end(history_logs)
         return self.model.history
 
-    def _train(self):
+    def _train(self) -> None:
         error = None
         try:
             self.training.train(self.events)
@@ -382,11 +384,11 @@ class KerasLoop:
             error = exc
         self.events.finished(error)
 
-    def _follow_optimizer(self, step_end=False):
+    def _follow_optimizer(self, step_end: bool = False) -> None:
         if self._each_step or not step_end:
             self._follow(self.completed)
 
-    def _epoch(self, epoch, t_epoch):
+    def _epoch(self, epoch: int, t_epoch: float) -> tuple[dict[str, float], float]:
         """One epoch from `t_epoch` (when the last ended); returns its logs and when it ended."""
         training, last = self.training, epoch + 1 == self.options.epochs
         self.callbacks.on_epoch_begin(epoch)
@@ -410,9 +412,10 @@ class KerasLoop:
         training.after_epoch(epoch, self.stopped or last)
         return logs, t_done
 
-    def _steps(self, t_epoch):
+    def _steps(self, t_epoch: float) -> tuple[dict[str, float], int, float]:
         """An epoch's steps: the sums of their logs, the minibatches trained and when the last completed."""
-        sums, count, t_done = {}, 0, t_epoch
+        sums: dict[str, float] = {}
+        count, t_done = 0, t_epoch
         for step in range(self.training.steps_per_epoch):
             self.callbacks.on_train_batch_begin(step)
             logs, t_done = self._next_done(t_done)
@@ -431,7 +434,7 @@ class KerasLoop:
                 break
         return sums, count, t_done
 
-    def _next_done(self, t_done):
+    def _next_done(self, t_done: float) -> tuple[dict[str, float] | None, float]:
         """The next minibatch's (logs, completion time); a non-finite loss's logs when a
         TerminateOnNaN callback takes them (training then stops), with `t_done` unchanged."""
         try:
@@ -449,13 +452,14 @@ class KerasLoop:
 _STEP_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
 
-def _has_step_hooks(callbacks):
+def _has_step_hooks(callbacks: Sequence[keras.callbacks.Callback] | None) -> bool:
     """Whether any of `callbacks` has a hook of its own (not keras.callbacks.Callback's) that runs at each step."""
     return any(getattr(type(cb), hook) is not getattr(keras.callbacks.Callback, hook)
                for cb in callbacks or () for hook in _STEP_HOOKS)
 
 
-def _terminate_on_nan_logs(error, callbacks):
+def _terminate_on_nan_logs(error: BaseException,
+                           callbacks: Sequence[keras.callbacks.Callback] | None) -> dict[str, float] | None:
     """The logs of the minibatch whose non-finite loss ended training, when a TerminateOnNaN
     callback is there to see them; else None."""
     cause = error.__cause__
@@ -475,12 +479,14 @@ class LearningRateFollower:
     are set only when the value changed, or the copies did (a virtual worker's process started
     again)."""
 
-    def __init__(self, model, template, optimizers):
+    def __init__(self, model: keras.Model, template: keras.optimizers.Optimizer,
+                 optimizers: Callable[[], list[Any]]) -> None:
         self._model, self._template, self._optimizers = model, template, optimizers
-        self._set = (None, ())  # the learning rate the copies were last given, and which copies
-        self._inner = (None, None)  # (the optimizer callbacks see, its inner optimizer), checked once
+        # the learning rate the copies were last given, and which copies
+        self._set: tuple[float | None, tuple[int, ...]] = (None, ())
+        self._inner: tuple[Any, Any] = (None, None)  # (the optimizer callbacks see, its inner optimizer), checked once
 
-    def __call__(self, completed):
+    def __call__(self, completed: int) -> None:
         seen = self._model.optimizer if getattr(self._model, "optimizer", None) is not None else self._template
         if seen is not self._inner[0]:
             self._inner = (seen, inner_optimizer(seen))
@@ -502,7 +508,7 @@ class LearningRateFollower:
             self._set = given
 
 
-def start_thread(target, name):
+def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread

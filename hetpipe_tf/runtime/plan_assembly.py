@@ -25,7 +25,8 @@ from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime.checkpoint import PlanCuts
 from hetpipe_tf.runtime.optimizers import slots_per_weight
-from hetpipe_tf.runtime.run_config import RunConfig
+from hetpipe_tf.runtime.profiler import Batch, measure_profile, measure_transfers, model_profile
+from hetpipe_tf.runtime.run_config import LossArgument, LossWeightsArgument, MetricsArgument, RunConfig
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,9 @@ class Training:
     weights (as given to ``compile``), and the run's own options: its timeout and what a lost worker's
     process does (see :class:`hetpipe_tf.runtime.run_config.RunConfig`)."""
     optimizer: keras.optimizers.Optimizer | str
-    loss: object = None
-    metrics: object = ()
-    loss_weights: object = None
+    loss: LossArgument = None
+    metrics: MetricsArgument = ()
+    loss_weights: LossWeightsArgument = None
     timeout_s: float = 300.0
     on_worker_failure: str = "stop"
 
@@ -55,9 +56,7 @@ def loaded_profile(profile: Profile | str | None) -> Profile | None:
 
 def checked_profile(profile: Profile, model: keras.Model, batch_size: int) -> Profile:
     """`profile` if it describes `model`'s segments at `batch_size`, else a ValueError saying how it differs."""
-    from hetpipe_tf.runtime.profiler import model_profile
-
-    def shape(p):  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
+    def shape(p: Profile) -> tuple[int, int, int, float]:  # totals, which a plan's coarsened profile keeps; Keras numbers layer names per process
         return p.batch_size, len(p.layer_names), p.total_weight_bytes, sum(p.forward_flops)
 
     own = model_profile(model, batch_size)  # as measured profiles count attention and lookups
@@ -71,15 +70,13 @@ def checked_profile(profile: Profile, model: keras.Model, batch_size: int) -> Pr
 
 
 def workload_profile(model: keras.Model, batch_size: int, given: Profile | None, training: Training,
-                     sample: Callable[[], object] | None = None, stage_device: str | None = None) -> Profile:
+                     sample: Callable[[], tuple[Batch, Batch]] | None = None, stage_device: str | None = None) -> Profile:
     """What the planner knows of `model` at `batch_size`: the profile `given` (checked to be of this
     model and batch size), else one measured on this host (cached; §7) with `training`'s optimizer
     and loss, on a minibatch `sample()` gives (None: random data), its stages timed on `stage_device`
     (None: this process's CPU)."""
     if given is not None:
         return checked_profile(given, model, batch_size)
-    from hetpipe_tf.runtime.profiler import measure_profile
-
     return measure_profile(model, batch_size, loss=training.loss, optimizer=training.optimizer,
                            sample=sample() if sample else None, stage_device=stage_device)
 
@@ -87,8 +84,6 @@ def workload_profile(model: keras.Model, batch_size: int, given: Profile | None,
 def calibrated_links(cluster: Cluster, src: str, dst: str) -> LinkModel:
     """The cluster's links fitted to transfers measured between this process's TensorFlow devices
     `src` and `dst` (§7's synthetic transfer benchmark), for devices that all live on this host."""
-    from hetpipe_tf.runtime.profiler import measure_transfers
-
     samples = measure_transfers(src, dst)
     return LinkModel().calibrated(cluster, intra_samples=samples, inter_samples=samples)
 

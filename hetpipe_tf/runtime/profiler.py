@@ -21,18 +21,21 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
+from hetpipe_tf.planning.model_graph import ModelGraph
 from hetpipe_tf.planning.profile import AttentionBlock, Profile, SegmentTimes, static_profile
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
-from hetpipe_tf.runtime.stage_rewrite import describe_model, split_model, variable_bytes
-from hetpipe_tf.runtime.run_config import RunConfig
+from hetpipe_tf.runtime.stage_rewrite import KerasGraph, StagedModel, describe_model, split_model, variable_bytes
+from hetpipe_tf.runtime.run_config import LossArgument, RunConfig
+
 from hetpipe_tf.runtime.stage import StageRuntime
 from hetpipe_tf.runtime.stage.timing import measure_stage_times
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
@@ -56,13 +59,13 @@ def host_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _fingerprint(graph):
+def _fingerprint(graph: ModelGraph) -> str:
     text = "|".join(f"{n.kind}:{n.inputs}:{n.outputs}:{n.trainable_bytes}" for n in graph.nodes)
     text += "|" + "|".join(str(t.shape) for t in graph.tensors)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _optimizer_key(optimizer):
+def _optimizer_key(optimizer: keras.optimizers.Optimizer) -> str:
     """The optimizer in a cached profile's name: its class and its settings (momentum, amsgrad,
     weight decay, clipping, ...: what an apply runs), not its name nor its learning rate.
 
@@ -74,7 +77,7 @@ def _optimizer_key(optimizer):
     return f"{type(optimizer).__name__}-{digest}"
 
 
-def random_minibatch(model, batch_size, seed=0):
+def random_minibatch(model: keras.Model, batch_size: int, seed: int = 0) -> tuple["Batch", "Batch"]:
     """A minibatch (x, y) of random inputs and labels shaped for `model` at `batch_size`."""
     rng = np.random.default_rng(seed)
     xs = [rng.normal(size=(batch_size,) + tuple(t.shape[1:])).astype("float32") for t in model.inputs]
@@ -82,7 +85,8 @@ def random_minibatch(model, batch_size, seed=0):
     return (xs[0] if len(xs) == 1 else xs), (ys[0] if len(ys) == 1 else ys)
 
 
-def _segment_times(staged, loss, x, y, device, repeats):
+def _segment_times(staged: StagedModel, loss: LossArgument, x: "Batch", y: "Batch", device: str,
+                   repeats: int) -> list[dict[type, float]]:
     """Solo times of every stage (each the minimum over `repeats` runs)."""
     head = LossHead(loss, staged.keras_graph.model.output_names)
     last = staged.num_stages - 1
@@ -96,9 +100,9 @@ def _segment_times(staged, loss, x, y, device, repeats):
             rt.close()
 
 
-def _groupings(n):
+def _groupings(n: int) -> list[tuple[int, ...]]:
     """Segment groupings measured besides the singletons: the whole model, halves, quarters."""
-    out = []
+    out: list[tuple[int, ...]] = []
     for parts in (1, 2, 4):
         if parts < n:
             cuts = sorted({round(i * n / parts) for i in range(parts)})
@@ -106,7 +110,7 @@ def _groupings(n):
     return out
 
 
-def _fit_segments(rows, n):
+def _fit_segments(rows: Sequence[tuple[int, int, float]], n: int) -> tuple[float, tuple[float, ...]]:
     """Non-negative least squares for `stage time = overhead + sum of its segments' costs`.
 
     `rows` are (first segment, end segment, seconds). Returns (overhead, per-segment costs).
@@ -114,7 +118,7 @@ def _fit_segments(rows, n):
     Returns:
         The pair.
     """
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls  # late: slow to load: only profiles that are measured pay
 
     a = np.zeros((len(rows), n + 1))
     b = np.zeros(len(rows))
@@ -127,7 +131,7 @@ def _fit_segments(rows, n):
 
 
 #: Model inputs or labels: an array, or a list of them for several inputs or outputs.
-Batch = np.ndarray | tf.Tensor | list[np.ndarray | tf.Tensor]
+Batch: TypeAlias = np.ndarray | tf.Tensor | list[np.ndarray | tf.Tensor]
 
 
 def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y: Batch) -> Callable[[], None]:
@@ -142,7 +146,7 @@ def model_passes(model: keras.Model, loss: str | keras.losses.Loss, x: Batch, y:
     variables = model.trainable_variables
 
     @tf.function
-    def passes(x, y):
+    def passes(x: Batch, y: Batch) -> tf.Tensor:
         with tf.GradientTape() as tape:
             value = loss_fn(y, model(x, training=True))
         grads = tape.gradient(value, variables)
@@ -170,7 +174,7 @@ def timed_calls(run: Callable[[], None], seconds: float) -> tuple[float, float]:
 APPLY_ELEMENTS = 2 ** 22
 
 
-def _stand_ins(model, elements):
+def _stand_ins(model: keras.Model, elements: int) -> list[keras.Variable]:
     """Zero weights shaped like `model`'s trainable ones, under their paths (what Muon's exclusions
     and weight-decay exclusions by name match): every shape shrunk by one factor, when the model's
     are larger, so that together they hold at most about `elements` (each dimension by the same
@@ -191,7 +195,8 @@ def _stand_ins(model, elements):
     return out
 
 
-def _apply_seconds(optimizer, model, device, shared, elements=APPLY_ELEMENTS, repeats=20):
+def _apply_seconds(optimizer: keras.optimizers.Optimizer, model: keras.Model, device: str, shared: bool,
+                   elements: int = APPLY_ELEMENTS, repeats: int = 20) -> tuple[float, float]:
     """(base, per byte) of one optimizer apply on a stage's weights: the base, an apply's own cost
     (timed on one weight of one element); per byte, what an apply on weights shaped like `model`'s
     (:func:`_stand_ins`: its matrices take Muon's Newton-Schulz and Adafactor's factored moments, as a
@@ -224,7 +229,9 @@ def _apply_seconds(optimizer, model, device, shared, elements=APPLY_ELEMENTS, re
     return max(t0 - per_byte * b0, 0.0), per_byte
 
 
-def _executor_costs(model, loss, optimizer, sample, device, apply_base, apply_per_byte, steps=24):
+def _executor_costs(model: keras.Model, loss: LossArgument, optimizer: keras.optimizers.Optimizer,
+                    sample: tuple["Batch", "Batch"], device: str, apply_base: float, apply_per_byte: float,
+                    steps: int = 24) -> tuple[float, float, float]:
     """What the executor adds around compute, measured by running `model` for real as a two-stage
     pipeline on two emulated devices (Nm = 2, dilation 2): (seconds per non-compute
     instruction, how much slower an apply is there than alone, the mean time the host takes
@@ -266,7 +273,7 @@ _TRANSFORMER_BLOCKS = ("TransformerEncoder", "TransformerDecoder")
 _LOOKUPS = ("PositionEmbedding", "TokenAndPositionEmbedding")
 
 
-def static_facts(keras_graph):
+def static_facts(keras_graph: KerasGraph) -> tuple[dict[int, AttentionBlock], tuple[int, ...]]:
     """What the layer graph of a Keras model does not show about its layer calls:
     ({node index: AttentionBlock} of its attention layers, node indices of its table lookups).
 
@@ -278,7 +285,8 @@ def static_facts(keras_graph):
     Returns:
         The pair.
     """
-    attention, lookups = {}, []
+    attention: dict[int, AttentionBlock] = {}
+    lookups: list[int] = []
     for index, op in enumerate(keras_graph.operations):
         name = type(op).__name__
         if name in _TRANSFORMER_BLOCKS:
@@ -294,7 +302,7 @@ def static_facts(keras_graph):
     return attention, tuple(lookups)
 
 
-def model_profile(model, batch_size, sequence_length=None):
+def model_profile(model: keras.Model, batch_size: int, sequence_length: int | None = None) -> Profile:
     """The static profile of a Keras model at `batch_size` (no times), with what its graph does
     not show (:func:`static_facts`): at `sequence_length`, every unknown dimension of its
     tensors (a transformer's sequence) is that long.
@@ -308,7 +316,8 @@ def model_profile(model, batch_size, sequence_length=None):
     return static_profile(graph, batch_size, attention=attention, lookups=lookups)
 
 
-def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repeats=5):
+def measure_transfers(src: str, dst: str, sizes: Sequence[int] = (2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25),
+                      repeats: int = 5) -> list[tuple[int, float]]:
     """The synthetic transfer benchmark of §7: (bytes, seconds) for moving float32 tensors of
     `sizes` elements from device `src` to `dst` (the least time of `repeats` each).
 
@@ -330,8 +339,10 @@ def measure_transfers(src, dst, sizes=(2 ** 16, 2 ** 20, 2 ** 23, 2 ** 25), repe
     return samples
 
 
-def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", optimizer="sgd",
-                    sample=None, device="/device:CPU:0", repeats=7, cache_dir=DEFAULT_CACHE_DIR, stage_device=None):
+def measure_profile(model: keras.Model, batch_size: int, loss: LossArgument = "sparse_categorical_crossentropy",
+                    optimizer: keras.optimizers.Optimizer | str = "sgd", sample: tuple["Batch", "Batch"] | None = None,
+                    device: str = "/device:CPU:0", repeats: int = 7, cache_dir: str | None = DEFAULT_CACHE_DIR,
+                    stage_device: str | None = None) -> Profile:
     """The profile of `model` at `batch_size`, with times measured on `device` of this host.
 
     Times go under the key ``"host"``. `stage_device`: where the segments' passes are timed
@@ -368,7 +379,7 @@ def measure_profile(model, batch_size, loss="sparse_categorical_crossentropy", o
             return Profile.from_json(f.read())
     x, y = sample if sample is not None else random_minibatch(keras_graph.model, batch_size)
     n = base.num_segments
-    rows = {Forward: [], Backward: []}
+    rows: dict[type, list[tuple[int, int, float]]] = {Forward: [], Backward: []}
     for grouping in [tuple(range(n))] + _groupings(n):
         starts = tuple(base.starts[i] for i in grouping)
         staged = split_model(model, boundaries=starts, devices=[timed_on] * len(starts))

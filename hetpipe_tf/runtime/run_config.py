@@ -164,7 +164,8 @@ class WorkerSpec:
         boundaries: its stage boundaries (None: balanced).
         stage_servers: the parameter server on each stage's node (for ``local`` placement).
         slowdown: an emulated slowdown, minibatch id -> factor >= 1 (see
-            :class:`hetpipe_tf.pipeline.emulation.Pacer`).
+            :class:`hetpipe_tf.pipeline.emulation.Pacer`), or a tuple of such (or None), one per device
+            in stage order.
         references: the emulation's references, per stage the (forward, backward) seconds its
             paces scale from (None: measured before training).
     """
@@ -172,5 +173,5 @@ class WorkerSpec:
     tf_devices: tuple[str, ...] | None = None
     boundaries: tuple[int, ...] | None = None
     stage_servers: tuple[str, ...] | None = None
-    slowdown: Callable[[int], float] | None = None
+    slowdown: Callable[[int], float] | tuple[Callable[[int], float] | None, ...] | None = None
     references: Sequence[tuple[float, float]] | None = None

@@ -13,24 +13,26 @@ The trained weights are written back into the Keras model at the end, so
 """
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
 
 from hetpipe_tf.pipeline.emulation import EmulationReport, MemoryAccount, Pacer, calibrate_dilation
-from hetpipe_tf.pipeline.executor import PipelineExecutor
-from hetpipe_tf.pipeline.instructions import Backward, Forward
-from hetpipe_tf.pipeline.schedule import NO_SYNC, WorkerUpdate, check_worker_update
+from hetpipe_tf.pipeline.executor import ExecutionReport, PipelineExecutor
+from hetpipe_tf.pipeline.instructions import Backward, Forward, Instruction
+from hetpipe_tf.pipeline.schedule import NO_SYNC, PipelineSchedule, Schedule, WorkerUpdate, check_worker_update
 from hetpipe_tf.planning.model_graph import SharedLayerError
 from hetpipe_tf.pipeline.trace import TraceRecorder
-from hetpipe_tf.planning.devices import parse_devices
+from hetpipe_tf.planning.devices import DeviceSpec, parse_devices
 from hetpipe_tf.runtime.checkpoint import skip_consumed
 from hetpipe_tf.runtime.fit_loop import Events, FitOptions, done_event, fit
 from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 from hetpipe_tf.runtime.loss_head import LossHead
-from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
-from hetpipe_tf.runtime.stage_rewrite import split_model
+from hetpipe_tf.runtime.run_config import LossArgument, LossWeightsArgument, MetricsArgument, RunConfig, WorkerSpec
+from hetpipe_tf.runtime.stage_rewrite import StagedModel, TiedVariable, split_model
+
 from hetpipe_tf.runtime.stage import StageRuntime
 from hetpipe_tf.runtime.stage.timing import measure_stage_times
 from hetpipe_tf.sync.pipe_sgd import AllReduceBinding
@@ -75,10 +77,15 @@ class VirtualWorker:
         :meth:`hetpipe_tf.pipeline.emulation.PersistentSlowdown.for_devices`).
     """
 
-    def __init__(self, model, devices, num_in_flight=None, boundaries=None, optimizer="sgd",
-                 loss=None, metrics=(), loss_weights=None, dilation=None, timeout_s=300.0,
-                 record_provenance=False, single_threaded_stages=False, tf_devices=None, sync=None, slowdown=None,
-                 schedule="hetpipe", references=None):
+    def __init__(self, model: keras.Model, devices: Sequence[DeviceSpec] | str, num_in_flight: int | None = None,
+                 boundaries: tuple[int, ...] | None = None, optimizer: keras.optimizers.Optimizer | str = "sgd",
+                 loss: LossArgument = None, metrics: MetricsArgument = (), loss_weights: LossWeightsArgument = None,
+                 dilation: float | None = None, timeout_s: float = 300.0, record_provenance: bool = False,
+                 single_threaded_stages: bool = False, tf_devices: tuple[str, ...] | None = None,
+                 sync: WorkerSync | AllReduceBinding | None = None,
+                 slowdown: Callable[[int], float] | tuple[Callable[[int], float] | None, ...] | None = None,
+                 schedule: PipelineSchedule | str = "hetpipe",
+                 references: Sequence[tuple[float, float]] | None = None) -> None:
         # Nm defaults to the number of stages, one per device (§4): resolved here, once.
         num_in_flight = len(parse_devices(devices)) if num_in_flight is None else num_in_flight
         config = RunConfig(num_in_flight=num_in_flight, schedule=schedule, optimizer=optimizer, loss=loss,
@@ -99,7 +106,8 @@ class VirtualWorker:
         vw._setup(model, spec, config, sync)
         return vw
 
-    def _setup(self, model, spec, config, sync):
+    def _setup(self, model: keras.Model, spec: WorkerSpec, config: RunConfig,
+               sync: WorkerSync | AllReduceBinding | None) -> None:
         self.model = model
         self.device_specs = parse_devices(spec.devices)
         k = len(self.device_specs)
@@ -126,32 +134,33 @@ class VirtualWorker:
                                   loss_weights=config.loss_weights, metrics=config.metrics)
         # This worker's own run's dilation, decided once (given, or calibrated at the first train).
         self._dilation = None if config.dilation is None else Dilation(config.dilation)
-        self.runtimes = None
-        self.references = None if spec.references is None else _given_references(spec.references, k)
-        self.report = None
-        self.trace = None
-        self._executor = None
-        self._pacers = []  # of the current (or last) run
+        self.runtimes: list[StageRuntime] | None = None
+        self.references: list[dict[type[Instruction], float]] | None = (
+            None if spec.references is None else _given_references(spec.references, k))
+        self.report: ExecutionReport | None = None
+        self.trace: TraceRecorder | None = None
+        self._executor: PipelineExecutor | None = None
+        self._pacers: list[Pacer | None] = []  # of the current (or last) run
 
     @property
-    def num_in_flight(self):
+    def num_in_flight(self) -> int:
         """Nm, the minibatches in this worker's pipeline at once (§4)."""
         return self.config.num_in_flight
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> keras.optimizers.Optimizer | str:
         return self.config.optimizer
 
     @property
-    def pipeline_schedule(self):
+    def pipeline_schedule(self) -> PipelineSchedule:
         return self.config.schedule
 
     @property
-    def num_stages(self):
+    def num_stages(self) -> int:
         return self.staged.num_stages
 
     @property
-    def emulated(self):
+    def emulated(self) -> bool:
         return any(d.emulated for d in self.device_specs)
 
     @property
@@ -160,14 +169,14 @@ class VirtualWorker:
         workers decides theirs (their train's `dilation`)."""
         return self._dilation
 
-    def emulation_report(self):
+    def emulation_report(self) -> EmulationReport | None:
         """How faithful the time emulation was in the current (or last) run (None without emulated
         devices), with this worker's own calibration when it was calibrated."""
         report = EmulationReport.combine(p.report() for p in self._pacers if p is not None)
         probes = self._dilation.probes if self._dilation is not None else ()
         return report and dataclasses.replace(report, calibration=probes)
 
-    def task_seconds(self, stage, kind):
+    def task_seconds(self, stage: int, kind: type[Instruction]) -> float:
         """The time a task of instruction type `kind` (Forward, Backward) takes on `stage` in the
         current (or last) run: its solo reference time, padded to the emulated device's target."""
         if self.references is None:
@@ -177,11 +186,11 @@ class VirtualWorker:
         pacer = self._pacers[stage] if self._pacers else None
         return pacer.target(reference) if pacer is not None else reference
 
-    def busy_seconds(self):
+    def busy_seconds(self) -> list[float] | None:
         """Seconds each stage has spent running tasks in the current (or last) run."""
         return [r.busy_s for r in self._executor.reports] if self._executor else None
 
-    def describe(self):
+    def describe(self) -> str:
         lines = [f"virtual worker: {self.num_stages} stages, Nm={self.num_in_flight}"]
         for s, spec in zip(self.staged.stages, self.device_specs):
             lines.append(f"  {spec}: " + self.staged.describe().splitlines()[s.index])
@@ -191,7 +200,7 @@ class VirtualWorker:
                          f"memory is accounted; see hetpipe_tf.pipeline.emulation")
         return "\n".join(lines)
 
-    def schedule(self, steps, snapshot_after=(), synchronised=True):
+    def schedule(self, steps: int, snapshot_after: Collection[int] = (), synchronised: bool = True) -> Schedule:
         """The schedule this worker runs for `steps` minibatches."""
         sync = self.sync.scheme if synchronised and self.sync is not None else NO_SYNC
         worker_update = {"worker_update": self.worker_update} if self.worker_update else {}
@@ -200,7 +209,7 @@ class VirtualWorker:
                                                snapshot_after=snapshot_after, sync=sync, **worker_update)
 
     # Building --------------------------------------------------------------------------
-    def _build(self, batch_size):
+    def _build(self, batch_size: int) -> None:
         if self.runtimes is not None:
             return
         act = self.staged.graph.stage_activation_bytes(self.staged.boundaries, batch_size)
@@ -214,14 +223,14 @@ class VirtualWorker:
                 activation_bytes=act[s], sync=self.sync.scheme if self.sync is not None else NO_SYNC,
                 variable_paths=paths, worker_update=self.worker_update, ties=self.ties))
 
-    def measure_solo_times(self, x, y) -> None:
+    def measure_solo_times(self, x: Any, y: Any) -> None:
         """Each stage's forward and backward time on minibatches like (x, y), measured alone: the
         references an emulated device paces to (taken before training, :meth:`prepare`), or a real
         worker's durations for the simulator. The minimum of 63 runs (the minimum of a few varies
         by a tenth or more between workers on a shared host)."""
         self.references = measure_stage_times(self.runtimes, self.staged.split_inputs, x, y, repeats=63)
 
-    def prepare(self, x, y):
+    def prepare(self, x: Any, y: Any) -> int:
         """Builds the stages for minibatches like (x, y) and, when a device is emulated, measures
         their solo times (once: what the emulation paces to); returns the batch size."""
         batch_size = int(tf.nest.flatten(x)[0].shape[0])
@@ -232,8 +241,11 @@ class VirtualWorker:
         return batch_size
 
     # Training --------------------------------------------------------------------------
-    def train(self, data, steps, trace=False, on_minibatch_done=None, snapshot_after=(),
-              on_snapshot=None, executor_hook=None, dilation: "Dilation | None" = None):
+    def train(self, data: Iterable[Any], steps: int, trace: bool | TraceRecorder = False,
+              on_minibatch_done: Callable[[int, dict[str, Any]], None] | None = None,
+              snapshot_after: Collection[int] = (), on_snapshot: Callable[[int, list[Any]], None] | None = None,
+              executor_hook: Callable[[PipelineExecutor], None] | None = None,
+              dilation: "Dilation | None" = None) -> ExecutionReport:
         """Trains on `steps` minibatches from `data` (a tf.data.Dataset or an iterator
         of (inputs, labels)); returns the :class:`ExecutionReport`. Weights are written back into
         the Keras model at the end. `trace` is True or a TraceRecorder to add to. `dilation`: the
@@ -255,8 +267,11 @@ class VirtualWorker:
                 rt.write_back()
         return self.report
 
-    def _run(self, iterator, steps, dilation, trace=False, on_minibatch_done=None, snapshot_after=(),
-             on_snapshot=None, executor_hook=None, synchronised=True, dry=False):
+    def _run(self, iterator: Iterator[Any], steps: int, dilation: "Dilation", trace: bool | TraceRecorder = False,
+             on_minibatch_done: Callable[[int, dict[str, Any]], None] | None = None,
+             snapshot_after: Collection[int] = (), on_snapshot: Callable[[int, list[Any]], None] | None = None,
+             executor_hook: Callable[[PipelineExecutor], None] | None = None, synchronised: bool = True,
+             dry: bool = False) -> ExecutionReport:
         slowdowns = self.slowdown if isinstance(self.slowdown, tuple) else (self.slowdown,) * len(self.device_specs)
         self._pacers = [Pacer(d.speed, dilation.value, slowdown=f) if d.emulated else None
                         for d, f in zip(self.device_specs, slowdowns)]
@@ -286,12 +301,12 @@ class VirtualWorker:
         return report
 
     # Emulation -------------------------------------------------------------------------
-    def probe_minibatches(self, workers=1):
+    def probe_minibatches(self, workers: int = 1) -> int:
         """How many minibatches a calibration probe runs: at least 3 waves, and about 120 paced
         tasks over `workers` such workers running together."""
         return max(3 * self.num_in_flight, -(-120 // (2 * self.num_stages * workers)))
 
-    def probe_emulation(self, minibatch, dilation: float, steps=None):
+    def probe_emulation(self, minibatch: Any, dilation: float, steps: int | None = None) -> EmulationReport | None:
         """Runs the pipeline on copies of `minibatch` at `dilation` and keeps nothing of it
         (every stage's state is restored); returns the run's EmulationReport. A synchronised
         worker runs its scheme's dry handlers (the same work on the stages, no server)."""
@@ -305,7 +320,7 @@ class VirtualWorker:
                 rt.restore(state)
         return report.emulation
 
-    def calibrate_dilation(self, minibatch, **calibration) -> "Dilation":
+    def calibrate_dilation(self, minibatch: Any, **calibration: Any) -> "Dilation":
         """Decides this worker's own dilation, when none was given, by probe runs on copies of
         `minibatch` (:func:`decide_dilation`; `calibration`: the arguments of
         :func:`hetpipe_tf.pipeline.emulation.calibrate_dilation`, such as its candidates)."""
@@ -327,7 +342,7 @@ class VirtualWorker:
                                  f"{dilation.value:g} / speed * reference); memory accounted")
         return meta
 
-    def _name_trace(self, recorder):
+    def _name_trace(self, recorder: TraceRecorder) -> None:
         label = " (EMULATED devices)" if self.emulated else ""
         pid = self.sync.worker if self.sync else 0
         recorder.name_process(pid, f"virtual worker {pid}, Nm={self.num_in_flight}{label}")
@@ -337,8 +352,9 @@ class VirtualWorker:
                 recorder.name_thread(pid, 100 + s, f"stage {s}: waits for pulled weights")
                 recorder.name_thread(pid, 200 + s, f"stage {s}: pushes to the parameter servers")
 
-    def fit(self, x, epochs=1, steps_per_epoch=None, callbacks=None, verbose="auto",
-            validation_data=None, trace_path=None) -> keras.callbacks.History:
+    def fit(self, x: Any, epochs: int = 1, steps_per_epoch: int | None = None,
+            callbacks: Sequence[keras.callbacks.Callback] | None = None, verbose: str | int = "auto",
+            validation_data: Any = None, trace_path: str | None = None) -> keras.callbacks.History:
         """Trains like ``keras.Model.fit``: callbacks, History, progress bar, validation
         (:func:`hetpipe_tf.runtime.fit_loop.fit`).
 
@@ -362,7 +378,7 @@ class VirtualWorker:
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
 
-        def started(executor):
+        def started(executor: PipelineExecutor) -> None:
             self._executor = executor
             if first:
                 events.put("started", time.perf_counter())
@@ -401,7 +417,7 @@ class Dilation:
 
 
 def decide_dilation(given: float | None, emulated: bool, probe: Callable[[float], EmulationReport],
-                    **calibration) -> Dilation:
+                    **calibration: Any) -> Dilation:
     """A run's one dilation: `given`, or, when None and a device is emulated, the one that probe
     runs choose (probe(dilation) -> the probe's EmulationReport;
     :func:`hetpipe_tf.pipeline.emulation.calibrate_dilation` with `calibration`: two steps above the
@@ -413,7 +429,7 @@ def decide_dilation(given: float | None, emulated: bool, probe: Callable[[float]
     return Dilation(value, tuple((float(d), float(f)) for d, f in tried))
 
 
-def worker_update_of(config, ties, num_stages):
+def worker_update_of(config: RunConfig, ties: Sequence[TiedVariable], num_stages: int) -> WorkerUpdate:
     """The :class:`WorkerUpdate` of a worker of `num_stages` stages run by `config` with `ties`: every
     stage but the first waits for the first stage's terms under a global clip or loss scaling, else
     the stages that hold a tied replica do; those send the first stage their replicas' gradients."""
@@ -425,7 +441,7 @@ def worker_update_of(config, ties, num_stages):
     return update
 
 
-def _refuse_untrainable_ties(staged):
+def _refuse_untrainable_ties(staged: StagedModel) -> None:
     """A SharedLayerError for a layer with non-trainable state that several stages call: each
     replica would keep state of its own (moving statistics), unlike the one layer of the model."""
     for tie in staged.tied:
@@ -436,7 +452,8 @@ def _refuse_untrainable_ties(staged):
                                    f"state; cut the model so that the layer's calls are in one stage")
 
 
-def _given_references(references, num_stages):
+def _given_references(references: Sequence[tuple[float, float]],
+                      num_stages: int) -> list[dict[type[Instruction], float]]:
     """[{Forward: seconds, Backward: seconds}] per stage from (forward, backward) pairs, checked."""
     try:
         pairs = [tuple(float(t) for t in p) for p in references]
@@ -448,6 +465,6 @@ def _given_references(references, num_stages):
     return [{Forward: f, Backward: b} for f, b in pairs]
 
 
-def _chain(first, rest):
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest

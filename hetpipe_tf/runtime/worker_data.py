@@ -13,12 +13,14 @@ Every worker reads its own copy of the input pipeline, so the split is a partiti
 data only when the copies agree: a deterministic pipeline, or a shuffle with a seed.
 """
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 
-def epoch_steps(dataset):
+def epoch_steps(dataset: tf.data.Dataset) -> int:
     """Minibatches in one pass over `dataset` (a finite tf.data.Dataset)."""
     steps = int(dataset.cardinality())
     if steps <= 0:
@@ -26,7 +28,7 @@ def epoch_steps(dataset):
     return steps
 
 
-def batch_size_of(dataset):
+def batch_size_of(dataset: tf.data.Dataset) -> int:
     """The static batch size of a dataset of (inputs, labels)."""
     size = tf.nest.flatten(dataset.element_spec[0])[0].shape[0]
     if size is None:
@@ -35,17 +37,17 @@ def batch_size_of(dataset):
     return int(size)
 
 
-def mean_batch_size(dataset, sizes=None):
+def mean_batch_size(dataset: tf.data.Dataset, sizes: Sequence[int] | None = None) -> float:
     """The samples per minibatch of a fit: the mean of the workers' `sizes`, or the dataset's."""
     return sum(sizes) / len(sizes) if sizes else batch_size_of(dataset)
 
 
-def is_dataset(x):
+def is_dataset(x: Any) -> bool:
     """Whether `x` is a ``tf.data.Dataset``."""
     return isinstance(x, tf.data.Dataset)
 
 
-def as_dataset(x, y=None, batch_size=None, shuffle=True):
+def as_dataset(x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = True) -> tf.data.Dataset:
     """A batched (inputs, labels) dataset from a dataset or from arrays (as Keras's fit)."""
     if is_dataset(x):
         if y is not None or batch_size is not None:
@@ -61,7 +63,7 @@ def as_dataset(x, y=None, batch_size=None, shuffle=True):
     return data.batch(batch_size or 32, drop_remainder=True)
 
 
-def first_batch(data, where):
+def first_batch(data: tf.data.Dataset, where: str) -> Any:
     """The first minibatch of `data`.
 
     Args:
@@ -86,7 +88,7 @@ def first_batch(data, where):
                          f"`with strategy.scope():`") from None
 
 
-def worker_shards(data, workers, sizes=None):
+def worker_shards(data: tf.data.Dataset, workers: int, sizes: Sequence[int] | None = None) -> list[tf.data.Dataset]:
     """Each worker's endless stream of minibatches of `data`.
 
     Args:
@@ -112,6 +114,7 @@ def worker_shards(data, workers, sizes=None):
     return [rounds.map(functools.partial(_samples, o, b)) for o, b in zip(offsets, sizes)]
 
 
-def _samples(offset, size, *element):
+def _samples(offset: int, size: int, *element: Any) -> Any:
+
     """Samples [offset, offset + size) of every tensor of a round."""
     return tf.nest.map_structure(lambda t: t[offset:offset + size], element if len(element) > 1 else element[0])

@@ -22,6 +22,7 @@ step is SGD's on the concatenated batch of the round
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -139,12 +140,12 @@ class BoundWorkers:
         if on_started:
             on_started(self._started)
 
-        def run(i):
-            def chain():
+        def run(i: int) -> None:
+            def chain() -> Iterator[Any]:
                 yield firsts[i]
                 yield from rest[i]
 
-            def done(p, logs):
+            def done(p: int, logs: dict[str, Any]) -> None:
                 self._completions[i].append(time.perf_counter())
                 if on_minibatch_done:
                     on_minibatch_done(i, p, logs)
@@ -207,7 +208,7 @@ class BoundWorkers:
         reports, errors = [None] * self.num_workers, []
         n = self.vws[0].probe_minibatches(workers or self.num_workers)
 
-        def run(i):
+        def run(i: int) -> None:
             try:
                 reports[i] = self.vws[i].probe_emulation(minibatches[i], dilation, n)
             except BaseException as exc:  # noqa: BLE001 - re-raised below

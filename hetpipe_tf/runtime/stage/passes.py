@@ -83,7 +83,7 @@ class StagePass:
         """The stage's pass as a :class:`SplitPass` (made once per `update_state`): its outputs are
         the sent tensors and the regularisation loss, or on the last stage the loss and the logs."""
         if update_state not in self._splits:
-            def fn(weights, entering, labels):
+            def fn(weights: Sequence[tf.Tensor], entering: Sequence[tf.Tensor], labels: Nest) -> list[tf.Tensor]:
                 targets, reg, logs = self.graph(weights, entering, labels, update_state=update_state)
                 if self.is_last:
                     self.log_names = list(logs)

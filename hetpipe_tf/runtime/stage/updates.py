@@ -77,7 +77,7 @@ class StageUpdate:
         """Applies the gradients if the minibatch's verdict is finite; returns the verdict."""
         trainable = self.weights.trainable
         if trainable:  # a stage may have no weights (pooling, activations)
-            def apply():
+            def apply() -> tf.Tensor:
                 self.weights.optimizer.apply(grads, trainable)
                 return tf.constant(True)
 

@@ -48,10 +48,14 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hetpipe_tf.pipeline.emulation import format_bytes
 from hetpipe_tf.planning.cluster import Cluster, ClusterError
 from hetpipe_tf.planning.devices import DeviceSpecError, parse_bytes
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 #: The environment variable naming a JSON file that lists the GPUs in place of the machine's.
 FAKE_GPUS_ENV = "HETPIPE_FAKE_GPUS"
@@ -260,6 +264,20 @@ def _list_with_tensorflow() -> list[dict[str, object]]:
                      "compute_capability": list(cc) if cc else None})
     return rows
 
+
+def server_config(logical_cpus: int, intra_op_threads: int, gpu_memory_mb: list[int]) -> "tf.compat.v1.ConfigProto":
+    """The config a task's server (:mod:`hetpipe_tf.distributed.server`) builds its devices from (not from tf.config's logical
+    devices): `logical_cpus` CPU devices, and, per GPU it sees, memory that grows as needed up to
+    `gpu_memory_mb[i]` MiB (none given: TensorFlow's defaults)."""
+    import tensorflow as tf  # late: defers TensorFlow
+
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus}, intra_op_parallelism_threads=intra_op_threads,
+                                      inter_op_parallelism_threads=max(2, logical_cpus + 1))
+    if gpu_memory_mb:
+        config.gpu_options.allow_growth = True
+        for limit in gpu_memory_mb:
+            config.gpu_options.experimental.virtual_devices.add(memory_limit_mb=[float(limit)])
+    return config
 
 if __name__ == "__main__":
     print(json.dumps(_list_with_tensorflow()))

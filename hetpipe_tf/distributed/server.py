@@ -18,10 +18,10 @@ import json
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING
 
 from absl import app, flags
 
+from hetpipe_tf.distributed.gpus import server_config
 from hetpipe_tf.distributed.heartbeat import HeartbeatResponder, end_with_parent
 from hetpipe_tf.distributed.starter import TaskStarter, authkey_from
 from hetpipe_tf.ops.loader import load_ops
@@ -40,24 +40,6 @@ flags.DEFINE_float("chief_timeout_s", 0.0, "End when the chief sends no heartbea
 flags.DEFINE_string("task_log_dir", None, "Where the logs of the processes this task starts go (default: a temporary "
                     "directory).")
 FLAGS = flags.FLAGS
-
-if TYPE_CHECKING:
-    import tensorflow as tf
-
-
-def server_config(logical_cpus: int, intra_op_threads: int, gpu_memory_mb: list[int]) -> "tf.compat.v1.ConfigProto":
-    """The config the task's server builds its devices from (not from tf.config's logical
-    devices): `logical_cpus` CPU devices, and, per GPU it sees, memory that grows as needed up to
-    `gpu_memory_mb[i]` MiB (none given: TensorFlow's defaults)."""
-    import tensorflow as tf  # late: defers TensorFlow
-
-    config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus}, intra_op_parallelism_threads=intra_op_threads,
-                                      inter_op_parallelism_threads=max(2, logical_cpus + 1))
-    if gpu_memory_mb:
-        config.gpu_options.allow_growth = True
-        for limit in gpu_memory_mb:
-            config.gpu_options.experimental.virtual_devices.add(memory_limit_mb=[float(limit)])
-    return config
 
 
 def main(argv: list[str]) -> None:

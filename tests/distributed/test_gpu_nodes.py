@@ -16,9 +16,9 @@ from hetpipe_tf.distributed.gpus import (
     PhysicalGPU,
     gpu_layout,
     physical_gpus,
+    server_config,
 )
 from hetpipe_tf.distributed.launch import ClusterConfigError, LocalCluster
-from hetpipe_tf.distributed.server import server_config
 from hetpipe_tf.planning.cluster import ClusterError, load_cluster
 from hetpipe_tf.planning.planner import plan
 from hetpipe_tf.planning.request import PlanRequest

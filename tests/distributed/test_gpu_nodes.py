@@ -46,12 +46,16 @@ def test_the_listing_is_the_fake_here_and_in_a_child_process(fake_gpus):
     assert child.stdout.strip() == repr(here)
 
 
-def test_tensorflow_lists_no_gpu_on_this_machine(monkeypatch):
-    """The seam's own path (TensorFlow in a child process), on a machine without a GPU."""
+def test_tensorflow_lists_the_gpus_the_machine_has(monkeypatch):
+    """The seam's own path (TensorFlow in a child process): none without a GPU device file; with
+    one, GPUs numbered from 0 as TensorFlow numbers them."""
     monkeypatch.delenv(FAKE_GPUS_ENV, raising=False)
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is None and os.path.exists("/dev/nvidia0"):
-        pytest.skip("this machine has a GPU: the listing is not empty")
-    assert physical_gpus() == ()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    listed = physical_gpus()
+    if os.path.exists("/dev/nvidia0"):
+        assert [g.index for g in listed] == list(range(len(listed))) and listed
+    else:
+        assert listed == ()
 
 
 def test_each_worker_task_sees_its_nodes_gpus_and_every_other_task_none(fake_gpus, tmp_path):

@@ -140,15 +140,8 @@ def quota_profile(profile: Profile, speeds: dict[str, QuotaSpeed]) -> Profile:
     Raises:
         ValueError: the profile has no times measured on this host.
     """
-    if "host" not in profile.times:
-        raise ValueError(f"the profile of {profile.model} has no times measured on this host (it has "
-                         f"{sorted(profile.times) or 'none'}); measure one with "
-                         f"hetpipe_tf.runtime.profiler.measure_profile, then add the quota types' speeds")
-    host = profile.times["host"]
-    for name, s in speeds.items():
-        profile = profile.with_times(name, host.scaled(s.speed, f"{host.source}, divided by the speed {s.speed:.3f} "
-                                                                f"measured in a CPU-quota group of {s.cpu_quota:g} cores"))
-    return profile
+    return profile.with_host_speeds({name: (s.speed, f"measured in a CPU-quota group of {s.cpu_quota:g} cores")
+                                     for name, s in speeds.items()}, "the quota types' speeds")
 
 
 def with_measured_speeds(profile: Profile, model: keras.Model, sample: Callable[[], tuple[Batch, Batch]],

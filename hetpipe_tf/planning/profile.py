@@ -188,6 +188,28 @@ class Profile:
         merged[key] = times
         return Profile(**{**self._fields(), "times": merged})
 
+    def with_host_speeds(self, speeds: Mapping[str, tuple[float, str]], what: str) -> "Profile":
+        """The profile with the times of every type of `speeds` (name -> (speed, where it was
+        measured)): the host's times (key ``"host"``) divided by the type's speed.
+
+        Returns:
+            The new profile.
+
+        Raises:
+            ValueError: the profile has no times measured on this host (`what` names what the
+                caller adds, in the message's remedy).
+        """
+        host = self.times.get("host")
+        if host is None:
+            raise ValueError(f"the profile of {self.model} has no times measured on this host (it has "
+                             f"{sorted(self.times) or 'none'}); measure one with "
+                             f"hetpipe_tf.runtime.profiler.measure_profile, then add {what}")
+        profile = self
+        for name, (speed, measured) in speeds.items():
+            profile = profile.with_times(name, host.scaled(speed, f"{host.source}, divided by the speed {speed:.3f} "
+                                                                  f"{measured}"))
+        return profile
+
     def with_costs(self, **costs: float) -> "Profile":
         """The profile with some of apply_base, apply_per_byte, apply_shared_per_byte,
         instruction_seconds replaced.

@@ -265,16 +265,8 @@ def speeds_profile(profile: Profile, speeds: dict[str, DeviceSpeed]) -> Profile:
     Raises:
         ValueError: `profile` has no host times to divide.
     """
-    host = profile.times.get("host")
-    if host is None:
-        raise ValueError(f"the profile of {profile.model} has no times measured on this host (it has "
-                         f"{sorted(profile.times) or 'none'}); measure one with "
-                         f"hetpipe_tf.runtime.profiler.measure_profile, then add the types' speeds")
-    for name, s in speeds.items():
-        if not s.host_cpu:
-            profile = profile.with_times(name, host.scaled(s.speed, f"{host.source}, divided by the speed "
-                                                                    f"{s.speed:.3f} measured on {s.device}"))
-    return profile
+    return profile.with_host_speeds({name: (s.speed, f"measured on {s.device}") for name, s in speeds.items()
+                                     if not s.host_cpu}, "the types' speeds")
 
 
 def with_device_speeds(profile: Profile, model: keras.Model, sample: Callable[[], tuple[Batch, Batch]],

@@ -23,7 +23,7 @@ TARGET_S = 30.0
 
 
 def run_once(cluster_flags):
-    """(wall seconds, CPU seconds, stdout) of one `hetpipe plan` of the CNN, its profile not cached."""
+    """(wall seconds, CPU seconds, stderr: what was found) of one `hetpipe plan` of the CNN, its profile not cached."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as home:
         start = time.perf_counter()
@@ -34,7 +34,7 @@ def run_once(cluster_flags):
     if done.returncode:
         raise SystemExit(f"hetpipe plan {' '.join(cluster_flags)} failed:\n{done.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, done.stdout
+    return wall, cpu, done.stderr
 
 
 def main():

@@ -28,6 +28,7 @@ the machine that plans, where it has such a device).
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -156,7 +157,7 @@ def cluster_for(name_or_path: str | dict[str, Any] | Cluster, launch: str | None
                            f"them in a cluster file (an accelerator type may give its device_name instead of "
                            f"peak_tflops to be measured where the plan is made)")
     cluster = discover_cluster()
-    print(f"hetpipe: {describe_discovered(cluster)}", flush=True)
+    print(f"hetpipe: {describe_discovered(cluster)}", file=sys.stderr, flush=True)  # beside a --json output
     return cluster
 
 
@@ -285,7 +286,7 @@ def with_device_speeds(profile: Profile, model: keras.Model, sample: Callable[[]
         return profile
     speeds = measure_device_speeds(model, sample(), types, loss=loss)
     for speed in speeds.values():
-        print(f"hetpipe: {speed}", flush=True)
+        print(f"hetpipe: {speed}", file=sys.stderr, flush=True)
     return speeds_profile(profile, speeds)
 
 

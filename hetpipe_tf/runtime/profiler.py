@@ -13,14 +13,18 @@ without the RPCs that drive it; a fixed cost per task measured from this process
 tasks hold no such cost.
 The time to apply an update is fitted from applies with the real optimizer on weights shaped
 like the model's. Profiles are cached as JSON, keyed by model, batch size, optimizer (its class
-and settings) and host.
+and settings), host and TensorFlow version; a profile measured while other processes took more
+than a quarter of the host's CPU (:mod:`hetpipe_tf.runtime.host_load`) is used but not cached, with
+a warning, so that a plan made later on the idle host is not made from a busy host's times.
 """
 import contextlib
 import hashlib
 import json
 import os
 import platform
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
@@ -31,6 +35,7 @@ import tensorflow as tf
 from hetpipe_tf.pipeline.instructions import ApplyUpdate, Backward, Forward
 from hetpipe_tf.planning.model_graph import ModelGraph
 from hetpipe_tf.planning.profile import AttentionBlock, Profile, SegmentTimes, static_profile
+from hetpipe_tf.runtime.host_load import OthersLoad
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.optimizers import check_optimizer, stage_optimizer
 from hetpipe_tf.runtime.stage_rewrite import KerasGraph, StagedModel, describe_model, split_model, variable_bytes
@@ -348,7 +353,8 @@ def measure_profile(model: keras.Model, batch_size: int, loss: LossArgument = "s
     Times go under the key ``"host"``. `stage_device`: where the segments' passes are timed
     instead (a cluster task's CPU, for stages that will run on tasks); applies and the
     executor's costs stay measured on `device`. With `cache_dir`, a profile measured before
-    for the same model graph, batch size, optimizer, host and stage device is read back instead.
+    for the same model graph, batch size, optimizer, host and stage device is read back instead,
+    and a profile measured on a busy host is not kept (see the module docstring).
 
     Args:
         model: the Keras model.
@@ -369,41 +375,50 @@ def measure_profile(model: keras.Model, batch_size: int, loss: LossArgument = "s
     base = model_profile(model, batch_size)
     optimizer = check_optimizer(optimizer)
     host = hashlib.sha1(host_name().encode()).hexdigest()[:8]
-    key = f"v{CACHE_VERSION}-{graph.name}-{_fingerprint(graph)}-b{batch_size}-{_optimizer_key(optimizer)}-{host}"
+    key = (f"v{CACHE_VERSION}-{graph.name}-{_fingerprint(graph)}-b{batch_size}-{_optimizer_key(optimizer)}-{host}"
+           f"-tf{tf.__version__}")
     timed_on = stage_device or device
     if stage_device:
         key += "-stages-" + hashlib.sha1(stage_device.encode()).hexdigest()[:8]
     path = os.path.join(cache_dir, key + ".json") if cache_dir else None
     if path and os.path.exists(path):
+        measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(path)))
+        print(f"hetpipe: the model's profile measured on {measured} is read from {path} (delete it to measure "
+              f"again)", file=sys.stderr, flush=True)
         with open(path) as f:
             return Profile.from_json(f.read())
-    x, y = sample if sample is not None else random_minibatch(keras_graph.model, batch_size)
-    n = base.num_segments
-    rows: dict[type, list[tuple[int, int, float]]] = {Forward: [], Backward: []}
-    for grouping in [tuple(range(n))] + _groupings(n):
-        starts = tuple(base.starts[i] for i in grouping)
-        staged = split_model(model, boundaries=starts, devices=[timed_on] * len(starts))
-        ends = grouping[1:] + (n,)
-        for (lo, hi), measured in zip(zip(grouping, ends), _segment_times(staged, loss, x, y, timed_on, repeats)):
-            for kind in rows:
-                rows[kind].append((lo, hi, measured[kind]))
-    f_overhead, forward = _fit_segments(rows[Forward], n)
-    b_overhead, backward = _fit_segments(rows[Backward], n)
-    times = SegmentTimes(forward=forward, backward=backward, forward_overhead=f_overhead,
-                         backward_overhead=b_overhead,
-                         source=f"measured on {host_name()} ({timed_on}), batch {batch_size}")
-    apply_base, apply_per_byte = _apply_seconds(optimizer, model, device, shared=False)
-    _, shared_per_byte = _apply_seconds(optimizer, model, device, shared=True)
-    weights = [v.numpy() for v in model.weights]
-    instruction, slower, overshoot = _executor_costs(model, loss, optimizer, (x, y), device, apply_base,
-                                                     shared_per_byte)
-    for v, w in zip(model.weights, weights):
-        v.assign(w)  # the probe run trained the model a little: undo it
-    profile = base.with_times("host", times).with_costs(
-        apply_base=apply_base * slower, apply_per_byte=apply_per_byte * slower,
-        apply_shared_per_byte=shared_per_byte * slower, instruction_seconds=instruction,
-        pacing_overshoot_seconds=overshoot)
-    if path:
+    with OthersLoad() as load:
+        x, y = sample if sample is not None else random_minibatch(keras_graph.model, batch_size)
+        n = base.num_segments
+        rows: dict[type, list[tuple[int, int, float]]] = {Forward: [], Backward: []}
+        for grouping in [tuple(range(n))] + _groupings(n):
+            starts = tuple(base.starts[i] for i in grouping)
+            staged = split_model(model, boundaries=starts, devices=[timed_on] * len(starts))
+            ends = grouping[1:] + (n,)
+            for (lo, hi), measured in zip(zip(grouping, ends), _segment_times(staged, loss, x, y, timed_on, repeats)):
+                for kind in rows:
+                    rows[kind].append((lo, hi, measured[kind]))
+        f_overhead, forward = _fit_segments(rows[Forward], n)
+        b_overhead, backward = _fit_segments(rows[Backward], n)
+        times = SegmentTimes(forward=forward, backward=backward, forward_overhead=f_overhead,
+                             backward_overhead=b_overhead,
+                             source=f"measured on {host_name()} ({timed_on}), batch {batch_size}")
+        apply_base, apply_per_byte = _apply_seconds(optimizer, model, device, shared=False)
+        _, shared_per_byte = _apply_seconds(optimizer, model, device, shared=True)
+        weights = [v.numpy() for v in model.weights]
+        instruction, slower, overshoot = _executor_costs(model, loss, optimizer, (x, y), device, apply_base,
+                                                         shared_per_byte)
+        for v, w in zip(model.weights, weights):
+            v.assign(w)  # the probe run trained the model a little: undo it
+        profile = base.with_times("host", times).with_costs(
+            apply_base=apply_base * slower, apply_per_byte=apply_per_byte * slower,
+            apply_shared_per_byte=shared_per_byte * slower, instruction_seconds=instruction,
+            pacing_overshoot_seconds=overshoot)
+    if load.busy:
+        warnings.warn(f"the model was profiled on a busy host ({load.describe()} while it was timed): its times "
+                      f"are slower than the host is, and the plan made from them is a plan for a busier host; "
+                      f"the profile is not cached: profile again with the host otherwise idle", stacklevel=2)
+    elif path:
         os.makedirs(cache_dir, exist_ok=True)
         with open(path, "w") as f:
             f.write(profile.to_json())

@@ -1,3 +1,5 @@
+import os
+
 import keras
 
 from hetpipe_tf.planning.profile import Profile
@@ -5,7 +7,14 @@ from hetpipe_tf.runtime.profiler import measure_profile
 from tests.helpers import models
 
 
-def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path):
+def _any_load_is_idle(monkeypatch):
+    """The caching tests hold on a host however busy: other processes' share never counts as busy."""
+    from hetpipe_tf.runtime import host_load
+    monkeypatch.setattr(host_load, "BUSY_SHARE", 1.0)
+
+
+def test_measured_profile_has_times_and_executor_costs_and_is_cached(tmp_path, monkeypatch):
+    _any_load_is_idle(monkeypatch)
     model = models.mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     before = [v.numpy() for v in model.weights]
@@ -35,9 +44,10 @@ def test_synthetic_transfer_benchmark_times_each_size_in_bytes():
     assert [b for b, _ in samples] == [2 ** 14, 2 ** 24] and all(t > 0 for _, t in samples)
 
 
-def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path):
+def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path, monkeypatch):
     """stage_device: the segments' passes timed where the stages will run (a cluster task's CPU
     for launch="processes"), not where the profile is taken; the cache keeps both."""
+    _any_load_is_idle(monkeypatch)
     model = models.mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     here = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3)
@@ -45,3 +55,56 @@ def test_a_profile_timed_on_another_device_is_cached_apart_and_names_it(tmp_path
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert "(/device:CPU:0)" in here.times["host"].source and "(/device:CPU:1)" in there.times["host"].source
     assert sum(there.times["host"].forward) > 0 and (there.apply_base > 0 or there.apply_per_byte > 0)
+
+
+def test_a_profile_measured_while_other_processes_take_the_cores_is_used_but_not_cached(tmp_path):
+    """Two processes spinning at normal priority beside the profiling take far more than a quarter
+    of the host's CPU: the profile comes back, with a warning naming their share, and no file is
+    kept, so that a later plan on the idle host measures again."""
+    import subprocess
+    import sys
+    import warnings
+
+    model = models.mlp()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p = measure_profile(model, 8, loss=loss, cache_dir=str(tmp_path), repeats=3)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert sum(p.times["host"].forward) > 0
+    assert list(tmp_path.glob("*.json")) == []
+    busy = [str(w.message) for w in caught if "busy host" in str(w.message)]
+    assert len(busy) == 1 and "other processes used" in busy[0] and "not cached" in busy[0]
+
+
+def test_other_processes_share_counts_their_cpu_and_not_this_process_trees():
+    """This process's own spinning child is its tree's and does not count; an unrelated spinner
+    (started through a shell that exits, so it is no child of this process) counts."""
+    import subprocess
+    import sys
+    import time
+
+    from hetpipe_tf.runtime.host_load import OthersLoad
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with OthersLoad() as own:
+            time.sleep(1.0)
+    finally:
+        child.kill()
+        child.wait()
+    pid = subprocess.run(["sh", "-c", f"nohup {sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        with OthersLoad() as others:
+            time.sleep(1.0)
+    finally:
+        os.kill(int(pid), 9)
+    assert own.share is not None and others.share is not None
+    # The unrelated spinner holds about one core of os.cpu_count(); the child's core is not counted.
+    assert others.share > own.share + 0.5 / (os.cpu_count() or 1)

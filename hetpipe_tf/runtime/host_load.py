@@ -35,9 +35,9 @@ def _host_busy_ticks() -> int | None:
     return sum(int(t) for t in fields[1:4] + fields[6:8])
 
 
-def _tree_ticks(root: int) -> int:
-    """Clock ticks of user and system time of `root` and every running process below it, and of the
-    children each has waited for (whose time the kernel moves to their parent's count)."""
+def process_table() -> tuple[dict[int, int], dict[int, int]]:
+    """Every running process's parent and its clock ticks of user and system time, with those of the
+    children it has waited for (whose time the kernel moves to their parent's count)."""
     parents: dict[int, int] = {}
     ticks: dict[int, int] = {}
     for name in os.listdir("/proc"):
@@ -47,17 +47,28 @@ def _tree_ticks(root: int) -> int:
             with open(f"/proc/{name}/stat") as f:
                 rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ...
         except (OSError, IndexError):
-            continue  # the process ended while the tree was read
+            continue  # the process ended while the table was read
         pid = int(name)
         parents[pid] = int(rest[1])
         ticks[pid] = sum(int(t) for t in rest[11:15])  # utime, stime, cutime, cstime
+    return parents, ticks
+
+
+def process_tree(root: int, parents: dict[int, int]) -> set[int]:
+    """`root` and every process below it, from each process's parent."""
     tree, frontier = {root}, [root]
     while frontier:
         parent = frontier.pop()
         children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
         tree.update(children)
         frontier.extend(children)
-    return sum(ticks.get(pid, 0) for pid in tree)
+    return tree
+
+
+def _tree_ticks(root: int) -> int:
+    """Clock ticks of `root`'s process tree (:func:`process_tree`)."""
+    parents, ticks = process_table()
+    return sum(ticks.get(pid, 0) for pid in process_tree(root, parents))
 
 
 @dataclasses.dataclass

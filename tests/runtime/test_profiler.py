@@ -82,29 +82,23 @@ def test_a_profile_measured_while_other_processes_take_the_cores_is_used_but_not
     assert len(busy) == 1 and "other processes used" in busy[0] and "not cached" in busy[0]
 
 
-def test_other_processes_share_counts_their_cpu_and_not_this_process_trees():
-    """This process's own spinning child is its tree's and does not count; an unrelated spinner
-    (started through a shell that exits, so it is no child of this process) counts."""
+def test_this_process_trees_own_cpu_is_not_counted_as_other_processes():
+    """A process this one started (a cluster's task) is this tree's: its CPU is not another
+    process's; one started through a shell that exits (no child of this process) is another's."""
     import subprocess
     import sys
-    import time
 
-    from hetpipe_tf.runtime.host_load import OthersLoad
+    from hetpipe_tf.runtime.host_load import process_table, process_tree
 
-    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    orphan = int(subprocess.run(["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(60)' "
+                                             f">/dev/null 2>&1 & echo $!"],
+                                capture_output=True, text=True, check=True).stdout.strip())
     try:
-        with OthersLoad() as own:
-            time.sleep(1.0)
+        parents, _ = process_table()
+        tree = process_tree(os.getpid(), parents)
     finally:
         child.kill()
         child.wait()
-    pid = subprocess.run(["sh", "-c", f"nohup {sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    try:
-        with OthersLoad() as others:
-            time.sleep(1.0)
-    finally:
-        os.kill(int(pid), 9)
-    assert own.share is not None and others.share is not None
-    # The unrelated spinner holds about one core of os.cpu_count(); the child's core is not counted.
-    assert others.share > own.share + 0.5 / (os.cpu_count() or 1)
+        os.kill(orphan, 9)
+    assert os.getpid() in tree and child.pid in tree and orphan not in tree

@@ -176,7 +176,8 @@ class NodeGroups:
 
 
 def baseline_row(system, epochs, whole_pass_s, speeds, deadline_s=900, seed=0, model="cnn"):
-    """Horovod (`system` "Horovod") or MWMS ("MWMS") with every rank in its node's group; its row
+    """Horovod (`system` "Horovod": each rank's kernel threads in its node's group under cgroup v1,
+    the whole rank under v2) or MWMS ("MWMS": each whole rank in its node's group); its row
     with its bound, or a row saying why it could not run."""
     from hetpipe_tf.distributed.cgroups import rank_command
     from benchmarks.baselines import horovod_run, mwms

@@ -18,13 +18,24 @@ Every system runs on the same groups:
 * **HetPipe** (:func:`hetpipe_row`): ``HetPipeStrategy(cluster="paper_quota",
   launch="processes")``, each node's worker task and the virtual workers' processes it starts in
   the node's group; the chief and the parameter servers outside every group.
+  Each node's worker task runs in the node's group and computes every stage on the node's devices
+  (the home node's too); the virtual workers' own processes (the executor, the remote calls to
+  the stages, the wave's pushes and pulls), the chief and the parameter servers run outside every
+  group: a device computes, its host runs the runtime that drives it
+  (:mod:`hetpipe_tf.distributed.cluster_devices`).
 * **Horovod** and **MultiWorkerMirroredStrategy** (:func:`baseline_row`): one rank per device
-  (a device too small for the whole model left out, the leave-out rule), each rank started in
-  its device's node's group from its first instruction (Horovod: ``horovodrun`` starts one
-  command for every rank, so the command picks the group by the rank's ``HOROVOD_RANK``,
-  :func:`hetpipe_tf.distributed.cgroups.rank_command`), its training as the emulated runs' but
-  unpaced (``--real_compute``); the groups are this process's, of the same quotas and period as a
-  HetPipe run's nodes, removed after the run.
+  (a device too small for the whole model left out, the leave-out rule), its training as the
+  emulated runs' but unpaced (``--real_compute``). Horovod by the same rule as HetPipe: a rank's
+  threads that run TensorFlow's kernels (its compute and its update) in its device's node's group,
+  its Python and the all-reduce (Horovod's and Gloo's threads) outside
+  (``train_horovod.py --kernel_thread_groups``; cgroup v1, whose ``tasks`` file takes threads;
+  under v2 the whole rank, started in the group by
+  :func:`hetpipe_tf.distributed.cgroups.rank_command`). MWMS, whose collectives run on
+  TensorFlow's own threads, has each rank's whole process in its group from its first
+  instruction. The asymmetry left: a HetPipe worker task's whole process is in its group, its
+  gRPC serving of the remote calls too, while a Horovod rank's communication is outside; it
+  favours Horovod. The groups are this process's, of the same quotas and period as a HetPipe run's
+  nodes, removed after the run.
 
 Bounds (:func:`bound`): what the measured speeds allow at D = 0, a step's or a wave's workers all
 waiting for the slowest: n workers x batch / the slowest stage's forward and backward time on
@@ -165,7 +176,8 @@ class NodeGroups:
 
 
 def baseline_row(system, epochs, whole_pass_s, speeds, deadline_s=900, seed=0, model="cnn"):
-    """Horovod (`system` "Horovod") or MWMS ("MWMS") with every rank in its node's group; its row
+    """Horovod (`system` "Horovod": each rank's kernel threads in its node's group under cgroup v1,
+    the whole rank under v2) or MWMS ("MWMS": each whole rank in its node's group); its row
     with its bound, or a row saying why it could not run."""
     from hetpipe_tf.distributed.cgroups import rank_command
     from benchmarks.baselines import horovod_run, mwms
@@ -178,7 +190,13 @@ def baseline_row(system, epochs, whole_pass_s, speeds, deadline_s=900, seed=0, m
     started = time.perf_counter()
     with NodeGroups(quota_cluster) as groups:
         ranks = groups.of_ranks()
-        if system == "Horovod":
+        threads = groups.groups.controller.version == 1
+        in_group = "whole rank"
+        if system == "Horovod" and threads:
+            in_group = "kernel threads"
+            line = horovod_run.run(len(types), [*argv, f"--kernel_thread_groups={','.join(g.path for g in ranks)}"],
+                                   deadline_s)
+        elif system == "Horovod":
             line = horovod_run.run(len(types), argv, deadline_s,
                                    wrap=lambda cmd: rank_command(ranks, cmd, "HOROVOD_RANK"))
         else:
@@ -189,7 +207,7 @@ def baseline_row(system, epochs, whole_pass_s, speeds, deadline_s=900, seed=0, m
             "compute_share_of_wall", "host_cpu_busy", "epoch_wall_s")
     b = allreduce_bound(whole_pass_s, speeds, admitted)
     own = bound([[ms / 1e3] for ms in line["compute_ms_per_step"]])
-    return {"system": system, "processes": line["ranks_started"], "rank_types": admitted,
+    return {"system": system, "processes": line["ranks_started"], "rank_types": admitted, "in_group": in_group,
             **{k: line[k] for k in keep if k in line}, "bound_images_per_s": round(b, 2),
             "share_of_bound": comparison.ratio(line["images_per_s"], b),
             "bound_by_its_own_compute": round(own, 2), "run_s": round(time.perf_counter() - started, 1)}

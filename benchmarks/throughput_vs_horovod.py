@@ -37,8 +37,10 @@ ratios are the same), written to ``throughput_vs_horovod_gpt.jsonl`` and ``.png`
 ``--cluster=paper_quota`` runs it with real compute on CPU-quota nodes instead
 (:mod:`benchmarks.quota_nodes`): the ``paper_quota`` preset's four node types of two devices,
 each node's processes in a CPU-quota group, dilation 1 and nothing padded; every node's speed
-measured first, every system's bound from those speeds; HetPipe's policies NP, HD and ED, then
-Horovod and MWMS with each rank in its device's node's group (``--baselines`` chooses which).
+measured first, every system's bound from those speeds; HetPipe's policies NP, HD and ED (each
+node's worker task in its group, the virtual workers' processes outside: a device computes, its
+host runs the runtime), then Horovod (each rank's kernel threads in its device's node's group, its
+Python and all-reduce outside) and MWMS (each rank in its group; ``--baselines`` chooses which).
 Its JSON lines and plot go to names with a ``_quota`` suffix; its rows say ``"emulated": false``
 and their share of their bound.
 

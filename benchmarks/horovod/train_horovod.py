@@ -19,6 +19,14 @@ over the ranks and applies them (with a Keras 2 optimizer, Horovod all-reduces i
 ``minimize``/``compute_gradients``, not in ``apply_gradients``). The surrogate costs a
 multiply-add per weight, negligible beside the step.
 
+On CPU-quota nodes (``--kernel_thread_groups``, :mod:`benchmarks.quota_nodes`) a rank's threads
+that run TensorFlow's kernels run in its device's group, the rest of the rank (Python, Horovod's
+background thread and Gloo's, which all-reduce) on the host outside it: a device computes, its
+host runs the runtime around it. The kernel threads are those TensorFlow's context makes at its
+first op, its inter-op pool (which runs a tf.function's kernels: the step's compute and its
+update) and intra-op pool; TensorFlow 2.15 leaves them unnamed, so they are found as the threads
+that appear while the model is built.
+
 Ranks left out by the memory rule still start (horovodrun starts -np of them) but train in
 no collective: the others train in a Horovod process set of their own, and every rank meets
 at a last barrier before exiting.
@@ -35,8 +43,30 @@ from benchmarks.baselines import ranks  # noqa: E402
 
 
 def arguments(argv=None):
-    return ranks.check(ranks.add_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
-                       .parse_args(argv))
+    parser = ranks.add_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--kernel_thread_groups", default="",
+                        help="cgroup v1 cpu groups (directories), one per rank: each rank's kernel threads run in its "
+                             "group, the rest of the rank outside")
+    return ranks.check(parser.parse_args(argv))
+
+
+def threads():
+    """The ids of this process's threads."""
+    return set(os.listdir("/proc/self/task"))
+
+
+def kernel_threads_into(group, tids):
+    """Moves threads `tids` of this process into the cgroup v1 group `group` (its ``tasks`` file takes
+    thread ids); the others stay where the rank started. Raises BaselineOptionError if `tids` is empty."""
+    if not tids:
+        raise ranks.BaselineOptionError(f"TensorFlow made no thread at its first op here, so no kernel thread can "
+                                        f"be put in {group}")
+    fd = os.open(os.path.join(group, "tasks"), os.O_WRONLY)
+    try:
+        for tid in sorted(tids):  # one id per write
+            os.write(fd, tid.encode())
+    finally:
+        os.close(fd)
 
 
 def horovod_ranks():
@@ -61,8 +91,15 @@ def main(argv=None):
     from benchmarks.baselines import training
 
     tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    before = threads()
     tf.keras.utils.set_random_seed(args.seed)
     model = training.build_model(args.model)
+    if args.kernel_thread_groups:  # the model's build ran TensorFlow's first op, which made its thread pools
+        groups = args.kernel_thread_groups.split(",")
+        if rank >= len(groups):
+            raise ranks.BaselineOptionError(f"--kernel_thread_groups gives {len(groups)} groups for rank {rank}; "
+                                            f"give one per rank")
+        kernel_threads_into(groups[rank], threads() - before)
     plan = ranks.plan(args, size, training.model_need(model, args.batch_size))
     index = plan.index(rank)
     if len(plan.admitted) == size:

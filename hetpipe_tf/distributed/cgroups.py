@@ -16,6 +16,14 @@ with nothing padded: the one real heterogeneity of compute a single machine has.
   command wrapped in a shell that writes its own pid, then execs: nothing runs outside first),
   or is moved into it (:meth:`CpuGroup.add`, :meth:`CpuGroup.holding`); :func:`rank_command`
   starts each rank of a launcher that runs one command for all of them in a group of its own.
+* :func:`enter_command` runs a command in a group given by its procs file: a quota node's worker
+  task starts the processes a chief asks of it (a virtual worker's) in the group its own starter
+  was in (:data:`HOST_GROUP_ENV`), outside every quota group.
+
+What runs in a group is a device's compute: a node's worker task, which runs its stages' kernels.
+The host's runtime that drives the devices (a virtual worker's own process: its executor, its
+remote calls, its pushes and pulls; the chief; the parameter servers) runs outside every group, as
+a GPU server runs its Python on its host CPU while its GPUs compute.
 
 The period is :data:`PERIOD_US`, 10 ms: the kernel grants a group its quota per period and
 throttles it for the rest, so with the default 100 ms a group of 0.2 cores would run 20 ms at full
@@ -50,6 +58,9 @@ MIN_QUOTA_US = 1_000
 WEIGHT = 10
 #: The prefix of the groups' names: hetpipe-OWNERPID-NAME.
 PREFIX = "hetpipe-"
+#: The environment variable of a quota node's worker task that names the procs file of the group
+#: the processes it starts run in (its starter's group: outside every quota group).
+HOST_GROUP_ENV = "HETPIPE_HOST_CGROUP_PROCS"
 
 
 class CgroupError(HetPipeRunError, RuntimeError):
@@ -165,7 +176,7 @@ class CpuGroup:
         Returns:
             The command line to run.
         """
-        return ["sh", "-c", f'echo $$ > {shlex.quote(self.procs_file)} && exec "$@"', "sh", *cmd]
+        return enter_command(self.procs_file, cmd)
 
     @property
     def procs_file(self) -> str:
@@ -181,6 +192,26 @@ class CpuGroup:
             yield self
         finally:
             _write(self.controller.procs(before), str(pid))
+
+
+def enter_command(procs_file: str, cmd: list[str]) -> list[str]:
+    """`cmd` run, from its first instruction, in the group whose procs file is `procs_file`: a
+    shell writes its own pid there, then execs `cmd` (the same pid).
+
+    Returns:
+        The command line to run.
+    """
+    return ["sh", "-c", f'echo $$ > {shlex.quote(procs_file)} && exec "$@"', "sh", *cmd]
+
+
+def host_procs_file(controller: CpuController) -> str:
+    """The procs file of the `controller` group this process is in (where the processes it runs
+    outside the quota groups go).
+
+    Returns:
+        The file's path.
+    """
+    return controller.procs(current_group(controller, os.getpid()))
 
 
 def rank_command(groups: Sequence[CpuGroup], cmd: list[str], rank_variable: str) -> list[str]:

@@ -8,13 +8,17 @@ A cluster description's devices (:mod:`hetpipe_tf.planning.cluster`) run, by lau
 * ``processes`` and ``tf_config``: node n's devices on its worker task (its logical CPUs, its
   GPUs) and its parameter server on its ps task; a virtual worker's own process (on its home node,
   the node of its first stage) holds the home node's emulated and host-CPU devices itself
-  (:func:`hetpipe_tf.distributed.protocol.local_device`), and reaches the others on their
-  node's worker task. A node of GPUs is device i = its worker task's ``GPU:i``: under
+  (:func:`hetpipe_tf.distributed.protocol.local_device`), but not CPU-quota ones, and reaches
+  the others on their node's worker task. A node of GPUs is device i = its worker task's ``GPU:i``: under
   ``processes`` the task sees only its node's GPUs, in the node's order
   (:mod:`hetpipe_tf.distributed.gpus`), whichever indices of this machine they are.
 
-A CPU-quota node (:mod:`hetpipe_tf.distributed.cgroups`) runs at its quota only in processes of its
-own group: ``processes`` puts them there (``hetpipe launch`` too, for ``tf_config``), and
+A CPU-quota node (:mod:`hetpipe_tf.distributed.cgroups`) runs at its quota only in its worker task,
+which ``processes`` (``hetpipe launch`` too, for ``tf_config``) starts in the node's group: a
+quota device is the compute of a device, and a virtual worker's own process is the host's runtime
+that drives it (its executor, its remote calls, its pushes and pulls), as a GPU server's Python
+process runs on its host's CPU while the GPU computes. So every stage on a quota device runs on its
+node's worker task, the home node's too, and the virtual worker's process runs outside every group.
 ``in_process``, where every device is a thread of this process, is refused for it.
 """
 from hetpipe_tf.distributed.launch import ps_device, worker_device
@@ -76,13 +80,14 @@ class ClusterDevices:
     def worker(self, w, devices, boundaries, references=None) -> tuple:
         """Virtual worker `w`'s :class:`WorkerSpec` (its `devices` in stage order, cut at `boundaries`,
         paced to `references`) and how many of its devices its own process holds: those on its home
-        node but real GPUs (their node's worker task holds them); none in_process."""
+        node but real GPUs and CPU-quota devices (their node's worker task holds them, see the module
+        docstring); none in_process."""
         home = devices[0].node
         specs, names, servers, local = [], [], [], 0
         ps = self.ps
         for d in devices:
             specs.append(device_spec(d))
-            if self._local is None and d.node == home and d.type.on_host:
+            if self._local is None and d.node == home and d.type.on_host and d.type.cpu_quota is None:
                 names.append(local_device(w, local))
                 local += 1
             else:

@@ -31,9 +31,11 @@ from typing import Any, TextIO
 
 from hetpipe_tf.distributed.cgroups import (
     CGROUP_ROOT,
+    HOST_GROUP_ENV,
     CgroupError,
     CpuGroup,
     CpuGroups,
+    host_procs_file,
     reap_orphans,
 )
 from hetpipe_tf.distributed.gpus import NO_GPU, GPULayout, gpu_layout, hide_gpus_here
@@ -169,10 +171,12 @@ class LocalCluster(ChiefCluster):
         its network namespace at its address, the chief at the links' own address (`host`
         is then not used).
       cpu_quotas: per worker task (node), the cores of its CPU-quota group, or None for none:
-        worker task i and the processes started at node i (:meth:`start_tasks`) run in a group
-        of that quota from their first instruction (:mod:`hetpipe_tf.distributed.cgroups`); the
-        ps tasks and this process, the chief, run outside every group, on the cores the quotas
-        leave. The groups are named by this process's pid and removed by :meth:`stop`, or, when
+        worker task i, which computes node i's stages, runs in a group of that quota from its
+        first instruction (:mod:`hetpipe_tf.distributed.cgroups`); the ps tasks, this process
+        (the chief) and the processes started at a node (:meth:`start_tasks`: a virtual
+        worker's, the host's runtime that drives the devices) run outside every group, on the
+        cores the quotas leave, as a GPU server's host CPU runs its Python while its GPUs
+        compute (:mod:`hetpipe_tf.distributed.cluster_devices`). The groups are named by this process's pid and removed by :meth:`stop`, or, when
         this process ends first (a connected chief, or one killed), by a reaper process that
         waits for its end; a reaper killed too leaves them to the next quota cluster's start,
         which removes the groups of owners no longer alive.
@@ -234,7 +238,7 @@ class LocalCluster(ChiefCluster):
 
     def cpu_group(self, node: int) -> CpuGroup | None:
         """The CPU-quota group (:class:`hetpipe_tf.distributed.cgroups.CpuGroup`) of node `node`'s
-        worker task and started processes, or None for a node without a quota. The first call
+        worker task, or None for a node without a quota. The first call
         that needs one makes every node's group (and removes those of owners no longer alive)."""
         if self.cpu_quotas[node] is None:
             return None
@@ -305,24 +309,28 @@ class LocalCluster(ChiefCluster):
 
     def start(self) -> "LocalCluster":
         """Starts every ps and worker task (each worker task in its node's CPU-quota group, if it
-        has one, and with its node's GPUs) and waits until each says it is ready."""
+        has one, and with its node's GPUs) and waits until each says it is ready. A worker task in a
+        group starts the processes a chief asks of it (:class:`TFConfigCluster`) outside it, in this
+        process's group (:data:`hetpipe_tf.distributed.cgroups.HOST_GROUP_ENV`)."""
         for command in self.task_commands():
+            group = self.cpu_group(command.index) if command.job == "worker" else None
+            env = command.env if group is None else dict(command.env, **{HOST_GROUP_ENV: host_procs_file(group.controller)})
             self._spawn(command.job, command.index, command.module, command.args, keyed=self.task_starters,
-                        group=self.cpu_group(command.index) if command.job == "worker" else None, env=command.env)
+                        group=group, env=env)
         for job, i in list(self._procs):
             self._wait_ready(job, i)
         return self
 
     def start_tasks(self, tasks: Sequence[tuple[str, int, int, str, list[str]]]) -> None:
         """Starts more tasks, each (job, index, node, module, args): ``python -m module args
-        --address=HOST:PORT`` at an address of node `node`, in its CPU-quota group if it has one
-        (it takes --parent_pid and --chief_timeout_s and prints the ready line of
+        --address=HOST:PORT`` at an address of node `node`, outside every CPU-quota group (see
+        `cpu_quotas`; it takes --parent_pid and --chief_timeout_s and prints the ready line of
         :mod:`hetpipe_tf.distributed.server`); waits until every one is ready and watches their
         heartbeats if the others' are watched."""
         for job, index, node, module, args in tasks:
             address = self.free_address(self.node_host(node))
             self._addresses[(job, index)] = address
-            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True, group=self.cpu_group(node),
+            self._spawn(job, index, module, [*args, f"--address={address}"], keyed=True, group=None,
                         env=self.added_task_env())
         for job, index, *_ in tasks:
             self._wait_ready(job, index)

@@ -20,6 +20,7 @@ no command but their ps and worker tasks'.
   index)`` -> ``("ended",)`` (SIGKILL: a stopped process acts on no other signal).
 """
 import concurrent.futures
+import functools
 import multiprocessing.connection
 import os
 import re
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hetpipe_tf.distributed.cgroups import HOST_GROUP_ENV, enter_command
 from hetpipe_tf.distributed.heartbeat import call_with_deadline
 from hetpipe_tf.errors import HetPipeRunError
 
@@ -197,8 +199,10 @@ class TaskStarter:
                start_timeout_s: float) -> tuple[Any, ...]:
         address = f"{self.host}:{free_port(self.host)}"
         log = os.path.join(self.log_dir, f"{job}-{index}.log")
+        host_group = os.environ.get(HOST_GROUP_ENV)  # a quota node's task: its children run outside its group
         proc = self._spawner.submit(spawn, module, [*args, f"--address={address}"], log,
-                                    chief_timeout_s=chief_timeout_s).result()
+                                    chief_timeout_s=chief_timeout_s,
+                                    wrap=functools.partial(enter_command, host_group) if host_group else None).result()
         self._procs[(job, index)] = proc
         try:
             heartbeat = wait_ready(proc, log, f"{job}:{index}", start_timeout_s)

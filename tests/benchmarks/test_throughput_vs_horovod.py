@@ -155,3 +155,32 @@ def test_a_real_compute_baseline_runs_each_rank_in_its_group_at_its_speed():
     fast, slow = line["compute_ms_per_step"]
     assert slow / fast > 2.0, line["compute_ms_per_step"]
     assert not any(os.path.exists(g.path) for g in made)
+
+
+def _train_horovod():
+    from benchmarks.baselines.ranks import load_source
+
+    return load_source("train_horovod", "benchmarks/horovod/train_horovod.py")
+
+
+def test_a_horovod_ranks_kernel_threads_go_to_its_groups_tasks_file(tmp_path):
+    """On quota nodes a rank puts the threads TensorFlow's context made (found as those that
+    appeared) in its group, one thread id per write to the group's ``tasks`` file, not the thread
+    that was there before (its Python): a plain file stands in for the group's. No thread found is
+    an error naming the group."""
+    import threading
+
+    train_horovod = _train_horovod()
+    (tmp_path / "tasks").write_text("")
+    before, stop = train_horovod.threads(), threading.Event()
+    pool = threading.Thread(target=stop.wait)
+    pool.start()
+    try:
+        train_horovod.kernel_threads_into(str(tmp_path), train_horovod.threads() - before)
+    finally:
+        stop.set()
+        pool.join()
+    written = (tmp_path / "tasks").read_text()
+    assert str(pool.native_id) in written and not written.startswith(str(threading.main_thread().native_id))
+    with pytest.raises(ValueError, match=f"no kernel thread can be put in {tmp_path}"):
+        train_horovod.kernel_threads_into(str(tmp_path), set())

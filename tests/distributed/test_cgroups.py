@@ -1,5 +1,6 @@
-"""CPU-quota groups: made with their quota and period, holding the tasks of their node, removed at
-the end and after a killed chief, refused where they cannot be made.
+"""CPU-quota groups: made with their quota and period, holding their node's worker task (and no
+virtual worker's process), removed at the end and after a killed chief, refused where they cannot
+be made.
 
 These need cgroups this process can write (root, the cpu controller mounted): where they cannot be
 written the tests that make groups are skipped, with the refusal's message as the reason."""
@@ -36,21 +37,45 @@ def _ready_task(index):
 
 
 @needs_cgroups
-def test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end():
+def test_a_virtual_workers_process_runs_outside_every_quota_group_and_the_group_goes_at_the_end():
+    """A process started at a quota node (a virtual worker's: the host's runtime, not a device's
+    compute) runs where this process, the chief, runs: outside the node's group, which holds only
+    the node's worker task (cluster.start(), the slow test below)."""
     controller = find_cpu_controller()
     cluster = LocalCluster(num_ps=2, worker_cpus=[1, 1], cpu_quotas=[0.3, None])
     try:
-        cluster.start_tasks([_ready_task(0), _ready_task(1)])
         group = cluster.cpu_group(0)
+        cluster.start_tasks([_ready_task(0), _ready_task(1)])
         assert cluster.cpu_group(1) is None
         assert os.path.basename(group.path) == f"hetpipe-{os.getpid()}-node0"
         assert _quota_and_period(group) == (3000, 10_000)
-        assert group.pids() == (cluster.pid("vw", 0),)  # the node-1 task and this process are outside
-        assert cgroups.current_group(controller, cluster.pid("vw", 1)) != group.path
+        assert group.pids() == ()
+        here = cgroups.current_group(controller, os.getpid())
+        assert [cgroups.current_group(controller, cluster.pid("vw", i)) for i in (0, 1)] == [here, here]
     finally:
         cluster.stop()
     assert not os.path.exists(group.path)
     assert f"hetpipe-{os.getpid()}-node0" not in group_names(controller)
+
+
+def test_a_quota_nodes_worker_task_starts_a_chiefs_process_in_the_host_group(tmp_path, monkeypatch):
+    """Under hetpipe launch a virtual worker's process is started by its node's worker task, which
+    runs in the node's group: the task's starter puts it in the group named by HOST_GROUP_ENV (its
+    launcher's, outside every quota group) from its first instruction. A plain file stands in for
+    the group's procs file."""
+    from hetpipe_tf.distributed.starter import TaskStarter
+
+    procs = tmp_path / "host.procs"
+    procs.write_text("")
+    monkeypatch.setenv(cgroups.HOST_GROUP_ENV, str(procs))
+    starter = TaskStarter("127.0.0.1", b"k" * 16, str(tmp_path))
+    answer = starter.handle("start", "vw", 0, "tests.distributed.ready_task", [], 0.0, 60.0)
+    try:
+        assert answer[0] == "started", answer
+        assert procs.read_text().split() == [str(answer[3])]
+    finally:
+        starter.handle("end", "vw", 0)
+        starter.close()
 
 
 CHIEF = """
@@ -58,6 +83,7 @@ import sys, time
 from hetpipe_tf.distributed.launch import LocalCluster
 cluster = LocalCluster(num_ps=1, worker_cpus=[1], cpu_quotas=[0.5])
 cluster.start_tasks([("vw", 0, 0, "tests.distributed.ready_task", [])])
+cluster.cpu_group(0).add(cluster.pid("vw", 0))  # a process in the group, as a worker task is
 print(cluster.cpu_group(0).path, cluster.pid("vw", 0), flush=True)
 time.sleep(600)
 """
@@ -162,7 +188,7 @@ def test_quota_nodes_are_refused_in_process():
 @needs_cgroups
 def test_a_started_clusters_worker_task_runs_in_its_nodes_group_and_its_ps_task_outside():
     """LocalCluster.start(): the TensorFlow server of a quota node's worker task starts in its group
-    (the same path as start_tasks, which test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end
+    (the groups' making and removal test_a_virtual_workers_process_runs_outside_every_quota_group_and_the_group_goes_at_the_end
     covers without TensorFlow), the ps tasks and a node without a quota outside; stop() removes the group."""
     controller = find_cpu_controller()
     cluster = LocalCluster(num_ps=2, worker_cpus=[1, 1], cpu_quotas=[0.5, None])

@@ -138,7 +138,8 @@ def test_a_quota_nodes_worker_task_computes_at_its_quota():
     by the cores that task's process kept busy), within the tolerance: the node's group, not only a
     probe group, is what the measured speeds stand for. Covered in the subset by
     test_each_quota_types_measured_speed_is_its_quota_share (the same kind of group, the process
-    held in it) and test_a_nodes_tasks_run_in_its_group_of_its_quota_and_the_group_goes_at_the_end."""
+    held in it) and test_a_ranks_command_runs_in_its_real_group (a process entering a group from its first
+    instruction, as a worker task does)."""
     result = _run(NODE)
     (free, free_cpu), group = result["free"], result["group"]
     speed = QuotaSpeed("node0", 0.3, free, free_cpu / free, group)

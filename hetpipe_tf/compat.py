@@ -103,6 +103,11 @@ gen_resource_variable_ops = _imported("tensorflow.python.ops", "gen_resource_var
                                       "(runtime/fit_loop.py)")
 eager_context = _imported("tensorflow.python.eager", "context",
                           "runs a stage's functions on the single-threaded executor (runtime/stage/runtime.py)")
+pywrap_tfe = _imported("tensorflow.python", "pywrap_tfe",
+                       "calls a stage's traced function with its flat tensors by the C call tf.function's own "
+                       "call ends in, without its per-call Python (runtime/compiled.py)")
+eager_core = _module("tensorflow.python.eager.core",
+                     "turns a failed call's status into TensorFlow's exception, as tf.function's call does")
 nested_structure_coder = _imported("tensorflow.python.saved_model", "nested_structure_coder",
                                    "a dataset's element spec sent to a worker process, as tf.data's service does")
 struct_pb2 = _imported("tensorflow.core.protobuf", "struct_pb2", "the element spec's protocol buffer")
@@ -156,6 +161,15 @@ for _name in ("_variables", "_trainable_variables"):
 for _name in ("_inference_function", "_garbage_collector", "_func_graph", "_delayed_rewrite_functions", "_attrs"):
     _attribute("ConcreteFunction", _name, "a stage's forward and backward as one compiled function pair "
                "(runtime/compiled.py)")
+
+
+_CONTEXT_HANDLE = _attribute("Context", "_handle", "the eager context a stage's function call runs in "
+                             "(runtime/compiled.py)")
+_NOT_OK_STATUS = _attribute("EagerCore", "_NotOkStatusException", "what a failed eager call raises in C")
+_STATUS_TO_EXCEPTION = _attribute("EagerCore", "_status_to_exception",
+                                  "the TensorFlow error a failed eager call's status stands for")
+_HANDLE_DATA = _attribute("DType", "_handle_data", "whether a function's output is a resource or variant with "
+                          "handle data, which only call_flat sets on it")
 
 
 # Accessors ---------------------------------------------------------------------------------------
@@ -256,6 +270,47 @@ def serialized_dataset_graph(dataset: tf.data.Dataset) -> Any:
         external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL)
 
 
+class _FlatCall:
+    """What :func:`flat_caller` gives for a function without handle data in its outputs."""
+
+    def __init__(self, function: Any) -> None:
+        self.function = function  # held: TensorFlow drops a graph function from its context with its last reference
+        self.context = eager_context.context()
+        self.context.ensure_initialized()
+        self.handle = getattr(self.context, _CONTEXT_HANDLE)
+        self.name = function.name.decode()
+        self.num_outputs = len(function.function_type.flat_outputs)
+        self.not_ok = getattr(eager_core, _NOT_OK_STATUS)
+        self.to_exception = getattr(eager_core, _STATUS_TO_EXCEPTION)
+
+    def __call__(self, flat: Sequence[Any]) -> Any:
+        ctx = self.context
+        options = ctx.function_call_options.as_attrs()  # the thread's (its executor type, say)
+        try:
+            outputs = pywrap_tfe.TFE_Py_Execute(
+                self.handle, ctx.device_name, self.name, list(flat),
+                ("executor_type", options["executor_type"], "config_proto", options["config_proto"]), self.num_outputs)
+        except self.not_ok as e:
+            raise self.to_exception(e) from None
+        return outputs or None
+
+
+def flat_caller(function: Any) -> Callable[[Sequence[Any]], Any]:
+    """A call of `function` (a traced graph function: a ConcreteFunction's inference function) with
+    its flat input tensors, captured ones last, on the calling thread's device and function
+    options, which returns its flat outputs (None for none). It is the call ``call_flat`` makes
+    when executing eagerly, without the Python that call repeats each time: it pauses no gradient
+    recording and checks for no cancellation (a stage's calls are never recorded or cancelled); a
+    function whose outputs carry handle data (resources, variants) goes through ``call_flat``.
+
+    Returns:
+        The call: flat input tensors -> flat outputs or None.
+    """
+    if any(getattr(o.dtype, _HANDLE_DATA) for o in function.function_type.flat_outputs):
+        return lambda flat: function.call_flat(*flat)
+    return _FlatCall(function)
+
+
 # The check -----------------------------------------------------------------------------------------
 def _probes() -> dict[str, list[Any]]:
     """Small objects of every kind an attribute above is reached on."""
@@ -273,7 +328,8 @@ def _probes() -> dict[str, list[Any]]:
     probes: dict[str, list[Any]] = {
         "KerasTensor": [outputs], "Operation": [dense], "Functional": [functional], "Sequential": [sequential],
         "Layer": [dense], "Model": [functional], "Variable": [dense.kernel], "Optimizer": [optimizer, exclusions],
-        "Dataset": [tf.data.Dataset.range(3)], "ConcreteFunction": [concrete]}
+        "Dataset": [tf.data.Dataset.range(3)], "ConcreteFunction": [concrete],
+        "Context": [eager_context.context()], "EagerCore": [eager_core], "DType": [tf.float32]}
     try:
         import keras_hub  # late: optional dependency
     except ImportError:

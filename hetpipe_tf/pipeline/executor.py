@@ -33,6 +33,18 @@ read the stage's weights). A group of device instructions holding several passes
 last stage's forward and backward pass) puts each pass on the device's timeline in
 turn, the group's host time shared between them in proportion to their references.
 
+A task that hands nothing to other stages (HetPipe's backward task on the first stage: the
+update of p and the stash of w_{p+Nm}) and the task it makes ready by stashing the version
+that task's forward pass uses (the forward task of p + Nm) run as one call of the stage's
+runtime, when every other key that task requires has arrived: their receives first, then
+their device instructions in program order, then the second task's sends. Nothing another
+stage waits for comes later than it would have, each stream keeps its order (so every
+stage's update order and versions are those of the schedule), and a forward pass reading a
+stashed version commutes with the other tasks of its stage; the FIFO rule then sees the two
+as one task (as if what else arrived meanwhile had arrived after it). It saves a call and a
+task's dispatch per minibatch; on an emulated device, whose timeline paces each task, tasks
+are not joined.
+
 Nothing waits forever: each wait for a message has a timeout, and a watchdog
 stops the run when no stage has made progress for ``timeout_s``, naming what
 every stage was doing.
@@ -51,7 +63,7 @@ from typing import Any, cast
 from hetpipe_tf.errors import HetPipeRunError, HetPipeUsageError
 from hetpipe_tf.pipeline.emulation import EmulationReport, Pacer
 from hetpipe_tf.pipeline.instructions import (
-    ACTIVATION, GRADIENT, INPUTS, LABELS, TIED_GRADIENTS, UPDATE_TERMS, ApplyAccumulated,
+    ACTIVATION, GRADIENT, INPUTS, LABELS, TIED_GRADIENTS, UPDATE_TERMS, WEIGHTS, ApplyAccumulated,
     ApplyUpdate, Backward, Delivery, Forward, Instruction, Key, LoadMinibatch, Recompute, RecvActivation,
     RecvGradient, RecvInputs, RecvLabels, RecvTiedGradients, RecvUpdateTerms, Send, SendActivation, SendGradient,
     SendTiedGradients, SendUpdateTerms, SnapshotState, StashWeights, Task)
@@ -65,6 +77,8 @@ from hetpipe_tf.pipeline.trace import TraceRecorder
 Step = Instruction | tuple[Instruction, ...]
 #: What an instruction's method hands to the stages: {(destination, key): value}.
 Values = dict[Delivery, Any]
+#: A stage's next task: (its stream, the task, (stream, task) of the task joined to it or None).
+_Chosen = tuple[int, Task, tuple[int, Task] | None]
 
 
 class _Finished:
@@ -75,6 +89,8 @@ _FINISHED = _Finished()
 _STOP_GRACE_S = 5.0  # a stopped run waits this long for each stage thread to end
 _STUCK_FRAMES = 12  # of the stack of a stage thread that did not end, shown in the error
 _DEVICE_RESULTS = (ACTIVATION, GRADIENT, UPDATE_TERMS, TIED_GRADIENTS)  # what a device computes for another stage
+# what a task takes in before its passes: joined tasks take theirs in before the joint call
+_ENTRIES = (LoadMinibatch, RecvInputs, RecvLabels, RecvActivation, RecvGradient, RecvUpdateTerms, RecvTiedGradients)
 
 
 def _nbytes(value: Any) -> int:
@@ -401,18 +417,21 @@ class PipelineExecutor:
                 chosen = self._next_task(s, prog, pos)
                 if chosen is None:
                     break
-                i, task = chosen
+                i, task, joined = chosen
                 t0 = self._clock()
-                for ins in self._steps(s, task.instructions):
+                instructions = task.instructions if joined is None else _joint(task, joined[1])
+                for ins in self._steps(s, instructions):
                     self._execute(s, ins)
                 t1 = self._clock()
-                self.reports[s].tasks += 1
+                self.reports[s].tasks += 1 if joined is None else 2
                 if self._pacers[s] is None:  # an emulated device's busy time is its timeline's
                     self.reports[s].busy_s += t1 - t0
                 if s == 0:  # until its device ended the task
                     pacer = self._pacers[0]
                     self.first_stage_busy.append((t0, t1 if pacer is None else max(t1, pacer.free_at)))
                 pos[i] += 1
+                if joined is not None:
+                    pos[joined[0]] += 1
             self._wait_for_device(s)
             self.runtimes[s].check_applied()
             self._flush_reports(s)
@@ -423,12 +442,13 @@ class PipelineExecutor:
             self._set_status(s, "failed at", ins)
             self._fail(f"stage {s} failed at {_format_step(ins)}", exc)
 
-    def _next_task(self, s: int, prog: StageProgram, pos: list[int]) -> tuple[int, Task] | None:
+    def _next_task(self, s: int, prog: StageProgram, pos: list[int]) -> _Chosen | None:
         """The task stage `s` runs next, by §4's rules (:func:`fifo_pick` among the heads of its
-        streams whose required keys have arrived), once one is ready; None when every stream is done."""
+        streams whose required keys have arrived), once one is ready, with the task joined to it
+        (:meth:`_joined`) or None; None when every stream is done."""
         mb = self._mailboxes[s]
 
-        def choose() -> tuple[int, Task] | _Finished | None:  # under the mailbox's lock: stage 0's choice and
+        def choose() -> _Chosen | _Finished | None:  # under the mailbox's lock: stage 0's choice and
             # request_stop see one _admitted
             left = False
             ready: list[tuple[Candidate, Task]] = []
@@ -450,18 +470,50 @@ class PipelineExecutor:
                 return None
             pick = fifo_pick([c for c, _ in ready])
             task = next(t for c, t in ready if c == pick)
-            if s == 0 and task.kind in ("forward", "forward_backward"):
-                self._admitted = max(self._admitted, task.minibatch)
-            return pick[2], task
+            joined = self._joined(s, prog, pos, pick[2], task)
+            if s == 0:
+                for t in (task,) if joined is None else (task, joined[1]):
+                    if t.kind in ("forward", "forward_backward"):
+                        self._admitted = max(self._admitted, t.minibatch)
+            return pick[2], task, joined
 
         def waiting() -> None:
             self._set_status(s, "waiting:", [stream[pos[i]] for i, stream in enumerate(prog.streams)
                                              if pos[i] < len(stream)])
 
         # mypy joins choose's union to object when it solves wait_until's type variable: say it
-        chosen = cast("tuple[int, Task] | _Finished", mb.wait_until(choose, self.timeout_s, self.describe_waits,
-                                                                    on_wait=waiting))
+        chosen = cast("_Chosen | _Finished", mb.wait_until(choose, self.timeout_s, self.describe_waits,
+                                                           on_wait=waiting))
         return None if isinstance(chosen, _Finished) else chosen
+
+    def _joined(self, s: int, prog: StageProgram, pos: list[int], i: int, task: Task) -> tuple[int, Task] | None:
+        """(stream, task) that runs in one call with `task`, the task stage `s` picked from stream
+        `i` (see the module docstring), or None: the head of another stream whose forward pass
+        uses the version `task` stashes, every other key it requires there already, when `task`
+        takes in and runs on the device only, the other takes in, runs on the device and then
+        sends only, and the stage's device is not emulated."""
+        device = self.runtimes[s].device_instructions
+        if self._pacers[s] is not None or not all(type(ins) in device or isinstance(ins, _ENTRIES)
+                                                  for ins in task.instructions):
+            return None
+        made = {key for ins in task.instructions for dst, key in ins.provides(s) if dst == s}
+        if not any(key[0] == WEIGHTS for key in made):
+            return None
+        for j, stream in enumerate(prog.streams):
+            if j == i or pos[j] >= len(stream):
+                continue
+            head = stream[pos[j]]
+            if head.minibatch > self._limit or not any(key[0] == WEIGHTS and key in made for key in head.requires):
+                continue
+            if self._mailboxes[s].ready_time([key for key in head.requires if key not in made]) is None:
+                continue
+            entries = _leading(head.instructions, _ENTRIES)
+            rest = head.instructions[len(entries):]
+            passes = _leading(rest, tuple(device))
+            if all(isinstance(ins, Send) for ins in rest[len(passes):]) and not any(
+                    key in made for ins in entries for key in ins.requires()):
+                return j, head
+        return None
 
     def _steps(self, s: int, instructions: Iterable[Instruction]) -> list[Step]:
         """`instructions` as they run: a maximal run of the stage's device instructions is one
@@ -684,6 +736,22 @@ class PipelineExecutor:
         if self._background is None:
             raise RuntimeError("in_background is for the handlers of a synchronisation scheme, during run()")
         self._background.submit(run)
+
+
+def _leading(instructions: Sequence[Instruction], types: tuple[type[Instruction], ...]) -> tuple[Instruction, ...]:
+    """The instructions at the start of `instructions` that are of one of `types`."""
+    n = 0
+    while n < len(instructions) and isinstance(instructions[n], types):
+        n += 1
+    return tuple(instructions[:n])
+
+
+def _joint(first: Task, second: Task) -> tuple[Instruction, ...]:
+    """The instructions of two joined tasks (:meth:`PipelineExecutor._joined`) in the order they
+    run: what each takes in, the first's device instructions, the second's, its sends."""
+    entries = _leading(first.instructions, _ENTRIES)
+    later = _leading(second.instructions, _ENTRIES)
+    return entries + later + first.instructions[len(entries):] + second.instructions[len(later):]
 
 
 def _stacks_of(threads: Iterable[threading.Thread]) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import tensorflow as tf
 
 from hetpipe_tf.compat import concrete_function as _concrete
+from hetpipe_tf.compat import flat_caller
 from hetpipe_tf.ops.first_calls import FIRST_CALLS, FirstCallLocked
 
 
@@ -91,13 +92,13 @@ class CompiledCall:
         with FIRST_CALLS, tf.device(self.device):
             concrete = tf.function(self._fn, jit_compile=self._jit, autograph=False).get_concrete_function(*specs)
             _traced[0] += 1
-        atomic, captured = concrete._inference_function, list(concrete.captured_inputs)
+        call_flat, captured = flat_caller(concrete._inference_function), list(concrete.captured_inputs)
         pack = packer(concrete.structured_outputs)
         device = self.device
 
-        def call(flat: Sequence[Any]) -> Any:
+        def call(flat: list[Any]) -> Any:
             with tf.device(device):
-                out = atomic.call_flat(*flat, *captured)
+                out = call_flat(flat + captured)
             return pack(iter(out or ()))
 
         self._call = FirstCallLocked(call)  # its first run instantiates it

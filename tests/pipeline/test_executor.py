@@ -67,6 +67,32 @@ def test_nm_gt1_equals_stale_sgd_and_pairs_every_loss_with_its_labels(devices, n
         np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("nm", [2, 3])
+def test_the_first_stage_runs_a_backward_task_and_the_forward_task_it_makes_ready_in_one_call(nm):
+    # On devices that are not emulated, Backward(p) with the stash of w_{p+Nm} and Forward(p+Nm) run as
+    # one call of the first stage; the results are stale SGD's, every loss paired with its labels.
+    keras.utils.set_random_seed(11)
+    model = models.mlp()
+    batches = random_batches(model, 12)
+    want_weights, want_losses = stale_sgd_reference(model, batches, nm, keras.optimizers.SGD(0.1, momentum=0.5))
+    logs = {}
+    vw = VirtualWorker(model, "cpu,cpu,cpu", num_in_flight=nm, optimizer=keras.optimizers.SGD(0.1, momentum=0.5),
+                       loss=LOSS, record_provenance=True, timeout_s=60)
+    report = vw.train(iter(batches), 12, on_minibatch_done=lambda p, l: logs.__setitem__(p, float(l["loss"])))
+    np.testing.assert_allclose([logs[p] for p in range(1, 13)], want_losses, atol=1e-5)
+    for got, want in zip(model.trainable_variables, want_weights):
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
+    first = report.stages[0]
+    assert first.tasks == 24  # a forward and a backward task per minibatch
+    # the prologue's stashes, Forward(1..Nm) alone, Backward(p) with Forward(p + Nm), the last Nm backward alone
+    assert first.device_calls == 1 + nm + (12 - nm) + nm
+    assert [s.device_calls for s in report.stages[1:]] == [1 + 24, 1 + 12]  # nothing joined where a task sends
+    for rt in vw.runtimes:
+        for p, updates in rt.provenance.used_versions.items():
+            assert updates == tuple(range(1, max(p - nm, 0) + 1)), (rt.index, p, updates)
+        assert rt.applied == list(range(1, 13))
+
+
 @pytest.mark.parametrize("nm", [1, 2, 3, 5])
 def test_weight_version_of_minibatch_p_holds_exactly_updates_1_to_p_minus_nm(nm):
     model = models.mlp()

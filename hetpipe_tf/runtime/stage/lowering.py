@@ -49,6 +49,17 @@ def task_shape(instructions: Sequence[Instruction]) -> tuple[int, TaskShape]:
     return base, tuple(shape)
 
 
+def _parts(instructions: Sequence[Instruction]) -> list[Sequence[Instruction]]:
+    """The tasks that the executor joined into one run of device instructions (a forward pass of
+    a later minibatch than the run's first starts the second,
+    :meth:`hetpipe_tf.pipeline.executor.PipelineExecutor._joined`), or [] for one task's run."""
+    base = instructions[0].minibatch
+    for n, ins in enumerate(instructions):
+        if n and isinstance(ins, (Forward, Recompute)) and ins.minibatch != base:
+            return [instructions[:n], instructions[n:]]
+    return []
+
+
 class TaskTrace:
     """What one compiled task's graph holds while it is traced: minibatch ids by offset, the
     inputs by key, each pass's tape, each minibatch's gradients and verdict, the running sum of
@@ -142,10 +153,24 @@ class TaskLowering:
             task = self._tasks[key] = CompiledTask(self, shape, key[1])
         args = [self._minibatch_id(base)] + [slots.take(kind, base + o) for kind, o in task.inputs]
         if task.outputs is None:
-            task.call.trace(tuple([spec_of(args[0])] + [self._input_spec(kind, value)
-                                                        for (kind, _), value in zip(task.inputs, args[1:])]))
+            values = {(kind, base + o): value for (kind, o), value in zip(task.inputs, args[1:])}
+            self._trace(task, args[0], values, base)
+            for part in _parts(instructions):  # each also runs alone, when the executor does not join them
+                part_base, part_shape = task_shape(part)
+                if (part_shape, key[1]) not in self._tasks:
+                    self._tasks[(part_shape, key[1])] = CompiledTask(self, part_shape, key[1])
+                    self._trace(self._tasks[(part_shape, key[1])], args[0], values, part_base)
         outputs = task.call(*args)
         return [(kind, base + o, value) for (kind, o), value in zip(task.outputs, outputs)]
+
+    def _trace(self, task: CompiledTask, minibatch_id: tf.Tensor, values: dict[tuple[str, int], SlotValue],
+               base: int) -> None:
+        """Traces `task` for inputs like `values` ({(kind, minibatch): value}), its first minibatch
+        `base`. A part whose inputs are not all among `values` (another part makes them) is traced
+        on its first run instead."""
+        inputs = [(kind, base + o) for kind, o in task.inputs]
+        if all(k in values for k in inputs):
+            task.call.trace(tuple([spec_of(minibatch_id)] + [self._input_spec(k[0], values[k]) for k in inputs]))
 
     def _minibatch_id(self, p: int) -> tf.Tensor:
         """Minibatch id p as an int64 tensor, made once for the few calls of a minibatch."""

@@ -155,10 +155,11 @@ class HetPipeStrategy:
       replan: "off" (default) or "auto": when a device slows down for good (its stages' measured
         times over the plan's, :mod:`hetpipe_tf.runtime.replan.watch`), plan again with its measured
         speed and switch to the new plan at a drained wave boundary when the predicted gain over the
-        rest of the fit pays for the switch (:mod:`hetpipe_tf.runtime.replan.runner`); launch
-        "in_process" only, even minibatches only. Off by default: a switch's gain rests on the
-        planner's and simulator's predictions, a switch rebuilds and retraces every worker, and the
-        run trains in chunks that drain between them (a little throughput when nothing slows down).
+        rest of the fit pays for the switch (:mod:`hetpipe_tf.runtime.replan.runner`); under every
+        launch (a worker's process stays and builds its worker again), even minibatches only, with
+        on_worker_failure "stop". Off by default: a switch's gain rests on the planner's and
+        simulator's predictions, a switch rebuilds and retraces every worker, and the run trains
+        in chunks that drain between them (a little throughput when nothing slows down).
       cluster_resolver: TensorFlow's ``TFConfigClusterResolver``, ``SlurmClusterResolver`` or
         ``KubernetesClusterResolver`` giving the cluster's tasks; the run is then launch="tf_config"'s
         on them, mapped to the description's nodes by :mod:`hetpipe_tf.distributed.resolvers`' rule.
@@ -221,10 +222,10 @@ class HetPipeStrategy:
         self.emulation_references = emulation_references
         if replan not in REPLAN:
             raise ValueError(f"unknown replan {replan!r}; allowed: {', '.join(map(repr, REPLAN))}")
-        if replan == "auto" and launch != "in_process":
-            raise ValueError(f"replan='auto' switches plans within a run of launch='in_process' only; launch={launch!r} "
-                             f"re-plans by hand (stop, plan again, resume from checkpoint_dir): use "
-                             f"launch='in_process' or replan='off'")
+        if replan == "auto" and on_worker_failure == "continue":
+            raise ValueError("replan='auto' switches plans with every virtual worker's process in the run; "
+                             "on_worker_failure='continue' goes on without a lost one: give "
+                             "on_worker_failure='stop' or replan='off'")
         if replan == "auto" and self.request.minibatch_sizes:
             raise ValueError("replan='auto' keeps every worker's shard of the data and re-plans even minibatches "
                              "only: give uneven_minibatches=False or replan='off'")
@@ -232,10 +233,9 @@ class HetPipeStrategy:
         self.profile = loaded_profile(profile)
         self.checkpoints = Checkpoints(checkpoint_dir, save_every_epochs) if checkpoint_dir else None
         self._resume = bool(resume)
-        self.plan = None  # the planner's Plan, once fit has run
+        self._planned = None  # the planner's Plan, once fit has planned
         self.cuts = None  # the PlanCuts trained at (the plan's, or a resumed checkpoint's), once fit has planned
-        #: The resolved RunConfig (every field decided: Nm, placement, minibatch sizes), once fit has planned.
-        self.run_config = None
+        self._run_config = None  # the planned plan's resolved RunConfig
         self.runner = None  # the WSPRunner, once fit has run
         self._compiled = {}  # id(model) -> compile arguments
         self._runner_key = None
@@ -356,8 +356,25 @@ class HetPipeStrategy:
             raise TaskLostError(lost) from exc
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per virtual worker: clock, distance to the slowest, average wait, throughput."""
+        """Per virtual worker: clock, distance to the slowest, average wait, throughput (under the
+        plan the run trains now, :attr:`plan`; a run that re-plans adds its decisions and switches).
+
+        Returns:
+            One dict per virtual worker (none before fit).
+        """
         return self.runner.stats() if self.runner else []
+
+    @property
+    def plan(self) -> Any:
+        """The planner's Plan the run trains under, once fit has planned (None before): a run that
+        re-plans holds it in its runner, the plan it switched to after a switch."""
+        return self.runner.plan if self.replan == "auto" and self.runner is not None else self._planned
+
+    @property
+    def run_config(self) -> Any:
+        """The resolved RunConfig (every field decided: Nm, placement, minibatch sizes) of :attr:`plan`,
+        once fit has planned (None before)."""
+        return self.runner.config if self.replan == "auto" and self.runner is not None else self._run_config
 
     # Planning and launching --------------------------------------------------------------
     def _runner(self, model: Any, data: Any, saved_cuts: Any = None) -> Any:
@@ -386,33 +403,45 @@ class HetPipeStrategy:
                                             self._devices.profiling_device())
         profile = with_measured_speeds(profile, model, lambda: first_batch(data, f"launch={self.launch!r}"),
                                        self.cluster, compiled["loss"])
-        self.plan = assembly.assemble_plan(self.cluster, self.request, model.optimizer, profile)
-        planned = PlanCuts.of_plan(self.plan)
+        self._planned = assembly.assemble_plan(self.cluster, self.request, model.optimizer, profile)
+        planned = PlanCuts.of_plan(self._planned)
         self.cuts = reconcile_cuts(saved_cuts, planned)
         if saved_cuts is not None and saved_cuts.shape != planned.shape:
             print(f"hetpipe: resuming {self.checkpoints.latest_path()}, saved under the plan {saved_cuts.to_dict()}, "
                   f"under this run's plan {planned.to_dict()}: weights and optimizer state per variable (every new "
                   f"worker from the saved workers' mean when their number changed)", flush=True)
-        self.run_config = assembly.resolved_config(self.request, self.plan, self.cuts, training)
-        workers = [self._worker_spec(w) for w in range(len(self.plan.workers))]
-        if self.launch != "in_process":
-            from hetpipe_tf.distributed.process_runner import ProcessRunner  # late: defers TensorFlow
-
-            self.runner = ProcessRunner(model, self._cluster, [spec for spec, _ in workers], self.run_config,
-                                        self._devices.ps, [n for _, n in workers],
-                                        [self._devices.home_node(w.devices) for w in self.plan.workers])
-        elif self.replan == "auto":
-            self.runner = self._replanning_runner(model, [spec for spec, _ in workers], training)
+        self._run_config = assembly.resolved_config(self.request, self._planned, self.cuts, training)
+        workers = [self._worker_spec(w) for w in range(len(self._planned.workers))]
+        if self.replan == "auto":
+            self.runner = self._replanning_runner(model, workers, training)
         else:
-            from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
-
-            self.runner = WSPRunner(model, [spec for spec, _ in workers], self.run_config, self._devices.ps)
+            self.runner = self._plan_runner(model, self._planned, workers, self._run_config)
         self._runner_key = key
         return self.runner
 
-    def _replanning_runner(self, model: Any, first_specs: Sequence[Any], training: Any) -> Any:
-        """The in-process runner that re-plans (:mod:`hetpipe_tf.runtime.replan.runner`): first at the
-        run's cuts (`first_specs`), then at each new plan's, on the cluster's devices.
+    def _plan_runner(self, model: Any, plan: Any, workers: Sequence[tuple[Any, int]], config: Any) -> Any:
+        """The runner of `plan` (`workers`: each worker's spec and count of its process's own devices)
+        under `config`: a ProcessRunner of a process per worker under launch 'processes' or
+        'tf_config', else a WSPRunner in this process.
+
+        Returns:
+            The runner.
+        """
+        specs = [spec for spec, _ in workers]
+        if self.launch == "in_process":
+            from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
+
+            return WSPRunner(model, specs, config, self._devices.ps)
+        from hetpipe_tf.distributed.process_runner import ProcessRunner  # late: defers TensorFlow
+
+        return ProcessRunner(model, self._cluster, specs, config, self._devices.ps, [n for _, n in workers],
+                             [self._devices.home_node(w.devices) for w in plan.workers])
+
+    def _replanning_runner(self, model: Any, first: Sequence[tuple[Any, int]], training: Any) -> Any:
+        """The runner that re-plans (:mod:`hetpipe_tf.runtime.replan.runner`): first at the run's cuts
+        (`first`: each worker's spec and count of its own devices), then at each new plan's, on the
+        cluster's devices; with a process per worker, each process stays across a switch
+        (:meth:`hetpipe_tf.distributed.process_runner.ProcessRunner.switch_plan`).
 
         Returns:
             The runner.
@@ -420,20 +449,31 @@ class HetPipeStrategy:
         from hetpipe_tf.runtime.optimizers import slots_per_weight  # late: defers TensorFlow
         from hetpipe_tf.runtime.replan.decide import nominal_devices  # late: defers TensorFlow
         from hetpipe_tf.runtime.replan.runner import ReplanningRunner  # late: defers TensorFlow
-        from hetpipe_tf.runtime.wsp_runner import WSPRunner  # late: defers TensorFlow
+
+        def workers_of(plan: Any) -> list[tuple[Any, int]]:
+            if plan is self._planned:
+                return list(first)
+            # each worker's process stays on its node, wherever its first stage now is
+            profile = self.emulation_references == "profile"
+            return [self._devices.worker(w, nominal_devices(plan, w), plan.node_boundaries(w),
+                                         plan.host_pass_seconds(w) if profile else None, homes[w])
+                    for w in range(len(plan.workers))]
+
+        homes = [w.devices[0].node for w in self._planned.workers]
 
         def make(plan: Any, config: Any) -> Any:
-            if plan is self.plan:
-                specs = first_specs
-            else:
-                profile = self.emulation_references == "profile"
-                specs = [self._devices.worker(w, nominal_devices(plan, w), plan.node_boundaries(w),
-                                              plan.host_pass_seconds(w) if profile else None)[0]
-                         for w in range(len(plan.workers))]
-            return WSPRunner(model, specs, config, self._devices.ps)
+            return self._plan_runner(model, plan, workers_of(plan), config)
 
-        return ReplanningRunner(self.plan, self.request, self.run_config, make,
-                                optimizer_slots=slots_per_weight(training.optimizer))
+        def switch_processes(old: Any, plan: Any, config: Any, state: Any) -> Any:
+            workers = workers_of(plan)
+            old.switch_plan([spec for spec, _ in workers], config,
+                            [self._devices.home_node(self._planned.workers[w].devices) for w in range(len(workers))],
+                            [n for _, n in workers], state)
+            return old
+
+        return ReplanningRunner(self._planned, self.request, self._run_config, make,
+                                optimizer_slots=slots_per_weight(training.optimizer),
+                                switch_runner=None if self.launch == "in_process" else switch_processes)
 
     def _worker_spec(self, w: int) -> Any:
         """Worker w's WorkerSpec and how many of its devices its own process holds
@@ -449,12 +489,12 @@ class HetPipeStrategy:
         boundaries = self.cuts.boundaries[w]
         references = None
         if self.emulation_references == "profile":
-            if boundaries != self.plan.node_boundaries(w):
-                raise ValueError(f"emulation_references='profile' times the plan's cuts {self.plan.node_boundaries(w)}; "
+            if boundaries != self._planned.node_boundaries(w):
+                raise ValueError(f"emulation_references='profile' times the plan's cuts {self._planned.node_boundaries(w)}; "
                                  f"virtual worker {w} resumes the checkpoint's {boundaries}: resume with "
                                  f"emulation_references='measured'")
-            references = self.plan.host_pass_seconds(w)
-        return self._devices.worker(w, self.plan.workers[w].devices, boundaries, references)
+            references = self._planned.host_pass_seconds(w)
+        return self._devices.worker(w, self._planned.workers[w].devices, boundaries, references)
 
     def _connect(self) -> None:
         """Starts (processes) or joins (tf_config) the cluster, once per process; names its devices."""

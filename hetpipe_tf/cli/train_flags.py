@@ -85,7 +85,7 @@ def define_flags() -> None:
                       "continue (go on without it; a new process takes its place at the epoch's end, from the "
                       "global weights; the pipelines then drain at every epoch's end).")
     flags.DEFINE_enum("replan", "off", ["off", "auto"],
-                      "With --cluster and --launch=in_process: auto re-plans when a device slows down for good and "
+                      "With --cluster: auto re-plans when a device slows down for good and "
                       "switches to the new plan at a drained wave boundary when the gain pays for it "
                       "(hetpipe_tf.runtime.replan); off (default) keeps the plan made before training.")
     flags.register_validator("timeout_s", lambda v: v > 0, message="--timeout_s must be > 0 seconds")
@@ -126,10 +126,10 @@ def define_flags() -> None:
         message="--uneven_minibatches sizes the minibatches of several virtual workers: give --cluster too (e.g. "
                 "--cluster=local --policy=np), or drop --uneven_minibatches")
     flags.register_multi_flags_validator(
-        ["cluster", "launch", "replan"],
-        lambda v: v["replan"] == "off" or (v["cluster"] is not None and v["launch"] == "in_process"),
-        message="--replan=auto switches plans within a run of several virtual workers in one process: give --cluster "
-                "with --launch=in_process, or drop --replan")
+        ["cluster", "on_worker_failure", "replan"],
+        lambda v: v["replan"] == "off" or (v["cluster"] is not None and v["on_worker_failure"] == "stop"),
+        message="--replan=auto switches plans within a run of several virtual workers, every one of them in the "
+                "run: give --cluster with --on_worker_failure=stop, or drop --replan")
     flags.register_multi_flags_validator(["devices", "num_stages"], _one_device_per_stage)
     flags.register_multi_flags_validator(["devices", "num_stages", "boundaries"], _one_boundary_per_stage)
 

@@ -77,12 +77,12 @@ class ClusterDevices:
         """The node a virtual worker of `devices` (its devices in stage order) is driven from: its first stage's."""
         return self._nodes.index(devices[0].node)
 
-    def worker(self, w, devices, boundaries, references=None) -> tuple:
+    def worker(self, w, devices, boundaries, references=None, home=None) -> tuple:
         """Virtual worker `w`'s :class:`WorkerSpec` (its `devices` in stage order, cut at `boundaries`,
         paced to `references`) and how many of its devices its own process holds: those on its home
-        node but real GPUs and CPU-quota devices (their node's worker task holds them, see the module
-        docstring); none in_process."""
-        home = devices[0].node
+        node (`home`, a node's name; default its first stage's) but real GPUs and CPU-quota devices
+        (their node's worker task holds them, see the module docstring); none in_process."""
+        home = devices[0].node if home is None else home
         specs, names, servers, local = [], [], [], 0
         ps = self.ps
         for d in devices:

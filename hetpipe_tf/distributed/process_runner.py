@@ -49,11 +49,12 @@ from hetpipe_tf.distributed.starter import ClusterStartError
 from hetpipe_tf.pipeline.emulation import EmulationReport
 from hetpipe_tf.pipeline.executor import PipelineError
 from hetpipe_tf.pipeline.trace import TraceRecorder
+from hetpipe_tf.planning.planner import PlanError
 from hetpipe_tf.runtime.checkpoint import PlanCuts, RunState, skip_consumed
 from hetpipe_tf.runtime.fit_loop import Events
 from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.model_transport import pack_model
-from hetpipe_tf.runtime.stage_rewrite import split_model
+from hetpipe_tf.runtime.stage_rewrite import StagedModel, split_model
 from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
 from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
@@ -168,22 +169,13 @@ class ProcessRunner:
         check_for_workers(config.optimizer, len(workers))
         self.model = model
         self.cluster = cluster
-        self.config = config
-        self.workers = list(workers)
         self.home_nodes = list(home_nodes)
         self.local_devices = list(local_devices)
         self.ps_devices = list(ps_devices)
         self._dilation: Dilation | None = None  # the run's, decided at the first fit (calibrated when the config gives none)
-        # Under "continue" a worker waits twice as long for the others (pulls, its pipeline's
-        # watchdog) as the heartbeats take to give up a stopped one, which is then retired first.
-        self._worker_config = config.replace(
-            timeout_s=config.timeout_s * (2 if config.on_worker_failure == "continue" else 1))
-        stages = [len(w.devices) for w in self.workers]
-        staged = split_model(model, boundaries=self.workers[0].boundaries, num_stages=stages[0])
+        staged = self._plan_servers(workers, config)
         self.loss_head = LossHead(config.loss, staged.keras_graph.model.output_names,
                                   loss_weights=config.loss_weights, metrics=config.metrics)
-        self.layout = server_layout(staged, self.workers[0], config, ps_devices, stages)
-        self.servers = self.layout.servers(model)
         self.lost = LostWorkers(cluster, self.servers.clock, config.timeout_s)
         self.aborted: str | None = None  # why the last run was aborted, if it was
         self.trace: TraceRecorder | None = None
@@ -194,11 +186,30 @@ class ProcessRunner:
         self._report_started = True
         self._optimizer_states: list[protocol.OptimizerStateDict | None] | None = None  # a resumed run's
         self._finished: queue.Queue[tuple[int, Any]] = queue.Queue()
+        # the current train's: each Done's receiver (worker, message), each Started's (time)
+        self._on_done: Callable[[int, protocol.Done], None] = lambda w, m: None
+        self._on_started: Callable[[float], None] | None = None
+        self._compute: dict[int, tuple[float, ...]] = {}  # each worker's stage compute at its last Done
         # the current train's
         self._segment: dict[str, Any] = {"steps": [0] * self.num_workers, "done": {}, "started": set()}
         self._shards: Sequence[Iterable] | None = None  # each worker's whole shard (repeated), to restart one
         self._restarted: dict[int, protocol.DatasetBytes] = {}  # the shards of workers restarted at the epoch's end
         self._learning_rate = _LearningRate(self, float(check_optimizer(config.optimizer).learning_rate))
+
+    def _plan_servers(self, workers: Sequence[WorkerSpec], config: RunConfig) -> StagedModel:
+        """Takes `workers` and `config` as the run's plan: the configuration its worker processes
+        get, and new servers of the plan's layout holding the Keras model's weights; returns
+        worker 0's staged model."""
+        self.workers, self.config = list(workers), config
+        # Under "continue" a worker waits twice as long for the others (pulls, its pipeline's
+        # watchdog) as the heartbeats take to give up a stopped one, which is then retired first.
+        self._worker_config = config.replace(
+            timeout_s=config.timeout_s * (2 if config.on_worker_failure == "continue" else 1))
+        stages = [len(w.devices) for w in self.workers]
+        staged = split_model(self.model, boundaries=self.workers[0].boundaries, num_stages=stages[0])
+        self.layout = server_layout(staged, self.workers[0], config, self.ps_devices, stages)
+        self.servers = self.layout.servers(self.model)
+        return staged
 
     @property
     def num_workers(self) -> int:
@@ -262,11 +273,12 @@ class ProcessRunner:
     def _on_training(self, worker: int, message: Any) -> None:
         if isinstance(message, protocol.Started):
             self._segment["started"].add(worker)
-            if self._report_started:  # once per fit, not per epoch of a checkpointing one
-                self._events.put("started", message.time)
+            if self._on_started is not None:
+                self._on_started(message.time)
         elif isinstance(message, protocol.Done):
             self._segment["done"][worker] = self._segment["done"].get(worker, 0) + 1
-            self._events.put("done", (message.logs, message.time))
+            self._compute[worker] = message.compute
+            self._on_done(worker, message)
         else:
             self._finished.put((worker, message))
 
@@ -331,6 +343,37 @@ class ProcessRunner:
         self.servers.advance_clocks(state.clocks)
         self._optimizer_states = state.optimizers
 
+    def switch_plan(self, workers: Sequence[WorkerSpec], config: RunConfig, home_nodes: Sequence[int],
+                    local_devices: Sequence[int], state: RunState) -> None:
+        """Goes on under another plan of the same virtual workers on the same devices (`workers`:
+        its cuts; `config`: its Nm and placement) from `state`, this run's drained state
+        (:meth:`run_state`): new servers of the plan's layout take the global weights and the
+        clocks, and every worker's process builds its worker again (:class:`protocol.Rebuild`,
+        one after another, as at the start: each measures its stages' solo times alone) from the
+        global weights and its optimizer state. Every process, its tasks and its data stream stay:
+        each worker trains on from where it stands in its shard, driven from its node (`home_nodes`,
+        whatever node the plan's first stage is on now).
+
+        Raises:
+            PlanError: the plan has another number of workers, or would drive a worker from
+                another node or with another number of its own devices (its process is where
+                it is); nothing changed.
+        """
+        moved = [w for w, (node, n) in enumerate(zip(home_nodes, local_devices))
+                 if w >= self.num_workers or (node, n) != (self.home_nodes[w], self.local_devices[w])]
+        if len(workers) != self.num_workers or moved:
+            raise PlanError(f"the plan has {len(workers)} virtual workers (the run {self.num_workers}) and drives "
+                            f"worker(s) {moved} from another node or with another number of their own devices: "
+                            f"their processes stay where they are")
+        self._plan_servers(workers, config)
+        self.lost.clock = self.servers.clock
+        self.servers.advance_clocks(state.clocks)
+        layout, weights = self.servers.layout(), self.model.get_weights()
+        for c in self._live():
+            ready = c.ask(self.config.timeout_s, protocol.Rebuild(
+                self.workers[c.worker], self._worker_config, weights, layout, state.optimizers[c.worker]))
+            self.descriptions[c.worker] = ready.description
+
     def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState:
         """The run as a checkpoint holds it, between epochs (every worker drained): the global
         weights in the Keras model, each worker's stages' optimizer state asked of its process."""
@@ -349,7 +392,7 @@ class ProcessRunner:
     def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._shards = shards
         data = [dataset_to_bytes(s) for s in skip_consumed(shards, positions)]
-        self._first_data = data
+        self._first_data: list[protocol.DatasetBytes] | None = data
         if not self._conns:
             self._conns = self._start_processes(range(self.num_workers))
             self._send_jobs(data)
@@ -367,16 +410,43 @@ class ProcessRunner:
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
         self._events = events
-        self._report_started = first
-        # The fit's first segment sends the data; the next ones go on where the last ended, but a
+        self._report_started = first  # once per fit, not per epoch of a checkpointing one
+        self._train(steps, trace, lambda w, m: events.put("done", (m.logs, m.time)),
+                    (lambda t: events.put("started", t)) if first else None, None)
+
+    def train_fit(self, steps: Sequence[int], trace: bool = False,
+                  on_minibatch_done: Callable[[int, int, dict[str, float]], None] | None = None,
+                  on_started: Callable[[float], None] | None = None) -> None:
+        """Trains each worker `steps` more minibatches of the fit's data (from where the last train
+        ended): on_minibatch_done(worker, p, logs) per update (on a connection's reader thread: it
+        must not ask a worker's process anything), on_started(time) once every worker's process
+        has its order (on the caller's thread, which may)."""
+        self._train(steps, trace, lambda w, m: on_minibatch_done and on_minibatch_done(w, m.minibatch, m.logs),
+                    None, on_started)
+
+    def stage_compute_s(self, worker: int) -> list[float]:
+        """As :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stage_compute_s`: `worker`'s, as its
+        process reported it with its last update."""
+        return list(self._compute.get(worker, ()))
+
+    def _train(self, steps: Sequence[int], trace: bool, on_done: Callable[[int, protocol.Done], None],
+               on_started: Callable[[float], None] | None, on_sent: Callable[[float], None] | None) -> None:
+        """Trains each worker `steps` more minibatches: on_done(worker, Done) and on_started(time)
+        per worker's message, on its connection's reader thread; on_sent(time) on this thread once
+        every order is sent; returns once every worker finished (:meth:`_collect`)."""
+        # The fit's first train sends the data; the next ones go on where the last ended, but a
         # restarted worker's process gets its shard from where the epoch ended.
-        data = self._first_data if first else [self._restarted.pop(w, None) for w in range(self.num_workers)]
+        data = self._first_data or [self._restarted.pop(w, None) for w in range(self.num_workers)]
+        self._first_data = None
         self._segment = {"steps": list(steps), "done": {}, "started": set()}
+        self._on_done, self._on_started, self._compute = on_done, on_started, {}
         self.servers.rejoin(w for w in range(self.num_workers) if w not in self.lost.gone)
         for w in sorted(self.lost.gone):  # one that could not restart trains none of its minibatches
             self._skip(w, steps[w])
         for c in self._live():
             c.send(protocol.Train(data[c.worker], steps[c.worker], self._dilation, trace))
+        if on_sent is not None:
+            on_sent(time.perf_counter())
         self._collect(trace)
 
     def drain(self) -> None:

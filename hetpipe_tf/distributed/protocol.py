@@ -105,9 +105,13 @@ class Started:
 
 @dataclass(frozen=True)
 class Done:
-    """A minibatch's update is in: its logs (floats) and when it completed."""
+    """A minibatch's update is in: its logs (floats), when it completed, its id in the worker's
+    pipeline (as the executor's on_minibatch_done gives it) and the worker's seconds of device compute per stage in this train so far
+    (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stage_compute_s`)."""
     logs: dict[str, float]
     time: float
+    minibatch: int = 0
+    compute: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,20 @@ class Job:
     weights: "list[np.ndarray]" = field(repr=False)
     servers: "ServerLayout"
     data: DatasetBytes = field(repr=False)
+    answer = Ready
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """Build the virtual worker again as `spec` (another plan's cuts of the same devices) under
+    `config` (its Nm and placement), from `weights` (the run's global weights, drained) and
+    `optimizer_state` (the worker's, per model variable), attached to `servers` (the new plan's);
+    the process keeps its model, its data where it stands, and the run's dilation."""
+    spec: "WorkerSpec"
+    config: "RunConfig"
+    weights: "list[np.ndarray]" = field(repr=False)
+    servers: "ServerLayout"
+    optimizer_state: OptimizerStateDict | None = field(repr=False)
     answer = Ready
 
 

@@ -24,7 +24,10 @@ Orders come from the chief over an authenticated connection
 process first says :class:`~hetpipe_tf.distributed.protocol.Hello`, answers every order with its
 answer type (or :class:`~hetpipe_tf.distributed.protocol.Error`), and while it trains sends
 ``Started``, ``Done`` per minibatch, then ``Finished`` or ``Failed``. A :class:`Job` builds the
-worker: it attaches to the run's servers once, and splits the model once.
+worker: it attaches to the run's servers and splits the model. A run that re-plans sends a
+:class:`~hetpipe_tf.distributed.protocol.Rebuild` at a drained point: the same process builds
+its worker again under the new plan's cuts and Nm, keeping its model and its data where it
+stands.
 
 Times are ``time.perf_counter()`` (CLOCK_MONOTONIC, common to the processes of one host).
 The process answers the chief's heartbeats (:mod:`hetpipe_tf.distributed.heartbeat`) and
@@ -51,7 +54,11 @@ from hetpipe_tf.planning.devices import DeviceSpec
 from hetpipe_tf.runtime.logical_devices import configure_tensorflow_devices
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
     from hetpipe_tf.runtime.wsp_runner import BoundWorkers
+    from hetpipe_tf.sync.parameter_server import ServerLayout
 
 flags.DEFINE_string("chief", None, "The chief's order connection, HOST:PORT.")
 flags.DEFINE_integer("worker", None, "The virtual worker this process drives (its index in the run).")
@@ -72,6 +79,8 @@ class _Worker:
         self.conn = conn
         self.lock = threading.Lock()
         self.runner: "BoundWorkers | None" = None
+        self.model: Any = None  # the job's Keras model, every plan's stages cut from it
+        self.worker = 0  # the virtual worker of the job
         self.first: Any = None  # the job's first minibatch (inputs, labels)
         self.data: Iterator[Any] | None = None  # the iterator of the last train's data
 
@@ -82,14 +91,28 @@ class _Worker:
     def build(self, job: protocol.Job) -> protocol.Ready:
         from hetpipe_tf.distributed.dataset_transfer import dataset_from_bytes  # late: defers TensorFlow
         from hetpipe_tf.runtime.model_transport import unpack_model  # late: defers TensorFlow
+
+        self.model, self.worker = unpack_model(job.model_json), job.worker
+        self.first = next(iter(dataset_from_bytes(*job.data)))
+        return self._bind(job.spec, job.config, job.weights, job.servers)
+
+    def rebuild(self, order: protocol.Rebuild) -> protocol.Ready:
+        """The worker under another plan (:class:`protocol.Rebuild`): its data stays where it
+        stands, its stages are built anew from the global weights and take its optimizer state."""
+        ready = self._bind(order.spec, order.config, order.weights, order.servers)
+        self.runner.set_optimizer_states([order.optimizer_state])
+        return ready
+
+    def _bind(self, spec: "WorkerSpec", config: "RunConfig", weights: "list[np.ndarray]",
+              servers: "ServerLayout") -> protocol.Ready:
+        """Builds the worker of `spec` from `weights`, bound to `servers`, its stages built for the
+        job's first minibatch (and, emulated, their solo times measured)."""
         from hetpipe_tf.runtime.virtual_worker import VirtualWorker  # late: defers TensorFlow
         from hetpipe_tf.runtime.wsp_runner import BoundWorkers  # late: defers TensorFlow
 
-        model = unpack_model(job.model_json)
-        model.set_weights(job.weights)
-        self.runner = BoundWorkers([VirtualWorker.from_config(model, job.spec, job.config)], job.config,
-                                   job.servers.servers(model), worker_ids=[job.worker])
-        self.first = next(iter(dataset_from_bytes(*job.data)))
+        self.model.set_weights(weights)
+        self.runner = BoundWorkers([VirtualWorker.from_config(self.model, spec, config)], config,
+                                   servers.servers(self.model), worker_ids=[self.worker])
         vw = self.runner.vws[0]
         return protocol.Ready(vw.prepare(*self.first), vw.describe())
 
@@ -103,7 +126,8 @@ class _Worker:
             try:
                 self.runner.train([self.data], order.steps, order.dilation, trace=order.trace,
                                   on_minibatch_done=lambda w, p, logs: self.send(protocol.Done(
-                                      {k: float(v) for k, v in logs.items()}, time.perf_counter())),
+                                      {k: float(v) for k, v in logs.items()}, time.perf_counter(), p,
+                                      tuple(self.runner.stage_compute_s(0)))),
                                   on_started=lambda t: self.send(protocol.Started(t)))
                 recorder = self.runner.trace
                 self.send(protocol.Finished((recorder.origin, recorder.events()) if recorder else None))
@@ -120,6 +144,7 @@ class _Worker:
         """Carries out one order of the chief; sends its answer, if it has one."""
         handlers = {
             protocol.Job: self.build,
+            protocol.Rebuild: self.rebuild,
             protocol.Probe: lambda o: protocol.Probed(self.runner.probe(o.dilation, [self.first], workers=o.workers)),
             protocol.Train: self.train,
             protocol.Drain: lambda o: (self.runner.drain(), protocol.Drained())[1],

@@ -433,11 +433,21 @@ class WSPRunner:
         :meth:`fit_data`), a run that goes on under this runner's plan."""
         self._fit_data = list(data)
 
+    def train_fit(self, steps: Sequence[int], trace: bool = False, on_minibatch_done: Callable | None = None,
+                  on_started: Callable[[float], None] | None = None) -> None:
+        """Trains each worker `steps` more minibatches of the fit's data, from where it stands
+        (:meth:`fit_data`), as :meth:`train`."""
+        self.train(self._fit_data, steps, trace, on_minibatch_done, on_started)
+
+    def stage_compute_s(self, worker: int) -> list[float]:
+        """As :meth:`BoundWorkers.stage_compute_s`."""
+        return self.group.stage_compute_s(worker)
+
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
         k = self.num_workers
-        self.train(self._fit_data, steps, trace=trace, on_minibatch_done=done_event(events),
-                   on_started=(lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
+        self.train_fit(steps, trace, done_event(events),
+                       (lambda t: [events.put("started", t) for _ in range(k)]) if first else None)
 
     def after_drain(self, positions: Sequence[int]) -> None:
         pass

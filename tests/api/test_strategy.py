@@ -98,7 +98,8 @@ def test_fit_takes_arrays_and_names_what_it_does_not_take():
      "with uneven_minibatches the workers train others: use emulation_references='measured'"),
     ({"profile": "nowhere.json"}, "profile='nowhere.json': give a Profile or the path of one's JSON"),
     ({"replan": "always"}, "unknown replan 'always'; allowed: 'off', 'auto'"),
-    ({"replan": "auto", "launch": "processes"}, "replan='auto' switches plans within a run of launch='in_process' only"),
+    ({"replan": "auto", "launch": "processes", "on_worker_failure": "continue"},
+     "replan='auto' switches plans with every virtual worker's process in the run"),
     ({"replan": "auto", "uneven_minibatches": True}, "replan='auto' keeps every worker's shard of the data"),
 ])
 def test_bad_arguments_are_named(kwargs, message):

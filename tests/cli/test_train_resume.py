@@ -76,8 +76,8 @@ def test_checkpoint_and_failure_flags_say_what_they_need(tmp_path):
     assert out.returncode == 2 and "--checkpoint_dir checkpoints runs of virtual workers under WSP: give " \
                                    "--cluster too" in out.stderr, out.stderr
     out = run("--replan=auto")
-    assert out.returncode == 2 and "--replan=auto switches plans within a run of several virtual workers in one " \
-                                   "process: give --cluster with --launch=in_process" in out.stderr, out.stderr
+    assert out.returncode == 2 and "--replan=auto switches plans within a run of several virtual workers, every " \
+                                   "one of them in the run: give --cluster" in out.stderr, out.stderr
     out = run("--on_worker_failure=continue")
     assert out.returncode == 2 and "--on_worker_failure=continue goes on without a lost virtual worker's " \
                                    "process: give --cluster with --launch=processes or tf_config" in out.stderr, \

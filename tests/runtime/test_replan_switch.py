@@ -11,6 +11,8 @@ epoch; a trigger found at an epoch's end is decided before the next epoch (after
 checkpoint); a re-plan that finds nothing better leaves the run on its plan and is not decided
 again for the same slowdown."""
 import dataclasses
+import shutil
+import time
 
 import keras
 import numpy as np
@@ -166,3 +168,61 @@ def test_a_replan_that_finds_nothing_better_leaves_the_run_as_it_was(setup):
     assert runner.switches == [] and runner.plan is plan and runner.positions == epoch_shares(EPOCHS, STEPS, 2)
     assert runner.stats()[0]["replan_decisions"] == runner.decisions
 
+
+
+class _SavedBeforeTheSwitch(Checkpoints):
+    """Checkpoints that record, at the start and the end of each save, how many switches the run had
+    made, and take their time over it (a slow disk): a switch during a save would show."""
+
+    def __init__(self, directory, runner):
+        super().__init__(directory)
+        self.runner, self.during = runner, []
+
+    def save(self, state):
+        before = len(self.runner.switches)
+        time.sleep(0.5)
+        path = super().save(state)
+        self.during.append((before, len(self.runner.switches), state.plan))
+        if state.epoch == 1:  # the directory as a run stopped after the first epoch leaves it
+            shutil.copytree(self.directory, f"{self.directory}-epoch1")
+        return path
+
+
+@pytest.mark.slow
+def test_a_trigger_at_an_epochs_end_waits_for_its_checkpoint_which_resumes_exactly(setup, tmp_path):
+    """One chunk per epoch: the slowdown found in the first epoch is decided at its end, after its
+    callbacks (Keras's ModelCheckpoint) and its checkpoint are saved from the drained state under the
+    first plan; that checkpoint, resumed under the new plan, ends as the switched run."""
+    model, initial, devices, request, plan, training = setup
+    runner, _ = _replanning(setup, 3.0, 14, dataclasses.replace(OPTIONS, chunk_minibatches=STEPS // 2))
+    saved = _SavedBeforeTheSwitch(tmp_path / "run", runner)
+    keras_saved = keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.weights.h5"), save_weights_only=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=training.loss)
+    fit(runner, _data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, callbacks=[keras_saved],
+                                    checkpoints=saved, plan=PlanCuts.of_plan(plan)))
+    [switch] = runner.switches
+    assert switch["positions"] == epoch_shares(1, STEPS, 2) and switch["after_chunks"] == 1
+    # the first epoch's save ran whole before the switch, of the first plan's state; the second's after it
+    assert [(a, b) for a, b, _ in saved.during] == [(0, 0), (1, 1)]
+    assert saved.during[0][2] == PlanCuts.of_plan(plan) and saved.during[1][2] == PlanCuts.of_plan(runner.plan)
+    assert list(runner.runner.servers.clock.clocks()[0]) == [
+        sum(-(-n[w] // nm) for nm, n in runner.chunk_log) for w in range(2)]
+    switched = [v.numpy() for v in model.variables]
+
+    # The first epoch's checkpoint (the one Keras's callback saw too), resumed under the new plan
+    state = Checkpoints(tmp_path / "run-epoch1").restore_model(model)
+    assert state.epoch == 1 and state.positions == switch["positions"]
+    keras_model = _model()
+    keras_model.load_weights(str(tmp_path / "epoch1.weights.h5"))
+    for a, b in zip(keras_model.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    progress = RunProgress()
+    make = _factory(model, devices, [PersistentSlowdown(SLOWED, 3.0, progress, after_minibatches=0)])
+    second = make(runner.plan, runner.config)
+    second.begin_fit(worker_shards(_data(), 2), state.positions)
+    second.resume(state)
+    for nm, chunk in runner.chunk_log[1:]:
+        second.train(second.fit_data(), list(chunk))
+        second.drain()
+    for a, b in zip(switched, [v.numpy() for v in model.variables]):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

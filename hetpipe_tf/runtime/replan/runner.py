@@ -19,11 +19,14 @@ its end the faster ones have waited, as at an epoch's end.
 checkpoint, if due, is saved from the plan the epoch trained under)
 (:func:`hetpipe_tf.runtime.replan.decide.decide`) and, if it switches: takes its state in memory
 as a checkpoint would (:meth:`WSPRunner.run_state`: the Keras model's global weights, every
-worker's optimizer state per model variable, the clocks), builds the runner of the new plan
-(same workers and devices: new cuts and Nm) and resumes it from that state
-(:meth:`WSPRunner.resume`), as a checkpoint resumes under another cut and Nm. The data: every
-worker keeps its shard and its place in it (the streams are handed over, :meth:`WSPRunner.continue_fit`),
-so the rest of the epoch is divided as it was: each worker trains the rest of its share
+worker's optimizer state per model variable, the clocks) and goes on under the new plan (same
+workers and devices: new cuts and Nm) from that state, as a checkpoint resumes under another
+cut and Nm (:data:`SwitchFactory`). In this process a new :class:`WSPRunner` of the plan takes
+the streams of data over (:func:`rebuilt_in_process`); with a process per worker every process
+stays and builds its worker again under the new plan from the state sent to it
+(:meth:`hetpipe_tf.distributed.process_runner.ProcessRunner.switch_plan`), its data stream where
+it stands. The data's rule: every worker keeps its shard and its place in it, so the rest of
+the epoch is divided as it was: each worker trains the rest of its share
 (:func:`hetpipe_tf.runtime.checkpoint.epoch_shares`), none of the epoch's minibatches skipped
 or seen twice. The Keras loop sees one run: the same events, epochs and callbacks.
 
@@ -40,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import keras
 import tensorflow as tf
@@ -56,8 +59,52 @@ from hetpipe_tf.runtime.replan.watch import StageKey, StageWatch, WatchRule
 from hetpipe_tf.runtime.run_config import RunConfig
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
 
+class PlanRunner(Protocol):
+    """What trains the run under one plan (:class:`WSPRunner` in this process, or the chief's
+    :class:`hetpipe_tf.distributed.process_runner.ProcessRunner` of a worker process each): the
+    runner of ``fit`` (:mod:`hetpipe_tf.runtime.fit_loop`) with these too."""
+    model: keras.Model
+    config: RunConfig
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def trace(self) -> TraceRecorder | None: ...
+
+    def train_fit(self, steps: Sequence[int], trace: bool = False, on_minibatch_done: Callable | None = None,
+                  on_started: Callable[[float], None] | None = None) -> Any: ...
+
+    def stage_compute_s(self, worker: int) -> list[float]: ...
+
+    def drain(self) -> None: ...
+
+    def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState: ...
+
+    def emulation_report(self) -> EmulationReport | None: ...
+
+
 #: Builds the run's runner for a plan under a configuration (its workers' specs at the plan's cuts).
-RunnerFactory = Callable[[Plan, RunConfig], WSPRunner]
+RunnerFactory = Callable[[Plan, RunConfig], PlanRunner]
+
+#: Goes on under a new plan: (the current runner, drained; the plan; its configuration; the run's
+#: state taken from the runner) -> the runner that trains on from that state with the same data
+#: streams. None: :func:`rebuilt_in_process`.
+SwitchFactory = Callable[[PlanRunner, Plan, RunConfig, RunState], PlanRunner]
+
+
+def rebuilt_in_process(make_runner: RunnerFactory) -> SwitchFactory:
+    """The switch of a run in this process: a new :class:`WSPRunner` of the plan (`make_runner`),
+    given the old one's streams of data (:meth:`WSPRunner.continue_fit`), resumed from the state
+    (:meth:`WSPRunner.resume`) as a checkpoint resumes under another cut and Nm."""
+    def switch(old: PlanRunner, plan: Plan, config: RunConfig, state: RunState) -> PlanRunner:
+        assert isinstance(old, WSPRunner)
+        new = make_runner(plan, config)
+        assert isinstance(new, WSPRunner)
+        new.continue_fit(old.fit_data())
+        new.resume(state)
+        return new
+    return switch
 
 
 @dataclass(frozen=True)
@@ -97,7 +144,9 @@ class ReplanningRunner:
     Args:
       plan: the run's plan; `request`: what it was planned from (planned again with it).
       config: the run's resolved configuration.
-      make_runner: builds the WSPRunner of a plan under a configuration.
+      make_runner: builds the runner of a plan under a configuration (:data:`RunnerFactory`).
+      switch_runner: how the run goes on under a new plan (:data:`SwitchFactory`; default: a new
+        runner in this process, :func:`rebuilt_in_process`).
       options: :class:`ReplanOptions`.
       optimizer_slots: the optimizer's slots per weight (the planner charges their memory).
       progress: the run's :class:`RunProgress` (its minibatches counted here; a persistent
@@ -108,14 +157,13 @@ class ReplanningRunner:
 
     def __init__(self, plan: Plan, request: PlanRequest, config: RunConfig, make_runner: RunnerFactory,
                  options: ReplanOptions = ReplanOptions(), optimizer_slots: int = 1,
-                 progress: RunProgress | None = None) -> None:
-        if plan.minibatch_sizes and options.enabled:
-            raise PlanError(f"the run trains uneven minibatches {list(plan.minibatch_sizes)}: re-planning keeps "
-                              f"every worker's shard of the data and re-plans even minibatches only; give "
-                              f"uneven_minibatches=False or replan='off'")
+                 progress: RunProgress | None = None, switch_runner: SwitchFactory | None = None) -> None:
+        # HetPipeStrategy refuses replan="auto" with uneven minibatches: every worker keeps its shard
+        assert not (plan.minibatch_sizes and options.enabled), "re-planning re-plans even minibatches only"
         self.plan = plan
         self.request = request
         self.make_runner = make_runner
+        self.switch_runner = switch_runner or rebuilt_in_process(make_runner)
         self.options = options
         self.optimizer_slots = optimizer_slots
         self.progress = progress or RunProgress()
@@ -137,17 +185,16 @@ class ReplanningRunner:
         self.chunk_log: list[tuple[int, list[int]]] = []
 
     # The run under its current plan -------------------------------------------------------
-    @property
-    def model(self) -> keras.Model:
-        return self.runner.model
+    #: What this runner is as the run under its current plan is (attributes and methods of ``fit``'s
+    #: runner that re-planning adds nothing to): asked of that runner at each use.
+    DELEGATED = frozenset({"model", "config", "num_workers", "drain", "after_drain", "epoch_weights", "evaluate",
+                           "end_fit", "resume", "task_lost", "stage_optimizers", "request_stop", "abort",
+                           "emulation_report", "images_per_s"})
 
-    @property
-    def config(self) -> RunConfig:
-        return self.runner.config
-
-    @property
-    def num_workers(self) -> int:
-        return self.runner.num_workers
+    def __getattr__(self, name: str) -> Any:
+        if name in ReplanningRunner.DELEGATED and "runner" in self.__dict__:
+            return getattr(self.runner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def trace(self) -> TraceRecorder | None:
@@ -207,7 +254,7 @@ class ReplanningRunner:
             if self._watch is None:
                 self._watch = self._new_watch(None)
 
-        runner.train(runner.fit_data(), list(chunk), trace=trace, on_minibatch_done=done, on_started=started)
+        runner.train_fit(list(chunk), trace, done, started)
         runner.drain()
         if trace and runner.trace is not None and self._trace is not None:
             self._trace.add_events(runner.trace.events(), runner.trace.origin or 0.0)
@@ -225,7 +272,7 @@ class ReplanningRunner:
             chunk.last_done[i] = now
             if watch is None or p % chunk.num_in_flight:
                 return
-            compute = self.runner.group.stage_compute_s(i)
+            compute = self.runner.stage_compute_s(i)
             before = chunk.last.get(i, [0.0] * len(compute))
             chunk.last[i] = compute
             for q, (a, b) in enumerate(zip(compute, before)):
@@ -290,7 +337,13 @@ class ReplanningRunner:
             with self._lock:
                 watch.known(slowed)
             return
-        self._switch(decision, dilation, drain_s, plan_s, watch.host_factor)
+        try:
+            self._switch(decision, dilation, drain_s, plan_s, watch.host_factor)
+        except PlanError as e:  # the runner cannot take the plan (a worker's process would move): nothing changed
+            figures.update(switch=False, reason=f"the run cannot go on under the new plan: {e}")
+            print(f"hetpipe: re-plan at positions {self.positions}: stays: {figures['reason']}", flush=True)
+            with self._lock:
+                watch.known(slowed)
 
     def _switch(self, decision: Decision, dilation: float, drain_s: float, plan_s: float,
                 host_factor: float | None) -> None:
@@ -311,29 +364,14 @@ class ReplanningRunner:
                               "boundaries": [list(decision.plan.node_boundaries(w))
                                              for w in range(len(decision.plan.workers))]})
 
-    def switched_runner(self, old: WSPRunner, new_plan: Plan, state: RunState, dilation: float) -> WSPRunner:
+    def switched_runner(self, old: PlanRunner, new_plan: Plan, state: RunState, dilation: float) -> PlanRunner:
         """The runner of `new_plan`, going on from `state` (taken from `old`, drained) at the run's
-        `dilation`, with `old`'s streams of data."""
+        `dilation`, with `old`'s streams of data (:data:`SwitchFactory`)."""
         config = old.config.replace(num_in_flight=new_plan.num_in_flight, placement=new_plan.placement,
                                     dilation=dilation)
-        new = self.make_runner(new_plan, config)
-        new.continue_fit(old.fit_data())
-        new.resume(state)
-        return new
+        return self.switch_runner(old, new_plan, config, state)
 
-    # What fit asks of a runner with global weights ------------------------------------------
-    def drain(self) -> None:
-        self.runner.drain()
-
-    def after_drain(self, positions: Sequence[int]) -> None:
-        self.runner.after_drain(positions)
-
-    def epoch_weights(self, events: Events, stopped: bool) -> None:
-        self.runner.epoch_weights(events, stopped)
-
-    def evaluate(self, dataset: tf.data.Dataset) -> dict:
-        return self.runner.evaluate(dataset)
-
+    # What fit asks of a runner with global weights (and DELEGATED) ---------------------------
     def epoch_logs(self) -> dict:
         return dict(self.runner.epoch_logs(), plan_switches=len(self.switches))
 
@@ -341,24 +379,6 @@ class ReplanningRunner:
         """The run as a checkpoint holds it, under its current plan's cuts (whatever `plan` the
         fit started with)."""
         return self.runner.run_state(epoch, positions, self.cuts)
-
-    def end_fit(self) -> None:
-        self.runner.end_fit()
-
-    def stage_optimizers(self) -> list[keras.optimizers.Optimizer]:
-        return self.runner.stage_optimizers()
-
-    def request_stop(self) -> None:
-        self.runner.request_stop()
-
-    def abort(self, reason: str = "the run was stopped") -> None:
-        self.runner.abort(reason)
-
-    def emulation_report(self) -> EmulationReport | None:
-        return self.runner.emulation_report()
-
-    def images_per_s(self) -> float:
-        return self.runner.images_per_s()
 
     def stats(self, since: float | None = None) -> list[dict]:
         """Per worker, as :meth:`WSPRunner.stats` (under the current plan), with the run's

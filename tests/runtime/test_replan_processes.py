@@ -1,0 +1,178 @@
+"""A run that re-plans with a process per virtual worker (launch='processes'; slow: three chiefs each
+start the local cluster and its workers' processes; CI's subset covers the switch's protocol in
+tests/distributed/test_replan_protocol.py and the switch in one process in test_replan_switch.py).
+
+A device that runs 3x slower than the plan says from the start is found by the watch, the run
+decides to switch and switches at a drained point: every worker's process stays (the same pid,
+the same task) and builds its worker again under the new plan from the state sent to it, its data
+stream where it stands. The run ends within 1e-6 of the same run checkpointed on disk at the
+switch's drained point and resumed under the new plan by new processes (three chiefs: the run;
+the first plan's chunks up to the switch, saved; the new plan's from the checkpoint), and every
+wave is pushed once, every worker's share of every epoch trained once."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHIEF = r"""
+import dataclasses, json, os, pickle, sys
+import numpy as np, keras, tensorflow as tf
+from hetpipe_tf.distributed.cluster_devices import ClusterDevices
+from hetpipe_tf.distributed.launch import join_cluster
+from hetpipe_tf.distributed.process_runner import ProcessRunner
+from hetpipe_tf.planning.cluster import load_cluster
+from hetpipe_tf.planning.request import PlanRequest
+from hetpipe_tf.runtime import plan_assembly as assembly
+from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts
+from hetpipe_tf.runtime.fit_loop import FitOptions, fit
+from hetpipe_tf.runtime.replan.decide import SwitchRule, nominal_devices
+from hetpipe_tf.runtime.replan.runner import ReplanningRunner, ReplanOptions
+from hetpipe_tf.runtime.replan.watch import WatchRule
+from hetpipe_tf.runtime.worker_data import worker_shards
+
+mode, out = sys.argv[1], sys.argv[2]
+BATCH, STEPS, EPOCHS, SLOWED = 32, 48, 2, "host-F:1"
+cluster = load_cluster("local")
+chief = join_cluster(cluster, "processes", 120.0, 120.0)
+devices = ClusterDevices(cluster, "processes")
+
+def model_():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(256, activation="relu") for _ in range(4)]
+                            + [keras.layers.Dense(4)])
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((STEPS * BATCH, 16)).astype("float32")
+    y = rng.integers(0, 4, STEPS * BATCH)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True).repeat()
+
+model = model_()
+training = assembly.Training(keras.optimizers.SGD(0.05, momentum=0.9),
+                             keras.losses.SparseCategoricalCrossentropy(from_logits=True), timeout_s=120)
+request = PlanRequest(policy="ed", staleness_bound=0, dilation=1.0)
+profile = assembly.workload_profile(model, BATCH, None, training, lambda: next(iter(data())),
+                                    devices.profiling_device())
+plan = assembly.assemble_plan(cluster, request, training.optimizer, profile)
+
+HOMES = [w.devices[0].node for w in plan.workers]  # each worker's process stays on its node
+
+def workers(p):
+    # the slowed device runs 3x slower than every plan says, from the start
+    out = []
+    for w in range(len(p.workers)):
+        own = nominal_devices(p, w)
+        spec, n = devices.worker(w, own, p.node_boundaries(w), p.host_pass_seconds(w), HOMES[w])
+        specs = tuple(dataclasses.replace(s, speed=s.speed / 3) if d.name == SLOWED else s
+                      for s, d in zip(spec.devices, own))
+        out.append((dataclasses.replace(spec, devices=specs), n))
+    return out
+
+def runner(p, config):
+    ws = workers(p)
+    return ProcessRunner(model, chief, [s for s, _ in ws], config, devices.ps, [n for _, n in ws],
+                         [devices.home_node(plan.workers[w].devices) for w in range(len(p.workers))])
+
+def config(p):
+    return assembly.resolved_config(request, p, PlanCuts.of_plan(p), training).replace(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+
+def weights():
+    return [v.numpy() for v in model.variables]
+
+if mode == "replan":
+    def switch(old, p, cfg, state):
+        ws = workers(p)
+        old.switch_plan([s for s, _ in ws], cfg, [devices.home_node(plan.workers[w].devices) for w in range(len(ws))],
+                        [n for _, n in ws], state)
+        return old
+
+    options = ReplanOptions(watch=WatchRule(window_waves=2, baseline_waves=1),
+                            switch=SwitchRule(min_gain=0.0, payback=0.0), chunk_minibatches=4)
+    run = ReplanningRunner(plan, request, config(plan), runner, options, switch_runner=switch)
+    run.set_fit_length(STEPS * EPOCHS)
+    pids = {}
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=training.loss)
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+            if not pids.get(len(run.switches)):
+                pids[len(run.switches)] = sorted(chief.pid(f"vw{w}", 0) for w in range(run.num_workers))
+
+    fit(run, data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, callbacks=[Seen()]))
+    with open(out + ".plan", "wb") as f:
+        pickle.dump(run.plan, f)
+    np.savez(out, *weights())
+    result = {"switches": [{k: v for k, v in s.items() if k in ("positions", "after_chunks")} for s in run.switches],
+              "decisions": run.decisions, "chunks": run.chunk_log, "positions": run.positions,
+              "clocks": list(run.runner.servers.clock.clocks()[0]), "batches": len(seen), "pids": pids,
+              "first_cuts": PlanCuts.of_plan(plan).to_dict(), "cuts": PlanCuts.of_plan(run.plan).to_dict()}
+elif mode == "before":  # the first plan's chunks up to the switch, checkpointed
+    given = json.load(open(sys.argv[3]))
+    first = runner(plan, config(plan))
+    first.begin_fit(worker_shards(data(), len(plan.workers)), [0] * len(plan.workers))
+    for _, chunk in given["chunks"][:given["switches"][0]["after_chunks"]]:
+        first.train_fit(chunk)
+        first.drain()
+    Checkpoints(out).save(first.run_state(0, given["switches"][0]["positions"], PlanCuts.of_plan(plan)))
+    result = {}
+else:  # "after": the new plan's chunks from the checkpoint, by new processes
+    given = json.load(open(sys.argv[3]))
+    new_plan = pickle.load(open(sys.argv[4], "rb"))
+    state = Checkpoints(out).restore_model(model)
+    second = runner(new_plan, config(new_plan))
+    second.resume(state)
+    second.begin_fit(worker_shards(data(), len(new_plan.workers)), state.positions)
+    for _, chunk in given["chunks"][given["switches"][0]["after_chunks"]:]:
+        second.train_fit(chunk)
+        second.drain()
+    second.end_fit()
+    np.savez(out + "/final.npz", *weights())
+    result = {}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+def _chief(*args):
+    proc = subprocess.run([sys.executable, "-c", CHIEF, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _weights(path):
+    saved = np.load(path)
+    return [saved[k] for k in sorted(saved.files, key=lambda k: int(k[4:]))]
+
+
+@pytest.mark.slow
+def test_a_switch_keeps_the_processes_and_ends_as_a_checkpoint_resumed_under_the_new_plan(tmp_path):
+    run = _chief("replan", tmp_path / "replan.npz")
+    assert len(run["switches"]) == 1, run["decisions"]
+    [switch] = run["switches"]
+    assert run["decisions"][0]["switch"] and run["decisions"][0]["slowed"][0]["device"] == "host-F:1"
+    assert run["cuts"] != run["first_cuts"]
+    # the same processes before and after the switch
+    assert run["pids"]["0"] == run["pids"]["1"], run["pids"]
+    # Keras saw one run; every worker trained its share of every epoch; each wave pushed once
+    steps, epochs, workers = 48, 2, len(run["positions"])
+    assert run["batches"] == steps * epochs
+    assert run["positions"] == [-(-(steps * epochs - w) // workers) for w in range(workers)]
+    assert run["clocks"] == [sum(-(-n[w] // nm) for nm, n in run["chunks"]) for w in range(workers)]
+    assert [sum(n[w] for _, n in run["chunks"][:switch["after_chunks"]]) for w in range(workers)] \
+        == switch["positions"]
+    given = tmp_path / "replan.json"
+    given.write_text(json.dumps(run))
+    saved = tmp_path / "checkpoint"
+    _chief("before", saved, given)
+    _chief("after", saved, given, tmp_path / "replan.npz.plan")
+    for a, b in zip(_weights(tmp_path / "replan.npz"), _weights(saved / "final.npz")):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

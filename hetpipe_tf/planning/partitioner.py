@@ -660,13 +660,13 @@ class _OrderSearch:
             lambda u: (-u[0].type.memory, -speeds[u[0].type.name]))
         for key in keys:
             ordered = sorted(units, key=key)
-            taken: dict[str, int] = {}
+            taken: dict[tuple[str, str], int] = {}
             order: list[Device] = []  # each (node, type)'s devices in their pool's order
             for unit in ordered:
                 for d in unit:
-                    pool = self.pools[(d.node, d.type.name)]
-                    order.append(pool[taken.get(d.node, 0)] if not self.blocks else d)
-                    taken[d.node] = taken.get(d.node, 0) + 1
+                    pool = (d.node, d.type.name)
+                    order.append(self.pools[pool][taken.get(pool, 0)] if not self.blocks else d)
+                    taken[pool] = taken.get(pool, 0) + 1
             out.append(tuple(order))
         return out
 

@@ -172,3 +172,17 @@ def test_uneven_runs_are_refused(planned):
         replanned(uneven, request, {"host-F:1": 1 / 3}, 1.0)
     d = decide(uneven, request, _slowed(1 / 3), {}, 1000, 1.0, 1.0)
     assert not d.switch and "uneven minibatches" in d.reason
+
+
+def test_a_worker_with_two_devices_of_a_node_is_replanned_with_one_of_them_slowed():
+    """One worker of the four devices: the slowed device becomes a type of its own beside its node's
+    other device of the same type, and the new plan holds every device once, the slowed one's stage
+    shorter."""
+    request = PlanRequest(policy="ed", vw_size=4, staleness_bound=0)
+    p = plan(_profile(), load_cluster("local"), request)
+    new = replanned(p, request, {"host-F:1": 1 / 3}, 1.0)
+    assert sorted(d.name for d in new.workers[0].devices) == sorted(d.name for d in p.workers[0].devices)
+    part = new.workers[0].partition
+    ends = list(part.boundaries[1:]) + [N]
+    sizes = {d.name: end - start for d, start, end in zip(part.devices, part.boundaries, ends)}
+    assert sizes["host-F:1"] < sizes["host-F:0"]

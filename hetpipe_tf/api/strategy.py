@@ -411,18 +411,22 @@ class HetPipeStrategy:
                   f"under this run's plan {planned.to_dict()}: weights and optimizer state per variable (every new "
                   f"worker from the saved workers' mean when their number changed)", flush=True)
         self._run_config = assembly.resolved_config(self.request, self._planned, self.cuts, training)
-        workers = [self._worker_spec(w) for w in range(len(self._planned.workers))]
+        # each worker's process is driven from its first stage's node, whatever a later plan cuts
+        homes = [self._devices.home_node(w.devices) for w in self._planned.workers]
+        workers = [self._worker_spec(w, homes[w]) for w in range(len(self._planned.workers))]
         if self.replan == "auto":
-            self.runner = self._replanning_runner(model, workers, training)
+            self.runner = self._replanning_runner(model, workers, homes, training)
         else:
-            self.runner = self._plan_runner(model, self._planned, workers, self._run_config)
+            self.runner = self._plan_runner(model, workers, self._run_config, homes)
         self._runner_key = key
         return self.runner
 
-    def _plan_runner(self, model: Any, plan: Any, workers: Sequence[tuple[Any, int]], config: Any) -> Any:
-        """The runner of `plan` (`workers`: each worker's spec and count of its process's own devices)
+    def _plan_runner(self, model: Any, workers: Sequence[tuple[Any, int]], config: Any, homes: Sequence[int],
+                     stage_compute: bool = False) -> Any:
+        """The runner of a plan (`workers`: each worker's spec and count of its process's own devices)
         under `config`: a ProcessRunner of a process per worker under launch 'processes' or
-        'tf_config', else a WSPRunner in this process.
+        'tf_config' (each on its home node, `homes`; each reporting its stages' compute with every
+        update with `stage_compute`), else a WSPRunner in this process.
 
         Returns:
             The runner.
@@ -434,14 +438,16 @@ class HetPipeStrategy:
             return WSPRunner(model, specs, config, self._devices.ps)
         from hetpipe_tf.distributed.process_runner import ProcessRunner  # late: defers TensorFlow
 
-        return ProcessRunner(model, self._cluster, specs, config, self._devices.ps, [n for _, n in workers],
-                             [self._devices.home_node(w.devices) for w in plan.workers])
+        return ProcessRunner(model, self._cluster, specs, config, self._devices.ps, [n for _, n in workers], homes,
+                             stage_compute)
 
-    def _replanning_runner(self, model: Any, first: Sequence[tuple[Any, int]], training: Any) -> Any:
+    def _replanning_runner(self, model: Any, first: Sequence[tuple[Any, int]], homes: Sequence[int],
+                           training: Any) -> Any:
         """The runner that re-plans (:mod:`hetpipe_tf.runtime.replan.runner`): first at the run's cuts
         (`first`: each worker's spec and count of its own devices), then at each new plan's, on the
-        cluster's devices; with a process per worker, each process stays across a switch
-        (:meth:`hetpipe_tf.distributed.process_runner.ProcessRunner.switch_plan`).
+        cluster's devices; with a process per worker, each process stays on its home node (`homes`)
+        across a switch (:meth:`hetpipe_tf.distributed.process_runner.ProcessRunner.switch_plan`) and
+        reports its stages' compute, which the run watches.
 
         Returns:
             The runner.
@@ -459,25 +465,22 @@ class HetPipeStrategy:
                                          plan.host_pass_seconds(w) if profile else None, homes[w])
                     for w in range(len(plan.workers))]
 
-        homes = [w.devices[0].node for w in self._planned.workers]
-
         def make(plan: Any, config: Any) -> Any:
-            return self._plan_runner(model, plan, workers_of(plan), config)
+            return self._plan_runner(model, workers_of(plan), config, homes, stage_compute=True)
 
         def switch_processes(old: Any, plan: Any, config: Any, state: Any) -> Any:
             workers = workers_of(plan)
-            old.switch_plan([spec for spec, _ in workers], config,
-                            [self._devices.home_node(self._planned.workers[w].devices) for w in range(len(workers))],
-                            [n for _, n in workers], state)
+            old.switch_plan([spec for spec, _ in workers], config, homes, [n for _, n in workers], state)
             return old
 
         return ReplanningRunner(self._planned, self.request, self._run_config, make,
                                 optimizer_slots=slots_per_weight(training.optimizer),
                                 switch_runner=None if self.launch == "in_process" else switch_processes)
 
-    def _worker_spec(self, w: int) -> Any:
+    def _worker_spec(self, w: int, home: int) -> Any:
         """Worker w's WorkerSpec and how many of its devices its own process holds
-        (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`), at the run's cuts.
+        (:meth:`hetpipe_tf.distributed.cluster_devices.ClusterDevices.worker`; `home`: its home
+        node's index), at the run's cuts.
 
         Returns:
             The WorkerSpec and the count of its devices.
@@ -494,7 +497,7 @@ class HetPipeStrategy:
                                  f"virtual worker {w} resumes the checkpoint's {boundaries}: resume with "
                                  f"emulation_references='measured'")
             references = self._planned.host_pass_seconds(w)
-        return self._devices.worker(w, self._planned.workers[w].devices, boundaries, references)
+        return self._devices.worker(w, self._planned.workers[w].devices, boundaries, references, home)
 
     def _connect(self) -> None:
         """Starts (processes) or joins (tf_config) the cluster, once per process; names its devices."""

@@ -80,19 +80,21 @@ class ClusterDevices:
     def worker(self, w, devices, boundaries, references=None, home=None) -> tuple:
         """Virtual worker `w`'s :class:`WorkerSpec` (its `devices` in stage order, cut at `boundaries`,
         paced to `references`) and how many of its devices its own process holds: those on its home
-        node (`home`, a node's name; default its first stage's) but real GPUs and CPU-quota devices
-        (their node's worker task holds them, see the module docstring); none in_process."""
-        home = devices[0].node if home is None else home
+        node (`home`, the node's index in the cluster; default its first stage's, :meth:`home_node`)
+        but real GPUs and CPU-quota devices (their node's worker task holds them, see the module
+        docstring); none in_process."""
+        home = self.home_node(devices) if home is None else home
         specs, names, servers, local = [], [], [], 0
         ps = self.ps
         for d in devices:
             specs.append(device_spec(d))
-            if self._local is None and d.node == home and d.type.on_host and d.type.cpu_quota is None:
+            node = self._nodes.index(d.node)
+            if self._local is None and node == home and d.type.on_host and d.type.cpu_quota is None:
                 names.append(local_device(w, local))
                 local += 1
             else:
                 names.append(self.device(d))
-            servers.append(ps[self._nodes.index(d.node) % len(ps)])
+            servers.append(ps[node % len(ps)])
         return WorkerSpec(tuple(specs), tuple(names), boundaries=tuple(boundaries), stage_servers=tuple(servers),
                           references=references), local
 

@@ -160,10 +160,13 @@ class ProcessRunner:
       local_devices: for each worker, how many devices its own process holds.
       home_nodes: for each worker, the node its process runs on (the node of its first stage),
         whose address the process binds.
+      stage_compute: whether each worker's process reports its stages' compute with every update
+        (:meth:`stage_compute_s`; a run that re-plans watches it); told to the process with its job.
     """
 
     def __init__(self, model: keras.Model, cluster: ChiefCluster, workers: Sequence[WorkerSpec], config: RunConfig,
-                 ps_devices: Sequence[str], local_devices: Sequence[int], home_nodes: Sequence[int]) -> None:
+                 ps_devices: Sequence[str], local_devices: Sequence[int], home_nodes: Sequence[int],
+                 stage_compute: bool = False) -> None:
         config.check_picklable()  # before any process starts
         self._model_text = pack_model(model)  # refuses a layer class a worker cannot rebuild, before any process starts
         check_for_workers(config.optimizer, len(workers))
@@ -172,6 +175,7 @@ class ProcessRunner:
         self.home_nodes = list(home_nodes)
         self.local_devices = list(local_devices)
         self.ps_devices = list(ps_devices)
+        self.stage_compute = stage_compute
         self._dilation: Dilation | None = None  # the run's, decided at the first fit (calibrated when the config gives none)
         staged = self._plan_servers(workers, config)
         self.loss_head = LossHead(config.loss, staged.keras_graph.model.output_names,
@@ -179,7 +183,7 @@ class ProcessRunner:
         self.lost = LostWorkers(cluster, self.servers.clock, config.timeout_s)
         self.aborted: str | None = None  # why the last run was aborted, if it was
         self.trace: TraceRecorder | None = None
-        self.batch_size: int | None = None
+        self.batch_sizes: list[int] = [0] * len(workers)  # each worker's minibatch size, once built
         self.descriptions: list[str | None] = []
         self._conns: list[_Connection] = []
         self._events: Events | None = None
@@ -190,6 +194,7 @@ class ProcessRunner:
         self._on_done: Callable[[int, protocol.Done], None] = lambda w, m: None
         self._on_started: Callable[[float], None] | None = None
         self._compute: dict[int, tuple[float, ...]] = {}  # each worker's stage compute at its last Done
+        self._updates = UpdateTimes(len(workers))
         # the current train's
         self._segment: dict[str, Any] = {"steps": [0] * self.num_workers, "done": {}, "started": set()}
         self._shards: Sequence[Iterable] | None = None  # each worker's whole shard (repeated), to restart one
@@ -258,8 +263,8 @@ class ProcessRunner:
             # One after another: each measures its stages' solo times (the emulation's references,
             # hetpipe_tf.pipeline.emulation) while no other worker computes, as in one process.
             ready = self._conns[w].ask(self.config.timeout_s, protocol.Job(
-                w, self.workers[w], self._worker_config, model_json, weights, layout, shards[w]))
-            self.batch_size, self.descriptions[w] = ready.batch_size, ready.description
+                w, self.workers[w], self._worker_config, model_json, weights, layout, shards[w], self.stage_compute))
+            self.batch_sizes[w], self.descriptions[w] = ready.batch_size, ready.description
 
     def _probe(self, dilation: float) -> EmulationReport:
         """One calibration probe of every worker at once at `dilation`, each in its own process (the
@@ -272,10 +277,12 @@ class ProcessRunner:
     # Training --------------------------------------------------------------------------
     def _on_training(self, worker: int, message: Any) -> None:
         if isinstance(message, protocol.Started):
+            self._updates.started(time.perf_counter())
             self._segment["started"].add(worker)
             if self._on_started is not None:
                 self._on_started(message.time)
         elif isinstance(message, protocol.Done):
+            self._updates.done(worker, time.perf_counter())
             self._segment["done"][worker] = self._segment["done"].get(worker, 0) + 1
             self._compute[worker] = message.compute
             self._on_done(worker, message)
@@ -372,7 +379,7 @@ class ProcessRunner:
         for c in self._live():
             ready = c.ask(self.config.timeout_s, protocol.Rebuild(
                 self.workers[c.worker], self._worker_config, weights, layout, state.optimizers[c.worker]))
-            self.descriptions[c.worker] = ready.description
+            self.batch_sizes[c.worker], self.descriptions[c.worker] = ready.batch_size, ready.description
 
     def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState:
         """The run as a checkpoint holds it, between epochs (every worker drained): the global
@@ -426,8 +433,13 @@ class ProcessRunner:
 
     def stage_compute_s(self, worker: int) -> list[float]:
         """As :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stage_compute_s`: `worker`'s, as its
-        process reported it with its last update."""
+        process reported it with its last update (empty unless the runner was made with `stage_compute`)."""
         return list(self._compute.get(worker, ()))
+
+    def images_per_s(self) -> float:
+        """As :meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.images_per_s`: images per second of
+        the current (or last) train, every worker together, as the chief saw it (:class:`UpdateTimes`)."""
+        return self._updates.images_per_s(self.batch_sizes)
 
     def _train(self, steps: Sequence[int], trace: bool, on_done: Callable[[int, protocol.Done], None],
                on_started: Callable[[float], None] | None, on_sent: Callable[[float], None] | None) -> None:
@@ -440,6 +452,7 @@ class ProcessRunner:
         self._first_data = None
         self._segment = {"steps": list(steps), "done": {}, "started": set()}
         self._on_done, self._on_started, self._compute = on_done, on_started, {}
+        self._updates = UpdateTimes(self.num_workers)
         self.servers.rejoin(w for w in range(self.num_workers) if w not in self.lost.gone)
         for w in sorted(self.lost.gone):  # one that could not restart trains none of its minibatches
             self._skip(w, steps[w])
@@ -559,6 +572,39 @@ class ProcessRunner:
         report = EmulationReport.combine(c.ask(self.config.timeout_s, protocol.GetReport()).report
                                          for c in self._live())
         return report and dataclasses.replace(report, calibration=self._dilation.probes if self._dilation else ())
+
+
+class UpdateTimes:
+    """When one train's updates reached the chief, per worker, and when the train started (the first
+    worker's :class:`protocol.Started` reached it): all on the chief's clock (``time.perf_counter()``),
+    whichever hosts the workers' processes run on."""
+
+    def __init__(self, workers: int) -> None:
+        self._lock = threading.Lock()
+        self._started: float | None = None
+        self._done: list[list[float]] = [[] for _ in range(workers)]
+
+    def started(self, now: float) -> None:
+        """A worker's process started training at `now` (the first one's time is the train's start)."""
+        with self._lock:
+            if self._started is None:
+                self._started = now
+
+    def done(self, worker: int, now: float) -> None:
+        """An update of `worker` reached the chief at `now`."""
+        with self._lock:
+            self._done[worker].append(now)
+
+    def images_per_s(self, batch_sizes: Sequence[int]) -> float:
+        """The samples of the updates so far (each worker's count times its minibatch size in
+        `batch_sizes`), every worker together, over the time from the train's start to the last
+        update; 0 before the first update."""
+        with self._lock:
+            ends = [t for times in self._done for t in times]
+            if not ends or self._started is None:
+                return 0.0
+            images = sum(len(times) * b for times, b in zip(self._done, batch_sizes))
+            return images / (max(ends) - self._started)
 
 
 class _LearningRate:

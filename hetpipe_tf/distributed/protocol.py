@@ -106,8 +106,9 @@ class Started:
 @dataclass(frozen=True)
 class Done:
     """A minibatch's update is in: its logs (floats), when it completed, its id in the worker's
-    pipeline (as the executor's on_minibatch_done gives it) and the worker's seconds of device compute per stage in this train so far
-    (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stage_compute_s`)."""
+    pipeline (as the executor's on_minibatch_done gives it) and, when its :class:`Job` asked for
+    them, the worker's seconds of device compute per stage in this train so far
+    (:meth:`hetpipe_tf.runtime.wsp_runner.BoundWorkers.stage_compute_s`; else empty)."""
     logs: dict[str, float]
     time: float
     minibatch: int = 0
@@ -146,8 +147,10 @@ class Job:
     """Build virtual worker `worker`: `spec` (a :class:`hetpipe_tf.runtime.run_config.WorkerSpec`,
     its devices named as its process names them) of the run configured by `config` (a
     :class:`hetpipe_tf.runtime.run_config.RunConfig`), the model (its JSON and weights), the
-    servers to attach to (:meth:`hetpipe_tf.sync.parameter_server.ParameterServers.layout`) and its
-    shard of the data (:mod:`hetpipe_tf.distributed.dataset_transfer`)."""
+    servers to attach to (:meth:`hetpipe_tf.sync.parameter_server.ParameterServers.layout`), its
+    shard of the data (:mod:`hetpipe_tf.distributed.dataset_transfer`) and whether each
+    :class:`Done` carries the stages' compute (`stage_compute`: a run that re-plans watches it),
+    for as long as the process runs."""
     worker: int
     spec: "WorkerSpec"
     config: "RunConfig"
@@ -155,6 +158,7 @@ class Job:
     weights: "list[np.ndarray]" = field(repr=False)
     servers: "ServerLayout"
     data: DatasetBytes = field(repr=False)
+    stage_compute: bool = False
     answer = Ready
 
 

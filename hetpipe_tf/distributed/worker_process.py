@@ -83,6 +83,7 @@ class _Worker:
         self.worker = 0  # the virtual worker of the job
         self.first: Any = None  # the job's first minibatch (inputs, labels)
         self.data: Iterator[Any] | None = None  # the iterator of the last train's data
+        self.stage_compute = False  # the job's: each Done carries the stages' compute
 
     def send(self, message: Any) -> None:
         with self.lock:
@@ -93,6 +94,7 @@ class _Worker:
         from hetpipe_tf.runtime.model_transport import unpack_model  # late: defers TensorFlow
 
         self.model, self.worker = unpack_model(job.model_json), job.worker
+        self.stage_compute = job.stage_compute
         self.first = next(iter(dataset_from_bytes(*job.data)))
         return self._bind(job.spec, job.config, job.weights, job.servers)
 
@@ -122,13 +124,14 @@ class _Worker:
         if order.data is not None:
             self.data = iter(dataset_from_bytes(*order.data))
 
+        def done(w: int, p: int, logs: dict[str, Any]) -> None:
+            compute = tuple(self.runner.stage_compute_s(0)) if self.stage_compute else ()
+            self.send(protocol.Done({k: float(v) for k, v in logs.items()}, time.perf_counter(), p, compute))
+
         def run() -> None:
             try:
                 self.runner.train([self.data], order.steps, order.dilation, trace=order.trace,
-                                  on_minibatch_done=lambda w, p, logs: self.send(protocol.Done(
-                                      {k: float(v) for k, v in logs.items()}, time.perf_counter(), p,
-                                      tuple(self.runner.stage_compute_s(0)))),
-                                  on_started=lambda t: self.send(protocol.Started(t)))
+                                  on_minibatch_done=done, on_started=lambda t: self.send(protocol.Started(t)))
                 recorder = self.runner.trace
                 self.send(protocol.Finished((recorder.origin, recorder.events()) if recorder else None))
             except BaseException as exc:  # noqa: BLE001 - reported to the chief

@@ -2,8 +2,9 @@
 in this process over a pipe: the orders a run that re-plans sends (Job, Train, Drain,
 GetOptimizerState; new servers; Rebuild; Train) end within 1e-6 of the same run switched in one
 process (a new WSPRunner resumed from the drained state), the worker keeping its data stream where
-it stood and each update reported with its minibatch and its stages' compute. The whole switch with
-a process per worker is tests/runtime/test_replan_processes.py (slow)."""
+it stood and each update reported with its minibatch and its stages' compute, which a run that does
+not re-plan is not sent. The whole switch with a process per worker is
+tests/runtime/test_replan_processes.py (slow)."""
 import multiprocessing
 
 import keras
@@ -96,7 +97,7 @@ def test_a_worker_process_rebuilds_under_a_new_plan_as_a_new_runner_in_one_proce
     worker = _Worker(end)
     spec, config, servers = _servers(model, FIRST)
     _ask(chief, worker, protocol.Job(0, spec, config, pack_model(model), model.get_weights(), servers.layout(),
-                                     dataset_to_bytes(_data())))
+                                     dataset_to_bytes(_data()), stage_compute=True))
     done = _train(chief, worker, protocol.Train(dataset_to_bytes(_data()), BEFORE, Dilation(1.0), False))
     assert [d.minibatch for d in done] == list(range(1, BEFORE + 1)) and all(len(d.compute) == 2 for d in done)
     _ask(chief, worker, protocol.Drain())
@@ -111,3 +112,14 @@ def test_a_worker_process_rebuilds_under_a_new_plan_as_a_new_runner_in_one_proce
     assert list(new_servers.clock.clocks()[0]) == clocks
     for a, b in zip(expected, [v.numpy() for v in model.variables]):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_worker_of_a_run_that_does_not_replan_reports_its_updates_without_stage_compute():
+    model = _model()
+    chief, end = multiprocessing.Pipe()
+    worker = _Worker(end)
+    spec, config, servers = _servers(model, FIRST)
+    _ask(chief, worker, protocol.Job(0, spec, config, pack_model(model), model.get_weights(), servers.layout(),
+                                     dataset_to_bytes(_data())))
+    done = _train(chief, worker, protocol.Train(dataset_to_bytes(_data()), BEFORE, Dilation(1.0), False))
+    assert [d.minibatch for d in done] == list(range(1, BEFORE + 1)) and all(d.compute == () for d in done)

@@ -9,7 +9,8 @@ stream where it stands. The run ends within 1e-6 of the same run checkpointed on
 switch's drained point and resumed under the new plan by new processes (three chiefs: the run;
 the first plan's chunks up to the switch, saved; the new plan's from the checkpoint; the later two
 are given the run's first and new plans, not plans of profiles they measure themselves). Every
-wave is pushed once, every worker's share of every epoch trained once."""
+wave is pushed once, every worker's share of every epoch trained once. The chief's images/s of a
+train counts its every update; the workers of a run that does not re-plan send no stage compute."""
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHIEF = r"""
-import dataclasses, json, os, pickle, sys
+import dataclasses, json, os, pickle, sys, time
 import numpy as np, keras, tensorflow as tf
 from hetpipe_tf.distributed.cluster_devices import ClusterDevices
 from hetpipe_tf.distributed.launch import join_cluster
@@ -73,7 +74,7 @@ if mode == "replan":
 else:  # the first plan of the run compared with: a plan of another measured profile may cut elsewhere
     plan = pickle.load(open(sys.argv[5], "rb"))
 
-HOMES = [w.devices[0].node for w in plan.workers]  # each worker's process stays on its node
+HOMES = [devices.home_node(w.devices) for w in plan.workers]  # each worker's process stays on its node
 
 def workers(p):
     # the slowed device runs 5x slower than every plan says, from the start
@@ -88,8 +89,8 @@ def workers(p):
 
 def runner(p, config):
     ws = workers(p)
-    return ProcessRunner(model, chief, [s for s, _ in ws], config, devices.ps, [n for _, n in ws],
-                         [devices.home_node(plan.workers[w].devices) for w in range(len(p.workers))])
+    return ProcessRunner(model, chief, [s for s, _ in ws], config, devices.ps, [n for _, n in ws], HOMES,
+                         stage_compute=mode == "replan")
 
 def config(p):
     return assembly.resolved_config(request, p, PlanCuts.of_plan(p), training).replace(
@@ -105,8 +106,7 @@ def weights():
 if mode == "replan":
     def switch(old, p, cfg, state):
         ws = workers(p)
-        old.switch_plan([s for s, _ in ws], cfg, [devices.home_node(plan.workers[w].devices) for w in range(len(ws))],
-                        [n for _, n in ws], state)
+        old.switch_plan([s for s, _ in ws], cfg, HOMES, [n for _, n in ws], state)
         return old
 
     options = ReplanOptions(watch=WatchRule(window_waves=2, baseline_waves=1),
@@ -135,11 +135,15 @@ elif mode == "before":  # the first plan's chunks up to the switch, checkpointed
     given = json.load(open(sys.argv[3]))
     first = runner(plan, config(plan))
     first.begin_fit(worker_shards(data(), len(plan.workers)), [0] * len(plan.workers))
+    rates = []  # per chunk: the runner's images/s, and the chunk's images over the wall time of its train
     for _, chunk in given["chunks"][:given["switches"][0]["after_chunks"]]:
+        called = time.perf_counter()
         first.train_fit(chunk)
+        rates.append([first.images_per_s(), sum(chunk) * BATCH / (time.perf_counter() - called)])
         first.drain()
     Checkpoints(out).save(first.run_state(0, given["switches"][0]["positions"], PlanCuts.of_plan(plan)))
-    result = {}
+    # a run that does not re-plan: its workers' updates carry no stage compute
+    result = {"rates": rates, "compute": [first.stage_compute_s(w) for w in range(first.num_workers)]}
 else:  # "after": the new plan's chunks from the checkpoint, by new processes
     given = json.load(open(sys.argv[3]))
     new_plan = pickle.load(open(sys.argv[4], "rb"))
@@ -190,7 +194,11 @@ def test_a_switch_keeps_the_processes_and_ends_as_a_checkpoint_resumed_under_the
     given.write_text(json.dumps(run))
     saved = tmp_path / "checkpoint"
     first = tmp_path / "replan.npz.first"
-    _chief("before", saved, given, "-", first)
+    before = _chief("before", saved, given, "-", first)
+    # images/s counts every update of a train: over the time from its start to its last update,
+    # within the train's call
+    assert all(counted >= called > 0 for counted, called in before["rates"]), before["rates"]
+    assert before["compute"] == [[]] * workers
     _chief("after", saved, given, tmp_path / "replan.npz.plan", first)
     for a, b in zip(_weights(tmp_path / "replan.npz"), _weights(saved / "final.npz")):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -28,19 +28,18 @@ from hetpipe_tf.distributed.cluster_devices import ClusterDevices
 from hetpipe_tf.distributed.launch import join_cluster
 from hetpipe_tf.distributed.process_runner import ProcessRunner
 from hetpipe_tf.planning.cluster import load_cluster
-from hetpipe_tf.planning.profile import SegmentTimes
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime import plan_assembly as assembly
 from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts
 from hetpipe_tf.runtime.fit_loop import FitOptions, fit
-from hetpipe_tf.runtime.profiler import model_profile
 from hetpipe_tf.runtime.replan.decide import SwitchRule, nominal_devices
 from hetpipe_tf.runtime.replan.runner import ReplanningRunner, ReplanOptions
 from hetpipe_tf.runtime.replan.watch import WatchRule
 from hetpipe_tf.runtime.worker_data import worker_shards
+from tests.helpers.replan import BATCH, given_profile
 
 mode, out = sys.argv[1], sys.argv[2]
-BATCH, STEPS, EPOCHS, SLOWED = 32, 48, 2, "host-F:1"
+STEPS, EPOCHS, SLOWED = 48, 2, "host-F:1"
 cluster = load_cluster("local")
 chief = join_cluster(cluster, "processes", 120.0, 120.0)
 devices = ClusterDevices(cluster, "processes")
@@ -63,12 +62,7 @@ training = assembly.Training(keras.optimizers.SGD(0.05, momentum=0.9),
 # (a pull of wave c may hold another worker's wave c + 1), which timing across processes decides.
 request = PlanRequest(policy="ed", vw_size=4, staleness_bound=0, dilation=1.0)
 if mode == "replan":
-    # times given, well above the host's compute, which the devices are paced to: the plans, and
-    # whether the slowdown pays for a switch, do not depend on how busy the host is
-    profile = model_profile(model, BATCH)
-    n = profile.num_segments
-    profile = profile.with_times("host", SegmentTimes((0.004,) * n, (0.008,) * n, 0.0005, 0.001, "given"))
-    plan = assembly.assemble_plan(cluster, request, training.optimizer, profile)
+    plan = assembly.assemble_plan(cluster, request, training.optimizer, given_profile(model))
     with open(out + ".first", "wb") as f:
         pickle.dump(plan, f)
 else:  # the first plan of the run compared with: a plan of another measured profile may cut elsewhere

@@ -26,17 +26,16 @@ import tensorflow as tf
 from hetpipe_tf.distributed.cluster_devices import ClusterDevices
 from hetpipe_tf.pipeline.emulation import PersistentSlowdown, RunProgress
 from hetpipe_tf.planning.cluster import load_cluster
-from hetpipe_tf.planning.profile import SegmentTimes
 from hetpipe_tf.planning.request import PlanRequest
 from hetpipe_tf.runtime import plan_assembly as assembly
 from hetpipe_tf.runtime.checkpoint import Checkpoints, PlanCuts, epoch_shares
 from hetpipe_tf.runtime.fit_loop import FitOptions, fit
-from hetpipe_tf.runtime.profiler import model_profile
 from hetpipe_tf.runtime.replan.decide import SwitchRule, nominal_devices
 from hetpipe_tf.runtime.replan.runner import ReplanningRunner, ReplanOptions
 from hetpipe_tf.runtime.replan.watch import WatchRule
 from hetpipe_tf.runtime.worker_data import worker_shards
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
+from tests.helpers.replan import given_profile as _given_profile
 
 BATCH, STEPS, EPOCHS, SLOWED = 32, 56, 2, "host-F:1"
 
@@ -64,15 +63,6 @@ def one_worker():
     """One virtual worker of the four devices: its run does not depend on when another worker's
     pushes land (with two, a pull of wave c may hold the other's wave c + 1, as timing decides)."""
     return _setup(4)
-
-
-def _given_profile(model):
-    """Times given, not measured, well above the host's compute (a Dense(512) pass takes well under
-    a millisecond), which the emulated devices are paced to: the plans, and whether a slowdown pays
-    for a switch, do not depend on how busy the host is."""
-    profile = model_profile(model, BATCH)
-    n = profile.num_segments
-    return profile.with_times("host", SegmentTimes((0.004,) * n, (0.008,) * n, 0.0005, 0.001, "given"))
 
 
 def _setup(vw_size):

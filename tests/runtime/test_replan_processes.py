@@ -1,6 +1,7 @@
-"""A run that re-plans with a process per virtual worker (launch='processes'; slow: three chiefs each
-start the local cluster and its workers' processes; CI's subset covers the switch's protocol in
-tests/distributed/test_replan_protocol.py and the switch in one process in test_replan_switch.py).
+"""A run that re-plans with a process per virtual worker (launch='processes', and 'tf_config' under
+``hetpipe launch``; slow: each chief starts or joins the local cluster and its workers' processes;
+CI's subset covers the switch's protocol in tests/distributed/test_replan_protocol.py and the switch
+in one process in test_replan_switch.py).
 
 A device that runs 5x slower than the plan says from the start is found by the watch, the run
 decides to switch and switches at a drained point: every worker's process stays (the same pid,
@@ -10,7 +11,10 @@ switch's drained point and resumed under the new plan by new processes (three ch
 the first plan's chunks up to the switch, saved; the new plan's from the checkpoint; the later two
 are given the run's first and new plans, not plans of profiles they measure themselves). Every
 wave is pushed once, every worker's share of every epoch trained once. The chief's images/s of a
-train counts its every update; the workers of a run that does not re-plan send no stage compute."""
+train counts its every update; the workers of a run that does not re-plan send no stage compute.
+Under 'tf_config' (the same ProcessRunner, its workers' processes started by their home nodes' worker
+tasks) the same run switches once, keeps the processes those tasks started, and ends within 1e-6
+of the run under 'processes'."""
 import json
 import os
 import subprocess
@@ -39,10 +43,11 @@ from hetpipe_tf.runtime.worker_data import worker_shards
 from tests.helpers.replan import BATCH, given_profile
 
 mode, out = sys.argv[1], sys.argv[2]
+launch = sys.argv[3] if mode == "replan" else "processes"  # "tf_config": under `hetpipe launch`
 STEPS, EPOCHS, SLOWED = 48, 2, "host-F:1"
 cluster = load_cluster("local")
-chief = join_cluster(cluster, "processes", 120.0, 120.0)
-devices = ClusterDevices(cluster, "processes")
+chief = join_cluster(cluster, launch, 120.0, 120.0)
+devices = ClusterDevices(cluster, launch)
 
 def model_():
     keras.utils.set_random_seed(1)
@@ -114,7 +119,7 @@ if mode == "replan":
     class Seen(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             seen.append(batch)
-            if not pids.get(len(run.switches)):
+            if launch == "processes" and not pids.get(len(run.switches)):
                 pids[len(run.switches)] = sorted(chief.pid(f"vw{w}", 0) for w in range(run.num_workers))
 
     fit(run, data(), FitOptions(epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, callbacks=[Seen()]))
@@ -155,9 +160,9 @@ print("RESULT " + json.dumps(result), flush=True)
 """
 
 
-def _chief(*args):
-    proc = subprocess.run([sys.executable, "-c", CHIEF, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+def _chief(*args, launcher=()):
+    proc = subprocess.run([*launcher, sys.executable, "-c", CHIEF, *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -168,9 +173,16 @@ def _weights(path):
     return [saved[k] for k in sorted(saved.files, key=lambda k: int(k[4:]))]
 
 
+@pytest.fixture(scope="module")
+def replanned(tmp_path_factory):
+    """The run that re-plans under launch='processes': its result and its directory."""
+    path = tmp_path_factory.mktemp("replan")
+    return _chief("replan", path / "replan.npz", "processes"), path
+
+
 @pytest.mark.slow
-def test_a_switch_keeps_the_processes_and_ends_as_a_checkpoint_resumed_under_the_new_plan(tmp_path):
-    run = _chief("replan", tmp_path / "replan.npz")
+def test_a_switch_keeps_the_processes_and_ends_as_a_checkpoint_resumed_under_the_new_plan(replanned):
+    run, tmp_path = replanned
     assert len(run["switches"]) == 1, json.dumps(run["decisions"]) + json.dumps(run["first_plan"])
     [switch] = run["switches"]
     assert run["decisions"][0]["switch"] and run["decisions"][0]["slowed"][0]["device"] == "host-F:1"
@@ -195,4 +207,22 @@ def test_a_switch_keeps_the_processes_and_ends_as_a_checkpoint_resumed_under_the
     assert before["compute"] == [[]] * workers
     _chief("after", saved, given, tmp_path / "replan.npz.plan", first)
     for a, b in zip(_weights(tmp_path / "replan.npz"), _weights(saved / "final.npz")):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_switch_under_tf_config_keeps_the_processes_its_nodes_tasks_started_and_trains_as_under_processes(
+        replanned, tmp_path):
+    expected, path = replanned
+    logs = tmp_path / "logs"
+    run = _chief("replan", tmp_path / "replan.npz", "tf_config", launcher=[
+        sys.executable, "-m", "hetpipe_tf.cli.hetpipe", "launch", "--cluster=local", f"--task_log_dir={logs}", "--"])
+    assert len(run["switches"]) == 1, json.dumps(run["decisions"]) + json.dumps(run["first_plan"])
+    assert [run[k] for k in ("first_plan", "plan", "chunks", "positions", "clocks", "batches")] \
+        == [expected[k] for k in ("first_plan", "plan", "chunks", "positions", "clocks", "batches")]
+    # each worker's process started once, by its home node's worker task, and kept across the switch
+    started = [line for log in sorted(logs.glob("worker-*.log")) for line in log.read_text().splitlines()
+               if "task starter: started vw" in line]
+    assert len(started) == len(run["positions"]), started
+    for a, b in zip(_weights(tmp_path / "replan.npz"), _weights(path / "replan.npz")):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -120,6 +120,7 @@ class VirtualWorker:
                              f"{list(self.device_names)}: TensorFlow's single-threaded executor "
                              f"cannot move tensors between devices")
         self.config = config
+        self.spec = spec
         self.sync = sync
         self.slowdown = spec.slowdown
         self.staged = split_model(model, boundaries=spec.boundaries, num_stages=k, devices=self.device_names,
@@ -141,6 +142,7 @@ class VirtualWorker:
         self.trace: TraceRecorder | None = None
         self._executor: PipelineExecutor | None = None
         self._pacers: list[Pacer | None] = []  # of the current (or last) run
+        self._stash_capacity = 0  # the versions each stage's stash holds, once built (the Nm it was built for)
 
     @property
     def num_in_flight(self) -> int:
@@ -209,9 +211,29 @@ class VirtualWorker:
                                                snapshot_after=snapshot_after, sync=sync, **worker_update)
 
     # Building --------------------------------------------------------------------------
+    def can_go_on_as(self, other: "VirtualWorker") -> bool:
+        """Whether this worker, built and drained, trains as `other` (the same worker of another
+        plan, not built) would once built: the same devices, stages, slowdowns and emulation
+        references, and a configuration that differs at most in Nm (up to the versions this
+        worker's stashes hold), the placement of the global weights and the dilation. A stage's
+        state is then what `other`'s would be built with (the global weights, its optimizer's
+        state), and the calls it traced serve as they are."""
+        if self.runtimes is None or other.num_in_flight > self._stash_capacity:
+            return False
+        same_config = other.config.replace(num_in_flight=self.num_in_flight, placement=self.config.placement,
+                                           dilation=self.config.dilation) == self.config
+        return same_config and (dataclasses.replace(self.spec, stage_servers=None)
+                                == dataclasses.replace(other.spec, stage_servers=None))
+
+    def go_on_under(self, config: RunConfig) -> None:
+        """Trains on under `config` (see :meth:`can_go_on_as`): its Nm, placement and dilation."""
+        self.config = config
+        self._dilation = None if config.dilation is None else Dilation(config.dilation)
+
     def _build(self, batch_size: int) -> None:
         if self.runtimes is not None:
             return
+        self._stash_capacity = self.num_in_flight
         act = self.staged.graph.stage_activation_bytes(self.staged.boundaries, batch_size)
         last = self.num_stages - 1
         paths = [[v.path for v in stage.trainable_variables] for stage in self.staged.stages]

@@ -418,6 +418,18 @@ class WSPRunner:
         self.servers.advance_clocks(state.clocks)
         self.group.set_optimizer_states(state.optimizers)
 
+    def keep_workers(self, previous: "WSPRunner") -> list[int]:
+        """Takes over the virtual workers of `previous` (the same run under another plan, drained)
+        that would be built again as they are (:meth:`VirtualWorker.can_go_on_as`): their stages,
+        state and traced calls go on under this run's configuration and servers, and only the
+        workers whose devices or cuts changed are built. Returns the indices of those kept."""
+        kept = [w for w, (new, old) in enumerate(zip(self.vws, previous.vws)) if old.can_go_on_as(new)]
+        for w in kept:
+            previous.vws[w].go_on_under(self.config)
+            self.group.vws[w] = previous.vws[w]
+        self.group.bind(self.servers)
+        return kept
+
     # What fit asks of a runner (hetpipe_tf.runtime.fit_loop.GlobalWeightsRunner) ----------
     trains_by_epoch = False
 

@@ -94,13 +94,16 @@ SwitchFactory = Callable[[PlanRunner, Plan, RunConfig, RunState], PlanRunner]
 
 
 def rebuilt_in_process(make_runner: RunnerFactory) -> SwitchFactory:
-    """The switch of a run in this process: a new :class:`WSPRunner` of the plan (`make_runner`),
-    given the old one's streams of data (:meth:`WSPRunner.continue_fit`), resumed from the state
-    (:meth:`WSPRunner.resume`) as a checkpoint resumes under another cut and Nm."""
+    """The switch of a run in this process: a new :class:`WSPRunner` of the plan (`make_runner`)
+    that keeps the old one's virtual workers whose devices and cuts stay
+    (:meth:`WSPRunner.keep_workers`; the others are built and traced), given the old one's streams
+    of data (:meth:`WSPRunner.continue_fit`), resumed from the state (:meth:`WSPRunner.resume`) as
+    a checkpoint resumes under another cut and Nm."""
     def switch(old: PlanRunner, plan: Plan, config: RunConfig, state: RunState) -> PlanRunner:
         assert isinstance(old, WSPRunner)
         new = make_runner(plan, config)
         assert isinstance(new, WSPRunner)
+        new.keep_workers(old)
         new.continue_fit(old.fit_data())
         new.resume(state)
         return new
@@ -183,6 +186,9 @@ class ReplanningRunner:
         self.positions: list[int] = []
         #: Every chunk trained: (Nm, minibatches of each worker).
         self.chunk_log: list[tuple[int, list[int]]] = []
+        #: Every chunk's wall time, from its call to its drain (a switch's traces made after its first
+        #: update show as the excess of the chunk after it over the next).
+        self.chunk_seconds: list[float] = []
 
     # The run under its current plan -------------------------------------------------------
     #: What this runner is as the run under its current plan is (attributes and methods of ``fit``'s
@@ -226,7 +232,9 @@ class ReplanningRunner:
             size = self.options.chunk(self.config.num_in_flight)
             last = not self.options.enabled or min(left) <= size + self.config.num_in_flight
             chunk = list(left) if last else [size] * len(left)
+            called = time.perf_counter()
             self._train_chunk(chunk, events, first and left == list(steps), trace)
+            self.chunk_seconds.append(time.perf_counter() - called)
             self.chunk_log.append((self.config.num_in_flight, list(chunk)))
             left = [a - b for a, b in zip(left, chunk)]
             self.positions = [p + n for p, n in zip(self.positions, chunk)]

@@ -50,8 +50,10 @@ chief = join_cluster(cluster, launch, 120.0, 120.0)
 devices = ClusterDevices(cluster, launch)
 
 def model_():
+    # tanh at a rate of 0.01: two runs equal in exact arithmetic round apart (a merge of pulled weights
+    # falls after as many local updates as timing allows), and this model keeps that below 1e-6
     keras.utils.set_random_seed(1)
-    return keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(384, activation="relu") for _ in range(10)]
+    return keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(384, activation="tanh") for _ in range(10)]
                             + [keras.layers.Dense(4)])
 
 def data():
@@ -61,7 +63,7 @@ def data():
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True).repeat()
 
 model = model_()
-training = assembly.Training(keras.optimizers.SGD(0.05, momentum=0.9),
+training = assembly.Training(keras.optimizers.SGD(0.01, momentum=0.9),
                              keras.losses.SparseCategoricalCrossentropy(from_logits=True), timeout_s=120)
 # One virtual worker of the four devices: two workers' runs differ by when each pull is answered
 # (a pull of wave c may hold another worker's wave c + 1), which timing across processes decides.
@@ -93,7 +95,7 @@ def runner(p, config):
 
 def config(p):
     return assembly.resolved_config(request, p, PlanCuts.of_plan(p), training).replace(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+        optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
 
 def shape(p):
     return [[[d.name for d in w.devices], list(p.node_boundaries(i))] for i, w in enumerate(p.workers)] + [
@@ -113,7 +115,7 @@ if mode == "replan":
     run = ReplanningRunner(plan, request, config(plan), runner, options, switch_runner=switch)
     run.set_fit_length(STEPS * EPOCHS)
     pids = {}
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=training.loss)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=training.loss)
     seen = []
 
     class Seen(keras.callbacks.Callback):

@@ -204,3 +204,26 @@ def test_a_second_fit_traces_nothing_and_goes_on_like_keras():
     np.testing.assert_allclose(first + second, want_first + want_second, rtol=1e-5)
     for got, want in zip(model.weights, ref.weights):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, err_msg=got.path)
+
+
+def test_a_built_worker_goes_on_as_the_same_worker_of_another_plan_only_if_nothing_but_nm_and_placement_differ():
+    """What a switch of plans keeps (hetpipe_tf.runtime.wsp_runner.WSPRunner.keep_workers): a built
+    worker serves as another plan's worker of the same devices, cuts, slowdowns and references whose
+    configuration differs at most in Nm (up to the versions its stashes hold), placement and dilation."""
+    keras.utils.set_random_seed(1)
+    model = models.mlp()
+    config = RunConfig(num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, timeout_s=60)
+    spec = WorkerSpec("cpu,cpu", boundaries=(0, 2))
+    built = VirtualWorker.from_config(model, spec, config)
+    same = VirtualWorker.from_config(model, spec, config.replace(num_in_flight=1, placement="local", dilation=2.0))
+    assert not built.can_go_on_as(same)  # not built yet: nothing to keep
+    x, y = next(iter(_dataset(1)))
+    built.prepare(x, y)
+    assert built.can_go_on_as(same)
+    other_cuts = VirtualWorker.from_config(model, WorkerSpec("cpu,cpu", boundaries=(0, 1)), config)
+    more = VirtualWorker.from_config(model, spec, config.replace(num_in_flight=3))
+    other_optimizer = VirtualWorker.from_config(model, spec, config.replace(optimizer=keras.optimizers.SGD(0.1)))
+    assert not any(built.can_go_on_as(vw) for vw in (other_cuts, more, other_optimizer))
+    built.go_on_under(same.config)
+    assert built.num_in_flight == 1 and built.dilation.value == 2.0
+    assert built.can_go_on_as(VirtualWorker.from_config(model, spec, config))  # its stashes still hold two

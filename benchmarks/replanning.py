@@ -13,7 +13,8 @@ The static and oracle runs are ReplanningRunners with re-planning off: one chunk
 checkpointing run trains. Per run: images/s over the whole run and steady after the switch
 (between the completions of the run's minibatch `STEADY_FROM` and its last), images/s in each
 tenth of the run (the series of the plot), the re-planning run's decisions and its switch's wall
-time by parts, and the emulation's overrun fraction. The last row gives the ratios the targets
+time by parts (``retrace_s``: the first chunk after the switch over the next, the traces its new
+stages make after their first update), and the emulation's overrun fraction. The last row gives the ratios the targets
 name: replan steady / oracle steady (>= 0.9), replan / static over the whole run (>= 1.3),
 the switch's wall time (<= 5 s).
 
@@ -138,6 +139,10 @@ def run_one(kind, setup_, minibatches, dilation, options_on):
     edges = [first + (times[-1] - first) * i / BINS for i in range(BINS + 1)]
     series = [sum(1 for t in times if a < t <= b) * BATCH / (b - a) for a, b in zip(edges, edges[1:])]
     report = runner.emulation_report()
+    for switch in runner.switches:  # traces made after its first update: its chunk's excess over the next
+        i, log, took = switch["after_chunks"], runner.chunk_log, runner.chunk_seconds
+        if i + 1 < len(log) and log[i] == log[i + 1]:
+            switch["retrace_s"] = round(took[i] - took[i + 1], 4)
     row = {"run": kind, "images_per_s": total, "steady_images_per_s": steady, "minibatches": n,
            "images_per_s_by_tenth": [round(v, 1) for v in series], "wall_s": round(wall, 2),
            "num_in_flight": plan.num_in_flight, "boundaries": [list(plan.node_boundaries(w)) for w in range(workers)],
@@ -173,7 +178,7 @@ def main():
         return sum(x[key] for x in rows[kind]) / len(rows[kind])
 
     switches = [s for x in rows["replan"] for s in x["switches"]]
-    parts = ("drain_s", "plan_s", "state_s", "rebuild_s")
+    parts = ("drain_s", "plan_s", "state_s", "rebuild_s", "retrace_s")
     _emit(summary=True,
           replan_steady_over_oracle=mean("replan", "steady_images_per_s") / mean("oracle", "steady_images_per_s"),
           replan_over_static=mean("replan", "images_per_s") / mean("static", "images_per_s"),

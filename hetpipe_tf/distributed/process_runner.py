@@ -184,6 +184,7 @@ class ProcessRunner:
         self.aborted: str | None = None  # why the last run was aborted, if it was
         self.trace: TraceRecorder | None = None
         self.batch_sizes: list[int] = [0] * len(workers)  # each worker's minibatch size, once built
+        self._built_nm: list[int] = [0] * len(workers)  # the Nm each worker's stages were built for (their stashes')
         self.descriptions: list[str | None] = []
         self._conns: list[_Connection] = []
         self._events: Events | None = None
@@ -265,6 +266,7 @@ class ProcessRunner:
             ready = self._conns[w].ask(self.config.timeout_s, protocol.Job(
                 w, self.workers[w], self._worker_config, model_json, weights, layout, shards[w], self.stage_compute))
             self.batch_sizes[w], self.descriptions[w] = ready.batch_size, ready.description
+            self._built_nm[w] = self.config.num_in_flight
 
     def _probe(self, dilation: float) -> EmulationReport:
         """One calibration probe of every worker at once at `dilation`, each in its own process (the
@@ -372,14 +374,22 @@ class ProcessRunner:
             raise PlanError(f"the plan has {len(workers)} virtual workers (the run {self.num_workers}) and drives "
                             f"worker(s) {moved} from another node or with another number of their own devices: "
                             f"their processes stay where they are")
+        old = self.config
+        same_run = config.replace(num_in_flight=old.num_in_flight, placement=old.placement,
+                                  dilation=old.dilation) == old
+        keep = [same_run and config.num_in_flight <= self._built_nm[w] and self.workers[w].same_stages(spec)
+                for w, spec in enumerate(workers)]
         self._plan_servers(workers, config)
         self.lost.clock = self.servers.clock
         self.servers.advance_clocks(state.clocks)
         layout, weights = self.servers.layout(), self.model.get_weights()
         for c in self._live():
             ready = c.ask(self.config.timeout_s, protocol.Rebuild(
-                self.workers[c.worker], self._worker_config, weights, layout, state.optimizers[c.worker]))
+                self.workers[c.worker], self._worker_config, weights, layout, state.optimizers[c.worker],
+                keep[c.worker]))
             self.batch_sizes[c.worker], self.descriptions[c.worker] = ready.batch_size, ready.description
+            if not keep[c.worker]:
+                self._built_nm[c.worker] = config.num_in_flight
 
     def run_state(self, epoch: int, positions: Sequence[int], plan: PlanCuts | None) -> RunState:
         """The run as a checkpoint holds it, between epochs (every worker drained): the global

@@ -167,12 +167,15 @@ class Rebuild:
     """Build the virtual worker again as `spec` (another plan's cuts of the same devices) under
     `config` (its Nm and placement), from `weights` (the run's global weights, drained) and
     `optimizer_state` (the worker's, per model variable), attached to `servers` (the new plan's);
-    the process keeps its model, its data where it stands, and the run's dilation."""
+    the process keeps its model, its data where it stands, and the run's dilation. With `keep`
+    (the same stages, an Nm its stashes hold) the worker keeps its stages as built, their traced
+    calls included, and they take the weights and the optimizer state."""
     spec: "WorkerSpec"
     config: "RunConfig"
     weights: "list[np.ndarray]" = field(repr=False)
     servers: "ServerLayout"
     optimizer_state: OptimizerStateDict | None = field(repr=False)
+    keep: bool = False
     answer = Ready
 
 

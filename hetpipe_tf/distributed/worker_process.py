@@ -100,22 +100,30 @@ class _Worker:
 
     def rebuild(self, order: protocol.Rebuild) -> protocol.Ready:
         """The worker under another plan (:class:`protocol.Rebuild`): its data stays where it
-        stands, its stages are built anew from the global weights and take its optimizer state."""
-        ready = self._bind(order.spec, order.config, order.weights, order.servers)
+        stands, its stages are built anew (or, with `keep`, kept as built, under the new Nm) from
+        the global weights and take its optimizer state."""
+        kept = None
+        if order.keep:
+            assert self.runner is not None
+            kept = self.runner.vws[0]
+            kept.go_on_under(order.config)
+        ready = self._bind(order.spec, order.config, order.weights, order.servers, kept)
         self.runner.set_optimizer_states([order.optimizer_state])
         return ready
 
     def _bind(self, spec: "WorkerSpec", config: "RunConfig", weights: "list[np.ndarray]",
-              servers: "ServerLayout") -> protocol.Ready:
+              servers: "ServerLayout", kept: "VirtualWorker | None" = None) -> protocol.Ready:
         """Builds the worker of `spec` from `weights`, bound to `servers`, its stages built for the
-        job's first minibatch (and, emulated, their solo times measured)."""
+        job's first minibatch (and, emulated, their solo times measured); or binds `kept`, the
+        worker as built, whose stages take `weights`."""
         from hetpipe_tf.runtime.virtual_worker import VirtualWorker  # late: defers TensorFlow
         from hetpipe_tf.runtime.wsp_runner import BoundWorkers  # late: defers TensorFlow
 
         self.model.set_weights(weights)
-        self.runner = BoundWorkers([VirtualWorker.from_config(self.model, spec, config)], config,
-                                   servers.servers(self.model), worker_ids=[self.worker])
-        vw = self.runner.vws[0]
+        vw = kept or VirtualWorker.from_config(self.model, spec, config)
+        self.runner = BoundWorkers([vw], config, servers.servers(self.model), worker_ids=[self.worker])
+        if kept is not None:
+            self.runner.drain()  # its stages take the global weights
         return protocol.Ready(vw.prepare(*self.first), vw.describe())
 
     def train(self, order: protocol.Train) -> None:

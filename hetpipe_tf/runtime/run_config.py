@@ -175,3 +175,12 @@ class WorkerSpec:
     stage_servers: tuple[str, ...] | None = None
     slowdown: Callable[[int], float] | tuple[Callable[[int], float] | None, ...] | None = None
     references: Sequence[tuple[float, float]] | None = None
+
+    def same_stages(self, other: "WorkerSpec") -> bool:
+        """Whether `other` builds the same stages as this spec.
+
+        Returns:
+            True when the two have the same devices, cuts, slowdowns and emulation references (the
+            servers of their nodes aside, which a plan's placement decides).
+        """
+        return dataclasses.replace(self, stage_servers=None) == dataclasses.replace(other, stage_servers=None)

@@ -222,8 +222,7 @@ class VirtualWorker:
             return False
         same_config = other.config.replace(num_in_flight=self.num_in_flight, placement=self.config.placement,
                                            dilation=self.config.dilation) == self.config
-        return same_config and (dataclasses.replace(self.spec, stage_servers=None)
-                                == dataclasses.replace(other.spec, stage_servers=None))
+        return same_config and self.spec.same_stages(other.spec)
 
     def go_on_under(self, config: RunConfig) -> None:
         """Trains on under `config` (see :meth:`can_go_on_as`): its Nm, placement and dilation."""

@@ -9,6 +9,7 @@ import multiprocessing
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from hetpipe_tf.distributed import protocol
@@ -24,6 +25,7 @@ from hetpipe_tf.runtime.wsp_runner import WSPRunner, server_layout
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 FIRST, SECOND = ((0, 2), 1), ((0, 1, 2), 2)  # (cut, Nm) of the plan before and after the switch
+SAME = ((0, 2), 1)  # a plan after the switch whose worker is kept: the same cut, an Nm its stashes hold
 BEFORE, AFTER = 4, 6  # minibatches trained under each
 
 
@@ -47,7 +49,7 @@ def _plan(cut_nm):
                            dilation=1, timeout_s=60)
 
 
-def _in_one_process():
+def _in_one_process(second):
     model = _model()
     spec, config = _plan(FIRST)
     first = WSPRunner(model, [spec], config, ["/device:CPU:0"])
@@ -55,11 +57,11 @@ def _in_one_process():
     first.train_fit([BEFORE])
     first.drain()
     state = first.run_state(0, [BEFORE], PlanCuts(FIRST[1], (FIRST[0],)))
-    spec, config = _plan(SECOND)
-    second = rebuilt_in_process(lambda plan, c: WSPRunner(model, [spec], c, ["/device:CPU:0"]))(
+    spec, config = _plan(second)
+    runner = rebuilt_in_process(lambda plan, c: WSPRunner(model, [spec], c, ["/device:CPU:0"]))(
         first, None, config, state)
-    second.train_fit([AFTER])
-    return [v.numpy() for v in model.variables], list(second.servers.clock.clocks()[0])
+    runner.train_fit([AFTER])
+    return [v.numpy() for v in model.variables], list(runner.servers.clock.clocks()[0])
 
 
 def _servers(model, cut_nm):
@@ -89,8 +91,10 @@ def _ask(chief, worker, order):
     return answer
 
 
-def test_a_worker_process_rebuilds_under_a_new_plan_as_a_new_runner_in_one_process():
-    expected, clocks = _in_one_process()
+@pytest.mark.parametrize("second, keep", [(SECOND, False), (SAME, True)], ids=["rebuilt", "kept"])
+def test_a_worker_process_rebuilds_under_a_new_plan_as_a_new_runner_in_one_process(second, keep):
+    """Rebuilt under other cuts, or kept as built (its stages and their traced calls) under the same."""
+    expected, clocks = _in_one_process(second)
 
     model = _model()
     chief, end = multiprocessing.Pipe()
@@ -103,11 +107,13 @@ def test_a_worker_process_rebuilds_under_a_new_plan_as_a_new_runner_in_one_proce
     _ask(chief, worker, protocol.Drain())
     optimizer = _ask(chief, worker, protocol.GetOptimizerState()).state
     servers.write_to(model)
-    spec, config, new_servers = _servers(model, SECOND)
+    spec, config, new_servers = _servers(model, second)
     new_servers.advance_clocks(servers.clock.clocks()[0])
-    _ask(chief, worker, protocol.Rebuild(spec, config, model.get_weights(), new_servers.layout(), optimizer))
+    built = worker.runner.vws[0]
+    _ask(chief, worker, protocol.Rebuild(spec, config, model.get_weights(), new_servers.layout(), optimizer, keep))
+    assert (worker.runner.vws[0] is built) == keep and worker.runner.vws[0].config == config
     done = _train(chief, worker, protocol.Train(None, AFTER, Dilation(1.0), False))  # its data where it stood
-    assert len(done) == AFTER and all(len(d.compute) == 3 for d in done)
+    assert len(done) == AFTER and all(len(d.compute) == len(second[0]) for d in done)
     new_servers.write_to(model)
     assert list(new_servers.clock.clocks()[0]) == clocks
     for a, b in zip(expected, [v.numpy() for v in model.variables]):

@@ -49,6 +49,7 @@ from hetpipe_tf.ops.first_calls import FirstCallLocked
 from hetpipe_tf.planning.model_graph import LayerNode, ModelGraph, PartitionError, StageIO, TensorInfo
 from hetpipe_tf.planning.partitioner import balanced_boundaries
 from hetpipe_tf.runtime.subclass_trace import is_subclassed, traced
+from hetpipe_tf.runtime.update_terms import summed
 
 
 class UnsupportedModelError(HetPipeUsageError, TypeError):
@@ -309,8 +310,7 @@ class Stage:
         outputs = [outputs] if len(self.io.produced) == 1 else list(outputs)
         sent = [outputs[i] if where == "made" else tf.identity(entering[i])
                 for where, i in self._sent_from]
-        reg = tf.add_n([tf.cast(l, tf.float32) for l in losses]) if losses else tf.constant(0.0)
-        return sent, list(new_state), reg
+        return sent, list(new_state), summed(losses)  # float64 weights' regularisers: float64
 
     def call(self, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor], entering: Sequence[tf.Tensor],
              training: bool = True) -> Any:

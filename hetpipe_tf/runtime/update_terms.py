@@ -54,16 +54,42 @@ class UpdateRule:
 
 
 def squared_norm(grads: list[tf.Tensor | tf.IndexedSlices], divisor: tf.Tensor | float) -> tf.Tensor:
-    """The squared norm of the unscaled `grads` (each divided by `divisor`) as one float32 scalar,
-    each gradient counted as Keras's ``clip_by_global_norm`` counts it: a ``tf.IndexedSlices`` (an
+    """The squared norm of the unscaled `grads` (each divided by `divisor`) as one scalar, each
+    gradient counted as Keras's ``clip_by_global_norm`` counts it: a ``tf.IndexedSlices`` (an
     embedding's lookup) by its rows as they are, a row repeated as often as its id is in the batch;
-    a dense gradient (a tied embedding whose uses add up to one) by its values.
+    a dense gradient (a tied embedding whose uses add up to one) by its values. Each is summed in
+    its own dtype (float16 ones in float32), as Keras sums a float64 model's in float64.
 
     Returns:
-        The scalar.
+        The scalar, in the widest of float32 and the gradients' dtypes.
     """
-    sums = [tf.reduce_sum(tf.square(tf.cast(_rows(g), tf.float32) / divisor)) for g in grads]
-    return tf.add_n(sums) if sums else tf.constant(0.0)
+    sums = []
+    for g in grads:
+        rows = _rows(g)
+        dtype = wide_dtype(rows.dtype)
+        sums.append(tf.reduce_sum(tf.square(tf.cast(rows, dtype) / tf.cast(divisor, dtype))))
+    return summed(sums)
+
+
+def wide_dtype(dtype: tf.DType) -> str:
+    """The dtype a float of `dtype` is summed or checked in: float32, or `dtype` if wider (float64).
+
+    Returns:
+        The dtype's name.
+    """
+    return str(keras.backend.result_type(dtype, "float32"))
+
+
+def summed(values: list[tf.Tensor]) -> tf.Tensor:
+    """The sum of float scalars `values` at their widest dtype (at least float32); 0.0 if none.
+
+    Returns:
+        The sum.
+    """
+    if not values:
+        return tf.constant(0.0)
+    dtype = keras.backend.result_type(*(v.dtype for v in values), "float32")
+    return tf.add_n([tf.cast(v, dtype) for v in values])
 
 
 def _rows(g: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
@@ -90,7 +116,7 @@ def clipped(grads: list[tf.Tensor | tf.IndexedSlices], factor: tf.Tensor) -> lis
     Returns:
         The clipped gradients.
     """
-    return [g * factor for g in grads]
+    return [g * tf.cast(factor, g.dtype) for g in grads]
 
 
 class ScaleState:

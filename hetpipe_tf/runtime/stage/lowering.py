@@ -246,7 +246,7 @@ class TaskLowering:
             with tape:
                 tape.watch(sources)
                 targets, reg, logs = self.passes.graph(weights, entering, labels, update_state=update_state)
-                differentiated = [targets[0] * scale] if scale is not None else targets
+                differentiated = [targets[0] * tf.cast(scale, targets[0].dtype)] if scale is not None else targets
             tr.taped[o] = (tape, sources, len(float_pos), differentiated, reg)
             if scale is not None:
                 tr.scales[o] = scale
@@ -288,7 +288,7 @@ class TaskLowering:
             scale = self.update.scale_now()
             if scale is not None:
                 tr.scales[o] = scale
-                seed = seed * scale
+                seed = seed * tf.cast(scale, seed.dtype)
             seeds, loss = [seed] + [None] * (n - 1), record[0]
         else:
             out_grads = iter(tr.inputs[("out_grads", o)][0])
@@ -353,5 +353,5 @@ class TaskLowering:
             grads = self.update.with_terms(grads, terms)
             code, scale, clip = terms[:3]
             if self.records_terms:
-                tr.outputs[("applied_terms", o)] = tf.stack([clip, scale])
+                tr.outputs[("applied_terms", o)] = tf.stack([clip, tf.cast(scale, clip.dtype)])
         tr.outputs[("verdict", o)] = self.update.apply(grads, code)

@@ -59,7 +59,9 @@ class StagePass:
         if not self.is_last:
             return sent, reg, {}
         labels = self.loss_head.split_labels(labels)
-        loss = self.loss_head.loss(labels, sent) + reg
+        loss = self.loss_head.loss(labels, sent)
+        # Keras's compute_loss adds the model's own losses to the compiled loss, at its dtype.
+        loss = loss + tf.cast(reg, loss.dtype)
         with tf.name_scope("metrics"):
             metrics = self.loss_head.metrics(labels, [tf.stop_gradient(o) for o in sent])
         return [loss], reg, dict(metrics, loss=loss)

@@ -14,7 +14,7 @@ from hetpipe_tf.pipeline.schedule import WorkerUpdate
 from hetpipe_tf.runtime.stage.verdicts import FINITE
 from hetpipe_tf.runtime.stage.weights import StageWeights, is_remote
 from hetpipe_tf.runtime.stage_rewrite import TiedVariable
-from hetpipe_tf.runtime.update_terms import ScaleState, UpdateRule, clip_factor, clipped, squared_norm
+from hetpipe_tf.runtime.update_terms import ScaleState, UpdateRule, clip_factor, clipped, squared_norm, summed
 
 #: The weight elements from which a stage's update runs compiled by XLA (see docs/performance.md).
 _XLA_APPLY_ELEMENTS = 1 << 20
@@ -98,7 +98,7 @@ class StageUpdate:
         if self.rule.global_clipnorm is None:
             return squared
         tied = {pos for _, pos in self.tied_positions}
-        return squared + squared_norm([g for i, g in enumerate(weight_grads) if i not in tied], scale)
+        return summed([squared, squared_norm([g for i, g in enumerate(weight_grads) if i not in tied], scale)])
 
     def tied_gradients(self, weight_grads: Sequence[Gradient]) -> list[tf.Tensor]:
         """The gradients of this stage's tied replicas, in order."""
@@ -117,7 +117,7 @@ class StageUpdate:
                 sums[g] = grad if sums[g] is None else sums[g] + grad
         clip = tf.constant(1.0)
         if self.rule.global_clipnorm is not None:
-            clip = clip_factor(squared + squared_norm(sums, scale), self.rule.global_clipnorm)
+            clip = clip_factor(summed([squared, squared_norm(sums, scale)]), self.rule.global_clipnorm)
         after = self.scale_state.after(tf.equal(code, FINITE)) if self.scale_state is not None else scale
         return (code, scale, clip, after, sums)
 
@@ -129,7 +129,7 @@ class StageUpdate:
         for g, pos in self.tied_positions:
             grads[pos] = sums[g]
         if self.rule.loss_scaling is not None:
-            grads = [_scaled(g, lambda x: x / scale) for g in grads]
+            grads = [_scaled(g, lambda x: x / tf.cast(scale, x.dtype)) for g in grads]
         if self.rule.global_clipnorm is not None:
             grads = clipped(grads, clip)
         if self.rule.loss_scaling is not None and self.is_last and self.index > 0:

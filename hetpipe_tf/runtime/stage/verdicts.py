@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import tensorflow as tf
 
 from hetpipe_tf.errors import HetPipeRunError
+from hetpipe_tf.runtime.update_terms import wide_dtype
 
 #: A minibatch's verdict: finite so far.
 FINITE = -1
@@ -53,8 +54,8 @@ def checked_gradient(code: tf.Tensor, grads: Sequence[tf.Tensor | tf.IndexedSlic
     """
     if not grads:
         return code
-    finite = tf.math.is_finite(tf.stack([tf.reduce_sum(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
-                                                              tf.float32)) for g in grads]))
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    finite = tf.stack([tf.math.is_finite(tf.reduce_sum(tf.cast(v, wide_dtype(v.dtype)))) for v in values])
     first_bad = tf.cast(tf.argmin(tf.cast(finite, tf.int32)), tf.int32)
     own = first_bad * (1 << 17) + verdict_code(stage, loss=False)
     return combined(code, tf.logical_not(tf.reduce_all(finite)), own)

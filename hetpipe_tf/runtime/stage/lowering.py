@@ -277,7 +277,7 @@ class TaskLowering:
             else:
                 out_grads = tr.inputs[("out_grads", o)][0]
                 targets = [t for t in targets if is_float(t)] + [reg]
-                seeds, loss = list(out_grads) + [tf.ones_like(reg)], None
+                seeds, loss = list(out_grads) + [self._reg_seed(tr, o, reg)], None
             grads = tape.gradient(targets, sources, output_gradients=seeds,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return grads[:num_received], grads[num_received:], loss
@@ -293,11 +293,18 @@ class TaskLowering:
         else:
             out_grads = iter(tr.inputs[("out_grads", o)][0])
             seeds = [next(out_grads) if is_float(t) else None for t in record[:n - 1]]
-            seeds, loss = seeds + [tf.ones_like(record[n - 1])], None
+            seeds, loss = seeds + [self._reg_seed(tr, o, record[n - 1])], None
         grads = passes.recorded.backward(seeds, record, tf.nest.flatten((weights, entering, labels),
                                                                         expand_composites=True))
         received_grads = [grads[len(weights) + i] for i in range(passes.num_received) if is_float(entering[i])]
         return received_grads, grads[:len(weights)], loss
+
+    def _reg_seed(self, tr: TaskTrace, o: int, reg: tf.Tensor) -> tf.Tensor:
+        """The seed of a stage's regularisation loss `reg` (before the last): S_p under loss scaling,
+        as the loss Keras scales includes the model's own losses; else 1."""
+        if self.update.rule.loss_scaling is None:
+            return tf.ones_like(reg)
+        return tf.ones_like(reg) * tf.cast(tr.inputs[("out_grads", o)][3], reg.dtype)
 
     def _lower_backward(self, tr: TaskTrace, o: int) -> None:
         received_grads, weight_grads, loss = self._backward_gradients(tr, o)

@@ -72,3 +72,16 @@ WEIGHT_VERSIONS = {
     "pipedream-vsync": lambda p: (p - 2, p - 2, p - 2),  # every stage: w_p = updates 1..p-Nm
     "hetpipe": lambda p: (p - 2, p - 2, p - 2),  # HetPipe's rule (§4), the same
 }
+
+
+def max_difference(a, b):
+    """The largest absolute difference between two lists of weights."""
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def keras_fit_weights(model, optimizer, loss, batches):
+    """The weights of `model` after Keras's own fit of `batches` (x, y), one step each, in order."""
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    x, y = (np.concatenate(part) for part in zip(*batches))
+    model.fit(x, y, batch_size=len(batches[0][1]), epochs=1, shuffle=False, verbose=0)
+    return [v.numpy() for v in model.weights]

@@ -105,6 +105,7 @@ _EXPORTS = {
     "UntraceableModelError": "hetpipe_tf.runtime.subclass_trace",
     "UnsendableModelError": "hetpipe_tf.runtime.model_transport",
     "UnsupportedOptimizerError": "hetpipe_tf.runtime.optimizers",
+    "CompressionDtypeError": "hetpipe_tf.sync.pipe_sgd",
     "ClusterStartError": "hetpipe_tf.distributed.starter",
     "ClusterConfigError": "hetpipe_tf.distributed.launch",
     "ResolverError": "hetpipe_tf.distributed.resolvers",

@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hetpipe_tf.errors import HetPipeUsageError
 from hetpipe_tf.pipeline.instructions import PARAMETER_SERVER, Delivery, Instruction, Key, Task, TaskStream
 from hetpipe_tf.pipeline.schedule import Agent, Handler, SyncScheme, Timing, register_sync
 from hetpipe_tf.sync.lanes import StageLanes
@@ -279,6 +280,10 @@ class AllReduceBinding:
         self.lanes = StageLanes("pipe-sgd", self.worker)
 
 
+class CompressionDtypeError(HetPipeUsageError, TypeError):
+    """Pipe-SGD's ``truncate16`` or ``quant8`` compression given weights that are not float32."""
+
+
 class PipeSGD(SyncScheme):
     """Pipe-SGD with staleness `staleness` (k >= 0; Pipe-SGD's optimum and default 1) and a
     `compression` of :data:`COMPRESSIONS` (default none). Registered as "pipe-sgd" with the
@@ -342,7 +347,24 @@ class PipeSGD(SyncScheme):
 
     # The executor -----------------------------------------------------------------------------
     def stage_state(self, weights: ReplicaStage) -> ReplicaBase:
-        """A :class:`ReplicaBase` of the stage's synchronised weights."""
+        """A :class:`ReplicaBase` of the stage's synchronised weights.
+
+        Returns:
+            The stage's state.
+
+        Raises:
+            CompressionDtypeError: the compression is ``truncate16`` or ``quant8`` and a weight
+                is not float32.
+        """
+        if self.compression.name != "none":
+            dtypes = [str(getattr(v.dtype, "name", v.dtype)) for v in weights.values()]
+            other = {path: dtype for path, dtype in zip(weights.paths, dtypes) if dtype != "float32"}
+            if other:
+                raise CompressionDtypeError(
+                    f"Pipe-SGD's {self.compression.name} compression compresses float32 weights only; this stage "
+                    f"holds {sorted(set(other.values()))} ({len(other)} weights, first {next(iter(other))}). Use "
+                    f"compression='none' (which sums any floating-point type) or build the model with float32 "
+                    f"weights")
         return ReplicaBase(weights)
 
     def bind(self, worker: int, servers: Any, staleness_bound: int, timeout_s: float) -> AllReduceBinding:

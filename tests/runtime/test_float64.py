@@ -10,6 +10,7 @@ import pytest
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from hetpipe_tf.runtime.wsp_runner import WSPRunner
+from hetpipe_tf.sync.pipe_sgd import CompressionDtypeError, PipeSGD
 from tests.helpers.references import keras_fit_weights, max_difference
 
 STEPS, BATCH = 5, 8
@@ -98,3 +99,15 @@ def test_a_float64_model_trains_under_wsp_as_keras_fit_trains_it(floatx):
     workers = [WorkerSpec("cpu,cpu", boundaries=(0, 2), references=((1.0, 1.0),) * 2)]
     WSPRunner(model, workers, config, ["/cpu:0"]).train([iter(batches)], STEPS)
     _check_trained(model, want, tolerance, "float64")
+
+
+@pytest.mark.parametrize("compression", ["truncate16", "quant8"])
+def test_pipe_sgd_compressions_of_float32_values_refuse_float64_weights_before_training(floatx, compression):
+    floatx("float64")
+    config = RunConfig(num_in_flight=1, staleness_bound=0, optimizer=OPTIMIZERS["sgd"](), loss=_loss(), timeout_s=60,
+                       sync=PipeSGD(compression=compression))
+    workers = [WorkerSpec("cpu", (f"/device:CPU:{w}",), references=((1.0, 1.0),)) for w in range(2)]
+    with pytest.raises(CompressionDtypeError, match=rf"Pipe-SGD's {compression} compression compresses float32 "
+                                                    r"weights only; this stage holds \['float64'\] \(8 weights, "
+                                                    r"first mlp/dense\w*/kernel\)\. Use compression='none'"):
+        WSPRunner(_model(), workers, config, ["/device:CPU:0"]).train([iter(_batches("float32"))] * 2, STEPS)

@@ -374,9 +374,7 @@ class ProcessRunner:
             raise PlanError(f"the plan has {len(workers)} virtual workers (the run {self.num_workers}) and drives "
                             f"worker(s) {moved} from another node or with another number of their own devices: "
                             f"their processes stay where they are")
-        old = self.config
-        same_run = config.replace(num_in_flight=old.num_in_flight, placement=old.placement,
-                                  dilation=old.dilation) == old
+        same_run = self.config.same_run(config)
         keep = [same_run and config.num_in_flight <= self._built_nm[w] and self.workers[w].same_stages(spec)
                 for w, spec in enumerate(workers)]
         self._plan_servers(workers, config)

@@ -133,6 +133,16 @@ class RunConfig:
         """This configuration with `changes`, checked again."""
         return dataclasses.replace(self, **changes)
 
+    def same_run(self, other: "RunConfig") -> bool:
+        """Whether `other` configures the same run but for what a plan decides.
+
+        Returns:
+            True when the two differ at most in Nm, the placement of the global weights and the
+            dilation.
+        """
+        return other.replace(num_in_flight=self.num_in_flight, placement=self.placement,
+                             dilation=self.dilation) == self
+
     # Pickled for a worker process: the optimizer as Keras serializes it; the compiled loss and
     # metrics as they are (they must be importable there, as for any pickled object).
     def __getstate__(self) -> dict[str, Any]:

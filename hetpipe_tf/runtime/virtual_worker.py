@@ -220,9 +220,7 @@ class VirtualWorker:
         state), and the calls it traced serve as they are."""
         if self.runtimes is None or other.num_in_flight > self._stash_capacity:
             return False
-        same_config = other.config.replace(num_in_flight=self.num_in_flight, placement=self.config.placement,
-                                           dilation=self.config.dilation) == self.config
-        return same_config and self.spec.same_stages(other.spec)
+        return self.config.same_run(other.config) and self.spec.same_stages(other.spec)
 
     def go_on_under(self, config: RunConfig) -> None:
         """Trains on under `config` (see :meth:`can_go_on_as`): its Nm, placement and dilation."""

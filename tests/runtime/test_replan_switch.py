@@ -92,6 +92,14 @@ def _factory(model, devices, slowdowns):
     return make
 
 
+def _train_chunks(runner, chunks):
+    """Trains `runner` on each chunk (minibatches of each worker) of the fit's data in turn, drained
+    after each, as a re-planning run trains its chunks."""
+    for chunk in chunks:
+        runner.train(runner.fit_data(), list(chunk))
+        runner.drain()
+
+
 def _config(request, plan, training):
     return assembly.resolved_config(request, plan, PlanCuts.of_plan(plan), dataclasses.replace(
         training, optimizer=keras.optimizers.SGD(LR, momentum=0.9), timeout_s=120))
@@ -158,9 +166,7 @@ def test_a_switch_ends_as_a_checkpoint_resumed_under_the_new_plan_and_applies_ea
     shards = worker_shards(_data(), workers)
     first = make(plan, _config(request, plan, training))
     first.begin_fit(shards, [0] * workers)
-    for nm, chunk in before:
-        first.train(first.fit_data(), list(chunk))
-        first.drain()
+    _train_chunks(first, [chunk for _, chunk in before])
     done = switch["positions"]
     saved = Checkpoints(tmp_path)
     saved.save(first.run_state(0, done, PlanCuts.of_plan(plan)))
@@ -169,9 +175,7 @@ def test_a_switch_ends_as_a_checkpoint_resumed_under_the_new_plan_and_applies_ea
     second = make(new_plan, config)
     second.begin_fit(shards, state.positions)
     second.resume(state)
-    for nm, chunk in after:
-        second.train(second.fit_data(), list(chunk))
-        second.drain()
+    _train_chunks(second, [chunk for _, chunk in after])
     for a, b in zip(switched, [v.numpy() for v in model.variables]):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
@@ -243,9 +247,7 @@ def test_a_trigger_at_an_epochs_end_waits_for_its_checkpoint_which_resumes_exact
     second = make(runner.plan, runner.config)
     second.begin_fit(worker_shards(_data(), workers), state.positions)
     second.resume(state)
-    for nm, chunk in runner.chunk_log[1:]:
-        second.train(second.fit_data(), list(chunk))
-        second.drain()
+    _train_chunks(second, [chunk for _, chunk in runner.chunk_log[1:]])
     for a, b in zip(switched, [v.numpy() for v in model.variables]):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
@@ -262,9 +264,7 @@ def test_a_switch_keeps_a_worker_whose_cuts_stay_and_ends_as_a_checkpoint_resume
     config = _config(request, plan, training)
     first = make(plan, config)
     first.begin_fit(worker_shards(_data(), 1), [0])
-    for _ in range(2):
-        first.train(first.fit_data(), [8])
-        first.drain()
+    _train_chunks(first, [[8]] * 2)
     state = first.run_state(0, [16], PlanCuts.of_plan(plan))
     Checkpoints(tmp_path).save(state)
 
@@ -273,9 +273,7 @@ def test_a_switch_keeps_a_worker_whose_cuts_stay_and_ends_as_a_checkpoint_resume
     assert kept.keep_workers(first) == [0] and kept.vws[0] is first.vws[0] and kept.vws[0].num_in_flight == 2
     kept.continue_fit(first.fit_data())
     kept.resume(state)
-    for _ in range(3):
-        kept.train(kept.fit_data(), [8])
-        kept.drain()
+    _train_chunks(kept, [[8]] * 3)
     kept_weights = [v.numpy() for v in model.variables]
     # a worker of other cuts, or of more minibatches in flight than its stashes hold, is built anew
     spec = kept.vws[0].spec
@@ -290,8 +288,6 @@ def test_a_switch_keeps_a_worker_whose_cuts_stay_and_ends_as_a_checkpoint_resume
     built = make(plan, fewer)
     built.begin_fit(worker_shards(_data(), 1), state.positions)
     built.resume(state)
-    for _ in range(3):
-        built.train(built.fit_data(), [8])
-        built.drain()
+    _train_chunks(built, [[8]] * 3)
     for a, b in zip(kept_weights, [v.numpy() for v in model.variables]):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

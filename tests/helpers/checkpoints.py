@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from hetpipe_tf.api.strategy import HetPipeStrategy
 from tests.helpers.models import constant_gradient_model, mean_output
+from tests.helpers.references import max_difference
 
 
 def two_workers(directory, resume=False, **plan):
@@ -37,4 +38,4 @@ def stopped_and_resumed(build, tmp_path, epochs, stop_at, steps_per_epoch):
     assert len(history.history["loss"]) == epochs - stop_at  # Keras's initial_epoch: epochs stop_at..epochs-1
     assert resumed.runner.servers.clock.clocks() == whole.runner.servers.clock.clocks()
     got = [v.numpy() for v in model.variables]
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)), got, expected
+    return max_difference(got, expected), got, expected

@@ -22,7 +22,6 @@ has a deadline: ``--deadline_s`` for the whole run, and each collective times ou
 import argparse
 import json
 import os
-import socket
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,16 +46,6 @@ def arguments(argv=None):
     return args
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _plan(args, model):
     from benchmarks.baselines import training
     return ranks.plan(args, args.workers, training.model_need(model, args.batch_size))
@@ -70,7 +59,7 @@ def launch(argv, wrap=None):
     args = arguments(argv)
     from benchmarks.baselines import training
     plan = _plan(args, training.build_model(args.model))
-    ports = _free_ports(len(plan.admitted))
+    ports = ranks.load_source("hetpipe_ports", "hetpipe_tf/distributed/ports.py").free_ports(len(plan.admitted))
     commands, envs = [], []
     for index, rank in enumerate(plan.admitted):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),

@@ -41,13 +41,13 @@ from hetpipe_tf.distributed.cgroups import (
 from hetpipe_tf.distributed.gpus import NO_GPU, GPULayout, gpu_layout, hide_gpus_here
 from hetpipe_tf.distributed.heartbeat import HeartbeatMonitor, LostTask, Watched, poll
 from hetpipe_tf.distributed.netlinks import EmulatedLinks
+from hetpipe_tf.distributed.ports import free_port
 from hetpipe_tf.distributed.resolvers import chief_environ
 from hetpipe_tf.distributed.starter import (
     AUTHKEY_ENV,
     ClusterStartError,
     StarterClient,
     authkey_from,
-    free_port,
     spawn,
     starter_file,
     wait_ready,

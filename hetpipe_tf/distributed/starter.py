@@ -23,7 +23,6 @@ import concurrent.futures
 import functools
 import multiprocessing.connection
 import os
-import random
 import re
 import signal
 import socket
@@ -36,6 +35,7 @@ from typing import Any
 
 from hetpipe_tf.distributed.cgroups import HOST_GROUP_ENV, enter_command
 from hetpipe_tf.distributed.heartbeat import call_with_deadline
+from hetpipe_tf.distributed.ports import free_port
 from hetpipe_tf.errors import HetPipeRunError
 
 #: The environment variable holding the cluster's key (hex): it authenticates the chief's
@@ -45,45 +45,6 @@ AUTHKEY_ENV = "HETPIPE_AUTHKEY"
 
 class ClusterStartError(HetPipeRunError, RuntimeError):
     """A task of the cluster did not start."""
-
-
-#: Where the system reads the range it takes an outgoing connection's local port from.
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def _ephemeral_start() -> int | None:
-    """The first port of the system's ephemeral range, or None where it cannot be read."""
-    try:
-        with open(EPHEMERAL_RANGE_FILE) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A TCP port free on `host` now, for a task that binds it later (a TensorFlow server binds
-    its port seconds after it is chosen, once TensorFlow is imported).
-
-    The port is drawn at random below the system's ephemeral range (ports 10000 up to the range's
-    start, where that leaves room), because the system gives an outgoing connection's local port from
-    that range at any time: a port chosen in it can be taken by any process's connection before the
-    task binds it. Where the range cannot be read or leaves no room below it, the system's choice.
-
-    Returns:
-        The port.
-    """
-    start = _ephemeral_start()
-    if start is not None and start > 11000:
-        for port in random.sample(range(10000, start), min(tries, start - 10000)):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def authkey_from(environ: Mapping[str, str] | None = None) -> bytes | None:

@@ -129,7 +129,8 @@ def test_hetpipe_launch_runs_the_chief_under_tf_config_and_stops_every_task(tmp_
 def test_tasks_started_by_hand_as_on_other_hosts_run_a_process_per_virtual_worker_on_its_node(tmp_path):
     """README's commands for tasks on other hosts: each ps and worker task by hand with the
     cluster's key, then the chief with TF_CONFIG."""
-    from hetpipe_tf.distributed.starter import free_port, starter_file
+    from hetpipe_tf.distributed.ports import free_port
+    from hetpipe_tf.distributed.starter import starter_file
 
     spec = {job: [f"127.0.0.1:{free_port()}" for _ in range(n)] for job, n in (("ps", 2), ("worker", 2), ("chief", 1))}
     env = dict(os.environ, HETPIPE_AUTHKEY=os.urandom(16).hex())

@@ -232,7 +232,7 @@ def test_the_strategy_takes_a_resolver_as_launch_tf_config(monkeypatch, two_node
 def _loopback_tasks(workers):
     """A loopback cluster of free ports: {job: [address, ...]} with a chief, and `workers` ps and
     worker tasks."""
-    from hetpipe_tf.distributed.starter import free_port
+    from hetpipe_tf.distributed.ports import free_port
 
     return {"chief": [f"127.0.0.1:{free_port()}"], "ps": [f"127.0.0.1:{free_port()}" for _ in range(workers)],
             "worker": [f"127.0.0.1:{free_port()}" for _ in range(workers)]}

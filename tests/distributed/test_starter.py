@@ -1,16 +1,14 @@
 """A worker task's task starter: the chief starts processes on another host through it."""
 import multiprocessing
 import os
-import socket
 import threading
 import time
 
 import pytest
 
-from hetpipe_tf.distributed import starter as starter_module
 from hetpipe_tf.distributed.launch import ClusterConfigError, TFConfigCluster
 from hetpipe_tf.distributed.starter import (AUTHKEY_ENV, ClusterStartError, StarterClient, TaskStarter,
-                                            authkey_from, free_port, starter_file)
+                                            authkey_from, starter_file)
 from tests.helpers.processes import wait_until_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,31 +84,3 @@ def test_the_cluster_key_must_be_hex_and_tf_config_needs_it():
     cluster = TFConfigCluster(1, 1, environ={"TF_CONFIG": config, AUTHKEY_ENV: "00ff"})
     assert cluster.address("worker", 0) == "a:2" and cluster.authkey == b"\x00\xff"
 
-
-def test_a_free_port_is_drawn_below_the_range_outgoing_connections_take_their_ports_from():
-    """A task binds its port seconds after it is chosen; a port of the ephemeral range could be
-    any connection's local port by then (a task once failed with "Could not start gRPC server")."""
-    start = int(open(starter_module.EPHEMERAL_RANGE_FILE).read().split()[0])
-    ports = [free_port() for _ in range(50)]
-    assert all(10000 <= p < start for p in ports), ports
-    assert len(set(ports)) > 40  # drawn at random, not the same port again
-
-
-def test_a_taken_port_is_passed_over(monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        monkeypatch.setattr(starter_module.random, "sample", lambda population, k: [port, 12345])
-        assert free_port() == 12345
-
-
-def test_without_room_below_the_ephemeral_range_the_system_chooses(tmp_path, monkeypatch):
-    wide = tmp_path / "range"
-    wide.write_text("1024\t65535\n")
-    system_start = int(open(starter_module.EPHEMERAL_RANGE_FILE).read().split()[0])
-    monkeypatch.setattr(starter_module, "EPHEMERAL_RANGE_FILE", str(wide))
-    port = free_port()
-    assert port >= system_start  # the system's choice, from its own range
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # free: it binds

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from hetpipe_tf.distributed.starter import free_port
+from hetpipe_tf.distributed.ports import free_port
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 

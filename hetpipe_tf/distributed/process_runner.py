@@ -56,6 +56,7 @@ from hetpipe_tf.runtime.loss_head import LossHead
 from hetpipe_tf.runtime.model_transport import pack_model
 from hetpipe_tf.runtime.stage_rewrite import StagedModel, split_model
 from hetpipe_tf.runtime.stage.verdicts import NonFiniteError
+from hetpipe_tf.runtime.update_times import UpdateTimes
 from hetpipe_tf.runtime.optimizers import check_for_workers, check_optimizer
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.virtual_worker import Dilation, decide_dilation
@@ -580,39 +581,6 @@ class ProcessRunner:
         report = EmulationReport.combine(c.ask(self.config.timeout_s, protocol.GetReport()).report
                                          for c in self._live())
         return report and dataclasses.replace(report, calibration=self._dilation.probes if self._dilation else ())
-
-
-class UpdateTimes:
-    """When one train's updates reached the chief, per worker, and when the train started (the first
-    worker's :class:`protocol.Started` reached it): all on the chief's clock (``time.perf_counter()``),
-    whichever hosts the workers' processes run on."""
-
-    def __init__(self, workers: int) -> None:
-        self._lock = threading.Lock()
-        self._started: float | None = None
-        self._done: list[list[float]] = [[] for _ in range(workers)]
-
-    def started(self, now: float) -> None:
-        """A worker's process started training at `now` (the first one's time is the train's start)."""
-        with self._lock:
-            if self._started is None:
-                self._started = now
-
-    def done(self, worker: int, now: float) -> None:
-        """An update of `worker` reached the chief at `now`."""
-        with self._lock:
-            self._done[worker].append(now)
-
-    def images_per_s(self, batch_sizes: Sequence[int]) -> float:
-        """The samples of the updates so far (each worker's count times its minibatch size in
-        `batch_sizes`), every worker together, over the time from the train's start to the last
-        update; 0 before the first update."""
-        with self._lock:
-            ends = [t for times in self._done for t in times]
-            if not ends or self._started is None:
-                return 0.0
-            images = sum(len(times) * b for times, b in zip(self._done, batch_sizes))
-            return images / (max(ends) - self._started)
 
 
 class _LearningRate:

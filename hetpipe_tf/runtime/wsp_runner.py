@@ -38,6 +38,7 @@ from hetpipe_tf.runtime.fit_loop import Events, done_event, start_thread
 from hetpipe_tf.runtime.optimizers import check_for_workers
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.stage_rewrite import StagedModel
+from hetpipe_tf.runtime.update_times import UpdateTimes
 from hetpipe_tf.runtime.virtual_worker import Dilation, VirtualWorker, decide_dilation
 from hetpipe_tf.sync.parameter_server import ParameterServers, ServerLayout, layer_of
 
@@ -72,8 +73,7 @@ class BoundWorkers:
         self.bind(servers)
         self.trace = None
         self._executors = {}
-        self._completions = {}  # worker -> when each of its updates completed (perf_counter)
-        self._started = None
+        self._updates = UpdateTimes(len(self.vws))
         self._optimizer_states = None  # to give the stages once they are built (a resumed run)
         self.batch_sizes = None  # each worker's, once built
 
@@ -133,12 +133,13 @@ class BoundWorkers:
         else:
             self.trace = None
         reports, errors = [None] * self.num_workers, []
-        self._completions = {i: [] for i in range(self.num_workers)}
+        self._updates = UpdateTimes(self.num_workers)
         for vw in self.vws:
             vw.sync.pull_waits.clear()
-        self._started = time.perf_counter()
+        started = time.perf_counter()
+        self._updates.started(started)
         if on_started:
-            on_started(self._started)
+            on_started(started)
 
         def run(i: int) -> None:
             def chain() -> Iterator[Any]:
@@ -146,7 +147,7 @@ class BoundWorkers:
                 yield from rest[i]
 
             def done(p: int, logs: dict[str, Any]) -> None:
-                self._completions[i].append(time.perf_counter())
+                self._updates.done(i, time.perf_counter())
                 if on_minibatch_done:
                     on_minibatch_done(i, p, logs)
 
@@ -176,9 +177,7 @@ class BoundWorkers:
     def images_per_s(self) -> float:
         """Images per second of the current (or last) run, every worker together: the samples of
         the updates completed so far over the time since the run started."""
-        ends = [t for times in self._completions.values() for t in times]
-        images = sum(len(self._completions[i]) * b for i, b in enumerate(self.batch_sizes or ()))
-        return images / (max(ends) - self._started) if ends else 0.0
+        return self._updates.images_per_s(self.batch_sizes or ())
 
     def abort(self, reason: str = "the run was stopped") -> None:
         """Stops every worker now, and ends the run at the servers: every pull, waiting or later,
@@ -277,8 +276,8 @@ class BoundWorkers:
             pulls = [(asked, answered) for s, wave, asked, answered in vw.sync.pull_waits
                      if s == 0 and (since is None or answered > since)]
             waits = wait_and_idle(pulls, ex.first_stage_busy if ex else [])
-            done = [t for t in self._completions.get(i, []) if since is None or t > since]
-            start = since if since is not None else self._started
+            done = [t for t in self._updates.of(i) if since is None or t > since]
+            start = since if since is not None else self._updates.start
             rate = len(done) / ((done[-1] if since is None else now) - start) if done and start else 0.0
             out.append({"worker": w, "clock": clocks[w], "clock_distance": clocks[w] - global_clock,
                         "average_wait_s": sum(x for x, _ in waits) / len(waits) if waits else 0.0,

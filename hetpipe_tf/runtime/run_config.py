@@ -143,16 +143,18 @@ class RunConfig:
         return other.replace(num_in_flight=self.num_in_flight, placement=self.placement,
                              dilation=self.dilation) == self
 
-    # Pickled for a worker process: the optimizer as Keras serializes it; the compiled loss and
-    # metrics as they are (they must be importable there, as for any pickled object).
+    # Pickled for a worker process: the optimizer as Keras serializes it (a name as it is); the
+    # compiled loss and metrics as they are (they must be importable there, as for any pickled object).
     def __getstate__(self) -> dict[str, Any]:
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        state["optimizer"] = keras.optimizers.serialize(self.optimizer)
+        if not isinstance(self.optimizer, str):
+            state["optimizer"] = keras.optimizers.serialize(self.optimizer)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
-            object.__setattr__(self, name, keras.optimizers.deserialize(value) if name == "optimizer" else value)
+            revived = name == "optimizer" and not isinstance(value, str)
+            object.__setattr__(self, name, keras.optimizers.deserialize(value) if revived else value)
 
     def check_picklable(self) -> None:
         """Raises a ValueError naming what cannot reach a worker process (before any starts)."""

@@ -8,6 +8,10 @@ import socket
 #: Where the system reads the range it takes an outgoing connection's local port from.
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
+#: The draws of ports: the system's randomness, never Python's global generator, which a user's
+#: seed (``keras.utils.set_random_seed``) governs and Keras draws its initializers' seeds from.
+DRAW = random.SystemRandom()
+
 
 def _ephemeral_start() -> int | None:
     """The first port of the system's ephemeral range, or None where it cannot be read."""
@@ -32,7 +36,7 @@ def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     """
     start = _ephemeral_start()
     if start is not None and start > 11000:
-        for port in random.sample(range(10000, start), min(tries, start - 10000)):
+        for port in DRAW.sample(range(10000, start), min(tries, start - 10000)):
             with socket.socket() as s:
                 try:
                     s.bind((host, port))

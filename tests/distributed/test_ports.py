@@ -1,4 +1,5 @@
 """Ports chosen for tasks that bind them later."""
+import random
 import socket
 
 from hetpipe_tf.distributed import ports
@@ -19,7 +20,7 @@ def test_a_taken_port_is_passed_over(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        monkeypatch.setattr(ports.random, "sample", lambda population, k: [port, 12345])
+        monkeypatch.setattr(ports.DRAW, "sample", lambda population, k: [port, 12345])
         assert free_port() == 12345
 
 
@@ -37,3 +38,13 @@ def test_without_room_below_the_ephemeral_range_the_system_chooses(tmp_path, mon
 def test_free_ports_are_different():
     chosen = free_ports(20)
     assert len(set(chosen)) == 20
+
+
+def test_choosing_ports_leaves_pythons_random_generator_alone():
+    """A user's seed governs it (Keras draws its initializers' seeds from it): a cluster started
+    between the seed and the model must not change the model's initial weights."""
+    random.seed(0)
+    expected = random.random()
+    random.seed(0)
+    free_ports(5)
+    assert random.random() == expected

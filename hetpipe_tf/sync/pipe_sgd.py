@@ -199,6 +199,10 @@ class ReplicaStage(Protocol):
     def paths(self) -> Sequence[str]:
         """The synchronised variables' paths, in the order of the values."""
 
+    @property
+    def dtypes(self) -> Sequence[str]:
+        """The synchronised variables' dtypes ("float32", ...), in the order of the values."""
+
     def values(self) -> Any:
         """The synchronised variables' values now."""
 
@@ -357,8 +361,7 @@ class PipeSGD(SyncScheme):
                 is not float32.
         """
         if self.compression.name != "none":
-            dtypes = [str(getattr(v.dtype, "name", v.dtype)) for v in weights.values()]
-            other = {path: dtype for path, dtype in zip(weights.paths, dtypes) if dtype != "float32"}
+            other = {path: dtype for path, dtype in zip(weights.paths, weights.dtypes) if dtype != "float32"}
             if other:
                 raise CompressionDtypeError(
                     f"Pipe-SGD's {self.compression.name} compression compresses float32 weights only; this stage "

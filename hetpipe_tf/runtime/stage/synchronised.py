@@ -35,7 +35,7 @@ def _sum_graph(a: list[tf.Tensor], b: list[tf.Tensor]) -> list[tf.Tensor]:
 
 class SynchronisedWeights:
     """The synchronised variables of one stage (weights, then floating-point state), in the same
-    order as their `paths` (the keys of the parameter servers). The stage pushes all but the
+    order as their `paths` (the keys of the parameter servers) and `dtypes` (their dtypes' names). The stage pushes all but the
     positions of its `followers`, replicas of tied weights that an earlier stage holds too (the
     servers hold one copy; every replica pulls and merges, so all stay equal)."""
 
@@ -46,6 +46,7 @@ class SynchronisedWeights:
         self.variables = synchronised_variables(weights.trainable, weights.non_trainable)
         self.paths = [v.path for v in synchronised_variables(weights.stage.trainable_variables,
                                                              weights.stage.non_trainable_variables)]
+        self.dtypes = [tf.as_dtype(v.dtype).name for v in self.variables]
         self.pushed_positions = [i for i in range(len(self.variables)) if i not in followers]
         self.provenance = provenance
         # Partials, not methods or lambdas: TensorFlow keys its retracing warning on a function's

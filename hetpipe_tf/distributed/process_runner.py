@@ -527,6 +527,10 @@ class ProcessRunner:
     def end_fit(self) -> None:
         self.servers.write_to(self.model)
 
+    def release_fit_data(self) -> None:
+        """Nothing here: the fit's streams are in the workers' processes, each replaced there by the
+        next fit's when its data arrives."""
+
     def _collect(self, traced: bool) -> None:
         """Waits until every worker's process finished training, gathers their traces into one,
         and raises the first failure. Under "continue" a worker whose process is lost is retired

@@ -330,6 +330,10 @@ class PipelineExecutor:
         for t in threads:
             t.join(timeout=_STOP_GRACE_S)
         stuck = _stacks_of([t for t in threads if t.is_alive()])
+        # The run holds its data no longer. An executor outlives its run (its runner keeps it for
+        # stats, in reference cycles): a tf.data iterator it kept would end whenever the garbage
+        # collector runs, in whatever thread, which waits there for the iterator's threads.
+        self._data = iter(())
         if self._deliveries is not None:
             self._deliveries.close()
         if self._background is not None:
@@ -758,14 +762,23 @@ def _stacks_of(threads: Iterable[threading.Thread]) -> str:
     """Where each of `threads` (stage threads that did not stop when the run did) is: its Python
     stack, innermost call last, for the error (a call into TensorFlow that never returns shows as
     the TensorFlow call it is in)."""
+    threads = list(threads)
+    if not threads:
+        return ""
+    # Every thread's frames, this one's too: this frame holding them is a reference cycle, which
+    # would keep every frame alive (and what their locals hold, such as tf.data iterators) until
+    # the garbage collector runs; it is broken before returning.
     frames = sys._current_frames()
-    parts: list[str] = []
-    for t in threads:
-        frame = frames.get(t.ident) if t.ident is not None else None
-        if frame is not None:
-            stack = "".join(traceback.format_stack(frame)[-_STUCK_FRAMES:])
-            parts.append(f"{t.name} did not stop; it is in (innermost last):\n{stack}")
-    return "".join(parts)
+    try:
+        parts: list[str] = []
+        for t in threads:
+            frame = frames.get(t.ident) if t.ident is not None else None
+            if frame is not None:
+                stack = "".join(traceback.format_stack(frame)[-_STUCK_FRAMES:])
+                parts.append(f"{t.name} did not stop; it is in (innermost last):\n{stack}")
+        return "".join(parts)
+    finally:
+        del frames
 
 
 def _format_step(step: Step | None) -> str:

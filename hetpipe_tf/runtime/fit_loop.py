@@ -140,6 +140,12 @@ class Runner(Protocol):
         """Before training: `shards`, each worker's endless stream of minibatches, of which a
         resumed run has consumed `positions`."""
 
+    def release_fit_data(self) -> None:
+        """After training, done or failed: lets go of the fit's streams of minibatches, so that
+        their tf.data iterators end now, in the fit's thread. An iterator's end waits for its
+        threads; left to Python's garbage collector it would come at any later time, in whatever
+        thread collects (a stage's, holding up the run for seconds)."""
+
     def train_segment(self, steps: Sequence[int], events: "Events", first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
         """Trains `steps[w]` minibatches of each worker w, each where it ended (the fit's `first`: at its
@@ -195,7 +201,10 @@ def fit(runner: Runner, x: tf.data.Dataset, options: FitOptions) -> keras.callba
     epoch is `steps_per_epoch` minibatches of all workers together, and at its end the weights it
     ended with are in the Keras model for validation and callbacks."""
     training = RunnerTraining(runner, x, options)
-    history = run_fit(training, options)
+    try:
+        history = run_fit(training, options)
+    finally:
+        runner.release_fit_data()
     if training.global_weights:
         runner.end_fit()
     if options.trace_path and runner.trace:

@@ -394,6 +394,9 @@ class VirtualWorker:
         # minibatch, for the input pipeline's threads to make it.
         self._fit_data = iter(skip_consumed(shards, positions)[0].prefetch(1))
 
+    def release_fit_data(self) -> None:
+        self._fit_data = None
+
     def train_segment(self, steps: Sequence[int], events: Events, first: bool, trace: bool,
                       epoch_ends: Sequence[int]) -> None:
 

@@ -435,6 +435,9 @@ class WSPRunner:
     def begin_fit(self, shards: Sequence[Iterable], positions: Sequence[int]) -> None:
         self._fit_data = [iter(s) for s in skip_consumed(shards, positions)]
 
+    def release_fit_data(self) -> None:
+        self._fit_data = None
+
     def fit_data(self) -> list[Iterator[Minibatch]]:
         """Each worker's stream of the fit's minibatches, where it is now (:meth:`begin_fit`)."""
         return list(self._fit_data or ())

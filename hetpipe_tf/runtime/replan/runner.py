@@ -194,7 +194,7 @@ class ReplanningRunner:
     #: What this runner is as the run under its current plan is (attributes and methods of ``fit``'s
     #: runner that re-planning adds nothing to): asked of that runner at each use.
     DELEGATED = frozenset({"model", "config", "num_workers", "drain", "after_drain", "epoch_weights", "evaluate",
-                           "end_fit", "resume", "task_lost", "stage_optimizers", "request_stop", "abort",
+                           "end_fit", "release_fit_data", "resume", "task_lost", "stage_optimizers", "request_stop", "abort",
                            "emulation_report", "images_per_s"})
 
     def __getattr__(self, name: str) -> Any:

@@ -51,7 +51,8 @@ def _data(tf, n=64):
 
 
 def setup(dilation):
-    """The model, its measured profile, the cluster's devices in this process and the static plan."""
+    """The model and its initial weights (every run starts from them), the cluster's devices in this
+    process, the plan request, the static plan (of the model's measured profile) and the data."""
     import keras
     import tensorflow as tf
 
@@ -62,14 +63,16 @@ def setup(dilation):
 
     cluster = load_cluster("local")
     devices = ClusterDevices(cluster, "in_process")
+    keras.utils.set_random_seed(0)
     model = _model(keras)
+    initial = model.get_weights()
     training = assembly.Training(keras.optimizers.SGD(0.01, momentum=0.9),
                                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     data = _data(tf)
     profile = assembly.workload_profile(model, BATCH, None, training, lambda: next(iter(data)))
     request = PlanRequest(policy="ed", staleness_bound=0, dilation=dilation)
     static = assembly.assemble_plan(cluster, request, training.optimizer, profile)
-    return model, training, devices, request, static, data
+    return model, initial, training, devices, request, static, data
 
 
 def make_factory(model, devices, slowdowns):
@@ -108,7 +111,7 @@ def run_one(kind, setup_, minibatches, dilation, options_on):
     from hetpipe_tf.runtime.replan.runner import ReplanningRunner, ReplanOptions
     from hetpipe_tf.runtime.optimizers import slots_per_weight
 
-    model, training, devices, request, static, data = setup_
+    model, initial, training, devices, request, static, data = setup_
     import dataclasses
 
     progress = RunProgress(record=True)
@@ -126,6 +129,7 @@ def run_one(kind, setup_, minibatches, dilation, options_on):
     epochs = 3
     per_epoch = minibatches // epochs
     runner.set_fit_length(per_epoch * epochs)
+    model.set_weights(initial)
     model.compile(optimizer=fresh, loss=training.loss)
     started = time.perf_counter()
     fit(runner, data, FitOptions(epochs=epochs, steps_per_epoch=per_epoch, verbose=0))
@@ -138,13 +142,15 @@ def run_one(kind, setup_, minibatches, dilation, options_on):
     steady = (n - 1 - k) * BATCH / (times[-1] - times[k])
     edges = [first + (times[-1] - first) * i / BINS for i in range(BINS + 1)]
     series = [sum(1 for t in times if a < t <= b) * BATCH / (b - a) for a, b in zip(edges, edges[1:])]
+    slowed_at = (times[minibatches // 3] - first) / (times[-1] - first)  # share of this run's wall time
     report = runner.emulation_report()
     for switch in runner.switches:  # traces made after its first update: its chunk's excess over the next
         i, log, took = switch["after_chunks"], runner.chunk_log, runner.chunk_seconds
         if i + 1 < len(log) and log[i] == log[i + 1]:
             switch["retrace_s"] = round(took[i] - took[i + 1], 4)
     row = {"run": kind, "images_per_s": total, "steady_images_per_s": steady, "minibatches": n,
-           "images_per_s_by_tenth": [round(v, 1) for v in series], "wall_s": round(wall, 2),
+           "images_per_s_by_tenth": [round(v, 1) for v in series], "slowdown_at_share": round(slowed_at, 3),
+           "wall_s": round(wall, 2),
            "num_in_flight": plan.num_in_flight, "boundaries": [list(plan.node_boundaries(w)) for w in range(workers)],
            "predicted_images_per_s": plan.images_per_s,
            "decisions": runner.decisions, "switches": runner.switches,
@@ -199,8 +205,9 @@ def _plot(rows, path):
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for kind, xs in rows.items():
         series = xs[0]["images_per_s_by_tenth"]
-        ax.plot([(i + 0.5) / len(series) for i in range(len(series))], series, marker="o", label=kind)
-    ax.axvline(1 / 3, color="grey", linestyle=":", label="slowdown (a third of the minibatches)")
+        line, = ax.plot([(i + 0.5) / len(series) for i in range(len(series))], series, marker="o", label=kind)
+        ax.axvline(xs[0]["slowdown_at_share"], color=line.get_color(), linestyle=":")  # when its third was done
+    ax.plot([], [], color="grey", linestyle=":", label="slowdown (a third of the minibatches), per run")
     ax.set_xlabel("share of the run's wall time")
     ax.set_ylabel("images/s (EMULATED devices)")
     ax.legend()

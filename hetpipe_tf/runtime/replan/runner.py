@@ -194,8 +194,8 @@ class ReplanningRunner:
     #: What this runner is as the run under its current plan is (attributes and methods of ``fit``'s
     #: runner that re-planning adds nothing to): asked of that runner at each use.
     DELEGATED = frozenset({"model", "config", "num_workers", "drain", "after_drain", "epoch_weights", "evaluate",
-                           "end_fit", "release_fit_data", "resume", "task_lost", "stage_optimizers", "request_stop", "abort",
-                           "emulation_report", "images_per_s"})
+                           "end_fit", "release_fit_data", "resume", "task_lost", "stage_optimizers", "request_stop",
+                           "abort", "emulation_report", "images_per_s"})
 
     def __getattr__(self, name: str) -> Any:
         if name in ReplanningRunner.DELEGATED and "runner" in self.__dict__:

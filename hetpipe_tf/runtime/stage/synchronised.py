@@ -35,9 +35,10 @@ def _sum_graph(a: list[tf.Tensor], b: list[tf.Tensor]) -> list[tf.Tensor]:
 
 class SynchronisedWeights:
     """The synchronised variables of one stage (weights, then floating-point state), in the same
-    order as their `paths` (the keys of the parameter servers) and `dtypes` (their dtypes' names). The stage pushes all but the
-    positions of its `followers`, replicas of tied weights that an earlier stage holds too (the
-    servers hold one copy; every replica pulls and merges, so all stay equal)."""
+    order as their `paths` (the keys of the parameter servers) and `dtypes` (their dtypes' names).
+    The stage pushes all but the positions of its `followers`, replicas of tied weights that an
+    earlier stage holds too (the servers hold one copy; every replica pulls and merges, so all
+    stay equal)."""
 
     def __init__(self, weights: StageWeights, device: str, followers: Collection[int],
                  provenance: Provenance | None) -> None:

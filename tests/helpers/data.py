@@ -1,5 +1,6 @@
 """Random minibatches for the models of tests/helpers/models.py."""
 import numpy as np
+import tensorflow as tf
 
 from tests.helpers.models import GPT2_LENGTH, GPT2_VOCABULARY
 
@@ -24,3 +25,12 @@ def gpt2_batches(n, batch=4, seed=0):
         out.append(({"token_ids": ids, "padding_mask": np.ones_like(ids)},
                     rng.integers(0, GPT2_VOCABULARY, size=(batch, GPT2_LENGTH))))
     return out
+
+
+def mlp_dataset(n_batches, batch=8, seed=0):
+    """A tf.data.Dataset of `n_batches` minibatches (x of 12 features, labels of five classes) for
+    the mlp of tests/helpers/models.py."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n_batches * batch, 12)).astype("float32")
+    y = rng.integers(0, 5, size=n_batches * batch)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)

@@ -6,22 +6,14 @@ the frames that used them, as any Python exception does, until it is dropped."""
 import gc
 
 import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
 from hetpipe_tf.runtime.fit_loop import FitOptions, fit
 from hetpipe_tf.runtime.virtual_worker import VirtualWorker
 from tests.helpers import models
+from tests.helpers.data import mlp_dataset
 from tests.helpers.models import LOSS
 from tests.helpers.runners import wsp_runner
-
-
-def _dataset(n_batches=4, batch=8):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n_batches * batch, 12)).astype("float32")
-    y = rng.integers(0, 5, size=n_batches * batch)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
 
 
 def _iterators():
@@ -56,17 +48,17 @@ def _runner():
 def test_a_fit_of_several_workers_leaves_no_iterator_alive():
     runner = _runner()
     options = FitOptions(epochs=2, steps_per_epoch=4, verbose=0)
-    assert _iterators_left_by(lambda: fit(runner, _dataset().repeat(), options)) == set()
+    assert _iterators_left_by(lambda: fit(runner, mlp_dataset(4).repeat(), options)) == set()
 
 
 def test_a_failed_fits_runner_lets_go_of_its_iterators():
     runner = _runner()
     with pytest.raises(RuntimeError, match="a callback failed"):
-        fit(runner, _dataset().repeat(), FitOptions(epochs=2, steps_per_epoch=4, verbose=0, callbacks=[_FailAt()]))
+        fit(runner, mlp_dataset(4).repeat(), FitOptions(epochs=2, steps_per_epoch=4, verbose=0, callbacks=[_FailAt()]))
     assert runner.fit_data() == []
 
 
 def test_a_fit_of_one_worker_leaves_no_iterator_alive():
     model = models.mlp()
     vw = VirtualWorker(model, "1,0.5", num_in_flight=2, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, timeout_s=60)
-    assert _iterators_left_by(lambda: vw.fit(_dataset(), epochs=2, verbose=0)) == set()
+    assert _iterators_left_by(lambda: vw.fit(mlp_dataset(4), epochs=2, verbose=0)) == set()

@@ -13,15 +13,9 @@ from hetpipe_tf.runtime.fit_loop import FitOptions, fit
 from hetpipe_tf.runtime.run_config import RunConfig, WorkerSpec
 from hetpipe_tf.runtime.virtual_worker import Dilation, VirtualWorker
 from tests.helpers import models
+from tests.helpers.data import mlp_dataset as _dataset
 from tests.helpers.models import LOSS
 from tests.helpers.references import clone, stale_sgd_reference
-
-
-def _dataset(n_batches, batch=8, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n_batches * batch, 12)).astype("float32")
-    y = rng.integers(0, 5, size=n_batches * batch)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
 
 
 class Recorder(keras.callbacks.Callback):
